@@ -1,0 +1,45 @@
+# The two commands a newcomer needs: `make run` (the demo) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ENGINE ?= vllm
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint typecheck protos protos-check bench soak clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The sidecar beside a testkit engine on loopback, streaming one real generation.
+run: $(STAMP)
+	$(BIN)/python -m testkit.demo --engine $(ENGINE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+protos-check: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py --check
+
+bench: $(STAMP)
+	$(BIN)/python -m bench --quick
+
+soak: $(STAMP)
+	SIDECAR_SOAK_SCALE=10 $(BIN)/python -m pytest -q tests/reliability -k soak -s
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Shared by every sidecar: public API, engine transport, errors, servicer and daemon."""

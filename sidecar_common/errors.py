@@ -1,0 +1,126 @@
+"""The one error vocabulary of the sidecars, and its two mappings.
+
+Every module raises :class:`SidecarError` (with an :class:`ErrorReason`); nothing invents its
+own exception or status code. Two tables live here and nowhere else:
+
+* engine gRPC status -> typed error (:func:`from_engine_status`), spec/COMMON.md;
+* typed error -> frontend gRPC status, with a ``google.rpc.ErrorInfo`` detail and the
+  ``migratable`` flag (:data:`FRONTEND_STATUS`, :func:`to_rpc_status`), spec/API.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+__all__ = [
+    "ENGINE_STATUS_TO_REASON",
+    "ERROR_DOMAIN",
+    "FRONTEND_STATUS",
+    "ErrorReason",
+    "FrontendStatus",
+    "SidecarError",
+    "from_engine_status",
+    "invalid_argument",
+    "protocol_error",
+    "to_rpc_status",
+]
+
+ERROR_DOMAIN: Final = "sidecar"
+
+
+class ErrorReason(enum.Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    CANNOT_CONNECT = "CANNOT_CONNECT"
+    CONNECTION_TIMEOUT = "CONNECTION_TIMEOUT"
+    ENGINE_SHUTDOWN = "ENGINE_SHUTDOWN"
+    CANCELLED = "CANCELLED"
+    OVERLOADED = "OVERLOADED"
+    PROTOCOL_ERROR = "PROTOCOL_ERROR"
+    UNKNOWN = "UNKNOWN"
+
+
+@dataclass(frozen=True)
+class FrontendStatus:
+    code: grpc.StatusCode
+    migratable: bool
+
+
+FRONTEND_STATUS: Final[dict[ErrorReason, FrontendStatus]] = {
+    ErrorReason.INVALID_ARGUMENT: FrontendStatus(grpc.StatusCode.INVALID_ARGUMENT, False),
+    ErrorReason.CANNOT_CONNECT: FrontendStatus(grpc.StatusCode.UNAVAILABLE, True),
+    ErrorReason.CONNECTION_TIMEOUT: FrontendStatus(grpc.StatusCode.DEADLINE_EXCEEDED, True),
+    ErrorReason.ENGINE_SHUTDOWN: FrontendStatus(grpc.StatusCode.UNAVAILABLE, True),
+    ErrorReason.CANCELLED: FrontendStatus(grpc.StatusCode.CANCELLED, False),
+    ErrorReason.OVERLOADED: FrontendStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, False),
+    ErrorReason.PROTOCOL_ERROR: FrontendStatus(grpc.StatusCode.INTERNAL, False),
+    ErrorReason.UNKNOWN: FrontendStatus(grpc.StatusCode.UNKNOWN, False),
+}
+
+ENGINE_STATUS_TO_REASON: Final[dict[grpc.StatusCode, ErrorReason]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS: ErrorReason.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAVAILABLE: ErrorReason.CANNOT_CONNECT,
+    grpc.StatusCode.CANCELLED: ErrorReason.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.CONNECTION_TIMEOUT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.OVERLOADED,
+}
+
+
+class SidecarError(Exception):
+    """A failure with a reason the frontend can act on, and a message for a human."""
+
+    def __init__(self, reason: ErrorReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    @property
+    def migratable(self) -> bool:
+        return FRONTEND_STATUS[self.reason].migratable
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return FRONTEND_STATUS[self.reason].code
+
+    def __repr__(self) -> str:
+        return f"SidecarError({self.reason.value}, {self.message!r})"
+
+
+def invalid_argument(field: str, problem: str) -> SidecarError:
+    """Bad input: the message always starts with the field's name."""
+    return SidecarError(ErrorReason.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+def protocol_error(engine: str, what: str) -> SidecarError:
+    """The engine sent something malformed."""
+    return SidecarError(ErrorReason.PROTOCOL_ERROR, f"invalid {engine} response: {what}")
+
+
+def from_engine_status(rpc: str, code: grpc.StatusCode, details: str | None) -> SidecarError:
+    """An engine call's non-OK status, as the typed error the spec's table assigns."""
+    reason = ENGINE_STATUS_TO_REASON.get(code, ErrorReason.UNKNOWN)
+    words = details if details else "engine error with no details"
+    return SidecarError(reason, f"{rpc}: {words} ({code.name})")
+
+
+def to_rpc_status(error: SidecarError) -> status_pb2.Status:
+    """The frontend status for a typed error: code, message, ErrorInfo{reason, migratable}."""
+    info = error_details_pb2.ErrorInfo(
+        reason=error.reason.value,
+        domain=ERROR_DOMAIN,
+        metadata={"migratable": "true" if error.migratable else "false"},
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    code_value: int = error.code.value[0]
+    assert code_value in code_pb2.Code.values()
+    return status_pb2.Status(code=code_value, message=error.message, details=[detail])

@@ -1,0 +1,1 @@
+"""The vLLM sidecar: vLLM's native gRPC VllmEngine <-> the public sidecar API."""

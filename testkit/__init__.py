@@ -1,0 +1,1 @@
+"""CPU engines that speak the real native protocols, with fault injection."""
