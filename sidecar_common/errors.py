@@ -26,6 +26,7 @@ __all__ = [
     "FrontendStatus",
     "SidecarError",
     "from_engine_status",
+    "from_rpc_error",
     "invalid_argument",
     "protocol_error",
     "to_rpc_status",
@@ -124,3 +125,14 @@ def to_rpc_status(error: SidecarError) -> status_pb2.Status:
     code_value: int = error.code.value[0]
     assert code_value in code_pb2.Code.values()
     return status_pb2.Status(code=code_value, message=error.message, details=[detail])
+
+
+def from_rpc_error(rpc: str, error: grpc.RpcError) -> SidecarError:
+    """A failed engine call (grpc.aio.AioRpcError or any RpcError with code/details)."""
+    code_fn = getattr(error, "code", None)
+    details_fn = getattr(error, "details", None)
+    code = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
+    details = details_fn() if callable(details_fn) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    return from_engine_status(rpc, code, details if isinstance(details, str) else None)

@@ -1,0 +1,42 @@
+"""Configuration shared by every sidecar, and how an engine package plugs into the CLI."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from sidecar_common.engine import Engine
+from sidecar_common.pool import PoolConfig
+
+__all__ = ["DisaggregationMode", "EngineSpec", "SidecarConfig"]
+
+DisaggregationMode = Literal["agg", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """The common flags (spec/COMMON.md), parsed and validated."""
+
+    pool: PoolConfig  # --grpc-endpoint, --grpc-connections, timeouts, startup deadline
+    listen: str = "0.0.0.0:50061"
+    disaggregation_mode: DisaggregationMode = "agg"
+    metrics_port: int | None = None
+    log_format: Literal["json", "console"] = "json"
+    log_level: str = "info"
+    drain_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine package gives the shared CLI: its name, its own flags, and a factory.
+
+    ``build`` receives the common config and the parsed namespace (for the engine's own
+    flags, e.g. SGLang's ``--transport``). It must not do I/O; ``Engine.start`` does.
+    A bad engine-specific flag value raises ``ValueError`` with a message (usage error).
+    """
+
+    name: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    build: Callable[[SidecarConfig, argparse.Namespace], Engine]
