@@ -1,0 +1,299 @@
+"""The in-flight registry: private ids, cancellation by public id, and abort-exactly-once.
+
+Pure parts (``make_private_id``, ``ChoiceTracker``, ``Delivery``) are separated from the
+I/O parts (``Registry``, ``Generation``) so that the id and stream rules are property-tested.
+
+The abort rule (docs/architecture.md): a generation that ends without every choice's
+terminal is aborted on the engine exactly once, before its stream is closed; a generation
+that received every terminal is never aborted.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import re
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.engine import Engine, GenerateCall
+from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+
+__all__ = [
+    "PRIVATE_ID_HEAD_LEN",
+    "CancelCause",
+    "ChoiceTracker",
+    "Delivery",
+    "Generation",
+    "Inflight",
+    "PrivateIds",
+    "Registry",
+    "choice_count",
+    "make_private_id",
+    "new_public_id",
+]
+
+_log = structlog.get_logger(__name__)
+
+# 8 hex nonce + 12 hex counter: every private id starts with a head of this fixed width,
+# so two different heads differ within it and no id is a prefix of another.
+PRIVATE_ID_HEAD_LEN = 20
+_PUBLIC_TAIL_MAX = 64
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
+
+
+def make_private_id(nonce: str, counter: int, public_id: str) -> str:
+    """``<nonce:8 hex><counter:12 hex>-<sanitized public id, at most 64 chars>``.
+
+    The public tail is for humans reading engine logs and for fault plans keyed on the
+    request id; uniqueness and prefix-freedom come from the head alone.
+    """
+    if len(nonce) != 8 or counter < 0 or counter >= 1 << 48:
+        raise ValueError("nonce must be 8 hex chars and counter fit in 12 hex digits")
+    tail = _UNSAFE.sub("_", public_id)[:_PUBLIC_TAIL_MAX]
+    return f"{nonce}{counter:012x}-{tail}"
+
+
+class PrivateIds:
+    """Private ids for one process: a random nonce per process, then a counter."""
+
+    def __init__(self, nonce: str | None = None) -> None:
+        self._nonce = nonce if nonce is not None else secrets.token_hex(4)
+        self._counter = itertools.count()
+
+    def next(self, public_id: str) -> str:
+        return make_private_id(self._nonce, next(self._counter), public_id)
+
+
+def new_public_id() -> str:
+    """The id the sidecar makes when the frontend sent none."""
+    return uuid.uuid4().hex
+
+
+def choice_count(request: sidecar_pb2.PreprocessedRequest) -> int:
+    opts = request.sampling_options
+    if request.HasField("sampling_options") and opts.HasField("n") and opts.n > 0:
+        return opts.n
+    return 1
+
+
+def _is_terminal(out: sidecar_pb2.LLMEngineOutput) -> bool:
+    return out.finish_reason != sidecar_pb2.UNSPECIFIED
+
+
+class ChoiceTracker:
+    """What the engine has produced so far: checks the stream's shape as it goes."""
+
+    def __init__(self, engine: str, n: int) -> None:
+        self._engine = engine
+        self._n = n
+        self._finished: set[int] = set()
+        self.saw_token_or_terminal = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self._finished) == self._n
+
+    def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+        """Raises PROTOCOL_ERROR for a chunk the contract does not allow."""
+        if out.index >= self._n:
+            raise protocol_error(self._engine, f"choice index {out.index} with n={self._n}")
+        if out.index in self._finished:
+            raise protocol_error(self._engine, f"chunk after the terminal of choice {out.index}")
+        if out.token_ids or _is_terminal(out):
+            self.saw_token_or_terminal = True
+        if _is_terminal(out):
+            self._finished.add(out.index)
+
+
+@dataclass
+class Delivery:
+    """What the frontend has been sent: the base of the CANCELLED terminals after Abort."""
+
+    n: int
+    tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+        self.tokens[out.index] = self.tokens.get(out.index, 0) + len(out.token_ids)
+        if _is_terminal(out):
+            self.finished.add(out.index)
+
+    def cancelled_terminals(self, prompt_tokens: int) -> list[sidecar_pb2.LLMEngineOutput]:
+        """One CANCELLED terminal for each choice that has not sent its own."""
+        outs = []
+        for index in range(self.n):
+            if index in self.finished:
+                continue
+            completion = self.tokens.get(index, 0)
+            usage = sidecar_pb2.CompletionUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=prompt_tokens + completion,
+            )
+            outs.append(
+                sidecar_pb2.LLMEngineOutput(
+                    index=index, finish_reason=sidecar_pb2.CANCELLED, completion_usage=usage
+                )
+            )
+        return outs
+
+
+class CancelCause(enum.Enum):
+    ABORT_RPC = "abort_rpc"
+    DRAIN = "drain"
+
+
+@dataclass(eq=False)
+class Inflight:
+    """One registered generation. ``scope`` wraps its relay; cancelling it stops the relay."""
+
+    public_id: str
+    private_id: str
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    cause: CancelCause | None = None
+
+    def cancel(self, cause: CancelCause) -> None:
+        if self.cause is None:
+            self.cause = cause
+        self.scope.cancel()
+
+
+class Registry:
+    """Every generation in flight at this sidecar, by public id."""
+
+    def __init__(self) -> None:
+        self._ids = PrivateIds()
+        self._entries: set[Inflight] = set()
+        # Created by a waiter (so the registry can be built outside an event loop).
+        self._idle: anyio.Event | None = None
+
+    @property
+    def inflight(self) -> int:
+        return len(self._entries)
+
+    def register(self, public_id: str) -> Inflight:
+        entry = Inflight(public_id, self._ids.next(public_id))
+        self._entries.add(entry)
+        return entry
+
+    def unregister(self, entry: Inflight) -> None:
+        self._entries.discard(entry)
+        if not self._entries and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    def abort_public(self, public_id: str) -> int:
+        """Cancel every in-flight generation with that public id; how many there were."""
+        hits = [e for e in self._entries if e.public_id == public_id]
+        for entry in hits:
+            entry.cancel(CancelCause.ABORT_RPC)
+        return len(hits)
+
+    def cancel_all(self) -> int:
+        entries = list(self._entries)
+        for entry in entries:
+            entry.cancel(CancelCause.DRAIN)
+        return len(entries)
+
+    async def wait_idle(self, seconds: float) -> bool:
+        """Wait until nothing is in flight, at most ``seconds``; True if idle."""
+        if not self._entries:
+            return True
+        if self._idle is None:
+            self._idle = anyio.Event()
+        idle = self._idle
+        with anyio.move_on_after(seconds):
+            await idle.wait()
+        return not self._entries
+
+
+class Generation:
+    """One engine stream and the abort-exactly-once rule for its private id."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        call: GenerateCall,
+        *,
+        abort_timeout: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        self.call = call
+        self.tracker = ChoiceTracker(engine.name, choice_count(call.request))
+        self.error: SidecarError | None = None
+        self._abort_timeout = abort_timeout
+        self._aborted = False
+        self._stream: AsyncIterator[sidecar_pb2.LLMEngineOutput] | None = None
+        self._log = _log.bind(private_id=call.private_id, public_id=call.request.request_id)
+
+    @property
+    def private_id(self) -> str:
+        return self.call.private_id
+
+    @property
+    def complete(self) -> bool:
+        return self.tracker.complete
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    @property
+    def hold_pending(self) -> bool:
+        """A cancel now must wait for the first token (decode half of a disaggregated pair)."""
+        return (
+            self.call.hold_cancel_until_first_token
+            and not self.tracker.saw_token_or_terminal
+            and self.error is None
+        )
+
+    def stream(self) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
+        if self._stream is None:
+            self._stream = aiter(self.engine.generate(self.call))
+        return self._stream
+
+    async def abort_once(self) -> None:
+        """Abort on the engine unless already done or every terminal arrived.
+
+        Shielded and bounded: it runs in cleanup paths that are themselves being cancelled.
+        """
+        if self._aborted or self.tracker.complete:
+            return
+        self._aborted = True
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._abort_timeout) as scope:
+            try:
+                await self.engine.abort(self.private_id)
+            except Exception as exc:
+                # The abort is best effort: the generation is already over for the client.
+                self._log.warning("engine abort failed", error=repr(exc))
+        if scope.cancelled_caught:
+            self._log.warning("engine abort timed out", timeout=self._abort_timeout)
+
+    async def close_stream(self) -> None:
+        """Release the engine stream (after any abort). Bounded, never raises."""
+        stream = self._stream
+        aclose = getattr(stream, "aclose", None)
+        if aclose is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._abort_timeout):
+            try:
+                await aclose()
+            except Exception as exc:
+                self._log.debug("engine stream close failed", error=repr(exc))
+
+    def fail(self, error: SidecarError) -> None:
+        if self.error is None:
+            self.error = error
+
+    def ended_early(self) -> SidecarError:
+        return SidecarError(
+            ErrorReason.ENGINE_SHUTDOWN,
+            f"{self.engine.name} stream ended before every choice finished",
+        )

@@ -1,0 +1,163 @@
+"""Merging chunks never changes what a frontend reconstructs from the stream."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.coalesce import coalesce, merge_outputs
+
+Out = sidecar_pb2.LLMEngineOutput
+
+
+def chunk(index: int = 0, tokens: tuple[int, ...] = (), text: str | None = None, **kw: object) -> Out:
+    out = Out(index=index, token_ids=list(tokens), **kw)  # type: ignore[arg-type]
+    out.log_probs.extend(-0.5 * t for t in tokens)
+    for t in tokens:
+        out.top_logprobs.add().entries.add(token_id=t, logprob=-0.5 * t)
+    if text is not None:
+        out.text = text
+    return out
+
+
+def test_merge_concatenates_in_order_and_takes_the_terminal() -> None:
+    usage = sidecar_pb2.CompletionUsage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+    parts = [
+        chunk(tokens=(1, 2), text="ab", cum_log_probs=-1.0),
+        chunk(tokens=(3,)),
+        chunk(
+            tokens=(4,),
+            text="d",
+            cum_log_probs=-3.0,
+            finish_reason=sidecar_pb2.STOP,
+            stop_string="d",
+            completion_usage=usage,
+        ),
+    ]
+    merged = merge_outputs(parts)
+    assert list(merged.token_ids) == [1, 2, 3, 4]
+    assert list(merged.log_probs) == [-0.5, -1.0, -1.5, -2.0]
+    assert [e.entries[0].token_id for e in merged.top_logprobs] == [1, 2, 3, 4]
+    assert merged.text == "abd"
+    assert merged.cum_log_probs == -3.0
+    assert merged.finish_reason == sidecar_pb2.STOP
+    assert merged.stop_string == "d"
+    assert merged.completion_usage == usage
+
+
+def test_merge_keeps_text_presence() -> None:
+    assert not merge_outputs([chunk(tokens=(1,)), chunk(tokens=(2,))]).HasField("text")
+    held_back = merge_outputs([chunk(tokens=(1,), text=""), chunk(tokens=(2,))])
+    assert held_back.HasField("text")
+    assert held_back.text == ""
+
+
+def test_merge_stop_token_and_cum_logprob_last_set() -> None:
+    merged = merge_outputs(
+        [
+            chunk(tokens=(1,), cum_log_probs=-1.0),
+            chunk(tokens=(9,), finish_reason=sidecar_pb2.STOP, stop_token_id=9),
+        ]
+    )
+    assert merged.stop_token_id == 9
+    assert merged.cum_log_probs == -1.0
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [],
+        [chunk(0, (1,)), chunk(1, (2,))],
+        [chunk(0, (1,), finish_reason=sidecar_pb2.EOS), chunk(0, (2,))],
+    ],
+)
+def test_merge_refuses_caller_bugs(parts: list[Out]) -> None:
+    with pytest.raises(ValueError, match="merge"):
+        merge_outputs(parts)
+
+
+def test_coalesce_groups_by_choice_in_first_appearance_order() -> None:
+    batch = [chunk(1, (10,)), chunk(0, (1,)), chunk(1, (11,)), chunk(0, (2,), finish_reason=sidecar_pb2.EOS)]
+    merged = coalesce(batch)
+    assert [(m.index, list(m.token_ids)) for m in merged] == [(1, [10, 11]), (0, [1, 2])]
+    assert merged[1].finish_reason == sidecar_pb2.EOS
+
+
+def test_coalesce_never_merges_past_a_terminal() -> None:
+    batch = [chunk(0, (1,), finish_reason=sidecar_pb2.EOS), chunk(0, (2,))]
+    assert [list(m.token_ids) for m in coalesce(batch)] == [[1], [2]]
+
+
+@dataclass
+class Stream:
+    chunks: list[Out]
+    n: int
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> Stream:
+    n = draw(st.integers(1, 3))
+    per_choice: list[list[Out]] = []
+    for index in range(n):
+        parts = draw(
+            st.lists(
+                st.tuples(
+                    st.lists(st.integers(0, 1000), max_size=3), st.one_of(st.none(), st.text(max_size=3))
+                ),
+                min_size=1,
+                max_size=6,
+            )
+        )
+        outs = [chunk(index, tuple(tokens), text) for tokens, text in parts]
+        outs[-1].finish_reason = draw(
+            st.sampled_from([sidecar_pb2.EOS, sidecar_pb2.LENGTH, sidecar_pb2.STOP])
+        )
+        per_choice.append(outs)
+    # A random interleaving that keeps each choice's own order.
+    order = draw(st.permutations([i for i, outs in enumerate(per_choice) for _ in outs]))
+    cursors = [0] * n
+    merged: list[Out] = []
+    for i in order:
+        merged.append(per_choice[i][cursors[i]])
+        cursors[i] += 1
+    return Stream(merged, n)
+
+
+Reconstructed = tuple[list[int], list[float], str | None, list[sidecar_pb2.FinishReason.ValueType]]
+
+
+def reconstruct(outs: list[Out], n: int) -> list[Reconstructed]:
+    result = []
+    for index in range(n):
+        mine = [o for o in outs if o.index == index]
+        texts = [o.text for o in mine if o.HasField("text")]
+        result.append(
+            (
+                [t for o in mine for t in o.token_ids],
+                [lp for o in mine for lp in o.log_probs],
+                "".join(texts) if texts else None,
+                [o.finish_reason for o in mine if o.finish_reason != sidecar_pb2.UNSPECIFIED],
+            )
+        )
+    return result
+
+
+@given(stream=streams(), data=st.data())
+def test_any_split_coalesced_reconstructs_the_same_stream(stream: Stream, data: st.DataObject) -> None:
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(stream.chunks) - 1)))))
+    bounds = [0, *[c for c in cuts if c < len(stream.chunks)], len(stream.chunks)]
+    sent: list[Out] = []
+    for lo, hi in itertools.pairwise(bounds):
+        sent.extend(coalesce(stream.chunks[lo:hi]))
+    assert reconstruct(sent, stream.n) == reconstruct(stream.chunks, stream.n)
+    for index in range(stream.n):
+        mine = [o for o in sent if o.index == index]
+        # The single terminal is still each choice's last message.
+        assert mine[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+        assert all(o.finish_reason == sidecar_pb2.UNSPECIFIED for o in mine[:-1])
+    assert len(sent) <= len(stream.chunks)
