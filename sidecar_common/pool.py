@@ -1,22 +1,30 @@
 """Channel pool to the engine: N independent HTTP/2 connections, one shared startup
 deadline, per-attempt timeouts and capped exponential backoff (spec/COMMON.md).
 
-INTERFACE STUB: the signatures below are the contract; the implementation is being filled in.
+The clock and the connector are injectable so the deadline arithmetic is testable without
+sockets and without real sleeping: backoff sleeps go through ``Deadline.clock``. Each attempt
+is additionally bounded in real time (anyio) so a peer that accepts TCP and never answers
+cannot stall start-up, whatever the connector does with its timeout.
 """
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import anyio
 import grpc
+import tenacity
 
 from sidecar_common.endpoint import Endpoint
+from sidecar_common.errors import ErrorReason, SidecarError
 
 __all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
     "ChannelPool",
     "Clock",
     "Connector",
@@ -24,6 +32,8 @@ __all__ = [
     "PoolConfig",
     "RetryPolicy",
     "SystemClock",
+    "backoff_interval",
+    "connect_channel",
     "retry_until_deadline",
 ]
 
@@ -82,8 +92,101 @@ class PoolConfig:
     retry: RetryPolicy = RetryPolicy()
 
 
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+
+CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (
+    # Without a private subchannel pool, every channel to one target shares one TCP
+    # connection and the pool would multiplex N "channels" over a single HTTP/2 session.
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # gRPC servers by default strike pings that arrive less than 5 minutes apart while they
+    # send no data (and GOAWAY after two strikes, killing in-flight calls), so probe no more
+    # often than that, and only while calls are open.
+    ("grpc.keepalive_time_ms", 300_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+)
+
 # (target "host:port", attempt timeout in seconds) -> a channel that is READY.
 Connector = Callable[[str, float], Awaitable[grpc.aio.Channel]]
+
+
+async def connect_channel(target: str, timeout: float) -> grpc.aio.Channel:
+    """The default connector: one plaintext channel with its own TCP connection, READY
+    within ``timeout`` or closed. A refused or reset connection fails the attempt at once
+    (the pool's backoff decides when to try again, not grpc's internal reconnect timer)."""
+    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    try:
+        with anyio.fail_after(timeout):
+            state = channel.get_state(try_to_connect=True)
+            while state is not grpc.ChannelConnectivity.READY:
+                if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    raise ConnectionError(
+                        f"connection to {target} failed (refused, reset, or not speaking HTTP/2)"
+                    )
+                if state is grpc.ChannelConnectivity.SHUTDOWN:
+                    raise ConnectionError(f"channel to {target} was shut down")
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await channel.close(None)
+        raise
+    return channel
+
+
+def backoff_interval(policy: RetryPolicy, failures: int, rand: Callable[[], float]) -> float:
+    """The pause after the ``failures``-th failed attempt, before the deadline clamp:
+    exponential from ``initial_interval``, capped at ``max_interval``, with "equal jitter"
+    (uniform in the upper half) so N slots failing together do not retry in lockstep."""
+    exponent = min(max(failures - 1, 0), 62)  # 2**62 * anything already exceeds any cap
+    ceiling = min(policy.max_interval, policy.initial_interval * (2.0**exponent))
+    return ceiling * (0.5 + 0.5 * rand())
+
+
+# A sliver of deadline left after a clamped pause is not worth an attempt whose only
+# possible outcome is a timeout that would hide the previous, more telling error.
+_MIN_ATTEMPT_SECS: Final = 0.001
+
+
+class _AttemptTimedOut(Exception):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"attempt timed out after {timeout:.3f}s")
+
+
+class _DeadlineReached(Exception):
+    """Raised instead of an attempt when nothing of the deadline is left."""
+
+
+class _StopAtDeadline(tenacity.stop.stop_base):
+    def __init__(self, deadline: Deadline) -> None:
+        self._deadline = deadline
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._deadline.expired()
+
+
+class _BackoffUntilDeadline(tenacity.wait.wait_base):
+    def __init__(self, policy: RetryPolicy, deadline: Deadline, rand: Callable[[], float]) -> None:
+        self._policy = policy
+        self._deadline = deadline
+        self._rand = rand
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        pause = backoff_interval(self._policy, retry_state.attempt_number, self._rand)
+        return min(pause, self._deadline.remaining())
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details() or 'no details'}"
+    if isinstance(error, SidecarError):
+        return f"{error.reason.value}: {error.message}"
+    if isinstance(error, _AttemptTimedOut):
+        return str(error)
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 async def retry_until_deadline(
@@ -91,15 +194,60 @@ async def retry_until_deadline(
     attempt: Callable[[float], Awaitable[T]],
     deadline: Deadline,
     policy: RetryPolicy,
+    *,
+    rand: Callable[[], float] = random.random,
 ) -> T:
     """Call ``attempt(timeout)`` until it returns, each bounded by min(attempt_timeout,
     remaining); back off with jitter between attempts, capped, never past the deadline.
     On failure raise SidecarError(CANNOT_CONNECT) naming ``what``, the deadline, the
-    attempts, the time spent and the last underlying error."""
-    raise NotImplementedError
+    attempts, the time spent and the last underlying error.
+
+    Every ``Exception`` from ``attempt`` is retried: during start-up the engine may refuse,
+    reset or answer "not ready" in many ways, and the deadline is the only limit. ``rand``
+    (uniform in [0, 1)) drives the jitter; tests fix it.
+    """
+    clock = deadline.clock
+    began = clock.monotonic()
+    attempts = 0
+    last: Exception | None = None
+
+    async def one_attempt() -> T:
+        nonlocal attempts, last
+        timeout = min(policy.attempt_timeout, deadline.remaining())
+        if timeout < _MIN_ATTEMPT_SECS:
+            raise _DeadlineReached
+        attempts += 1
+        try:
+            # The attempt is told its timeout, and the timeout is also enforced here.
+            with anyio.move_on_after(timeout):
+                return await attempt(timeout)
+            raise _AttemptTimedOut(timeout)
+        except Exception as error:
+            last = error
+            raise
+
+    retrying = tenacity.AsyncRetrying(
+        sleep=clock.sleep,
+        stop=_StopAtDeadline(deadline),
+        wait=_BackoffUntilDeadline(policy, deadline, rand),
+        retry=tenacity.retry_if_exception(lambda e: not isinstance(e, _DeadlineReached)),
+    )
+    try:
+        return await retrying(one_attempt)
+    except (tenacity.RetryError, _DeadlineReached):
+        pass
+    cause = f"last error: {_describe(last)}" if last is not None else "the startup deadline was exceeded"
+    raise SidecarError(
+        ErrorReason.CANNOT_CONNECT,
+        f"cannot connect to {what}: gave up after {attempts} attempt{'' if attempts == 1 else 's'} "
+        f"in {clock.monotonic() - began:.3f}s (startup deadline {deadline.seconds:g}s, "
+        f"{deadline.elapsed():.3f}s elapsed); {cause}",
+    ) from last
 
 
 class ChannelPool:
+    """N channels to the engine, each its own TCP connection; calls pick one round-robin."""
+
     def __init__(
         self,
         config: PoolConfig,
@@ -107,15 +255,94 @@ class ChannelPool:
         clock: Clock | None = None,
         connector: Connector | None = None,
     ) -> None:
-        raise NotImplementedError
+        if config.connections < 1:
+            raise ValueError(f"connections must be at least 1, got {config.connections}")
+        self._config = config
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._connector: Connector = connector if connector is not None else connect_channel
+        self._channels: list[grpc.aio.Channel] = []
+        self._next = 0
+        self._closed = False
+
+    @property
+    def config(self) -> PoolConfig:
+        return self._config
+
+    @property
+    def clock(self) -> Clock:
+        """The pool's clock; ``Deadline.start(pool.clock, ...)`` for the shared deadline."""
+        return self._clock
+
+    @property
+    def size(self) -> int:
+        """How many channels are open: ``config.connections`` once connected, else 0."""
+        return len(self._channels)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._channels)
 
     async def connect(self, deadline: Deadline) -> None:
         """Slot 1 first, then the rest concurrently, all within ``deadline``."""
-        raise NotImplementedError
+        if self._closed:
+            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool is closed")
+        if self._channels:
+            return
+        n = self._config.connections
+        opened: list[grpc.aio.Channel | None] = [None] * n
+        failure: SidecarError | None = None
+
+        async def open_slot(index: int, scope: anyio.CancelScope | None) -> None:
+            nonlocal failure
+            target = self._config.endpoint.target
+            try:
+                opened[index] = await retry_until_deadline(
+                    f"engine {target} slot {index + 1}/{n}",
+                    lambda timeout: self._connector(target, timeout),
+                    deadline,
+                    self._config.retry,
+                )
+            except SidecarError as error:
+                # The first failure is the one reported; it also stops the sibling slots.
+                if failure is None:
+                    failure = error
+                if scope is not None:
+                    scope.cancel()
+
+        try:
+            await open_slot(0, None)
+            if failure is None and n > 1:
+                async with anyio.create_task_group() as group:
+                    for index in range(1, n):
+                        group.start_soon(open_slot, index, group.cancel_scope)
+        finally:
+            if failure is not None or any(channel is None for channel in opened):
+                await _close_all([channel for channel in opened if channel is not None])
+        if failure is not None:
+            raise failure
+        self._channels = [channel for channel in opened if channel is not None]
+        self._next = 0
 
     def channel(self) -> grpc.aio.Channel:
         """The next channel, round-robin."""
-        raise NotImplementedError
+        channels = self._channels
+        if not channels:
+            state = "closed" if self._closed else "not connected"
+            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, f"the engine connection pool is {state}")
+        index = self._next
+        self._next = (index + 1) % len(channels)
+        return channels[index]
 
     async def close(self) -> None:
-        raise NotImplementedError
+        """Close every channel (in-flight calls are cancelled); later calls do nothing."""
+        self._closed = True
+        channels, self._channels = self._channels, []
+        await _close_all(channels)
+
+
+async def _close_all(channels: Sequence[grpc.aio.Channel]) -> None:
+    # Shielded: closing must finish even when the caller is being cancelled, or the
+    # channels' sockets and polling tasks would outlive their owner.
+    with anyio.CancelScope(shield=True):
+        for channel in channels:
+            await channel.close(None)

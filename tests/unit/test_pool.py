@@ -1,0 +1,226 @@
+"""The pool's deadline arithmetic, backoff and slot handling, on a virtual clock."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+import grpc
+import pytest
+
+from sidecar_common.endpoint import Endpoint
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.pool import (
+    ChannelPool,
+    Deadline,
+    PoolConfig,
+    RetryPolicy,
+    SystemClock,
+    backoff_interval,
+    retry_until_deadline,
+)
+from tests.fakes_clock import FakeChannel, FakeClock, ScriptedConnector, Step
+
+ENDPOINT = Endpoint("127.0.0.1", 5)
+REFUSED = ConnectionRefusedError("connection refused")
+
+
+def attempt_with(connector: ScriptedConnector) -> Callable[[float], Awaitable[grpc.aio.Channel]]:
+    return lambda timeout: connector("127.0.0.1:5", timeout)
+
+
+def make_pool(clock: FakeClock, connector: ScriptedConnector, n: int, policy: RetryPolicy) -> ChannelPool:
+    return ChannelPool(PoolConfig(ENDPOINT, connections=n, retry=policy), clock=clock, connector=connector)
+
+
+async def test_a_slow_first_slot_leaves_only_the_rest_of_the_deadline_to_the_others() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step(takes=0.070)])
+    pool = make_pool(clock, connector, 4, RetryPolicy(attempt_timeout=30.0))
+
+    await pool.connect(Deadline.start(clock, 0.100))
+
+    assert pool.size == 4
+    assert connector.calls[0].timeout == pytest.approx(0.100)
+    later = [call.timeout for call in connector.calls[1:]]
+    assert len(later) == 3
+    assert all(0 < timeout <= 0.030 + 1e-9 for timeout in later), later
+    assert {call.target for call in connector.calls} == {"127.0.0.1:5"}
+    await pool.close()
+
+
+async def test_a_later_slot_that_needs_more_than_is_left_fails_the_pool_naming_it() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step(takes=0.070), Step(takes=0.001, error=REFUSED)])
+    connector.then = Step(takes=0.050)
+    pool = make_pool(clock, connector, 2, RetryPolicy(attempt_timeout=30.0, initial_interval=0.002))
+
+    with pytest.raises(SidecarError) as info:
+        await pool.connect(Deadline.start(clock, 0.100))
+
+    error = info.value
+    assert error.reason is ErrorReason.CANNOT_CONNECT
+    assert "engine 127.0.0.1:5 slot 2/2" in error.message
+    assert "2 attempts" in error.message
+    assert "startup deadline 0.1s" in error.message
+    # The last error is the timeout of the second attempt, not the refusal before it.
+    assert "not ready within" in error.message
+    assert "refused" not in error.message
+    assert all(call.timeout <= 0.030 + 1e-9 for call in connector.calls[1:])
+    # Slot 1's channel does not leak, and the pool stays unusable.
+    assert [channel.closed for channel in connector.channels] == [1]
+    assert pool.size == 0
+    with pytest.raises(SidecarError) as not_connected:
+        pool.channel()
+    assert not_connected.value.reason is ErrorReason.ENGINE_SHUTDOWN
+
+
+async def test_slot_one_failing_stops_before_the_others_are_tried() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, then=Step(error=REFUSED))
+    pool = make_pool(clock, connector, 3, RetryPolicy(initial_interval=0.01, max_interval=0.02))
+
+    with pytest.raises(SidecarError) as info:
+        await pool.connect(Deadline.start(clock, 0.2))
+
+    assert "slot 1/3" in info.value.message
+    assert "last error: ConnectionRefusedError: connection refused" in info.value.message
+    assert clock.now - 1000.0 == pytest.approx(0.2)
+    assert connector.channels == []
+    assert f"gave up after {len(connector.calls)} attempts" in info.value.message
+
+
+async def test_any_failing_slot_closes_every_channel_opened() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step(), Step()], then=Step(takes=1.0))
+    pool = make_pool(clock, connector, 3, RetryPolicy())
+
+    with pytest.raises(SidecarError) as info:
+        await pool.connect(Deadline.start(clock, 0.5))
+
+    assert "/3" in info.value.message
+    assert len(connector.channels) == 2
+    assert all(channel.closed == 1 for channel in connector.channels)
+
+
+async def test_cancelling_connect_closes_the_channels_already_open() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step()], then=Step(forever=True))
+    pool = make_pool(clock, connector, 3, RetryPolicy())
+
+    with anyio.move_on_after(0.05) as scope:
+        await pool.connect(Deadline.start(clock, 100.0))
+
+    assert scope.cancelled_caught
+    assert [channel.closed for channel in connector.channels] == [1]
+    assert pool.size == 0
+
+
+async def test_backoff_doubles_is_capped_and_never_sleeps_past_the_deadline() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, then=Step(error=REFUSED))
+    policy = RetryPolicy(attempt_timeout=1.0, max_interval=0.4, initial_interval=0.05)
+    deadline = Deadline.start(clock, 2.0)
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline(
+            "engine x", attempt_with(connector), deadline, policy, rand=lambda: 0.999999
+        )
+
+    sleeps = clock.sleeps
+    assert sleeps[:4] == pytest.approx([0.05, 0.1, 0.2, 0.4], rel=1e-5)
+    assert all(pause <= 0.4 for pause in sleeps)
+    assert sleeps[4:-1] == pytest.approx([0.4] * (len(sleeps) - 5), rel=1e-5)
+    # The last pause is clamped to what was left, and nothing runs after the deadline.
+    assert sleeps[-1] < 0.4
+    assert sum(sleeps) == pytest.approx(2.0)
+    assert deadline.remaining() == 0.0
+    assert len(connector.calls) == len(sleeps)
+    assert f"gave up after {len(sleeps)} attempts" in info.value.message
+    assert "last error: ConnectionRefusedError: connection refused" in info.value.message
+
+
+@pytest.mark.parametrize("rand", [0.0, 0.3, 0.999])
+def test_jitter_stays_within_the_upper_half_of_the_capped_interval(rand: float) -> None:
+    policy = RetryPolicy(max_interval=1.0, initial_interval=0.05)
+    for failures, ceiling in [(1, 0.05), (2, 0.1), (3, 0.2), (5, 0.8), (6, 1.0), (500, 1.0)]:
+        pause = backoff_interval(policy, failures, lambda: rand)
+        assert ceiling / 2 <= pause <= ceiling
+
+
+async def test_each_attempt_gets_the_smaller_of_its_timeout_and_what_is_left() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, then=Step(takes=100.0))
+    policy = RetryPolicy(attempt_timeout=3.0, initial_interval=0.05, max_interval=1.0)
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline(
+            "engine y", attempt_with(connector), Deadline.start(clock, 10.0), policy, rand=lambda: 0.0
+        )
+
+    # Pauses with rand=0 are half the ceiling: 0.025, 0.05, 0.1.
+    timeouts = [call.timeout for call in connector.calls]
+    assert timeouts == pytest.approx([3.0, 3.0, 3.0, 10.0 - 9.175])
+    assert "last error: TimeoutError: not ready within 0.825s" in info.value.message
+
+
+async def test_success_after_failures_returns_the_attempts_result() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step(error=REFUSED), Step(error=REFUSED)])
+
+    channel = await retry_until_deadline(
+        "engine z", attempt_with(connector), Deadline.start(clock, 5.0), RetryPolicy()
+    )
+
+    assert isinstance(channel, FakeChannel)
+    assert len(connector.calls) == 3
+    assert len(clock.sleeps) == 2
+
+
+async def test_an_expired_deadline_makes_no_attempt() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    deadline = Deadline.start(clock, 1.0)
+    clock.advance(1.5)
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline("engine e slot 1/1", attempt_with(connector), deadline, RetryPolicy())
+
+    assert connector.calls == []
+    assert "gave up after 0 attempts" in info.value.message
+    assert "the startup deadline was exceeded" in info.value.message
+
+
+async def test_an_attempt_ignoring_its_timeout_is_cut_in_real_time() -> None:
+    async def stalls(timeout: float) -> None:
+        await anyio.sleep_forever()
+
+    policy = RetryPolicy(attempt_timeout=30.0)
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline("engine h", stalls, Deadline.start(SystemClock(), 0.2), policy)
+
+    assert info.value.reason is ErrorReason.CANNOT_CONNECT
+    assert "attempt timed out after" in info.value.message
+
+
+async def test_channels_are_handed_out_round_robin_and_close_is_idempotent() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    pool = make_pool(clock, connector, 3, RetryPolicy())
+    await pool.connect(Deadline.start(clock, 1.0))
+
+    picked = [pool.channel() for _ in range(7)]
+    assert [channel.number for channel in picked] == [0, 1, 2, 0, 1, 2, 0]  # type: ignore[attr-defined]
+
+    await pool.close()
+    await pool.close()
+    assert [channel.closed for channel in connector.channels] == [1, 1, 1]
+    with pytest.raises(SidecarError) as info:
+        pool.channel()
+    assert info.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert "closed" in info.value.message
+
+
+def test_a_pool_needs_at_least_one_connection() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        ChannelPool(PoolConfig(ENDPOINT, connections=0))
