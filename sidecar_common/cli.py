@@ -1,0 +1,373 @@
+"""Command line: the common flags, their environment mirrors, and the ``sidecar`` command.
+
+Every flag ``--foo-bar`` (the engine's own included) can also come from ``SIDECAR_FOO_BAR``:
+a flag beats its variable, a variable beats the default, and a variable with a bad value is
+a usage error that names the variable. Every refusal here (bad numbers, a bad endpoint or
+listen address) exits 2 before any network I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, NoReturn, cast
+
+from sidecar_common.config import DisaggregationMode, EngineSpec, SidecarConfig
+from sidecar_common.endpoint import EndpointError, parse_endpoint
+from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
+from sidecar_common.pool import PoolConfig, RetryPolicy
+
+__all__ = [
+    "ENGINES",
+    "ENV_PREFIX",
+    "build_parser",
+    "env_var_for",
+    "load_spec",
+    "main",
+    "parse_config",
+    "parse_listen",
+    "run_engine",
+]
+
+ENV_PREFIX: Final = "SIDECAR_"
+
+# Engine name -> module defining ``SPEC: EngineSpec``; imported only when chosen, so that
+# `sidecar vllm` never pays for (or breaks on) the SGLang package, and vice versa.
+ENGINES: Final[Mapping[str, str]] = {
+    "vllm": "sidecar_vllm.__main__",
+    "sglang": "sidecar_sglang.__main__",
+}
+
+_TRUE: Final = frozenset({"1", "true", "yes", "on"})
+_FALSE: Final = frozenset({"0", "false", "no", "off", ""})
+
+
+def env_var_for(option: str) -> str:
+    """``--grpc-endpoint`` -> ``SIDECAR_GRPC_ENDPOINT``."""
+    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds {bound}, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {text}")
+        return value
+
+    convert.__name__ = "seconds"
+    return convert
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def parse_listen(text: str) -> str:
+    """Validate ``host:port`` (IPv6 in brackets); port 0 asks the OS for a free one."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected host:port, got {text!r}")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(f"an IPv6 host needs brackets, e.g. [::]:50061, got {text!r}")
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise argparse.ArgumentTypeError(f"not a host name or address: {host!r}")
+    if not port_text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a numeric port, got {port_text!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return f"{host}:{port}"
+
+
+def _endpoint_text(text: str) -> str:
+    # Parsed here so the refusal is an argparse usage error naming the flag (or variable);
+    # parse_config parses it again to build the Endpoint value.
+    try:
+        parse_endpoint(text)
+    except EndpointError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:
+    """The common flags of spec/COMMON.md, then the engine's own."""
+    parser = argparse.ArgumentParser(
+        prog=prog or f"sidecar-{spec.name}",
+        description=(
+            f"gRPC sidecar between an LLM serving frontend and a {spec.name} engine. "
+            f"Every --flag-name may also be set as {ENV_PREFIX}FLAG_NAME; the flag wins."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    engine = parser.add_argument_group("engine connection")
+    engine.add_argument(
+        "--grpc-endpoint",
+        required=True,
+        type=_endpoint_text,
+        metavar="HOST:PORT",
+        help="the engine's gRPC address: host:port, grpc://host:port or http://host:port",
+    )
+    engine.add_argument(
+        "--grpc-connections",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="independent HTTP/2 connections to the engine",
+    )
+    engine.add_argument(
+        "--grpc-connect-attempt-timeout-secs",
+        type=_seconds(allow_zero=False),
+        default=30.0,
+        metavar="SECS",
+        help="bound on one connection attempt",
+    )
+    engine.add_argument(
+        "--grpc-retry-interval-secs",
+        type=_seconds(allow_zero=False),
+        default=1.0,
+        metavar="SECS",
+        help="cap of the backoff between connection attempts",
+    )
+    engine.add_argument(
+        "--grpc-startup-deadline-secs",
+        type=_seconds(allow_zero=False),
+        default=1800.0,
+        metavar="SECS",
+        help="one deadline for connecting every connection and discovering the engine",
+    )
+    serve = parser.add_argument_group("serving")
+    serve.add_argument(
+        "--listen",
+        type=parse_listen,
+        default="0.0.0.0:50061",
+        metavar="HOST:PORT",
+        help="gRPC listen address",
+    )
+    serve.add_argument(
+        "--disaggregation-mode",
+        choices=("agg", "prefill", "decode"),
+        default="agg",
+        help="the role of this worker in a disaggregated prefill/decode pair",
+    )
+    serve.add_argument(
+        "--drain-timeout-secs",
+        type=_seconds(allow_zero=True),
+        default=30.0,
+        metavar="SECS",
+        help="on SIGTERM, how long in-flight generations may finish before they are cancelled",
+    )
+    ops = parser.add_argument_group("operations")
+    ops.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (off when unset)",
+    )
+    ops.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        default=None,
+        help="json lines, or human-readable; default: console on a terminal, else json",
+    )
+    ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
+    spec.add_arguments(parser)
+    return parser
+
+
+class _Unset:
+    """Marks a destination no command-line flag has set, so an environment value may fill it."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Final = _Unset()
+
+
+def _env_actions(parser: argparse.ArgumentParser) -> list[tuple[argparse.Action, str]]:
+    found: list[tuple[argparse.Action, str]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            continue
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs:
+            found.append((action, env_var_for(longs[0])))
+    return found
+
+
+def _from_env(
+    parser: argparse.ArgumentParser, action: argparse.Action, var: str, raw: str, default: Any
+) -> Any:
+    """The value an environment variable gives ``action`` (``default`` when it switches a
+    flag off), or a usage error naming ``var``."""
+
+    def refuse(problem: str) -> NoReturn:
+        parser.error(f"environment variable {var}={raw!r}: {problem}")
+
+    if action.nargs == 0:
+        # store_true / store_false / store_const: the variable switches the flag on or off.
+        word = raw.strip().lower()
+        if word in _TRUE:
+            return action.const
+        if word in _FALSE:
+            return default
+        refuse("expected true/false, 1/0, yes/no or on/off")
+    convert = action.type if callable(action.type) else str
+    words = raw.split() if action.nargs in ("*", "+") or isinstance(action.nargs, int) else [raw]
+    values: list[Any] = []
+    for word in words:
+        try:
+            value = convert(word)
+        except argparse.ArgumentTypeError as err:
+            refuse(str(err))
+        except (TypeError, ValueError):
+            refuse(f"invalid {getattr(convert, '__name__', 'value')} value")
+        if action.choices is not None and value not in action.choices:
+            refuse(f"invalid choice (choose from {', '.join(map(str, action.choices))})")
+        values.append(value)
+    if isinstance(action, argparse._AppendAction):
+        return values
+    return values if action.nargs in ("*", "+") or isinstance(action.nargs, int) else values[0]
+
+
+def _parse_with_env(
+    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
+) -> argparse.Namespace:
+    # Destinations backed by a set variable get a sentinel default and lose `required`, so
+    # argparse itself tells us (sentinel still there) which ones no flag has set.
+    pending: dict[str, list[tuple[argparse.Action, str, str]]] = {}
+    originals: dict[str, Any] = {}
+    for action, var in _env_actions(parser):
+        raw = environ.get(var)
+        if raw is not None:
+            pending.setdefault(action.dest, []).append((action, var, raw))
+    for action in parser._actions:
+        if action.dest in pending:
+            originals.setdefault(action.dest, action.default)
+            # Append actions copy their default, so they keep None as their marker.
+            action.default = None if isinstance(action, argparse._AppendAction) else _UNSET
+            action.required = False
+    namespace = parser.parse_args(list(argv))
+    for dest, sources in pending.items():
+        current = getattr(namespace, dest, _UNSET)
+        if current is not _UNSET and current is not None:
+            continue
+        value = originals[dest]
+        for action, var, raw in sources:
+            value = _from_env(parser, action, var, raw, originals[dest])
+        setattr(namespace, dest, value)
+    return namespace
+
+
+def parse_config(
+    spec: EngineSpec,
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    *,
+    prog: str | None = None,
+    log_format_default: LogFormat | None = None,
+) -> tuple[SidecarConfig, argparse.Namespace]:
+    """Flags and environment -> the validated common config, and the namespace (for the
+    engine's own flags). Usage errors exit 2 through argparse; nothing here does I/O."""
+    parser = build_parser(spec, prog=prog)
+    ns = _parse_with_env(parser, argv, environ)
+    try:
+        endpoint = parse_endpoint(ns.grpc_endpoint)
+    except EndpointError as err:  # pragma: no cover - _endpoint_text already refused it
+        parser.error(f"argument --grpc-endpoint: {err}")
+    log_format: LogFormat = ns.log_format or log_format_default or default_log_format()
+    pool = PoolConfig(
+        endpoint=endpoint,
+        connections=ns.grpc_connections,
+        startup_deadline=ns.grpc_startup_deadline_secs,
+        retry=RetryPolicy(
+            attempt_timeout=ns.grpc_connect_attempt_timeout_secs,
+            max_interval=ns.grpc_retry_interval_secs,
+        ),
+    )
+    config = SidecarConfig(
+        pool=pool,
+        listen=ns.listen,
+        disaggregation_mode=cast(DisaggregationMode, ns.disaggregation_mode),
+        metrics_port=ns.metrics_port,
+        log_format=log_format,
+        log_level=ns.log_level,
+        drain_timeout=ns.drain_timeout_secs,
+    )
+    return config, ns
+
+
+def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Parse, then run the daemon until it is told to stop; returns the exit code."""
+    from sidecar_common.daemon import run  # the daemon pulls in grpc; --help should not wait
+
+    args = sys.argv[1:] if argv is None else argv
+    config, namespace = parse_config(spec, args, os.environ, prog=prog)
+    return run(spec, config, namespace)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sidecar",
+        usage="sidecar {%s} [flags...]" % ",".join(ENGINES),  # noqa: UP031
+        description="gRPC sidecar between an LLM serving frontend and an inference engine.",
+        epilog="Run `sidecar ENGINE --help` for the flags of one engine.",
+    )
+    parser.add_argument("engine", choices=tuple(ENGINES), help="the inference engine to serve")
+    return parser
+
+
+def load_spec(name: str) -> EngineSpec:
+    """The EngineSpec of a known engine, imported on demand."""
+    module = importlib.import_module(ENGINES[name])
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, EngineSpec):
+        raise ImportError(f"{ENGINES[name]} defines no SPEC")
+    return spec
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sidecar ENGINE [flags...]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not args or args[0].startswith("-"):
+        # `sidecar --help` prints usage and exits 0; anything else without an engine is 2.
+        top.parse_args(args[:1])
+        top.error("an engine name is required")
+    name = args[0]
+    if name not in ENGINES:
+        top.error(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+    try:
+        spec = load_spec(name)
+    except ImportError as err:
+        top.exit(2, f"sidecar: engine {name!r} is not available: {err}\n")
+    return run_engine(spec, args[1:], prog=f"sidecar {name}")

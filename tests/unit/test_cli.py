@@ -1,0 +1,225 @@
+"""The command line as a user types it: defaults, flags, their environment mirrors, refusals."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from sidecar_common.cli import build_parser, env_var_for, main, parse_config, parse_listen
+from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.endpoint import Endpoint
+from sidecar_common.engine import Engine
+
+
+def _add_fake_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transport", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--http-endpoint", default=None)
+    parser.add_argument("--chunk-tokens", type=int, default=4)
+    parser.add_argument("--incremental", action="store_true")
+
+
+def _no_build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
+    raise AssertionError("parsing must not build the engine")
+
+
+SPEC = EngineSpec(name="fake", add_arguments=_add_fake_arguments, build=_no_build)
+ENDPOINT = ["--grpc-endpoint", "127.0.0.1:50051"]
+
+
+def parse(
+    argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> tuple[SidecarConfig, argparse.Namespace]:
+    return parse_config(SPEC, list(argv), environ or {}, log_format_default="json")
+
+
+def usage_error(
+    capsys: pytest.CaptureFixture[str], argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv, environ)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err
+    return err
+
+
+def test_defaults() -> None:
+    config, ns = parse(ENDPOINT)
+    assert config.pool.endpoint == Endpoint("127.0.0.1", 50051)
+    assert config.pool.connections == 8
+    assert config.pool.retry.attempt_timeout == 30.0
+    assert config.pool.retry.max_interval == 1.0
+    assert config.pool.startup_deadline == 1800.0
+    assert config.listen == "0.0.0.0:50061"
+    assert config.disaggregation_mode == "agg"
+    assert config.metrics_port is None
+    assert config.log_format == "json"
+    assert config.log_level == "info"
+    assert config.drain_timeout == 30.0
+    assert (ns.transport, ns.http_endpoint, ns.chunk_tokens, ns.incremental) == ("grpc", None, 4, False)
+
+
+def test_log_format_default_follows_the_terminal() -> None:
+    config, _ = parse_config(SPEC, ENDPOINT, {}, log_format_default="console")
+    assert config.log_format == "console"
+    config, _ = parse_config(SPEC, [*ENDPOINT, "--log-format", "json"], {}, log_format_default="console")
+    assert config.log_format == "json"
+
+
+# (flag, command-line value, environment value, how to read the parsed result, expected for each)
+COMMON_FLAGS = [
+    ("--grpc-endpoint", "grpc://10.0.0.1:7000", "http://[::1]:7001",
+     lambda c, n: c.pool.endpoint, Endpoint("10.0.0.1", 7000), Endpoint("::1", 7001)),
+    ("--grpc-connections", "3", "5", lambda c, n: c.pool.connections, 3, 5),
+    ("--grpc-connect-attempt-timeout-secs", "2.5", "7", lambda c, n: c.pool.retry.attempt_timeout, 2.5, 7.0),
+    ("--grpc-retry-interval-secs", "0.2", "3", lambda c, n: c.pool.retry.max_interval, 0.2, 3.0),
+    ("--grpc-startup-deadline-secs", "60", "90", lambda c, n: c.pool.startup_deadline, 60.0, 90.0),
+    ("--listen", "127.0.0.1:0", "[::]:6000", lambda c, n: c.listen, "127.0.0.1:0", "[::]:6000"),
+    ("--disaggregation-mode", "prefill", "decode", lambda c, n: c.disaggregation_mode, "prefill", "decode"),
+    ("--metrics-port", "9100", "9200", lambda c, n: c.metrics_port, 9100, 9200),
+    ("--log-format", "console", "json", lambda c, n: c.log_format, "console", "json"),
+    ("--log-level", "DEBUG", "warning", lambda c, n: c.log_level, "debug", "warning"),
+    ("--drain-timeout-secs", "5", "0", lambda c, n: c.drain_timeout, 5.0, 0.0),
+    # The engine's own flags are mirrored the same way.
+    ("--transport", "http", "http", lambda c, n: n.transport, "http", "http"),
+    ("--http-endpoint", "h:1", "h:2", lambda c, n: n.http_endpoint, "h:1", "h:2"),
+    ("--chunk-tokens", "9", "11", lambda c, n: n.chunk_tokens, 9, 11),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "cli", "env", "read", "from_cli", "from_env"), COMMON_FLAGS)
+def test_flag_and_its_environment_mirror(
+    flag: str, cli: str, env: str, read: object, from_cli: object, from_env: object
+) -> None:
+    assert callable(read)
+    base = [] if flag == "--grpc-endpoint" else ENDPOINT
+    var = env_var_for(flag)
+    assert var == "SIDECAR_" + flag[2:].replace("-", "_").upper()
+    # The flag alone, the variable alone, and both (the flag wins).
+    assert read(*parse([*base, flag, cli])) == from_cli
+    assert read(*parse(base, {var: env})) == from_env
+    assert read(*parse([*base, flag, cli], {var: env})) == from_cli
+
+
+def test_endpoint_from_the_environment_satisfies_required() -> None:
+    config, _ = parse([], {"SIDECAR_GRPC_ENDPOINT": "engine:50051"})
+    assert config.pool.endpoint == Endpoint("engine", 50051)
+
+
+def test_missing_endpoint_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--grpc-endpoint" in usage_error(capsys, [])
+
+
+def test_boolean_engine_flag_from_the_environment() -> None:
+    assert parse(ENDPOINT, {"SIDECAR_INCREMENTAL": "true"})[1].incremental is True
+    assert parse(ENDPOINT, {"SIDECAR_INCREMENTAL": "0"})[1].incremental is False
+    assert parse([*ENDPOINT, "--incremental"], {"SIDECAR_INCREMENTAL": "no"})[1].incremental is True
+
+
+def test_unrelated_variables_are_ignored() -> None:
+    config, _ = parse(ENDPOINT, {"SIDECAR_UNKNOWN_THING": "x", "GRPC_CONNECTIONS": "0"})
+    assert config.pool.connections == 8
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--grpc-connections", "0"),
+        ("--grpc-connections", "-3"),
+        ("--grpc-connections", "1.5"),
+        ("--grpc-connect-attempt-timeout-secs", "0"),
+        ("--grpc-connect-attempt-timeout-secs", "-1"),
+        ("--grpc-retry-interval-secs", "0"),
+        ("--grpc-startup-deadline-secs", "0"),
+        ("--grpc-startup-deadline-secs", "-5"),
+        ("--grpc-startup-deadline-secs", "nan"),
+        ("--grpc-startup-deadline-secs", "inf"),
+        ("--drain-timeout-secs", "-1"),
+        ("--metrics-port", "-1"),
+        ("--metrics-port", "70000"),
+        ("--disaggregation-mode", "both"),
+        ("--log-format", "xml"),
+        ("--log-level", "loud"),
+        ("--listen", "50061"),
+        ("--listen", ":50061"),
+        ("--listen", "host:port"),
+        ("--listen", "::1:50061"),
+        ("--listen", "host:70000"),
+    ],
+)
+def test_bad_values_are_usage_errors_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    err = usage_error(capsys, [*ENDPOINT, f"{flag}={value}"])
+    assert flag in err
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "",
+        "https://x:1",
+        "grpcs://x:1",
+        "http://user@x:1",
+        "x:1/path",
+        "x:1?q=1",
+        "x",
+        "x:notaport",
+        "ftp://x:1",
+    ],
+)
+def test_bad_endpoints_are_usage_errors(capsys: pytest.CaptureFixture[str], endpoint: str) -> None:
+    err = usage_error(capsys, [f"--grpc-endpoint={endpoint}"])
+    assert "--grpc-endpoint" in err
+
+
+def test_bad_environment_value_names_the_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(capsys, ENDPOINT, {"SIDECAR_GRPC_CONNECTIONS": "0"})
+    assert "SIDECAR_GRPC_CONNECTIONS" in err
+    err = usage_error(capsys, [], {"SIDECAR_GRPC_ENDPOINT": "https://x:1"})
+    assert "SIDECAR_GRPC_ENDPOINT" in err
+    err = usage_error(capsys, ENDPOINT, {"SIDECAR_TRANSPORT": "carrier-pigeon"})
+    assert "SIDECAR_TRANSPORT" in err
+    err = usage_error(capsys, ENDPOINT, {"SIDECAR_INCREMENTAL": "maybe"})
+    assert "SIDECAR_INCREMENTAL" in err
+
+
+def test_a_flag_overrides_a_bad_variable() -> None:
+    config, _ = parse([*ENDPOINT, "--grpc-connections", "2"], {"SIDECAR_GRPC_CONNECTIONS": "zero"})
+    assert config.pool.connections == 2
+
+
+def test_help_lists_common_and_engine_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--grpc-endpoint", "--drain-timeout-secs", "--metrics-port", "--transport", "SIDECAR_"):
+        assert flag in out
+
+
+def test_parser_prog_names_the_engine() -> None:
+    assert build_parser(SPEC).prog == "sidecar-fake"
+    assert build_parser(SPEC, prog="sidecar fake").prog == "sidecar fake"
+
+
+@pytest.mark.parametrize(
+    ("text", "normal"), [("0.0.0.0:1", "0.0.0.0:1"), ("[::]:80", "[::]:80"), ("h:0", "h:0")]
+)
+def test_listen_addresses_accepted(text: str, normal: str) -> None:
+    assert parse_listen(text) == normal
+
+
+@pytest.mark.parametrize(("argv", "code"), [([], 2), (["nosuch"], 2), (["--help"], 0), (["-x"], 2)])
+def test_sidecar_command_needs_a_known_engine(
+    capsys: pytest.CaptureFixture[str], argv: list[str], code: int
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == code
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "vllm" in text
+    assert "sglang" in text
