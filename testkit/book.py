@@ -1,0 +1,131 @@
+"""Bookkeeping the tests read, and the scheduler's capacity (FIFO admission).
+
+Every request is visible from arrival to its end: ``waiting`` (queued behind capacity),
+``running`` (admitted, producing tokens) and ``finished`` (with how it ended). A request the
+engine still runs after its client left stays in ``running``, so a leak fails a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["Book", "FinishedRecord", "Outcome"]
+
+
+class Outcome(enum.Enum):
+    FINISHED = "finished"  # ended with a normal terminal (stop / length)
+    ABORTED = "aborted"  # stopped by an abort request
+    CANCELLED = "cancelled"  # the client left (stream cancelled)
+    FAULTED = "faulted"  # a fault plan ended it
+    ERROR = "error"  # refused or failed with a status
+
+
+@dataclass(frozen=True)
+class FinishedRecord:
+    request_id: str
+    outcome: Outcome
+    detail: str = ""
+
+
+@dataclass
+class Book:
+    """One engine's ledger. Not thread-safe: it lives on the engine's event loop."""
+
+    max_running: int = 256
+    received: list[tuple[str, object]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    finished: list[FinishedRecord] = field(default_factory=list)
+    _running: dict[str, int] = field(default_factory=dict)  # id -> tokens held in KV
+    _waiting: OrderedDict[str, asyncio.Future[bool]] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError("max_running must be >= 1")
+
+    # -- what arrived ---------------------------------------------------------------------
+    def record_request(self, request_id: str, message: object) -> None:
+        self.received.append((request_id, message))
+
+    def record_aborts(self, request_ids: list[str]) -> None:
+        self.aborts.extend(request_ids)
+
+    def requests(self) -> list[object]:
+        return [m for _, m in self.received]
+
+    # -- live state -----------------------------------------------------------------------
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def waiting_ids(self) -> list[str]:
+        return list(self._waiting)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._running or request_id in self._waiting
+
+    def used_tokens(self) -> int:
+        return sum(self._running.values())
+
+    def set_tokens(self, request_id: str, tokens: int) -> None:
+        if request_id in self._running:
+            self._running[request_id] = tokens
+
+    def outcome_of(self, request_id: str) -> Outcome | None:
+        for rec in reversed(self.finished):
+            if rec.request_id == request_id:
+                return rec.outcome
+        return None
+
+    # -- scheduling -----------------------------------------------------------------------
+    async def admit(self, request_id: str, tokens: int = 0) -> bool:
+        """Wait (FIFO) for a running slot: True once running, False if aborted while waiting.
+
+        The caller must call ``release`` in every case (also when this raises on cancel).
+        """
+        if self.is_live(request_id):
+            raise ValueError(f"request {request_id!r} is already live")
+        if not self._waiting and len(self._running) < self.max_running:
+            self._running[request_id] = tokens
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = fut
+        admitted = await fut
+        if admitted:
+            self._running[request_id] = tokens
+        return admitted
+
+    def abort_waiting(self, request_id: str) -> bool:
+        """Take a waiting request out of the queue; its ``admit`` returns False."""
+        fut = self._waiting.pop(request_id, None)
+        if fut is None:
+            return False
+        if not fut.done():
+            fut.set_result(False)
+        return True
+
+    def release(self, request_id: str, outcome: Outcome, detail: str = "") -> None:
+        """The request ended (however): free its slot or queue place and log the outcome."""
+        self._running.pop(request_id, None)
+        fut = self._waiting.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        self.finished.append(FinishedRecord(request_id, outcome, detail))
+        self._promote()
+
+    def _promote(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            rid, fut = self._waiting.popitem(last=False)
+            if not fut.done():
+                fut.set_result(True)
+                # Reserve its slot now; ``admit`` fills in the real entry when it resumes.
+                self._running[rid] = 0
