@@ -117,8 +117,9 @@ async def connect_channel(target: str, timeout: float) -> grpc.aio.Channel:
     within ``timeout`` or closed. A refused or reset connection fails the attempt at once
     (the pool's backoff decides when to try again, not grpc's internal reconnect timer)."""
     channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    state = grpc.ChannelConnectivity.IDLE
     try:
-        with anyio.fail_after(timeout):
+        with anyio.move_on_after(timeout):
             state = channel.get_state(try_to_connect=True)
             while state is not grpc.ChannelConnectivity.READY:
                 if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
@@ -129,11 +130,13 @@ async def connect_channel(target: str, timeout: float) -> grpc.aio.Channel:
                     raise ConnectionError(f"channel to {target} was shut down")
                 await channel.wait_for_state_change(state)
                 state = channel.get_state(try_to_connect=True)
+            return channel
+        # Stuck in CONNECTING usually means TCP is accepted but nothing answers HTTP/2.
+        raise TimeoutError(f"{target} was not ready within {timeout:.3f}s (channel {state.name})")
     except BaseException:
         with anyio.CancelScope(shield=True):
             await channel.close(None)
         raise
-    return channel
 
 
 def backoff_interval(policy: RetryPolicy, failures: int, rand: Callable[[], float]) -> float:
@@ -148,6 +151,7 @@ def backoff_interval(policy: RetryPolicy, failures: int, rand: Callable[[], floa
 # A sliver of deadline left after a clamped pause is not worth an attempt whose only
 # possible outcome is a timeout that would hide the previous, more telling error.
 _MIN_ATTEMPT_SECS: Final = 0.001
+_ENFORCEMENT_GRACE_SECS: Final = 0.05
 
 
 class _AttemptTimedOut(Exception):
@@ -218,8 +222,10 @@ async def retry_until_deadline(
             raise _DeadlineReached
         attempts += 1
         try:
-            # The attempt is told its timeout, and the timeout is also enforced here.
-            with anyio.move_on_after(timeout):
+            # The attempt is told its timeout and should honour it with its own, more telling
+            # error; this bound (a hair later, so the attempt's error wins) catches one that
+            # does not.
+            with anyio.move_on_after(timeout + _ENFORCEMENT_GRACE_SECS):
                 return await attempt(timeout)
             raise _AttemptTimedOut(timeout)
         except Exception as error:

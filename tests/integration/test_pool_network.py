@@ -1,0 +1,108 @@
+"""The pool against real sockets on loopback: N channels are N TCP connections, calls rotate
+over them, and an engine that is absent or never speaks HTTP/2 fails start-up by the deadline."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from sidecar_common.endpoint import Endpoint
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, RetryPolicy, SystemClock
+
+WHO = "/test.Peer/Who"
+
+
+async def _who(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+    return context.peer().encode()
+
+
+@pytest.fixture
+async def peer_server() -> AsyncIterator[int]:
+    """A gRPC server whose one method answers with the caller's address as the server sees it."""
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "test.Peer", {"Who": grpc.unary_unary_rpc_method_handler(_who)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(None)
+
+
+async def _ask_who(channel: grpc.aio.Channel) -> str:
+    reply: bytes = await channel.unary_unary(WHO, None, None)(b"", timeout=5.0)
+    return reply.decode()
+
+
+def _pool(port: int, n: int, deadline_secs: float = 10.0, attempt: float = 5.0) -> ChannelPool:
+    config = PoolConfig(
+        Endpoint("127.0.0.1", port),
+        connections=n,
+        startup_deadline=deadline_secs,
+        retry=RetryPolicy(attempt_timeout=attempt),
+    )
+    return ChannelPool(config)
+
+
+async def test_n_channels_make_n_tcp_connections_used_round_robin(peer_server: int) -> None:
+    pool = _pool(peer_server, 3)
+    await pool.connect(Deadline.start(SystemClock(), 10.0))
+    try:
+        peers = [await _ask_who(pool.channel()) for _ in range(6)]
+    finally:
+        await pool.close()
+
+    assert len(set(peers[:3])) == 3, peers
+    assert peers[3:] == peers[:3]
+    assert all(peer.startswith("ipv4:127.0.0.1:") for peer in peers)
+
+
+@pytest.fixture
+def half_open_port() -> Iterator[int]:
+    """A socket that completes TCP handshakes (the kernel's backlog) and never says a word."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.timeout(10)
+async def test_a_half_open_peer_cannot_stall_start_up_past_the_deadline(half_open_port: int) -> None:
+    pool = _pool(half_open_port, 2, attempt=30.0)
+
+    with pytest.raises(SidecarError) as info:
+        await pool.connect(Deadline.start(SystemClock(), 1.0))
+
+    assert info.value.reason is ErrorReason.CANNOT_CONNECT
+    assert f"engine 127.0.0.1:{half_open_port} slot 1/2" in info.value.message
+    assert "startup deadline 1s" in info.value.message
+    assert "was not ready within" in info.value.message
+    assert pool.size == 0
+
+
+@pytest.fixture
+def closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.mark.timeout(10)
+async def test_nothing_listening_is_cannot_connect_naming_the_endpoint(closed_port: int) -> None:
+    pool = _pool(closed_port, 2)
+
+    with pytest.raises(SidecarError) as info:
+        await pool.connect(Deadline.start(SystemClock(), 0.5))
+
+    message = info.value.message
+    assert info.value.reason is ErrorReason.CANNOT_CONNECT
+    assert f"engine 127.0.0.1:{closed_port} slot 1/2" in message
+    assert "last error: ConnectionError: connection to" in message
