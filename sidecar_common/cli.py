@@ -328,10 +328,12 @@ def parse_config(
 
 def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Parse, then run the daemon until it is told to stop; returns the exit code."""
-    from sidecar_common.daemon import run  # the daemon pulls in grpc; --help should not wait
-
     args = sys.argv[1:] if argv is None else argv
     config, namespace = parse_config(spec, args, os.environ, prog=prog)
+    # Imported late: the daemon pulls in grpc and the server, which --help and usage errors
+    # do not need.
+    from sidecar_common.daemon import run
+
     return run(spec, config, namespace)
 
 

@@ -1,0 +1,232 @@
+"""The sidecar process: start-up in a fixed order, serve, drain on a signal, exit.
+
+Start-up order (spec/COMMON.md "Daemon"): logging -> build the engine adapter (no I/O) ->
+metrics endpoint -> gRPC server with health NOT_SERVING -> engine.start() (pool connect and
+discovery within the one startup deadline) -> health SERVING -> systemd READY=1.
+
+Signals: the first SIGTERM/SIGINT stops the start-up if it is still running, or starts the
+graceful drain (health NOT_SERVING at once, in-flight generations get --drain-timeout-secs,
+then are cancelled and aborted on the engine). A second signal during the drain skips the
+rest of the wait: the in-flight generations are cancelled right away. Either way the
+process exits 0, because it stopped as asked.
+
+A start-up failure is one log line (no traceback for an expected failure such as an engine
+that cannot be reached) and exit code 1, after closing whatever had been opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from sidecar_common import systemd
+from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.engine import Engine
+from sidecar_common.errors import SidecarError
+from sidecar_common.logs import configure_logging
+from sidecar_common.metrics import Metrics
+from sidecar_common.server import ServerConfig, SidecarServer
+
+__all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
+
+EXIT_OK: Final = 0
+EXIT_STARTUP_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+# Bound on the close steps that have no deadline of their own: a wedged close must not keep
+# the process (and a systemd stop job or a Kubernetes pod) hanging forever.
+_CLOSE_TIMEOUT: Final = 10.0
+
+log = structlog.get_logger("sidecar_common.daemon")
+
+
+class _StartupFailed(Exception):
+    """Internal: a start-up step failed; the message is the one line to log."""
+
+
+@dataclass
+class _Stopper:
+    """Turns signals into cancellation of whatever phase is current."""
+
+    startup: anyio.CancelScope
+    drain: anyio.CancelScope
+    requested: anyio.Event
+    signals_seen: int = 0
+
+    async def watch(self, signals: AsyncIterator[signal.Signals]) -> None:
+        async for signum in signals:
+            self.signals_seen += 1
+            if self.signals_seen == 1:
+                log.info("stop requested, draining", signal=signum.name)
+                self.requested.set()
+                self.startup.cancel()
+            else:
+                log.warning("second stop signal: cancelling in-flight generations now", signal=signum.name)
+                self.drain.cancel()
+
+
+def _server_config(config: SidecarConfig) -> ServerConfig:
+    return ServerConfig(
+        listen=config.listen,
+        drain_timeout=config.drain_timeout,
+        hold_decode_cancels=config.disaggregation_mode == "decode",
+    )
+
+
+def _cleanup_allowance(server_config: ServerConfig) -> float:
+    """Time the server may need, after its drain wait, to cancel and abort what is left:
+    a decode hold, an abort per request (bounded), the health watch's last probe."""
+    hold = server_config.decode_hold_timeout if server_config.hold_decode_cancels else 0.0
+    return hold + 2 * server_config.abort_timeout + server_config.health_probe_timeout + 5.0
+
+
+def _start_metrics_http(port: int, metrics: Metrics) -> Callable[[], Awaitable[None]]:
+    from prometheus_client import start_http_server
+
+    try:
+        httpd, thread = start_http_server(port, registry=metrics.registry)
+    except OSError as err:
+        raise _StartupFailed(f"cannot serve metrics on port {port}: {err}") from None
+    log.info("metrics endpoint up", port=httpd.server_port)
+
+    def stop_blocking() -> None:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=_CLOSE_TIMEOUT)
+
+    async def stop() -> None:
+        # shutdown() blocks until the serving thread notices (up to its poll interval).
+        await anyio.to_thread.run_sync(stop_blocking, abandon_on_cancel=True)
+
+    return stop
+
+
+async def _bounded(what: str, step: Callable[[], Awaitable[Any]], seconds: float) -> None:
+    """Run one shutdown step, shielded from outer cancellation but never past ``seconds``."""
+    with anyio.move_on_after(seconds, shield=True) as scope:
+        try:
+            await step()
+        except SidecarError as err:
+            log.warning("shutdown step failed", step=what, error=err.message)
+        except Exception as err:  # a failing close must not skip the remaining ones
+            log.warning("shutdown step failed", step=what, error=repr(err))
+    if scope.cancelled_caught:
+        log.warning("shutdown step timed out", step=what, timeout_secs=seconds)
+
+
+@asynccontextmanager
+async def _signal_watch(tg: TaskGroup, stopper: _Stopper) -> AsyncIterator[None]:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        tg.start_soon(stopper.watch, signals)
+        yield
+
+
+async def run_daemon(spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace) -> int:
+    """Run one sidecar until a signal; returns the process exit code."""
+    configure_logging(config.log_format, config.log_level)
+    stopper = _Stopper(anyio.CancelScope(), anyio.CancelScope(), anyio.Event())
+    async with anyio.create_task_group() as tg, _signal_watch(tg, stopper):
+        code = await _serve(spec, config, namespace, stopper)
+        tg.cancel_scope.cancel()
+    return code
+
+
+async def _serve(
+    spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace, stopper: _Stopper
+) -> int:
+    endpoint = config.pool.endpoint
+    try:
+        engine: Engine = spec.build(config, namespace)
+    except ValueError as err:
+        # EngineSpec's contract: a bad engine-specific flag value is a usage error.
+        log.error("invalid configuration", engine=spec.name, error=str(err))
+        return EXIT_USAGE
+    except SidecarError as err:
+        log.error("invalid configuration", engine=spec.name, error=err.message)
+        return EXIT_USAGE
+    async with AsyncExitStack() as closing:
+        closing.push_async_callback(_bounded, "engine close", engine.close, _CLOSE_TIMEOUT)
+        try:
+            with stopper.startup:
+                server = await _start(spec, config, engine, closing)
+                systemd.notify(f"STATUS=connecting to {spec.name} at {endpoint}")
+                log.info("connecting to engine", engine=spec.name, endpoint=str(endpoint), port=server.port)
+                await engine.start()
+        except (SidecarError, _StartupFailed) as err:
+            if stopper.requested.is_set():
+                # The failure is the cancelled start-up itself: a requested stop, not an error.
+                log.info("stopped during start-up", engine=spec.name)
+                return EXIT_OK
+            message = err.message if isinstance(err, SidecarError) else str(err)
+            log.error("start-up failed", engine=spec.name, endpoint=str(endpoint), error=message)
+            return EXIT_STARTUP_FAILED
+        except Exception:
+            # Not one of the typed failures: a bug, so the traceback is worth its lines.
+            log.exception("start-up failed with an unexpected error", engine=spec.name)
+            return EXIT_STARTUP_FAILED
+        if stopper.requested.is_set():
+            log.info("stopped during start-up", engine=spec.name)
+            systemd.notify("STOPPING=1")
+            return EXIT_OK
+
+        server.set_serving()
+        info = engine.model_info()
+        status = f"serving {info.served_model_name or spec.name} on port {server.port}"
+        systemd.notify(f"READY=1\nSTATUS={status}")
+        log.info("serving", engine=spec.name, model=info.served_model_name, port=server.port)
+
+        await stopper.requested.wait()
+        systemd.notify("STOPPING=1\nSTATUS=draining")
+        drain_bound = config.drain_timeout + _cleanup_allowance(_server_config(config))
+        with stopper.drain, anyio.move_on_after(drain_bound) as drain_scope:
+            await server.drain()
+        if drain_scope.cancelled_caught and stopper.signals_seen < 2:
+            log.warning("drain did not finish in time", timeout_secs=drain_bound)
+        # Leaving the exit stack: server.stop() (cancels what is left), engine.close(), metrics.
+    log.info("stopped", engine=spec.name)
+    return EXIT_OK
+
+
+async def _start(
+    spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack
+) -> SidecarServer:
+    metrics: Metrics | None = None
+    if config.metrics_port is not None:
+        metrics = Metrics(spec.name)
+        stop_metrics = _start_metrics_http(config.metrics_port, metrics)
+        closing.push_async_callback(_bounded, "metrics stop", stop_metrics, _CLOSE_TIMEOUT)
+    server = SidecarServer(engine, _server_config(config), metrics=metrics)
+    try:
+        await server.start()
+    except SidecarError:
+        raise
+    except (OSError, RuntimeError) as err:
+        # grpcio reports a port in use as a RuntimeError ("Failed to bind").
+        raise _StartupFailed(f"cannot listen on {config.listen}: {err}") from None
+    stop_bound = _cleanup_allowance(_server_config(config))
+    closing.push_async_callback(_bounded, "server stop", server.stop, stop_bound)
+    return server
+
+
+def run(spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace) -> int:
+    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
+    options: dict[str, Any] = {}
+    try:
+        import uvloop
+
+        options["loop_factory"] = uvloop.new_event_loop
+    except ImportError:
+        pass
+    try:
+        return anyio.run(run_daemon, spec, config, namespace, backend="asyncio", backend_options=options)
+    except KeyboardInterrupt:
+        # SIGINT before the signal receiver was installed: still a requested stop.
+        return EXIT_OK

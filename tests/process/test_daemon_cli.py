@@ -1,0 +1,374 @@
+"""The console scripts and the daemon as an operator runs them: real processes, real signals,
+a real systemd notification socket, loopback only.
+
+The daemon tests run ``run_engine`` with the fake engine below in a child process (python -c),
+so they exercise the real CLI, daemon, server and pool without an engine package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import anyio
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sidecar_common import systemd
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.engine import Engine, EngineLoad, GenerateCall
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.pool import ChannelPool, Deadline, SystemClock
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+# Bound on every child process wait: far above what any of these needs, never hit when green.
+WAIT = 30.0
+
+
+class FakeEngine:
+    """An engine whose start() is chosen by --fake-start: a real pool connect, ok, or hang."""
+
+    def __init__(self, config: SidecarConfig, mode: str) -> None:
+        self._config = config
+        self._mode = mode
+        self._pool: ChannelPool | None = None
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    async def start(self) -> None:
+        if self._mode == "pool":
+            self._pool = ChannelPool(self._config.pool)
+            await self._pool.connect(Deadline.start(SystemClock(), self._config.pool.startup_deadline))
+        elif self._mode == "hang":
+            await anyio.sleep(3600)
+
+    def model_info(self) -> sidecar_pb2.ModelInfo:
+        return sidecar_pb2.ModelInfo(engine="fake", served_model_name="fake-model", max_context_length=64)
+
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        return None
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
+        raise SidecarError(ErrorReason.UNKNOWN, "the fake engine does not generate")
+        yield sidecar_pb2.LLMEngineOutput()  # pragma: no cover - makes this an async generator
+
+    async def abort(self, private_id: str) -> None:
+        return None
+
+    async def load(self) -> EngineLoad:
+        return EngineLoad()
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+
+def _fake_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fake-start", choices=("pool", "ok", "hang"), default="pool")
+
+
+def _fake_build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
+    return FakeEngine(config, namespace.fake_start)
+
+
+FAKE_SPEC = EngineSpec(name="fake", add_arguments=_fake_arguments, build=_fake_build)
+
+_RUN_FAKE = (
+    "import sys; from tests.process.test_daemon_cli import FAKE_SPEC; "
+    "from sidecar_common.cli import run_engine; raise SystemExit(run_engine(FAKE_SPEC))"
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_") and k != "NOTIFY_SOCKET"}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+def _script(name: str) -> str:
+    path = BIN / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"console script {name} is not installed"
+    return found
+
+
+def _run(argv: Sequence[str], **extra_env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=WAIT, cwd=ROOT, env=_env(**extra_env), check=False
+    )
+
+
+def _fake(*args: str) -> list[str]:
+    return [sys.executable, "-c", _RUN_FAKE, *args]
+
+
+@pytest.fixture
+def idle_listener() -> Iterator[tuple[socket.socket, str]]:
+    """A loopback port that accepts TCP connections but never speaks: any connection attempt
+    by the process under test shows up in its backlog."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    sock.setblocking(False)
+    try:
+        yield sock, f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def _nobody_connected(sock: socket.socket) -> bool:
+    try:
+        conn, _ = sock.accept()
+    except BlockingIOError:
+        return True
+    conn.close()
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# --- the `sidecar` command ------------------------------------------------------------------
+
+
+def test_sidecar_without_engine_prints_usage_and_exits_2() -> None:
+    result = _run([_script("sidecar")])
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+    assert "vllm" in result.stderr
+    assert "sglang" in result.stderr
+
+
+def test_sidecar_unknown_engine_exits_2() -> None:
+    result = _run([_script("sidecar"), "nosuch", "--grpc-endpoint", "127.0.0.1:1"])
+    assert result.returncode == 2
+    assert "nosuch" in result.stderr
+    assert "vllm" in result.stderr
+
+
+def test_sidecar_help_exits_0() -> None:
+    result = _run([_script("sidecar"), "--help"])
+    assert result.returncode == 0
+    assert "vllm" in result.stdout
+
+
+# --- usage errors: exit 2 before any network I/O ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--grpc-connections", "0"], "--grpc-connections"),
+        (["--grpc-startup-deadline-secs", "-1"], "--grpc-startup-deadline-secs"),
+        (["--listen", "nowhere"], "--listen"),
+    ],
+)
+def test_bad_flag_exits_2_without_touching_the_engine(
+    idle_listener: tuple[socket.socket, str], args: list[str], named: str
+) -> None:
+    sock, address = idle_listener
+    result = _run(_fake("--grpc-endpoint", address, *args))
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert _nobody_connected(sock)
+
+
+def test_bad_endpoint_exits_2_without_touching_the_engine(idle_listener: tuple[socket.socket, str]) -> None:
+    sock, address = idle_listener
+    result = _run(_fake("--grpc-endpoint", f"https://{address}"))
+    assert result.returncode == 2
+    assert "--grpc-endpoint" in result.stderr
+    assert "TLS" in result.stderr
+    assert _nobody_connected(sock)
+
+
+def test_bad_environment_value_exits_2_naming_the_variable(idle_listener: tuple[socket.socket, str]) -> None:
+    sock, address = idle_listener
+    result = _run(_fake(), SIDECAR_GRPC_ENDPOINT=address, SIDECAR_GRPC_CONNECTIONS="-4")
+    assert result.returncode == 2
+    assert "SIDECAR_GRPC_CONNECTIONS" in result.stderr
+    assert _nobody_connected(sock)
+
+
+# --- systemd notification ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "notify.sock")
+    sock.bind(path)
+    sock.settimeout(WAIT)
+    try:
+        yield sock, path
+    finally:
+        sock.close()
+
+
+def test_notify_sends_one_datagram_to_the_socket(notify_socket: tuple[socket.socket, str]) -> None:
+    sock, path = notify_socket
+    assert systemd.notify("READY=1\nSTATUS=serving", environ={"NOTIFY_SOCKET": path})
+    assert sock.recv(4096) == b"READY=1\nSTATUS=serving"
+
+
+def test_notify_reaches_an_abstract_socket() -> None:
+    name = f"sidecar-test-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(b"\0" + name.encode())
+        sock.settimeout(WAIT)
+        assert systemd.notify("STOPPING=1", environ={"NOTIFY_SOCKET": "@" + name})
+        assert sock.recv(4096) == b"STOPPING=1"
+
+
+def test_notify_without_socket_is_a_no_op(tmp_path: Path) -> None:
+    assert systemd.notify("READY=1", environ={}) is False
+    # A socket path nobody listens on: reported, never raised.
+    assert systemd.notify("READY=1", environ={"NOTIFY_SOCKET": str(tmp_path / "gone.sock")}) is False
+
+
+# --- the daemon -------------------------------------------------------------------------------
+
+
+def _json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_startup_failure_exits_1_with_one_clear_line() -> None:
+    port = _free_port()  # nothing listens there
+    result = _run(
+        _fake(
+            "--grpc-endpoint", f"127.0.0.1:{port}",
+            "--grpc-startup-deadline-secs", "1",
+            "--grpc-connections", "2",
+            "--listen", "127.0.0.1:0",
+            "--log-format", "json",
+        )
+    )  # fmt: skip
+    assert result.returncode == 1
+    errors = [e for e in _json_lines(result.stdout) if e.get("level") in ("error", "critical")]
+    assert len(errors) == 1, result.stdout
+    assert errors[0]["event"] == "start-up failed"
+    assert f"127.0.0.1:{port}" in str(errors[0]["error"])
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_listen_port_in_use_exits_1_with_one_clear_line() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = _run(
+            _fake("--grpc-endpoint", "127.0.0.1:1", "--fake-start", "ok", "--listen", f"127.0.0.1:{port}")
+        )
+    assert result.returncode == 1
+    errors = [e for e in _json_lines(result.stdout) if e.get("level") == "error"]
+    assert len(errors) == 1, result.stdout
+    assert f"127.0.0.1:{port}" in str(errors[0]["error"])
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+class _Daemon:
+    """A daemon child process whose JSON log lines are read as they come."""
+
+    def __init__(self, args: Sequence[str], **env: str) -> None:
+        self.proc = subprocess.Popen(
+            _fake("--listen", "127.0.0.1:0", "--log-format", "json", *args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=_env(**env),
+        )
+        self.lines: list[dict[str, object]] = []
+
+    def wait_for(self, event: str) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                entry: dict[str, object] = json.loads(line)
+                self.lines.append(entry)
+                if entry.get("event") == event:
+                    return entry
+        raise AssertionError(f"no {event!r} log line; saw {self.lines}")
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=WAIT)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=WAIT)
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT)
+        status: int = reply.status
+        return status
+
+
+def test_serves_then_drains_on_sigterm_and_exits_0(notify_socket: tuple[socket.socket, str]) -> None:
+    sock, path = notify_socket
+    daemon = _Daemon(["--grpc-endpoint", "127.0.0.1:1", "--fake-start", "ok"], NOTIFY_SOCKET=path)
+    try:
+        serving = daemon.wait_for("serving")
+        port = int(str(serving["port"]))
+        assert _health(port) == health_pb2.HealthCheckResponse.SERVING
+        messages = [sock.recv(4096).decode()]
+        while "READY=1" not in messages[-1]:
+            messages.append(sock.recv(4096).decode())
+        assert "STATUS=" in messages[-1]
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert "STOPPING=1" in sock.recv(4096).decode()
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+def test_sigterm_during_startup_stops_promptly_with_exit_0() -> None:
+    daemon = _Daemon(["--grpc-endpoint", "127.0.0.1:1", "--fake-start", "hang"])
+    try:
+        listening = daemon.wait_for("connecting to engine")
+        assert listening["engine"] == "fake"
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+def test_health_is_not_serving_until_the_engine_started() -> None:
+    daemon = _Daemon(["--grpc-endpoint", "127.0.0.1:1", "--fake-start", "hang"])
+    try:
+        port = int(str(daemon.wait_for("connecting to engine")["port"]))
+        assert _health(port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        daemon.proc.send_signal(signal.SIGINT)
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
