@@ -1,0 +1,520 @@
+"""Pure conversion between the public API and vLLM's native gRPC wire (spec/VLLM.md).
+
+Two halves, both free of I/O, clocks, logging and globals:
+
+* :func:`to_generate_request` turns a ``PreprocessedRequest`` into vLLM's ``GenerateRequest``
+  or refuses it with INVALID_ARGUMENT naming the field. Nothing the wire cannot carry is
+  dropped silently.
+* :class:`ResponseState` is fed the engine's ``GenerateResponse`` messages one at a time and
+  returns the ``LLMEngineOutput`` deltas the frontend sees.
+
+The stream shape it expects is the one of vLLM's own servicer (``smg-grpc-servicer``): in
+streaming mode each engine step yields one ``chunk`` per choice carrying that step's new
+tokens, and a finishing step is followed by a ``complete`` for that choice whose
+``output_ids`` restate the same final delta. Counts on the wire are per message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from google.protobuf import struct_pb2
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.config import DisaggregationMode
+from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
+from sidecar_common.structs import JSON, json_from_struct, struct_from_json
+
+__all__ = [
+    "KNOWN_EXTRA_ARGS",
+    "LOGPROB_FLOOR",
+    "ResponseState",
+    "to_generate_request",
+]
+
+KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
+# Non-finite and absurdly small logprobs are clamped: JSON clients cannot carry NaN/inf.
+LOGPROB_FLOOR: Final = -9999.0
+
+_INT32_MIN: Final = -(2**31)
+_INT32_MAX: Final = 2**31 - 1
+_ENGINE: Final = "vllm"
+
+_MEDIA_MODALITY: Final = {
+    sidecar_pb2.MultimodalItem.IMAGE: common_pb2.IMAGE,
+    sidecar_pb2.MultimodalItem.VIDEO: common_pb2.VIDEO,
+}
+
+_FINISH: Final = {
+    "length": sidecar_pb2.LENGTH,
+    "stop": sidecar_pb2.STOP,
+    "abort": sidecar_pb2.CANCELLED,
+}
+
+
+# --------------------------------------------------------------------------- request
+
+
+def to_generate_request(
+    request: sidecar_pb2.PreprocessedRequest,
+    private_id: str,
+    *,
+    mode: DisaggregationMode,
+    supports_vision: bool,
+) -> vllm_engine_pb2.GenerateRequest:
+    """The native request for one generation, or INVALID_ARGUMENT naming the field."""
+    if not request.token_ids:
+        raise invalid_argument("token_ids", "the prompt is empty")
+    _refuse_uncarried(request, mode)
+    native = vllm_engine_pb2.GenerateRequest(
+        request_id=private_id,
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=request.token_ids),
+        sampling_params=_sampling_params(request, mode),
+        stream=True,
+    )
+    media = _media_refs(request.multi_modal_data, supports_vision)
+    if media is not None:
+        native.media_refs.CopyFrom(media)
+    rank = _dp_rank(request.routing, mode)
+    if rank is not None:
+        native.data_parallel_rank = rank
+    kv = _kv_transfer_params(request, mode)
+    if kv is not None:
+        native.kv_transfer_params_json = json.dumps(kv, separators=(",", ":"), allow_nan=False)
+    return native
+
+
+def _refuse_uncarried(request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> None:
+    s = request.sampling_options
+    if s.HasField("best_of") and s.best_of != 1:
+        raise invalid_argument("sampling_options.best_of", "vLLM supports only best_of = 1")
+    if s.HasField("use_beam_search") and s.use_beam_search:
+        raise invalid_argument("sampling_options.use_beam_search", "beam search is not supported")
+    if s.HasField("length_penalty") and s.length_penalty != 1.0:
+        raise invalid_argument("sampling_options.length_penalty", "only applies to beam search")
+    r = request.routing
+    # This version of vLLM's wire has no LoRA, priority or cache-salt field: refuse rather
+    # than serve the request as if the hint had not been given.
+    if r.HasField("lora_name") and r.lora_name:
+        raise invalid_argument("routing.lora_name", "the vLLM wire cannot carry a LoRA adapter")
+    if r.HasField("cache_namespace") and r.cache_namespace:
+        raise invalid_argument("routing.cache_namespace", "the vLLM wire cannot carry a cache salt")
+    if r.HasField("priority") and r.priority != 0:
+        raise invalid_argument("routing.priority", "the vLLM wire cannot carry a priority")
+    b = request.bootstrap_info
+    if b.bootstrap_host or b.bootstrap_port or b.bootstrap_room:
+        raise invalid_argument(
+            "bootstrap_info", "SGLang rendezvous; vLLM hands off KV via disaggregated_params"
+        )
+    unknown = sorted(set(request.extra_args.fields) - KNOWN_EXTRA_ARGS)
+    if unknown:
+        raise invalid_argument(f"extra_args.{unknown[0]}", "unknown key (known: kv_transfer_params)")
+    if mode != "decode" and request.HasField("prefill_result"):
+        raise invalid_argument("prefill_result", f"only a decode sidecar takes a handoff (mode is {mode})")
+
+
+def _sampling_params(
+    request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode
+) -> vllm_engine_pb2.SamplingParams:
+    s = request.sampling_options
+    stop = request.stop_conditions
+    out = request.output_options
+    p = vllm_engine_pb2.SamplingParams(
+        # The wire has no presence for these, so absent means vLLM's neutral value.
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        top_k=_top_k(s),
+        n=_n(s),
+        min_tokens=stop.min_tokens if stop.HasField("min_tokens") else 0,
+        stop=stop.stop,
+        stop_token_ids=_stop_token_ids(stop),
+        ignore_eos=stop.ignore_eos if stop.HasField("ignore_eos") else False,
+        skip_special_tokens=out.skip_special_tokens if out.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=True,
+        include_stop_str_in_output=(
+            s.include_stop_str_in_output if s.HasField("include_stop_str_in_output") else False
+        ),
+    )
+    # The servicer reads 0 as "unset" for these two, so an explicit 0 would silently
+    # become 1.0; vLLM refuses both values anyway.
+    if s.HasField("top_p") and s.top_p == 0.0:
+        raise invalid_argument("sampling_options.top_p", "must be > 0")
+    if s.HasField("repetition_penalty") and s.repetition_penalty == 0.0:
+        raise invalid_argument("sampling_options.repetition_penalty", "must be > 0")
+    if s.HasField("temperature"):
+        p.temperature = s.temperature
+    if s.HasField("seed"):
+        p.seed = _int32("sampling_options.seed", s.seed)
+    if stop.HasField("max_tokens"):
+        p.max_tokens = stop.max_tokens
+    if out.HasField("logprobs"):
+        p.logprobs = _int32("output_options.logprobs", out.logprobs)
+    if out.HasField("prompt_logprobs"):
+        p.prompt_logprobs = _int32("output_options.prompt_logprobs", out.prompt_logprobs)
+    for token, bias in s.logit_bias.items():
+        p.logit_bias[_int32("sampling_options.logit_bias", token)] = bias
+    if s.HasField("guided_decoding"):
+        _guided(s.guided_decoding, p)
+    if mode == "prefill":
+        # A prefill worker only fills the KV cache; the one token it samples is discarded.
+        p.max_tokens = 1
+        p.min_tokens = 1
+    return p
+
+
+def _int32(name: str, value: int) -> int:
+    if not _INT32_MIN <= value <= _INT32_MAX:
+        raise invalid_argument(name, f"{value} does not fit the engine's 32-bit field")
+    return value
+
+
+def _top_k(s: sidecar_pb2.SamplingOptions) -> int:
+    if not s.HasField("top_k"):
+        return 0
+    if s.top_k < -1:
+        raise invalid_argument("sampling_options.top_k", f"must be -1, 0 or positive, got {s.top_k}")
+    return max(s.top_k, 0)
+
+
+def _n(s: sidecar_pb2.SamplingOptions) -> int:
+    if not s.HasField("n"):
+        return 1
+    if s.n == 0:
+        raise invalid_argument("sampling_options.n", "must be at least 1")
+    return s.n
+
+
+def _stop_token_ids(stop: sidecar_pb2.StopConditions) -> list[int]:
+    ids = set(stop.stop_token_ids)
+    # With ignore_eos the engine would still stop on EOS through its stop-token check.
+    if not (stop.HasField("ignore_eos") and stop.ignore_eos):
+        ids.update(stop.stop_token_ids_hidden)
+    return sorted(ids)
+
+
+def _guided(g: sidecar_pb2.GuidedDecoding, p: vllm_engine_pb2.SamplingParams) -> None:
+    if g.HasField("backend"):
+        raise invalid_argument("sampling_options.guided_decoding.backend", "the vLLM wire cannot carry it")
+    if g.HasField("whitespace_pattern"):
+        raise invalid_argument(
+            "sampling_options.guided_decoding.whitespace_pattern", "the vLLM wire cannot carry it"
+        )
+    kind = g.WhichOneof("kind")
+    if kind == "json":
+        try:
+            schema = json.loads(g.json)
+        except ValueError as err:
+            raise invalid_argument("sampling_options.guided_decoding.json", f"not JSON: {err}") from None
+        p.json_schema = json.dumps(schema, separators=(",", ":"))
+    elif kind == "regex":
+        p.regex = g.regex
+    elif kind == "grammar":
+        p.grammar = g.grammar
+    elif kind == "structural_tag":
+        p.structural_tag = g.structural_tag
+    elif kind == "choice":
+        if not g.choice.choices:
+            raise invalid_argument("sampling_options.guided_decoding.choice", "no choices given")
+        p.choice.choices.extend(g.choice.choices)
+
+
+def _media_refs(
+    items: Sequence[sidecar_pb2.MultimodalItem], supports_vision: bool
+) -> vllm_engine_pb2.MediaRefs | None:
+    if not items:
+        return None
+    if not supports_vision:
+        raise invalid_argument("multi_modal_data", "the served model does not support vision")
+    refs = vllm_engine_pb2.MediaRefs()
+    for i, item in enumerate(items):
+        modality = _MEDIA_MODALITY.get(item.kind)
+        if modality is None:
+            kind = sidecar_pb2.MultimodalItem.Kind.Name(item.kind)
+            raise invalid_argument(f"multi_modal_data[{i}].kind", f"{kind} is not supported by vLLM")
+        if not item.url:
+            raise invalid_argument(f"multi_modal_data[{i}].url", "empty")
+        refs.items.add(modality=modality, url=item.url)
+    return refs
+
+
+def _dp_rank(r: sidecar_pb2.RoutingHints, mode: DisaggregationMode) -> int | None:
+    if mode == "prefill" and r.HasField("prefill_dp_rank"):
+        return _int32("routing.prefill_dp_rank", r.prefill_dp_rank)
+    if r.HasField("dp_rank"):
+        return _int32("routing.dp_rank", r.dp_rank)
+    return None
+
+
+def _kv_transfer_params(
+    request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode
+) -> dict[str, JSON] | None:
+    given = _extra_kv_params(request.extra_args)
+    if mode == "agg":
+        return given
+    if mode == "prefill":
+        return {**(given or {}), "do_remote_decode": True}
+    if given is not None:
+        raise invalid_argument(
+            "extra_args.kv_transfer_params", "a decode request takes its handoff from prefill_result"
+        )
+    name = "prefill_result.disaggregated_params"
+    if not request.prefill_result.HasField("disaggregated_params"):
+        raise invalid_argument(name, "required on a decode request")
+    try:
+        params = json_from_struct(request.prefill_result.disaggregated_params)
+    except ValueError as err:
+        raise invalid_argument(name, str(err)) from None
+    if "remote_port" in params:
+        params["remote_port"] = _port_text(params["remote_port"])
+    return params
+
+
+def _extra_kv_params(extra: struct_pb2.Struct) -> dict[str, JSON] | None:
+    if "kv_transfer_params" not in extra.fields:
+        return None
+    value = extra.fields["kv_transfer_params"]
+    if value.WhichOneof("kind") != "struct_value":
+        raise invalid_argument("extra_args.kv_transfer_params", "must be an object")
+    try:
+        return json_from_struct(value.struct_value)
+    except ValueError as err:
+        raise invalid_argument("extra_args.kv_transfer_params", str(err)) from None
+
+
+def _port_text(port: JSON) -> JSON:
+    # vLLM's connectors want the port as text; Struct turns every number into a double.
+    if isinstance(port, bool) or not isinstance(port, int | float):
+        return port
+    if isinstance(port, float) and not port.is_integer():
+        raise invalid_argument("prefill_result.disaggregated_params.remote_port", f"{port} is not a port")
+    return str(int(port))
+
+
+# -------------------------------------------------------------------------- response
+
+
+@dataclass
+class _Choice:
+    streamed: list[int] = field(default_factory=list)
+    # The token ids of this choice's latest chunk: what a streaming `complete` restates.
+    last_chunk: list[int] | None = None
+    done: bool = False
+
+
+class ResponseState:
+    """One request's engine stream, fed a message at a time (see the module docstring).
+
+    ``feed`` returns the deltas to forward (possibly none) or raises SidecarError:
+    PROTOCOL_ERROR for malformed engine data, UNKNOWN when the engine reports an error
+    finish. Messages for a choice after its terminal are ignored.
+    """
+
+    def __init__(self, request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> None:
+        s = request.sampling_options
+        n = s.n if s.HasField("n") and s.n > 0 else 1
+        self._choices = [_Choice() for _ in range(n)]
+        self._mode = mode
+        self._user_stops = frozenset(request.stop_conditions.stop_token_ids)
+        out = request.output_options
+        self._logprobs: int | None = out.logprobs if out.HasField("logprobs") else None
+        self._want_prompt_logprobs = out.HasField("prompt_logprobs")
+        self._prompt_logprobs: list[JSON] | None = None
+        self._prompt_tokens = len(request.token_ids)
+        self._cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has had its terminal."""
+        return all(c.done for c in self._choices)
+
+    def feed(self, response: vllm_engine_pb2.GenerateResponse) -> list[sidecar_pb2.LLMEngineOutput]:
+        kind = response.WhichOneof("response")
+        if kind == "chunk":
+            return self._chunk(response.chunk)
+        if kind == "complete":
+            return self._complete(response.complete)
+        raise protocol_error(_ENGINE, "a Generate message with neither chunk nor complete")
+
+    def _choice(self, index: int) -> _Choice:
+        if index >= len(self._choices):
+            raise protocol_error(_ENGINE, f"choice index {index} but n = {len(self._choices)}")
+        return self._choices[index]
+
+    def _observe_counts(self, prompt_tokens: int, cached_tokens: int) -> None:
+        if prompt_tokens:
+            self._prompt_tokens = prompt_tokens
+        if cached_tokens:
+            self._cached_tokens = cached_tokens
+
+    def _observe_prompt_logprobs(
+        self, msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete
+    ) -> None:
+        if self._want_prompt_logprobs and self._prompt_logprobs is None and msg.HasField("input_logprobs"):
+            self._prompt_logprobs = _prompt_logprobs_json(msg.input_logprobs)
+
+    def _chunk(self, chunk: vllm_engine_pb2.GenerateStreamChunk) -> list[sidecar_pb2.LLMEngineOutput]:
+        choice = self._choice(chunk.index)
+        if choice.done:
+            return []
+        self._observe_counts(chunk.prompt_tokens, chunk.cached_tokens)
+        self._observe_prompt_logprobs(chunk)
+        ids = list(chunk.token_ids)
+        choice.last_chunk = ids
+        if not ids or self._mode == "prefill":
+            # A prefill hands off KV only; the token it samples belongs to the decode side.
+            return []
+        out = sidecar_pb2.LLMEngineOutput(token_ids=ids, index=chunk.index)
+        self._attach_logprobs(
+            out, chunk.output_logprobs if chunk.HasField("output_logprobs") else None, ids, 0
+        )
+        choice.streamed.extend(ids)
+        return [out]
+
+    def _complete(self, done: vllm_engine_pb2.GenerateComplete) -> list[sidecar_pb2.LLMEngineOutput]:
+        choice = self._choice(done.index)
+        if choice.done:
+            return []
+        reason = done.finish_reason
+        if reason == "error":
+            raise SidecarError(
+                ErrorReason.UNKNOWN,
+                f"Generate: engine reported an error (finish_reason=error, choice {done.index})",
+            )
+        finish = _FINISH.get(reason)
+        if finish is None:
+            raise protocol_error(_ENGINE, f"unknown finish reason {reason!r}")
+        self._observe_counts(done.prompt_tokens, done.cached_tokens)
+        self._observe_prompt_logprobs(done)
+        out = sidecar_pb2.LLMEngineOutput(index=done.index, finish_reason=finish)
+        if self._mode == "prefill":
+            if finish != sidecar_pb2.CANCELLED:
+                out.disaggregated_params.CopyFrom(_handoff(done))
+        else:
+            ids = list(done.output_ids)
+            offset = self._new_offset(choice, ids, done.index)
+            if offset < len(ids):
+                lp = done.output_logprobs if done.HasField("output_logprobs") else None
+                out.token_ids.extend(ids[offset:])
+                self._attach_logprobs(out, lp, ids, offset)
+                choice.streamed.extend(ids[offset:])
+            if finish == sidecar_pb2.STOP:
+                self._stop_reason(out, done)
+        choice.done = True
+        completion = 0 if self._mode == "prefill" else len(choice.streamed)
+        out.completion_usage.prompt_tokens = self._prompt_tokens
+        out.completion_usage.completion_tokens = completion
+        out.completion_usage.total_tokens = self._prompt_tokens + completion
+        out.completion_usage.cached_tokens = self._cached_tokens
+        if self._prompt_logprobs is not None:
+            out.engine_data.CopyFrom(_to_struct({"prompt_logprobs": self._prompt_logprobs}))
+        return [out]
+
+    @staticmethod
+    def _new_offset(choice: _Choice, ids: list[int], index: int) -> int:
+        """How many of ``complete.output_ids`` were already forwarded for this choice.
+
+        A complete right after a chunk with the same ids restates that final delta (the
+        servicer's streaming shape): nothing is new. Otherwise the ids must extend what was
+        streamed (the non-streaming shape carries every token): the tail is new.
+        """
+        if not ids or ids == choice.last_chunk:
+            return len(ids)
+        streamed = choice.streamed
+        if ids[: len(streamed)] == streamed:
+            return len(streamed)
+        raise protocol_error(
+            _ENGINE,
+            f"complete.output_ids of choice {index} neither restate the last chunk nor extend "
+            f"the {len(streamed)} tokens streamed",
+        )
+
+    def _stop_reason(self, out: sidecar_pb2.LLMEngineOutput, done: vllm_engine_pb2.GenerateComplete) -> None:
+        matched = done.WhichOneof("matched_stop")
+        if matched == "matched_stop_str":
+            out.stop_string = done.matched_stop_str
+        elif matched == "matched_token_id" and done.matched_token_id in self._user_stops:
+            out.stop_token_id = done.matched_token_id
+
+    def _attach_logprobs(
+        self,
+        out: sidecar_pb2.LLMEngineOutput,
+        lp: vllm_engine_pb2.OutputLogProbs | None,
+        ids: list[int],
+        offset: int,
+    ) -> None:
+        if self._logprobs is None:
+            return
+        if lp is None or list(lp.token_ids) != ids or len(lp.token_logprobs) != len(ids):
+            raise protocol_error(_ENGINE, "output logprobs are not aligned with the token ids")
+        tops = lp.top_logprobs
+        if len(tops) not in (0, len(ids)):
+            raise protocol_error(_ENGINE, "top logprobs are not aligned with the token ids")
+        for i in range(offset, len(ids)):
+            sampled, value = ids[i], _clamp(lp.token_logprobs[i])
+            out.log_probs.append(value)
+            entries = out.top_logprobs.add().entries
+            entries.add(token_id=sampled, logprob=value)
+            if tops and self._logprobs > 0:
+                for token, alt in _pairs(tops[i], "top logprobs"):
+                    if token != sampled:
+                        entries.add(token_id=token, logprob=_clamp(alt))
+
+
+def _clamp(value: float) -> float:
+    if math.isnan(value) or value < LOGPROB_FLOOR:
+        return LOGPROB_FLOOR
+    return LOGPROB_FLOOR if math.isinf(value) else value
+
+
+def _pairs(top: vllm_engine_pb2.TopLogProbs, what: str) -> Iterable[tuple[int, float]]:
+    if len(top.token_ids) != len(top.values):
+        raise protocol_error(_ENGINE, f"{what}: {len(top.token_ids)} ids but {len(top.values)} values")
+    return zip(top.token_ids, top.values, strict=True)
+
+
+def _prompt_logprobs_json(lp: vllm_engine_pb2.InputLogProbs) -> list[JSON]:
+    if len(lp.token_logprobs) != len(lp.token_ids) or len(lp.top_logprobs) not in (0, len(lp.token_ids)):
+        raise protocol_error(_ENGINE, "prompt logprobs are not aligned with the prompt tokens")
+    result: list[JSON] = []
+    for i, token in enumerate(lp.token_ids):
+        entry = lp.token_logprobs[i]
+        if not entry.HasField("value"):
+            result.append(None)
+            continue
+        position: dict[str, JSON] = {str(token): {"logprob": _clamp(entry.value)}}
+        if lp.top_logprobs:
+            for alt, value in _pairs(lp.top_logprobs[i], "prompt top logprobs"):
+                position.setdefault(str(alt), {"logprob": _clamp(value)})
+        result.append(position)
+    return result
+
+
+def _handoff(done: vllm_engine_pb2.GenerateComplete) -> struct_pb2.Struct:
+    if not done.HasField("kv_transfer_params_json"):
+        raise protocol_error(_ENGINE, "a successful prefill without kv_transfer_params_json")
+    try:
+        params = json.loads(done.kv_transfer_params_json, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as err:
+        raise protocol_error(_ENGINE, f"kv_transfer_params_json is not JSON: {err}") from None
+    if not isinstance(params, dict):
+        raise protocol_error(_ENGINE, "kv_transfer_params_json is not an object")
+    return _to_struct(params)
+
+
+def _refuse_constant(name: str) -> JSON:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _to_struct(value: dict[str, JSON]) -> struct_pb2.Struct:
+    try:
+        return struct_from_json(value)
+    except (ValueError, RecursionError) as err:
+        raise protocol_error(_ENGINE, f"cannot carry as a Struct: {err}") from None
