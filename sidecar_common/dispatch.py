@@ -120,10 +120,17 @@ class Delivery:
     tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
 
+    last_finish: int = sidecar_pb2.UNSPECIFIED
+
     def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
         self.tokens[out.index] = self.tokens.get(out.index, 0) + len(out.token_ids)
         if _is_terminal(out):
             self.finished.add(out.index)
+            self.last_finish = out.finish_reason
+
+    def last_finish_reason(self) -> str:
+        """The name of the last terminal sent (a metrics label)."""
+        return sidecar_pb2.FinishReason.Name(self.last_finish)  # type: ignore[arg-type]
 
     def cancelled_terminals(self, prompt_tokens: int) -> list[sidecar_pb2.LLMEngineOutput]:
         """One CANCELLED terminal for each choice that has not sent its own."""

@@ -1,0 +1,362 @@
+"""The frontend-facing server: the Worker servicer, health, reflection and the drain.
+
+Every typed error becomes a gRPC status here and nowhere else: the code and message of
+:func:`sidecar_common.errors.to_rpc_status`, its serialized ``google.rpc.Status`` in
+``grpc-status-details-bin`` (so ``grpc_status.rpc_status.from_call`` finds the ErrorInfo)
+and a ``migratable`` trailing metadata entry for frontends that only read metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import anyio
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.dispatch import (
+    CancelCause,
+    Delivery,
+    Generation,
+    Registry,
+    choice_count,
+    new_public_id,
+)
+from sidecar_common.engine import Engine, GenerateCall
+from sidecar_common.errors import ErrorReason, SidecarError, to_rpc_status
+from sidecar_common.metrics import Metrics
+from sidecar_common.relay import RelayConfig, relay
+
+__all__ = ["HEALTH_SERVICES", "ServerConfig", "SidecarServer"]
+
+_log = structlog.get_logger(__name__)
+
+WORKER_SERVICE = sidecar_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+HEALTH_SERVICES = ("", WORKER_SERVICE)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "0.0.0.0:50061"
+    drain_timeout: float = 30.0
+    hold_decode_cancels: bool = False  # disaggregation mode "decode"
+    decode_hold_timeout: float = 30.0
+    health_watch_interval: float = 1.0  # background engine health watch period
+    health_probe_timeout: float = 5.0
+    abort_timeout: float = 5.0
+    relay_capacity: int = 32
+
+
+class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1 with a synchronous ``set`` (the stock aio servicer's is async)."""
+
+    def __init__(self) -> None:
+        self.status: int = _NOT_SERVING
+        self._waiters: list[anyio.Event] = []
+
+    def set(self, status: int) -> None:
+        if status == self.status:
+            return
+        self.status = status
+        waiters, self._waiters = self._waiters, []
+        for event in waiters:
+            event.set()
+
+    async def Check(self, request: Any, context: Context) -> Any:
+        if request.service not in HEALTH_SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=self.status)
+
+    async def Watch(self, request: Any, context: Context) -> None:
+        known = request.service in HEALTH_SERVICES
+        last: int | None = None
+        while True:
+            status = self.status if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            # Ends when the client cancels or the server stops (the handler is cancelled).
+            event = anyio.Event()
+            self._waiters.append(event)
+            await event.wait()
+
+
+async def _fail(context: Context, error: SidecarError) -> NoReturn:
+    details = to_rpc_status(error).SerializeToString()
+    await context.abort(
+        error.code,
+        error.message,
+        trailing_metadata=(
+            ("grpc-status-details-bin", details),
+            ("migratable", "true" if error.migratable else "false"),
+        ),
+    )
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+class _Worker(sidecar_pb2_grpc.WorkerServicer):
+    def __init__(self, owner: SidecarServer) -> None:
+        self._owner = owner
+
+    # The unary-stream handler writes through context.write (a coroutine, not an async
+    # generator) so that its cancel scopes and task group live in one frame.
+    async def Generate(  # type: ignore[override]
+        self, request: sidecar_pb2.PreprocessedRequest, context: Context
+    ) -> None:
+        await self._owner._generate(request, context)
+
+    async def Abort(self, request: sidecar_pb2.AbortRequest, context: Context) -> sidecar_pb2.AbortResponse:
+        return self._owner._abort(request)
+
+    async def GetModelInfo(
+        self, request: sidecar_pb2.GetModelInfoRequest, context: Context
+    ) -> sidecar_pb2.ModelInfo:
+        return await self._owner._model_info(context)
+
+    async def GetLoad(self, request: sidecar_pb2.GetLoadRequest, context: Context) -> sidecar_pb2.LoadReport:
+        return await self._owner._load(context)
+
+
+def _unexpected(what: str, exc: Exception) -> SidecarError:
+    return SidecarError(ErrorReason.UNKNOWN, f"{what}: {type(exc).__name__}: {exc}")
+
+
+class SidecarServer:
+    def __init__(self, engine: Engine, config: ServerConfig, *, metrics: Metrics | None = None) -> None:
+        self._engine = engine
+        self._config = config
+        self._metrics = metrics
+        self._registry = Registry()
+        self._health = _Health()
+        self._relay_config = RelayConfig(
+            capacity=config.relay_capacity,
+            hold_timeout=config.decode_hold_timeout,
+            drain_grace=config.abort_timeout,
+        )
+        self._server: grpc.aio.Server | None = None
+        self._port = 0
+        self._serving = False  # engine connected and discovered
+        self._engine_ok = True  # the last health probe's verdict
+        self._draining = False
+        self._stopped = False
+        self._watch: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def inflight(self) -> int:
+        return self._registry.inflight
+
+    async def wait_idle(self, seconds: float) -> bool:
+        """Wait until no generation is in flight, at most ``seconds``; True if idle."""
+        return await self._registry.wait_idle(seconds)
+
+    async def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError("SidecarServer.start called twice")
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ]
+        )
+        sidecar_pb2_grpc.add_WorkerServicer_to_server(_Worker(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                WORKER_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        try:
+            self._port = server.add_insecure_port(self._config.listen)
+        except RuntimeError as exc:
+            raise SidecarError(
+                ErrorReason.CANNOT_CONNECT, f"cannot listen on {self._config.listen}: {exc}"
+            ) from exc
+        await server.start()
+        self._server = server
+        _log.info("sidecar listening", listen=self._config.listen, port=self._port)
+
+    def set_serving(self) -> None:
+        """The engine is connected and discovered: accept requests and watch its health."""
+        self._serving = True
+        self._engine_ok = True
+        if self._metrics is not None:
+            self._metrics.set_engine_connected(True)
+        self._update_health()
+        if self._watch is None and not self._stopped:
+            self._watch = asyncio.get_running_loop().create_task(self._health_watch())
+
+    async def drain(self) -> None:
+        """Refuse new work, let in-flight work finish up to drain_timeout, cancel the rest."""
+        self._draining = True
+        self._update_health()
+        log = _log.bind(inflight=self._registry.inflight)
+        log.info("drain started", timeout=self._config.drain_timeout)
+        if await self._registry.wait_idle(self._config.drain_timeout):
+            log.info("drain finished")
+            return
+        cancelled = self._registry.cancel_all()
+        _log.warning("drain timed out, cancelling in-flight generations", cancelled=cancelled)
+        # Each cancelled generation may hold for its first token, then aborts (bounded).
+        await self._registry.wait_idle(self._cleanup_bound())
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._draining = True
+        self._update_health()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.health_probe_timeout):
+                await asyncio.gather(watch, return_exceptions=True)
+        if self._server is not None:
+            # grace=None cancels what is left; each handler then aborts its engine request
+            # in its own (shielded) cleanup, which we wait for below.
+            await self._server.stop(None)
+            await self._registry.wait_idle(self._cleanup_bound())
+        _log.info("sidecar stopped")
+
+    def _cleanup_bound(self) -> float:
+        hold = self._config.decode_hold_timeout if self._config.hold_decode_cancels else 0.0
+        return hold + 2 * self._config.abort_timeout + 1.0
+
+    def _update_health(self) -> None:
+        accepting = self._serving and self._engine_ok and not self._draining
+        self._health.set(_SERVING if accepting else _NOT_SERVING)
+
+    def _refusal(self) -> SidecarError | None:
+        if self._draining:
+            return SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining")
+        if not self._serving:
+            return SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
+        if not self._engine_ok:
+            return SidecarError(
+                ErrorReason.CANNOT_CONNECT, f"{self._engine.name} engine is unreachable (health check failed)"
+            )
+        return None
+
+    async def _health_watch(self) -> None:
+        while True:
+            await anyio.sleep(self._config.health_watch_interval)
+            ok = False
+            try:
+                with anyio.fail_after(self._config.health_probe_timeout):
+                    ok = await self._engine.healthy()
+            except Exception as exc:
+                _log.debug("engine health probe failed", error=repr(exc))
+            if ok != self._engine_ok:
+                self._engine_ok = ok
+                if ok:
+                    _log.info("engine healthy again")
+                else:
+                    _log.warning("engine unhealthy: refusing new requests")
+                if self._metrics is not None:
+                    self._metrics.set_engine_connected(ok)
+                self._update_health()
+
+    async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: Context) -> None:
+        started_at = time.monotonic()
+        refusal = self._refusal()
+        if refusal is not None:
+            await _fail(context, refusal)
+        try:
+            self._engine.validate(request)
+        except SidecarError as err:
+            await _fail(context, err)
+        except Exception as exc:
+            await _fail(context, _unexpected(f"{self._engine.name} validate", exc))
+        if not request.request_id:
+            named = sidecar_pb2.PreprocessedRequest()
+            named.CopyFrom(request)
+            named.request_id = new_public_id()
+            request = named
+        entry = self._registry.register(request.request_id)
+        log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
+        call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels)
+        gen = Generation(self._engine, call, abort_timeout=self._config.abort_timeout)
+        delivery = Delivery(choice_count(request))
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.started()
+        log.debug("generate started", choices=delivery.n, prompt_tokens=len(request.token_ids))
+        try:
+            with entry.scope:
+                await relay(
+                    gen, context.write, delivery, self._relay_config, metrics=metrics, started_at=started_at
+                )
+            if entry.scope.cancelled_caught and entry.cause is CancelCause.DRAIN:
+                raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
+            if entry.scope.cancelled_caught:
+                for terminal in delivery.cancelled_terminals(len(request.token_ids)):
+                    await context.write(terminal)
+                    delivery.observe(terminal)
+                log.info("generate aborted by request", engine_aborted=gen.aborted)
+            if metrics is not None:
+                metrics.finished(delivery.last_finish_reason())
+            log.debug("generate finished", finish_reason=delivery.last_finish_reason())
+        except SidecarError as err:
+            if metrics is not None:
+                metrics.failed(err.reason.value)
+            log.info(
+                "generate failed", reason=err.reason.value, error=err.message, engine_aborted=gen.aborted
+            )
+            await _fail(context, err)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if metrics is not None:
+                    metrics.failed(ErrorReason.CANCELLED.value)
+                log.info("generate cancelled by the client", engine_aborted=gen.aborted)
+            raise
+        finally:
+            self._registry.unregister(entry)
+            if metrics is not None:
+                metrics.ended()
+
+    def _abort(self, request: sidecar_pb2.AbortRequest) -> sidecar_pb2.AbortResponse:
+        count = self._registry.abort_public(request.request_id)
+        _log.info("abort requested", public_id=request.request_id, aborted=count)
+        return sidecar_pb2.AbortResponse(aborted=count)
+
+    async def _model_info(self, context: Context) -> sidecar_pb2.ModelInfo:
+        if not self._serving:
+            await _fail(context, SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving"))
+        try:
+            return self._engine.model_info()
+        except SidecarError as err:
+            await _fail(context, err)
+        except Exception as exc:
+            await _fail(context, _unexpected(f"{self._engine.name} model_info", exc))
+
+    async def _load(self, context: Context) -> sidecar_pb2.LoadReport:
+        try:
+            with anyio.fail_after(self._config.health_probe_timeout):
+                load = await self._engine.load()
+        except SidecarError as err:
+            await _fail(context, err)
+        except TimeoutError:
+            await _fail(
+                context,
+                SidecarError(ErrorReason.CONNECTION_TIMEOUT, f"{self._engine.name} load: no answer in time"),
+            )
+        except Exception as exc:
+            await _fail(context, _unexpected(f"{self._engine.name} load", exc))
+        return sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
