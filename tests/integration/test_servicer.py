@@ -148,7 +148,9 @@ async def test_engine_error_mid_stream_gives_prefix_then_typed_status() -> None:
             "sidecar",
             "true",
         )
-        trailing = {str(m[0]): m[1] for m in info.value.trailing_metadata()}
+        # grpc.aio.Metadata at run time (key, value pairs); the stubs type it otherwise.
+        metadata: Any = info.value.trailing_metadata()
+        trailing = dict(metadata)
         assert trailing["migratable"] == "true"
         assert engine.aborts == [engine.calls[0].private_id]
 
