@@ -1,0 +1,37 @@
+"""Reading a process's CPU time and peak memory from /proc (Linux only)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["cpu_seconds", "peak_rss_kib", "reset_peak_rss"]
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid``, in seconds."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        raw = f.read()
+    # The command name (field 2) may contain spaces; the fields after its closing ')' do not.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    # After the name: state is index 0, so utime (field 14) is index 11 and stime index 12.
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """VmHWM: the resident-set high-water mark since start or the last reset."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return None
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Reset VmHWM to the current RSS (clear_refs "5"), so a peak belongs to one run."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+        return True
+    return False
