@@ -1,0 +1,641 @@
+"""A CPU stand-in for vLLM's gRPC server (``vllm.grpc.engine.VllmEngine``) plus gRPC health.
+
+The stream shape follows smg-grpc-servicer's ``VllmEngineServicer`` with ``stream=true``
+(vLLM's DELTA output kind):
+
+* per engine step and per choice, one ``chunk`` with only the new token ids; counts are per
+  message (``completion_tokens`` = ids in this message); ``input_logprobs`` ride on each
+  choice's first chunk only;
+* when a choice finishes, its last ``chunk`` is followed by a ``complete`` that restates that
+  final delta (``output_ids`` = the last chunk's ids), with ``input_logprobs`` again,
+  ``matched_stop`` and, on a prefill, ``kv_transfer_params_json``;
+* an Abort RPC ends every unfinished choice with an empty ``chunk`` and a ``complete`` of
+  finish_reason "abort" (vLLM puts a final abort output on the request's queue); a client
+  that cancels its stream gets nothing more and the request is stopped;
+* request errors are INVALID_ARGUMENT before any message (vLLM's ValueError mapping).
+
+A primary-EOS stop reports no ``matched_stop`` (vLLM's scheduler sets no stop_reason for it);
+stop token ids, and EOS ids that are not the primary one, report ``matched_token_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from testkit.book import Book, Outcome
+from testkit.faults import FaultBook, FaultKind, FaultPlan
+from testkit.generator import (
+    Finish,
+    GeneratedToken,
+    Generator,
+    ModelSpec,
+    PositionLogprobs,
+    SamplingSpec,
+    prompt_logprobs,
+)
+
+__all__ = ["SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
+
+SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+_KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
+_HANDOFF_FIELDS = ("remote_host", "remote_port", "remote_engine_id", "remote_block_ids")
+_NEGATIVE_ONE_AS_UINT32 = 0xFFFFFFFF  # the wire's ids are uint32: -1 can only arrive like this
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    served_model_name: str = "testkit-model"
+    model_path: str = "testkit/tiny-model"
+    context_length: int = 4096
+    vocab_size: int = 32000
+    eos_token_ids: tuple[int, ...] = (2,)
+    kv_role: str = ""
+    kv_engine_id: str = "testkit-engine-0"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 5600
+    data_parallel_size: int = 1
+    block_size: int = 16
+    max_num_seqs: int = 256
+    total_kv_tokens: int = 65536
+    token_latency_ms: float = 0.0
+    chunk_tokens: int = 1
+    startup_delay_secs: float = 0.0
+    supports_vision: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in _KV_ROLES:
+            raise ValueError(f"kv_role must be one of {_KV_ROLES}")
+        if self.chunk_tokens < 1 or self.max_num_seqs < 1 or self.data_parallel_size < 1:
+            raise ValueError("chunk_tokens, max_num_seqs and data_parallel_size must be >= 1")
+
+    @property
+    def model(self) -> ModelSpec:
+        return ModelSpec(self.vocab_size, self.eos_token_ids, self.context_length)
+
+
+class _RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Live:
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _top(lp: PositionLogprobs | None, num: int) -> pb.TopLogProbs:
+    # vLLM's per-position dict holds the chosen token first, then the top-k without it.
+    top = pb.TopLogProbs()
+    if lp is None or num <= 0:
+        return top
+    entries = [(lp.token_id, lp.logprob), *((t, v) for t, v in lp.top if t != lp.token_id)]
+    for tid, value in entries[:num]:
+        top.token_ids.append(tid)
+        top.values.append(value)
+    return top
+
+
+def _output_logprobs(lps: list[PositionLogprobs | None], num: int | None) -> pb.OutputLogProbs | None:
+    if num is None or not lps:
+        return None
+    out = pb.OutputLogProbs()
+    for lp in lps:
+        assert lp is not None
+        out.token_logprobs.append(lp.logprob)
+        out.token_ids.append(lp.token_id)
+        if num:
+            out.top_logprobs.append(_top(lp, num))
+    return out
+
+
+class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
+    """The engine. ``start()`` returns the port; faults and bookkeeping are attributes."""
+
+    def __init__(self, config: VllmEngineConfig | None = None) -> None:
+        self.config = config or VllmEngineConfig()
+        self.book = Book(max_running=self.config.max_num_seqs)
+        self.faults = FaultBook()
+        self.handoffs: list[tuple[str, dict[str, Any]]] = []  # decode requests' kv params
+        self.port = self.config.port
+        self._server: grpc.aio.Server | None = None
+        self._live: dict[str, _Live] = {}
+        self._ready = asyncio.Event()
+        self._bind_task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._started_at = time.monotonic()
+        self._last_receive = 0.0
+        self._seen_blocks: set[int] = set()
+        self._next_block = 1
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Bind (after ``startup_delay_secs``, refusing connections until then); the port."""
+        if self.port == 0:
+            # The port must be known before a delayed bind, so reserve a free one now.
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((self.config.host, 0))
+                self.port = int(s.getsockname()[1])
+        self._stopping.clear()
+        if self.config.startup_delay_secs > 0 and not self._ready.is_set():
+            self._bind_task = asyncio.create_task(self._bind_later(self.config.startup_delay_secs))
+        else:
+            await self._bind()
+        return self.port
+
+    async def _bind_later(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self._bind()
+
+    async def _bind(self) -> None:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+            ]
+        )
+        pb_grpc.add_VllmEngineServicer_to_server(self, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        if server.add_insecure_port(f"{self.config.host}:{self.port}") != self.port:
+            raise OSError(f"testkit vllm engine: cannot bind {self.config.host}:{self.port}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self._ready.set()
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving: in-flight streams get ``grace`` seconds, then are cancelled."""
+        self._stopping.set()
+        if self._bind_task is not None:
+            self._bind_task.cancel()
+            await asyncio.gather(self._bind_task, return_exceptions=True)
+            self._bind_task = None
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace)
+        self._ready.clear()
+
+    async def die(self) -> None:
+        """Engine-wide fault: the server goes away now, mid-stream (streams end without status)."""
+        await self.stop(0)
+
+    async def refuse_connections(self) -> None:
+        """Engine-wide fault: stop listening (new connections are refused) until ``restart``."""
+        await self.stop(0)
+
+    async def restart(self) -> int:
+        """Stop, then serve again on the same port; the book and faults are kept."""
+        await self.stop(0)
+        return await self.start()
+
+    def running_count(self) -> int:
+        return self.book.running_count
+
+    # -- discovery RPCs -------------------------------------------------------------------
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context: Any) -> pb.HealthCheckResponse:
+        return pb.HealthCheckResponse(healthy=True, message="Health")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
+        c = self.config
+        return pb.GetModelInfoResponse(
+            model_path=c.model_path,
+            is_generation=True,
+            max_context_length=c.context_length,
+            vocab_size=c.vocab_size,
+            supports_vision=c.supports_vision,
+            served_model_name=c.served_model_name,
+            tokenizer_path=c.model_path,
+            model_type="testkit",
+            architectures=["TestkitForCausalLM"],
+            eos_token_ids=list(c.eos_token_ids),
+            pad_token_id=0,
+            bos_token_id=1,
+            max_req_input_len=c.context_length,
+        )
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Any) -> pb.GetServerInfoResponse:
+        c = self.config
+        return pb.GetServerInfoResponse(
+            active_requests=self.book.running_count + self.book.waiting_count,
+            last_receive_timestamp=self._last_receive,
+            uptime_seconds=time.monotonic() - self._started_at,
+            server_type="vllm-grpc",
+            kv_connector="NixlConnector" if c.kv_role else "",
+            kv_role=c.kv_role,
+            kv_engine_id=c.kv_engine_id if c.kv_role else "",
+            data_parallel_size=c.data_parallel_size,
+            kv_cache_dtype="auto",
+            block_size=c.block_size,
+            model_dtype="torch.float32",
+            max_num_seqs=c.max_num_seqs,
+        )
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: Any) -> pb.GetLoadsResponse:
+        c, b = self.config, self.book
+        used = min(b.used_tokens(), c.total_kv_tokens)
+        loads = [
+            pb.SchedulerLoad(
+                dp_rank=rank,
+                num_running_reqs=b.running_count if rank == 0 else 0,
+                num_waiting_reqs=b.waiting_count if rank == 0 else 0,
+                num_total_reqs=b.running_count + b.waiting_count if rank == 0 else 0,
+                num_used_tokens=used if rank == 0 else 0,
+                max_total_num_tokens=c.total_kv_tokens,
+                token_usage=used / c.total_kv_tokens if rank == 0 else 0.0,
+                max_running_requests=c.max_num_seqs,
+                utilization=b.running_count / c.max_num_seqs if rank == 0 else 0.0,
+            )
+            for rank in range(c.data_parallel_size)
+        ]
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            version="testkit",
+            dp_rank_count=len(loads),
+            loads=loads,
+        )
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        ids = list(request.request_ids)
+        self.book.record_aborts(ids)
+        for rid in ids:
+            if not self.book.abort_waiting(rid) and rid in self._live:
+                self._live[rid].aborted.set()
+        return pb.AbortResponse()
+
+    # -- Generate -------------------------------------------------------------------------
+    def _check(self, request: pb.GenerateRequest) -> tuple[tuple[int, ...], dict[str, Any] | None]:
+        c = self.config
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        if request.WhichOneof("input") != "tokenized":
+            raise _RequestError(bad, "the testkit engine takes tokenized input only")
+        prompt = tuple(request.tokenized.input_ids)
+        if not prompt:
+            raise _RequestError(bad, "prompt cannot be empty")
+        if max(prompt) >= c.vocab_size:
+            raise _RequestError(bad, f"Token id {max(prompt)} is out of vocabulary")
+        if len(prompt) >= c.context_length:
+            raise _RequestError(bad, f"prompt ({len(prompt)} tokens) is too long for {c.context_length}")
+        sp = request.sampling_params
+        if sp.HasField("max_tokens") and sp.max_tokens < 1:
+            raise _RequestError(bad, f"max_tokens must be at least 1, got {sp.max_tokens}")
+        if request.HasField("data_parallel_rank") and not (
+            0 <= request.data_parallel_rank < c.data_parallel_size
+        ):
+            raise _RequestError(bad, f"data_parallel_rank {request.data_parallel_rank} is out of range")
+        has_media = request.HasField("mm_inputs") or request.HasField("media_refs")
+        if has_media and not c.supports_vision:
+            raise _RequestError(bad, "this model does not support multimodal inputs")
+        if self.book.is_live(request.request_id):
+            raise _RequestError(bad, f"request id {request.request_id!r} is already running")
+        kv: dict[str, Any] | None = None
+        if request.HasField("kv_transfer_params_json"):
+            try:
+                kv = json.loads(request.kv_transfer_params_json)
+            except json.JSONDecodeError as e:
+                raise _RequestError(bad, f"Invalid kv_transfer_params_json: {e}") from None
+            if not isinstance(kv, dict):
+                raise _RequestError(bad, "kv_transfer_params_json must be a JSON object")
+            if kv.get("do_remote_prefill"):
+                missing = [f for f in _HANDOFF_FIELDS if f not in kv]
+                if missing:
+                    raise _RequestError(bad, f"kv_transfer_params lacks {', '.join(missing)}")
+        return prompt, kv
+
+    def _sampling(self, request: pb.GenerateRequest) -> SamplingSpec:
+        sp = request.sampling_params
+        return SamplingSpec(
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+            min_tokens=sp.min_tokens,
+            stop_token_ids=tuple(sp.stop_token_ids),
+            stop=tuple(sp.stop),
+            ignore_eos=sp.ignore_eos,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            seed=sp.seed if sp.HasField("seed") else None,
+            n=sp.n if sp.n > 0 else 1,
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        )
+
+    def _cached(self, prompt: tuple[int, ...]) -> int:
+        # Prefix caching by whole blocks; the last prompt token is always computed.
+        bs = self.config.block_size
+        cached = 0
+        for end in range(bs, len(prompt), bs):
+            key = hash(prompt[:end])
+            if key in self._seen_blocks:
+                cached = end
+            else:
+                if len(self._seen_blocks) > 100_000:
+                    self._seen_blocks.clear()
+                self._seen_blocks.add(key)
+        return cached
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request_id
+        self._last_receive = time.time()
+        self.book.record_request(rid, request)
+        try:
+            prompt, kv = self._check(request)
+        except _RequestError as e:
+            self.book.release(rid, Outcome.ERROR, str(e))
+            await context.abort(e.code, str(e))
+            return
+        plan = self.faults.plan_for(rid)
+        if plan is not None and plan.kind is FaultKind.FAIL_OPEN:
+            self.book.release(rid, Outcome.FAULTED, plan.kind.value)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "testkit fault: fail_open")
+            return
+        if kv is not None and kv.get("do_remote_prefill"):
+            self.handoffs.append((rid, kv))
+        live = self._live[rid] = _Live()
+        outcome, detail = Outcome.CANCELLED, "client left"
+        try:
+            async for msg in self._faulted(self._stream(request, prompt, kv, live), plan, live):
+                yield msg
+            outcome, detail = self._end_state(live, plan)
+        except _FaultError as e:
+            outcome, detail = Outcome.FAULTED, str(e)
+            await context.abort(e.code, str(e))
+        finally:
+            self._live.pop(rid, None)
+            self.book.release(rid, outcome, detail)
+
+    # -- the stream -----------------------------------------------------------------------
+    async def _pause(self, live: _Live, secs: float) -> None:
+        """Sleep ``secs`` (or yield once), waking early on an abort."""
+        if secs <= 0:
+            await asyncio.sleep(0)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(live.aborted.wait(), secs)
+
+    def _handoff(self, prompt: tuple[int, ...]) -> dict[str, Any]:
+        c = self.config
+        nblocks = -(-len(prompt) // c.block_size)
+        blocks = list(range(self._next_block, self._next_block + nblocks))
+        self._next_block += nblocks
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": c.kv_engine_id,
+            "remote_host": c.kv_host,
+            "remote_port": c.kv_port,
+            "tp_size": 1,
+        }
+
+    async def _stream(
+        self, request: pb.GenerateRequest, prompt: tuple[int, ...], kv: dict[str, Any] | None, live: _Live
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        c, rid = self.config, request.request_id
+        sampling = self._sampling(request)
+        choices = [_Choice(Generator(c.model, prompt, sampling, i)) for i in range(sampling.n)]
+        if not await self.book.admit(rid, len(prompt)):
+            live.aborted.set()
+            for ch in choices:
+                for msg in from_abort(ch, len(prompt), 0):
+                    yield msg
+            return
+        cached = self._cached(prompt)
+        plp = None
+        if sampling.prompt_logprobs is not None:
+            plp = prompt_logprobs(prompt, max(0, sampling.prompt_logprobs), c.model)
+        in_lp = _input_logprobs(prompt, plp, sampling.prompt_logprobs)
+        prefill = (
+            kv is not None and bool(kv.get("do_remote_decode")) and c.kv_role in ("kv_producer", "kv_both")
+        )
+        produced = len(prompt)
+        while True:
+            live_choices = [ch for ch in choices if not ch.gen.done]
+            if not live_choices:
+                break
+            await self._pause(live, c.token_latency_ms / 1000.0 * c.chunk_tokens)
+            if live.aborted.is_set():
+                for ch in live_choices:
+                    for msg in from_abort(ch, len(prompt), cached):
+                        yield msg
+                return
+            step: list[pb.GenerateResponse] = []
+            for ch in live_choices:
+                toks: list[GeneratedToken] = []
+                while len(toks) < c.chunk_tokens and not ch.gen.done:
+                    toks.append(ch.gen.step())
+                ids = [t.token_id for t in toks]
+                lps = [t.logprobs for t in toks]
+                ch.all_ids += ids
+                ch.all_lps += lps
+                produced += len(ids)
+                fin = ch.finish = toks[-1].finish
+                if request.stream:
+                    step.append(
+                        pb.GenerateResponse(
+                            chunk=pb.GenerateStreamChunk(
+                                token_ids=ids,
+                                prompt_tokens=len(prompt),
+                                completion_tokens=len(ids),
+                                cached_tokens=cached,
+                                output_logprobs=_output_logprobs(lps, sampling.logprobs),
+                                input_logprobs=None if ch.first_sent else in_lp,
+                                index=ch.gen.index,
+                            )
+                        )
+                    )
+                    ch.first_sent = True
+                if fin is not None and (request.stream or all(x.gen.done for x in choices)):
+                    for done in [ch] if request.stream else choices:
+                        step.append(
+                            self._complete(
+                                done,
+                                done.finish or fin,
+                                request.stream,
+                                prompt,
+                                cached,
+                                in_lp,
+                                sampling,
+                                self._handoff(prompt) if prefill else None,
+                            )
+                        )
+            self.book.set_tokens(rid, produced)
+            for msg in step:
+                yield msg
+
+    def _complete(
+        self,
+        ch: _Choice,
+        fin: Finish,
+        stream: bool,
+        prompt: tuple[int, ...],
+        cached: int,
+        in_lp: pb.InputLogProbs | None,
+        sampling: SamplingSpec,
+        handoff: dict[str, Any] | None,
+    ) -> pb.GenerateResponse:
+        # Streaming restates the final delta (the last chunk's ids); otherwise all the ids.
+        n_last = (
+            len(ch.all_ids) - _last_chunk_start(ch, self.config.chunk_tokens) if stream else len(ch.all_ids)
+        )
+        ids, lps = ch.all_ids[-n_last:] if n_last else [], ch.all_lps[-n_last:] if n_last else []
+        done = pb.GenerateComplete(
+            output_ids=ids,
+            finish_reason=fin.reason,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(ids),
+            cached_tokens=cached,
+            output_logprobs=_output_logprobs(lps, sampling.logprobs),
+            input_logprobs=in_lp,
+            index=ch.gen.index,
+        )
+        primary_eos = (
+            fin.is_eos and not sampling.ignore_eos and fin.matched_token_id == self.config.eos_token_ids[0]
+        )
+        if fin.matched_stop_str is not None:
+            done.matched_stop_str = fin.matched_stop_str
+        elif fin.matched_token_id is not None and not primary_eos:
+            done.matched_token_id = fin.matched_token_id
+        if handoff is not None:
+            done.kv_transfer_params_json = json.dumps(handoff)
+            done.kv_transfer_params.remote_host = str(handoff["remote_host"])
+            done.kv_transfer_params.remote_port = int(handoff["remote_port"])
+        return pb.GenerateResponse(complete=done)
+
+    async def _faulted(
+        self, source: AsyncIterator[pb.GenerateResponse], plan: FaultPlan | None, live: _Live
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Apply a per-request fault plan to the stream ``source`` makes."""
+        if plan is None:
+            async for msg in source:
+                yield msg
+            return
+        kind, k = plan.kind, plan.after
+        cut = kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG)
+        sent = 0
+        first: pb.GenerateResponse | None = None
+        stalled = kind is not FaultKind.STALL_FIRST_TOKEN
+        async for msg in source:
+            which = msg.WhichOneof("response")
+            ids = list(msg.chunk.token_ids) if which == "chunk" else []
+            if not stalled and ids:
+                stalled = True
+                await self._pause(live, plan.stall_secs)
+            if cut and (which == "complete" or sent + len(ids) > k):
+                if k > sent and which == "chunk":
+                    part = pb.GenerateResponse()
+                    part.CopyFrom(msg)
+                    del part.chunk.token_ids[k - sent :]
+                    part.chunk.completion_tokens = k - sent
+                    yield part
+                await self._trip(plan)
+                return
+            if which == "complete" and kind is FaultKind.MALFORMED_TERMINAL:
+                msg = _malform(msg, plan.variant)
+            sent += len(ids)
+            first = first or msg
+            yield msg
+        if kind is FaultKind.REPEAT_AFTER_TERMINAL and first is not None:
+            yield first
+
+    async def _trip(self, plan: FaultPlan) -> None:
+        if plan.kind is FaultKind.ERROR_AFTER:
+            code = getattr(grpc.StatusCode, plan.code, grpc.StatusCode.INTERNAL)
+            raise _FaultError(code, plan.error_message)
+        if plan.kind is FaultKind.HANG:
+            # Hung until the client leaves or the engine stops.
+            await self._stopping.wait()
+
+    @staticmethod
+    def _end_state(live: _Live, plan: FaultPlan | None) -> tuple[Outcome, str]:
+        if live.aborted.is_set():
+            return Outcome.ABORTED, "abort"
+        if plan is not None:
+            return Outcome.FAULTED, plan.kind.value
+        return Outcome.FINISHED, ""
+
+
+class _FaultError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Choice:
+    """One choice's generator plus what the wire needs to remember about it."""
+
+    def __init__(self, gen: Generator) -> None:
+        self.gen = gen
+        self.all_ids: list[int] = []
+        self.all_lps: list[PositionLogprobs | None] = []
+        self.first_sent = False
+        self.finish: Finish | None = None
+
+
+def _last_chunk_start(ch: _Choice, chunk_tokens: int) -> int:
+    # Every chunk but the last is full, so the last one starts at the last full multiple.
+    n = len(ch.all_ids)
+    return ((n - 1) // chunk_tokens) * chunk_tokens if n else 0
+
+
+def from_abort(ch: _Choice, prompt_tokens: int, cached: int) -> list[pb.GenerateResponse]:
+    """vLLM's final abort output for one choice: an empty chunk, then complete("abort")."""
+    i = ch.gen.index
+    return [
+        pb.GenerateResponse(
+            chunk=pb.GenerateStreamChunk(prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
+        ),
+        pb.GenerateResponse(
+            complete=pb.GenerateComplete(
+                finish_reason="abort", prompt_tokens=prompt_tokens, cached_tokens=cached, index=i
+            )
+        ),
+    ]
+
+
+def _input_logprobs(
+    prompt: tuple[int, ...], plp: list[PositionLogprobs | None] | None, num: int | None
+) -> pb.InputLogProbs | None:
+    if plp is None or num is None:
+        return None
+    out = pb.InputLogProbs()
+    for tok, lp in zip(prompt, plp, strict=True):
+        entry = pb.InputTokenLogProb()
+        if lp is not None:
+            entry.value = lp.logprob
+        out.token_logprobs.append(entry)
+        out.token_ids.append(tok)
+        if num:
+            out.top_logprobs.append(_top(lp, num))
+    return out
+
+
+def _malform(msg: pb.GenerateResponse, variant: str) -> pb.GenerateResponse:
+    bad = pb.GenerateResponse()
+    bad.CopyFrom(msg)
+    done = bad.complete
+    if variant == "missing_finish_reason":
+        done.finish_reason = ""
+    elif variant == "unknown_finish_reason":
+        done.finish_reason = "exploded"
+    elif variant == "count_mismatch":
+        done.completion_tokens = len(done.output_ids) + 7
+    elif variant == "negative_id":
+        done.output_ids.append(_NEGATIVE_ONE_AS_UINT32)
+    return bad
