@@ -364,9 +364,10 @@ class ResponseState:
         choice = self._choice(chunk.index)
         if choice.done:
             return []
+        ids = list(chunk.token_ids)
+        _check_count("chunk", chunk.completion_tokens, ids)
         self._observe_counts(chunk.prompt_tokens, chunk.cached_tokens)
         self._observe_prompt_logprobs(chunk)
-        ids = list(chunk.token_ids)
         choice.last_chunk = ids
         if not ids or self._mode == "prefill":
             # A prefill hands off KV only; the token it samples belongs to the decode side.
@@ -391,6 +392,7 @@ class ResponseState:
         finish = _FINISH.get(reason)
         if finish is None:
             raise protocol_error(_ENGINE, f"unknown finish reason {reason!r}")
+        _check_count("complete", done.completion_tokens, done.output_ids)
         self._observe_counts(done.prompt_tokens, done.cached_tokens)
         self._observe_prompt_logprobs(done)
         out = sidecar_pb2.LLMEngineOutput(index=done.index, finish_reason=finish)
@@ -466,6 +468,12 @@ class ResponseState:
                 for token, alt in _pairs(tops[i], "top logprobs"):
                     if token != sampled:
                         entries.add(token_id=token, logprob=_clamp(alt))
+
+
+def _check_count(what: str, count: int, ids: Sequence[int]) -> None:
+    # The servicer's counts are per message; a mismatch means a different (or broken) wire.
+    if count != len(ids):
+        raise protocol_error(_ENGINE, f"{what} says completion_tokens {count} but carries {len(ids)} ids")
 
 
 def _clamp(value: float) -> float:

@@ -375,3 +375,22 @@ def test_aborted_prefill_is_cancelled_without_handoff_or_error() -> None:
 def test_decode_and_agg_ignore_a_handoff() -> None:
     outs, _ = run([chunk([1]), complete([1], kv_json='{"a":1}')])
     assert not outs[-1].HasField("disaggregated_params")
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        vllm_engine_pb2.GenerateResponse(
+            chunk=vllm_engine_pb2.GenerateStreamChunk(token_ids=[1], completion_tokens=2)
+        ),
+        vllm_engine_pb2.GenerateResponse(
+            complete=vllm_engine_pb2.GenerateComplete(
+                output_ids=[1], completion_tokens=8, finish_reason="stop"
+            )
+        ),
+    ],
+)
+def test_per_message_count_that_disagrees_with_the_ids_is_a_protocol_error(
+    msg: vllm_engine_pb2.GenerateResponse,
+) -> None:
+    assert "completion_tokens" in fails([msg], ErrorReason.PROTOCOL_ERROR)

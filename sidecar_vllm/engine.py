@@ -1,0 +1,266 @@
+"""The vLLM engine adapter: vLLM's native gRPC service over the shared channel pool.
+
+I/O only. Every protocol rule lives in :mod:`sidecar_vllm.convert`; this module opens
+calls, feeds the engine's messages to a :class:`~sidecar_vllm.convert.ResponseState`, and
+turns transport failures into typed errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final, Protocol, TypeVar, cast
+
+import anyio
+import grpc
+import structlog
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.config import DisaggregationMode, SidecarConfig
+from sidecar_common.engine import EngineLoad, GenerateCall
+from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
+from sidecar_vllm.convert import ResponseState, to_generate_request
+
+__all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "KV_ROLES", "LOAD_TIMEOUT", "VllmEngine"]
+
+_log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+ABORT_TIMEOUT: Final = 2.0
+HEALTH_TIMEOUT: Final = 1.5
+LOAD_TIMEOUT: Final = 2.0
+# The grpc timeout is the real bound; this margin only catches a call that ignores it.
+_GRACE: Final = 0.5
+
+# The engine kv_role each disaggregation half needs.
+KV_ROLES: Final[dict[DisaggregationMode, frozenset[str]]] = {
+    "prefill": frozenset({"kv_producer", "kv_both"}),
+    "decode": frozenset({"kv_consumer", "kv_both"}),
+}
+
+
+class _GenerateCall(Protocol):
+    def __aiter__(self) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]: ...
+
+    def cancel(self) -> bool: ...
+
+
+class _Stub(Protocol):
+    """The typed face of ``VllmEngineStub`` (its generated module ships no stubs)."""
+
+    def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, *, timeout: float
+    ) -> Awaitable[vllm_engine_pb2.HealthCheckResponse]: ...
+
+    def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, *, timeout: float
+    ) -> Awaitable[vllm_engine_pb2.GetModelInfoResponse]: ...
+
+    def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, *, timeout: float
+    ) -> Awaitable[vllm_engine_pb2.GetServerInfoResponse]: ...
+
+    def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, *, timeout: float
+    ) -> Awaitable[vllm_engine_pb2.GetLoadsResponse]: ...
+
+    def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, *, timeout: float
+    ) -> Awaitable[vllm_engine_pb2.AbortResponse]: ...
+
+    def Generate(self, request: vllm_engine_pb2.GenerateRequest) -> _GenerateCall: ...
+
+
+class _NotHealthy(Exception):
+    """The engine answered HealthCheck but is not ready yet: retried within the deadline."""
+
+
+class VllmEngine:
+    """One vLLM engine (``vllm serve --grpc``) behind ``config.pool``."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        clock: Clock | None = None,
+        connector: Connector | None = None,
+    ) -> None:
+        self._config = config
+        self._mode: DisaggregationMode = config.disaggregation_mode
+        self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
+        self._stubs: dict[int, _Stub] = {}
+        self._info: sidecar_pb2.ModelInfo | None = None
+
+    @property
+    def name(self) -> str:
+        return "vllm"
+
+    def _stub(self) -> _Stub:
+        channel = self._pool.channel()
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
+        return stub
+
+    # ------------------------------------------------------------------- start-up
+
+    async def start(self) -> None:
+        # One deadline for the pool, the health wait and discovery (spec/COMMON.md).
+        deadline = Deadline.start(self._pool.clock, self._config.pool.startup_deadline)
+        await self._pool.connect(deadline)
+        target = self._config.pool.endpoint.target
+        await retry_until_deadline(
+            f"vllm engine {target} (HealthCheck)", self._health_attempt, deadline, self._config.pool.retry
+        )
+        model = await self._discover(
+            "GetModelInfo",
+            deadline,
+            lambda stub, t: stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=t),
+        )
+        server = await self._discover(
+            "GetServerInfo",
+            deadline,
+            lambda stub, t: stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=t),
+        )
+        self._check_kv_role(server.kv_role)
+        self._info = sidecar_pb2.ModelInfo(
+            engine="vllm",
+            served_model_name=model.served_model_name or model.model_path,
+            model_path=model.model_path,
+            tokenizer_path=model.tokenizer_path,
+            max_context_length=model.max_context_length,
+            vocab_size=model.vocab_size,
+            eos_token_ids=[t for t in model.eos_token_ids if t >= 0],
+            kv_block_size=max(server.block_size, 0),
+            max_num_seqs=max(server.max_num_seqs, 0),
+            data_parallel_size=max(server.data_parallel_size, 0),
+            disaggregation_mode=self._mode,
+            supports_vision=model.supports_vision,
+        )
+        _log.info(
+            "vllm engine discovered",
+            served_model_name=self._info.served_model_name,
+            kv_role=server.kv_role,
+            data_parallel_size=self._info.data_parallel_size,
+            elapsed=round(deadline.elapsed(), 3),
+        )
+
+    async def _health_attempt(self, timeout: float) -> None:
+        reply = await self._stub().HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout)
+        if not reply.healthy:
+            raise _NotHealthy(f"engine reports not healthy: {reply.message or 'no message'}")
+
+    async def _discover(
+        self, rpc: str, deadline: Deadline, call: Callable[[_Stub, float], Awaitable[T]]
+    ) -> T:
+        # Not retried: the engine is healthy by now, and a non-vLLM server answering
+        # UNIMPLEMENTED must fail fast rather than spin until a 30-minute deadline.
+        timeout = min(self._config.pool.retry.attempt_timeout, deadline.remaining())
+        if timeout <= 0:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT,
+                f"{rpc}: the startup deadline ({deadline.seconds:g}s) ran out before discovery",
+            )
+        stub = self._stub()
+        try:
+            with anyio.fail_after(timeout + _GRACE):
+                return await call(stub, timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(rpc, err) from None
+        except TimeoutError:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s"
+            ) from None
+
+    def _check_kv_role(self, kv_role: str) -> None:
+        needed = KV_ROLES.get(self._mode)
+        if needed is not None and kv_role not in needed:
+            raise SidecarError(
+                ErrorReason.INVALID_ARGUMENT,
+                f"--disaggregation-mode {self._mode} needs an engine with kv_role "
+                f"{' or '.join(sorted(needed))}, but the engine reports kv_role "
+                f"{kv_role!r}",
+            )
+
+    def model_info(self) -> sidecar_pb2.ModelInfo:
+        if self._info is None:
+            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the vllm engine is not discovered yet")
+        return self._info
+
+    # ------------------------------------------------------------------- requests
+
+    def _convert(
+        self, request: sidecar_pb2.PreprocessedRequest, private_id: str
+    ) -> vllm_engine_pb2.GenerateRequest:
+        vision = self._info.supports_vision if self._info is not None else False
+        return to_generate_request(request, private_id, mode=self._mode, supports_vision=vision)
+
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        self._convert(request, "validate")
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
+        native = self._convert(call.request, call.private_id)
+        state = ResponseState(call.request, self._mode)
+        stream = self._stub().Generate(native)
+        try:
+            async for message in stream:
+                for out in state.feed(message):
+                    yield out
+                if state.finished:
+                    return
+        except grpc.RpcError as err:
+            raise from_rpc_error("Generate", err) from None
+        finally:
+            # Leaving early (error, aclose, cancel) must release the HTTP/2 stream now.
+            stream.cancel()
+        raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "engine stream ended before the final chunk")
+
+    async def abort(self, private_id: str) -> None:
+        request = vllm_engine_pb2.AbortRequest(request_ids=[private_id])
+        try:
+            with anyio.move_on_after(ABORT_TIMEOUT + _GRACE):
+                await self._stub().Abort(request, timeout=ABORT_TIMEOUT)
+                return
+            _log.warning("vllm abort timed out", private_id=private_id)
+        except grpc.RpcError as err:
+            _log.warning(
+                "vllm abort failed", private_id=private_id, error=from_rpc_error("Abort", err).message
+            )
+        except SidecarError as err:
+            _log.warning("vllm abort not sent", private_id=private_id, error=err.message)
+
+    async def load(self) -> EngineLoad:
+        try:
+            with anyio.fail_after(LOAD_TIMEOUT + _GRACE):
+                reply = await self._stub().GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=LOAD_TIMEOUT)
+        except grpc.RpcError as err:
+            raise from_rpc_error("GetLoads", err) from None
+        except TimeoutError:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT, f"GetLoads: no answer in {LOAD_TIMEOUT}s"
+            ) from None
+        return EngineLoad(
+            ranks=tuple(
+                sidecar_pb2.RankLoad(
+                    dp_rank=max(load.dp_rank, 0),
+                    running_requests=max(load.num_running_reqs, 0),
+                    waiting_requests=max(load.num_waiting_reqs, 0),
+                    kv_usage=min(max(load.token_usage, 0.0), 1.0),
+                )
+                for load in reply.loads
+            )
+        )
+
+    async def healthy(self) -> bool:
+        try:
+            with anyio.move_on_after(HEALTH_TIMEOUT + _GRACE):
+                await self._health_attempt(HEALTH_TIMEOUT)
+                return True
+        except (grpc.RpcError, _NotHealthy, SidecarError):
+            pass
+        return False
+
+    async def close(self) -> None:
+        self._stubs.clear()
+        await self._pool.close()
