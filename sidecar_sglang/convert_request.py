@@ -1,0 +1,420 @@
+"""Request conversion for SGLang (pure): PreprocessedRequest -> one native intermediate,
+then the gRPC ``GenerateRequest`` or the HTTP ``/generate`` JSON body from it.
+
+Every rule of spec/SGLANG.md "Request conversion" is applied once, in :func:`build_native`;
+the two wire renderings only spell the same fields. No I/O, no clock, no globals: the
+prefill bootstrap room is drawn by the caller and passed in.
+
+Priority: SGLang's scheduler (``--enable-priority-scheduling``) runs *larger* priority values
+first unless the server was started with ``--schedule-low-priority-values-first`` (off by
+default). Ours is "higher is more urgent", so the value passes unchanged by default and is
+negated when discovery reports the low-values-first flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from google.protobuf import struct_pb2
+
+from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.errors import invalid_argument
+
+__all__ = [
+    "INT32_MAX",
+    "ROOM_MAX",
+    "Bootstrap",
+    "NativeRequest",
+    "NativeSampling",
+    "RequestSettings",
+    "bootstrap_struct",
+    "build_native",
+    "to_grpc",
+    "to_http_json",
+]
+
+INT32_MAX: Final = 2**31 - 1
+INT32_MIN: Final = -(2**31)
+ROOM_MAX: Final = 2**63 - 1
+
+Mode = Literal["agg", "prefill", "decode"]
+Transport = Literal["grpc", "http"]
+
+_MEDIA_FIELDS: Final = {
+    sidecar_pb2.MultimodalItem.IMAGE: "image_data",
+    sidecar_pb2.MultimodalItem.VIDEO: "video_data",
+    sidecar_pb2.MultimodalItem.AUDIO: "audio_data",
+}
+# No SGLang-specific extension is defined yet; any key is refused by name (never dropped).
+_KNOWN_EXTRA_ARGS: Final[frozenset[str]] = frozenset()
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The prefill/decode rendezvous triple, exactly as sent to the engine."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What discovery learned that request conversion depends on."""
+
+    mode: Mode = "agg"
+    transport: Transport = "grpc"
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    low_priority_values_first: bool = False
+
+
+@dataclass(frozen=True)
+class NativeSampling:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    """The shared intermediate: one SGLang generate request, transport-neutral."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: NativeSampling
+    return_logprob: bool = False
+    top_logprobs_num: int | None = None
+    logprob_start_len: int | None = None
+    lora_path: str | None = None
+    routed_dp_rank: int | None = None
+    priority: int | None = None
+    bootstrap: Bootstrap | None = None
+    media: tuple[tuple[str, str], ...] = ()  # (HTTP field, URL), HTTP only
+    # Response-side context, never sent.
+    user_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prefill: bool = False
+
+
+def _int32(value: int, name: str, *, minimum: int = INT32_MIN) -> int:
+    if not minimum <= value <= INT32_MAX:
+        raise invalid_argument(name, f"{value} does not fit in int32")
+    return value
+
+
+def _ordered_unique(*groups: Iterable[int]) -> tuple[int, ...]:
+    seen: dict[int, None] = {}
+    for group in groups:
+        for item in group:
+            seen.setdefault(item, None)
+    return tuple(seen)
+
+
+def _opt_float(msg: sidecar_pb2.SamplingOptions, name: str) -> float | None:
+    return float(getattr(msg, name)) if msg.HasField(name) else None  # type: ignore[arg-type]
+
+
+def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> None:
+    if not request.token_ids:
+        raise invalid_argument("token_ids", "the prompt must not be empty")
+    s = request.sampling_options
+    if s.HasField("n") and s.n != 1:
+        raise invalid_argument("sampling_options.n", f"only n = 1 is supported by SGLang (got {s.n})")
+    if s.HasField("best_of") and s.best_of != 1:
+        raise invalid_argument("sampling_options.best_of", f"only best_of = 1 is supported (got {s.best_of})")
+    if s.use_beam_search:
+        raise invalid_argument("sampling_options.use_beam_search", "beam search is not supported")
+    if s.HasField("length_penalty") and s.length_penalty != 1.0:
+        raise invalid_argument("sampling_options.length_penalty", "only 1 is supported (no beam search)")
+    if s.include_stop_str_in_output:
+        raise invalid_argument(
+            "sampling_options.include_stop_str_in_output", "not supported by SGLang's native API"
+        )
+    if s.logit_bias:
+        raise invalid_argument("sampling_options.logit_bias", "not supported by SGLang's native API")
+    if request.multi_modal_data and settings.transport == "grpc":
+        raise invalid_argument("multi_modal_data", "media is not supported over SGLang's native gRPC")
+    unknown = sorted(set(request.extra_args.fields) - _KNOWN_EXTRA_ARGS)
+    if unknown:
+        raise invalid_argument(f"extra_args.{unknown[0]}", "unknown key for SGLang")
+    bad = next((t for t in request.token_ids if t > INT32_MAX), None)
+    if bad is not None:
+        raise invalid_argument("token_ids", f"token ids must fit in int32 (got {bad})")
+
+
+def _guided(s: sidecar_pb2.SamplingOptions) -> tuple[str | None, str | None]:
+    if not s.HasField("guided_decoding"):
+        return None, None
+    kind = s.guided_decoding.WhichOneof("kind")
+    if kind is None:
+        return None, None
+    if kind == "json":
+        return s.guided_decoding.json, None
+    if kind == "regex":
+        return None, s.guided_decoding.regex
+    raise invalid_argument(f"sampling_options.guided_decoding.{kind}", "SGLang accepts only json or regex")
+
+
+def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> NativeSampling:
+    s = request.sampling_options
+    stop = request.stop_conditions
+    ignore_eos = stop.ignore_eos if stop.HasField("ignore_eos") else None
+    hidden = () if ignore_eos else tuple(stop.stop_token_ids_hidden)
+    stop_ids = _ordered_unique(stop.stop_token_ids, hidden)
+    for token in stop_ids:
+        _int32(token, "stop_conditions.stop_token_ids")
+    max_new = _int32(stop.max_tokens, "stop_conditions.max_tokens") if stop.HasField("max_tokens") else None
+    min_new = _int32(stop.min_tokens, "stop_conditions.min_tokens") if stop.HasField("min_tokens") else None
+    if prefill:
+        # The prefill half only computes the KV cache and hands it over: one token, no minimum.
+        max_new, min_new = 1, None
+    json_schema, regex = _guided(s)
+    return NativeSampling(
+        temperature=_opt_float(s, "temperature"),
+        top_p=_opt_float(s, "top_p"),
+        top_k=s.top_k if s.HasField("top_k") else None,
+        min_p=_opt_float(s, "min_p"),
+        frequency_penalty=_opt_float(s, "frequency_penalty"),
+        presence_penalty=_opt_float(s, "presence_penalty"),
+        repetition_penalty=_opt_float(s, "repetition_penalty"),
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        stop=tuple(stop.stop),
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+        json_schema=json_schema,
+        regex=regex,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def _struct_int(value: struct_pb2.Value, name: str, maximum: int) -> int:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        if number != number or number in (float("inf"), float("-inf")) or not number.is_integer():
+            raise invalid_argument(name, "must be an integer")
+        result = int(number)
+    elif kind == "string_value":
+        text = value.string_value.strip()
+        if not text.isdigit():
+            raise invalid_argument(name, "must be a non-negative integer")
+        result = int(text)
+    else:
+        raise invalid_argument(name, "must be an integer")
+    if not 0 <= result <= maximum:
+        raise invalid_argument(name, f"{result} is out of range (0..{maximum})")
+    return result
+
+
+def _checked(host: str, port: int, room: int, where: str) -> Bootstrap:
+    if not host.strip():
+        raise invalid_argument(f"{where}.bootstrap_host", "must not be blank")
+    if not 0 <= port <= INT32_MAX:
+        raise invalid_argument(f"{where}.bootstrap_port", f"{port} does not fit in int32")
+    if not 0 <= room <= ROOM_MAX:
+        raise invalid_argument(f"{where}.bootstrap_room", f"{room} is out of range (0..2^63-1)")
+    return Bootstrap(host, port, room)
+
+
+def _from_params(params: struct_pb2.Struct) -> Bootstrap:
+    where = "prefill_result.disaggregated_params"
+    fields = params.fields
+    for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        if key not in fields:
+            raise invalid_argument(f"{where}.{key}", "is missing")
+    host_value = fields["bootstrap_host"]
+    if host_value.WhichOneof("kind") != "string_value":
+        raise invalid_argument(f"{where}.bootstrap_host", "must be a string")
+    port = _struct_int(fields["bootstrap_port"], f"{where}.bootstrap_port", INT32_MAX)
+    room = _struct_int(fields["bootstrap_room"], f"{where}.bootstrap_room", ROOM_MAX)
+    return _checked(host_value.string_value, port, room, where)
+
+
+def _bootstrap(
+    request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings, room: int
+) -> Bootstrap | None:
+    if settings.mode == "agg":
+        return None
+    if request.HasField("bootstrap_info"):
+        info = request.bootstrap_info
+        return _checked(info.bootstrap_host, info.bootstrap_port, info.bootstrap_room, "bootstrap_info")
+    if request.HasField("prefill_result") and request.prefill_result.HasField("disaggregated_params"):
+        return _from_params(request.prefill_result.disaggregated_params)
+    if settings.mode == "prefill":
+        if settings.bootstrap_host is None or settings.bootstrap_port is None:
+            raise invalid_argument(
+                "bootstrap_info", "the engine reported no bootstrap host/port to default to"
+            )
+        return _checked(settings.bootstrap_host, settings.bootstrap_port, room, "bootstrap_info")
+    raise invalid_argument("prefill_result", "a decode request needs bootstrap_info or prefill_result")
+
+
+def _priority(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> int | None:
+    if not request.routing.HasField("priority"):
+        return None
+    value = request.routing.priority
+    if settings.low_priority_values_first:
+        # -(-2^31) does not fit in int32; the clamp keeps the order.
+        return min(-value, INT32_MAX)
+    return value
+
+
+def build_native(
+    request: sidecar_pb2.PreprocessedRequest, private_id: str, settings: RequestSettings, room: int
+) -> NativeRequest:
+    """Every request rule, once. ``room`` is the random room used only when a prefill request
+    names no bootstrap of its own. Raises SidecarError(INVALID_ARGUMENT) naming the field."""
+    if not private_id:
+        # SGLang matches abort rids by prefix: an empty rid would match every request.
+        raise invalid_argument("request_id", "the private id must not be empty")
+    _refusals(request, settings)
+    prefill = settings.mode == "prefill"
+    out = request.output_options
+    logprobs = out.logprobs if out.HasField("logprobs") else None
+    prompt_logprobs = out.prompt_logprobs if out.HasField("prompt_logprobs") else None
+    want = logprobs is not None or prompt_logprobs is not None
+    routing = request.routing
+    dp_rank: int | None = None
+    if prefill and routing.HasField("prefill_dp_rank"):
+        dp_rank = _int32(routing.prefill_dp_rank, "routing.prefill_dp_rank")
+    elif routing.HasField("dp_rank"):
+        dp_rank = _int32(routing.dp_rank, "routing.dp_rank")
+    top = max(logprobs or 0, prompt_logprobs or 0)
+    return NativeRequest(
+        rid=private_id,
+        input_ids=tuple(request.token_ids),
+        sampling=_sampling(request, prefill),
+        return_logprob=want,
+        top_logprobs_num=_int32(top, "output_options.logprobs") if want else None,
+        logprob_start_len=(0 if prompt_logprobs is not None else -1) if want else None,
+        lora_path=routing.lora_name if routing.HasField("lora_name") else None,
+        routed_dp_rank=dp_rank,
+        priority=_priority(request, settings),
+        bootstrap=_bootstrap(request, settings, room),
+        media=tuple((_MEDIA_FIELDS.get(m.kind, "image_data"), m.url) for m in request.multi_modal_data),
+        user_stop_token_ids=frozenset(request.stop_conditions.stop_token_ids),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        prefill=prefill,
+    )
+
+
+_SAMPLING_SCALARS: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "max_new_tokens",
+    "min_new_tokens",
+    "ignore_eos",
+    "json_schema",
+    "regex",
+    "seed",
+)
+
+
+def _sampling_items(sampling: NativeSampling) -> dict[str, object]:
+    items: dict[str, object] = {
+        name: getattr(sampling, name) for name in _SAMPLING_SCALARS if getattr(sampling, name) is not None
+    }
+    if sampling.stop:
+        items["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        items["stop_token_ids"] = list(sampling.stop_token_ids)
+    return items
+
+
+def to_grpc(native: NativeRequest) -> sglang_pb2.GenerateRequest:
+    """The native gRPC message (streaming)."""
+    message = sglang_pb2.GenerateRequest(
+        input_ids=native.input_ids,
+        sampling_params=sglang_pb2.SamplingParams(**_sampling_items(native.sampling)),  # type: ignore[arg-type]
+        stream=True,
+        rid=native.rid,
+    )
+    if native.return_logprob:
+        message.return_logprob = True
+        assert native.top_logprobs_num is not None
+        assert native.logprob_start_len is not None
+        message.top_logprobs_num = native.top_logprobs_num
+        message.logprob_start_len = native.logprob_start_len
+    if native.lora_path is not None:
+        message.lora_path = native.lora_path
+    if native.routed_dp_rank is not None:
+        message.routed_dp_rank = native.routed_dp_rank
+    if native.priority is not None:
+        message.priority = native.priority
+    if native.bootstrap is not None:
+        b = native.bootstrap
+        message.disaggregated_params.CopyFrom(
+            sglang_pb2.DisaggregatedParams(
+                bootstrap_host=b.host, bootstrap_port=b.port, bootstrap_room=b.room
+            )
+        )
+    return message
+
+
+def to_http_json(native: NativeRequest) -> dict[str, object]:
+    """The ``POST /generate`` body (streaming), absent fields omitted."""
+    body: dict[str, object] = {
+        "input_ids": list(native.input_ids),
+        "sampling_params": _sampling_items(native.sampling),
+        "stream": True,
+        "rid": native.rid,
+    }
+    if native.return_logprob:
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = native.top_logprobs_num
+        body["logprob_start_len"] = native.logprob_start_len
+    optional: Mapping[str, object | None] = {
+        "lora_path": native.lora_path,
+        "routed_dp_rank": native.routed_dp_rank,
+        "priority": native.priority,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if native.bootstrap is not None:
+        body["bootstrap_host"] = native.bootstrap.host
+        body["bootstrap_port"] = native.bootstrap.port
+        body["bootstrap_room"] = native.bootstrap.room
+    for name, url in native.media:
+        urls = body.setdefault(name, [])
+        assert isinstance(urls, list)
+        urls.append(url)
+    return body
+
+
+def bootstrap_struct(bootstrap: Bootstrap) -> struct_pb2.Struct:
+    """The prefill handoff as the frontend passes it back in ``prefill_result``.
+
+    The room is a decimal string: Struct numbers are doubles and a room up to 2^63-1 would not
+    survive one. :func:`build_native` accepts it as a string or an exact number.
+    """
+    params = struct_pb2.Struct()
+    params.update(
+        {
+            "bootstrap_host": bootstrap.host,
+            "bootstrap_port": bootstrap.port,
+            "bootstrap_room": str(bootstrap.room),
+        }
+    )
+    return params

@@ -1,0 +1,348 @@
+"""Response conversion for SGLang (pure): one state machine for both transports.
+
+The transports only decode their wire into :class:`NativeEvent` (gRPC: meta_info values are
+JSON text, decoded here; HTTP: an SSE ``data:`` JSON object). :class:`ResponseState` turns
+events into ``LLMEngineOutput`` deltas with exactly one terminal, or raises SidecarError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from google.protobuf import struct_pb2
+
+from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
+
+__all__ = [
+    "NativeEvent",
+    "ResponseState",
+    "error_from_http_status",
+    "event_from_grpc",
+    "event_from_http",
+]
+
+_ENGINE: Final = "sglang"
+_UINT32_MAX: Final = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class NativeEvent:
+    """One decoded engine message: ids as the engine sent them (cumulative or delta)."""
+
+    output_ids: Sequence[object]
+    meta: Mapping[str, object]
+    finished: bool
+    text: str | None = None
+
+
+def _loads(text: str) -> tuple[bool, object]:
+    try:
+        return True, json.loads(text)
+    except ValueError:
+        return False, None
+
+
+def event_from_grpc(message: sglang_pb2.GenerateResponse) -> NativeEvent:
+    """Every meta_info value is JSON text; one that does not parse is treated as absent."""
+    meta: dict[str, object] = {}
+    for key, raw in message.meta_info.items():
+        ok, value = _loads(raw)
+        if ok:
+            meta[key] = value
+    return NativeEvent(list(message.output_ids), meta, message.finished)
+
+
+def error_from_http_status(status: int, message: str) -> SidecarError:
+    """SGLang HTTP status -> typed error (spec/SGLANG.md, "The native HTTP wire")."""
+    words = f"Generate: {message} (HTTP {status})"
+    if status in (401, 403):
+        # Auth is not configured on the sidecar's side: not the request's fault.
+        return SidecarError(ErrorReason.UNKNOWN, words)
+    if 400 <= status < 500:
+        return SidecarError(ErrorReason.INVALID_ARGUMENT, words)
+    if 502 <= status <= 504:
+        return SidecarError(ErrorReason.CANNOT_CONNECT, words)
+    return SidecarError(ErrorReason.UNKNOWN, words)
+
+
+def _as_int(value: object) -> int | None:
+    """A JSON integer (an integral float counts); anything else is absent."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def event_from_http(payload: object) -> NativeEvent:
+    """One SSE ``data:`` object. An ``{"error": …}`` event raises its typed error."""
+    if not isinstance(payload, dict):
+        raise protocol_error(_ENGINE, "an event is not a JSON object")
+    if "error" in payload:
+        error = payload["error"]
+        if isinstance(error, dict):
+            message = str(error.get("message", error))
+            code = _as_int(error.get("code"))
+        else:
+            message, code = str(error), None
+        raise error_from_http_status(code if code is not None else 500, message)
+    meta = payload.get("meta_info")
+    if not isinstance(meta, dict):
+        raise protocol_error(_ENGINE, "an event has no meta_info object")
+    ids = payload.get("output_ids", [])
+    if not isinstance(ids, list):
+        raise protocol_error(_ENGINE, "output_ids is not a list")
+    text = payload.get("text")
+    return NativeEvent(
+        ids, meta, meta.get("finish_reason") is not None, text if isinstance(text, str) else None
+    )
+
+
+def _token_ids(raw: Sequence[object]) -> list[int]:
+    ids: list[int] = []
+    for item in raw:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise protocol_error(_ENGINE, f"output id {item!r} is not an integer")
+        if not 0 <= item <= _UINT32_MAX:
+            raise protocol_error(_ENGINE, f"output id {item} is negative or too large")
+        ids.append(item)
+    return ids
+
+
+def _triple(item: object, where: str) -> tuple[float | None, int, str | None]:
+    """``[logprob, token_id, text|null]``; the logprob may be null (first prompt position)."""
+    if not isinstance(item, list | tuple) or len(item) < 2:
+        raise protocol_error(_ENGINE, f"{where} entry {item!r} is not [logprob, token_id, text]")
+    lp, tid = item[0], _as_int(item[1])
+    if (
+        tid is None
+        or tid < 0
+        or not (lp is None or (isinstance(lp, int | float) and not isinstance(lp, bool)))
+    ):
+        raise protocol_error(_ENGINE, f"{where} entry {item!r} is not [logprob, token_id, text]")
+    text = item[2] if len(item) > 2 and isinstance(item[2], str) else None
+    return (None if lp is None else float(lp)), tid, text
+
+
+def _list(meta: Mapping[str, object], key: str) -> list[object] | None:
+    value = meta.get(key)
+    return value if isinstance(value, list) else None
+
+
+def _top_entries(
+    sampled: tuple[float | None, int, str | None], alternatives: object, limit: int, where: str
+) -> sidecar_pb2.TopLogprobs:
+    lp, tid, text = sampled
+    first = sidecar_pb2.TopLogprob(token_id=tid, logprob=lp if lp is not None else 0.0)
+    if text is not None:
+        first.token = text
+    entries = [first]
+    if isinstance(alternatives, list):
+        for rank, alt in enumerate(alternatives[:limit], start=1):
+            alp, atid, atext = _triple(alt, where)
+            if atid == tid:
+                first.rank = rank
+                continue
+            entry = sidecar_pb2.TopLogprob(token_id=atid, logprob=alp if alp is not None else 0.0, rank=rank)
+            if atext is not None:
+                entry.token = atext
+            entries.append(entry)
+    return sidecar_pb2.TopLogprobs(entries=entries)
+
+
+def _prompt_logprobs(meta: Mapping[str, object], limit: int) -> list[object] | None:
+    """Per prompt position: null where the engine has none, else the prompt token first then
+    up to ``limit`` alternatives, each ``{"token_id", "logprob"}``."""
+    tokens = _list(meta, "input_token_logprobs")
+    if tokens is None:
+        return None
+    tops = _list(meta, "input_top_logprobs") or []
+    out: list[object] = []
+    for position, item in enumerate(tokens):
+        lp, tid, _ = _triple(item, "input_token_logprobs")
+        if lp is None:
+            out.append(None)
+            continue
+        row: list[object] = [{"token_id": tid, "logprob": lp}]
+        alts = tops[position] if position < len(tops) else None
+        if isinstance(alts, list):
+            for alt in alts[:limit]:
+                alp, atid, _ = _triple(alt, "input_top_logprobs")
+                if atid != tid and alp is not None:
+                    row.append({"token_id": atid, "logprob": alp})
+        out.append(row)
+    return out
+
+
+_FINISH_KINDS: Final = {"stop", "length", "abort"}
+
+
+def _finish(meta: Mapping[str, object]) -> Mapping[str, object]:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, str) and reason in _FINISH_KINDS:
+        return {"type": reason}
+    if isinstance(reason, dict) and reason.get("type") in _FINISH_KINDS:
+        return reason
+    shown = "" if reason is None else f" (got {json.dumps(reason, default=str)[:200]})"
+    raise protocol_error(_ENGINE, f"missing finish_reason{shown}")
+
+
+@dataclass
+class ResponseState:
+    """One generation's stream, fed one decoded event at a time.
+
+    ``cumulative``: the engine sends all ids so far in every event (SGLang's default) rather
+    than deltas (``--incremental-streaming-output``); logprob lists follow the same form.
+    """
+
+    request: NativeRequest
+    cumulative: bool
+    done: bool = False
+    completion_tokens: int = 0
+    _offset: int = 0
+    _text_offset: int = 0
+    _input_meta: dict[str, object] = field(default_factory=dict)
+
+    def handoff(self) -> sidecar_pb2.LLMEngineOutput:
+        """The prefill handoff, before the terminal (HTTP sends it once headers arrive)."""
+        out = sidecar_pb2.LLMEngineOutput()
+        if self.request.bootstrap is not None:
+            out.disaggregated_params.CopyFrom(bootstrap_struct(self.request.bootstrap))
+        return out
+
+    def feed(self, event: NativeEvent, *, aborted_by_us: bool) -> list[sidecar_pb2.LLMEngineOutput]:
+        """The outputs for one event (zero or one). Raises SidecarError; never after done."""
+        if self.done:
+            raise protocol_error(_ENGINE, "a message after the terminal")
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            if key in event.meta:
+                self._input_meta[key] = event.meta[key]
+        finished = event.finished or event.meta.get("finish_reason") is not None
+        if not finished:
+            if self.request.prefill:
+                return []
+            out = self._delta(event)
+            return [out] if out is not None else []
+        finish = _finish(event.meta)
+        if finish["type"] == "abort":
+            self.done = True
+            raise self._abort_error(finish, aborted_by_us)
+        out = self._delta(event) if not self.request.prefill else None
+        terminal = out if out is not None else sidecar_pb2.LLMEngineOutput()
+        self._terminal(terminal, finish, event.meta)
+        self.done = True
+        return [terminal]
+
+    def end_of_stream(self, *, aborted_by_us: bool) -> SidecarError:
+        """The error for a stream that ended before its terminal."""
+        if aborted_by_us:
+            return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
+        return SidecarError(
+            ErrorReason.ENGINE_SHUTDOWN, "Generate: the SGLang stream ended before its terminal"
+        )
+
+    def _delta(self, event: NativeEvent) -> sidecar_pb2.LLMEngineOutput | None:
+        ids = _token_ids(event.output_ids)
+        start = self._offset if self.cumulative else 0
+        if self.cumulative and len(ids) < self._offset:
+            raise protocol_error(_ENGINE, f"cumulative output_ids shrank from {self._offset} to {len(ids)}")
+        new = ids[start:]
+        text: str | None = None
+        if event.text is not None:
+            text = event.text[self._text_offset :] if self.cumulative else event.text
+            if self.cumulative:
+                self._text_offset = max(self._text_offset, len(event.text))
+        if not new and not text:
+            return None
+        out = sidecar_pb2.LLMEngineOutput(token_ids=new)
+        if text is not None:
+            out.text = text
+        if self.request.logprobs is not None and new:
+            self._logprobs(out, event.meta, start, len(new))
+        self._offset += len(new) if self.cumulative else 0
+        self.completion_tokens += len(new)
+        return out
+
+    def _logprobs(
+        self, out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object], start: int, n: int
+    ) -> None:
+        tokens = _list(meta, "output_token_logprobs")
+        if tokens is None:
+            raise protocol_error(_ENGINE, "logprobs were asked but output_token_logprobs is missing")
+        window = tokens[start : start + n]
+        if len(window) != n:
+            raise protocol_error(_ENGINE, f"output_token_logprobs has {len(window)} entries for {n} tokens")
+        tops = _list(meta, "output_top_logprobs") or []
+        top_window = tops[start : start + n]
+        limit = self.request.logprobs or 0
+        for i, item in enumerate(window):
+            triple = _triple(item, "output_token_logprobs")
+            if triple[1] != out.token_ids[i]:
+                raise protocol_error(
+                    _ENGINE, f"logprob token {triple[1]} is not output id {out.token_ids[i]}"
+                )
+            out.log_probs.append(triple[0] if triple[0] is not None else 0.0)
+            alts = top_window[i] if i < len(top_window) else None
+            out.top_logprobs.append(_top_entries(triple, alts, limit, "output_top_logprobs"))
+
+    def _terminal(
+        self, out: sidecar_pb2.LLMEngineOutput, finish: Mapping[str, object], meta: Mapping[str, object]
+    ) -> None:
+        if finish["type"] == "length":
+            out.finish_reason = sidecar_pb2.LENGTH
+        else:
+            out.finish_reason = sidecar_pb2.STOP
+            matched = finish.get("matched")
+            if isinstance(matched, str):
+                out.stop_string = matched
+            elif (
+                isinstance(matched, int)
+                and not isinstance(matched, bool)
+                and matched in self.request.user_stop_token_ids
+            ):
+                out.stop_token_id = matched
+        prompt = _as_int(meta.get("prompt_tokens"))
+        if prompt is None or prompt < 0:
+            # The engine always reports it; the request's length is the same number.
+            prompt = len(self.request.input_ids)
+        completion = 0 if self.request.prefill else self.completion_tokens
+        usage = out.completion_usage
+        usage.prompt_tokens = prompt
+        usage.completion_tokens = completion
+        usage.total_tokens = prompt + completion
+        cached = _as_int(meta.get("cached_tokens"))
+        if cached is not None and cached >= 0:
+            usage.cached_tokens = min(cached, prompt)
+        if self.request.prefill and self.request.bootstrap is not None:
+            out.disaggregated_params.CopyFrom(bootstrap_struct(self.request.bootstrap))
+        if self.request.prompt_logprobs is not None:
+            rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
+            if rows is not None:
+                data = struct_pb2.Struct()
+                data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
+                out.engine_data.CopyFrom(data)
+
+    def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
+        if aborted_by_us:
+            return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
+        status = _as_int(finish.get("status_code"))
+        parts = [f"type={finish.get('type')}"]
+        for key in ("status_code", "err_type"):
+            if finish.get(key) is not None:
+                parts.append(f"{key}={finish.get(key)}")
+        message = f"Generate: engine aborted the request: {finish.get('message', '')} ({', '.join(parts)})"
+        reason = (
+            ErrorReason.INVALID_ARGUMENT
+            if status is not None and 400 <= status < 500
+            else ErrorReason.UNKNOWN
+        )
+        return SidecarError(reason, message)

@@ -1,0 +1,298 @@
+"""SGLang request conversion: the table of spec/SGLANG.md "Request conversion", on both wires."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.protobuf import json_format, struct_pb2
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_sglang.convert_request import (
+    ROOM_MAX,
+    Bootstrap,
+    RequestSettings,
+    bootstrap_struct,
+    build_native,
+    to_grpc,
+    to_http_json,
+)
+
+AGG = RequestSettings()
+PREFILL = RequestSettings(mode="prefill", bootstrap_host="10.0.0.5", bootstrap_port=8998)
+DECODE = RequestSettings(mode="decode")
+PID = "0123456789abcdef0123-req"
+
+
+def req(**fields: Any) -> sidecar_pb2.PreprocessedRequest:
+    message = sidecar_pb2.PreprocessedRequest(token_ids=[1, 2, 3])
+    json_format.ParseDict(fields, message)
+    return message
+
+
+def grpc_of(
+    request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings = AGG
+) -> sglang_pb2.GenerateRequest:
+    return to_grpc(build_native(request, PID, settings, room=7))
+
+
+def http_of(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings = AGG) -> dict[str, Any]:
+    return to_http_json(build_native(request, PID, settings, room=7))
+
+
+def refused(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings = AGG) -> str:
+    with pytest.raises(SidecarError) as info:
+        build_native(request, PID, settings, room=7)
+    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    return info.value.message
+
+
+def test_minimal_request_on_both_wires() -> None:
+    g = grpc_of(req())
+    assert list(g.input_ids) == [1, 2, 3]
+    assert g.rid == PID
+    assert g.stream
+    assert not g.HasField("return_logprob")
+    assert not g.HasField("disaggregated_params")
+    assert not g.HasField("priority")
+    assert http_of(req()) == {"input_ids": [1, 2, 3], "sampling_params": {}, "stream": True, "rid": PID}
+
+
+def test_stop_token_ids_user_then_hidden_deduplicated() -> None:
+    r = req(stopConditions={"stopTokenIds": [19, 19, 20], "stopTokenIdsHidden": [20, 21]})
+    assert list(grpc_of(r).sampling_params.stop_token_ids) == [19, 20, 21]
+    assert http_of(r)["sampling_params"]["stop_token_ids"] == [19, 20, 21]
+
+
+def test_ignore_eos_drops_hidden_stop_ids() -> None:
+    r = req(stopConditions={"stopTokenIds": [19], "stopTokenIdsHidden": [2], "ignoreEos": True})
+    g = grpc_of(r)
+    assert list(g.sampling_params.stop_token_ids) == [19]
+    assert g.sampling_params.ignore_eos is True
+
+
+def test_stops_and_lengths() -> None:
+    r = req(stopConditions={"maxTokens": 16, "minTokens": 2, "stop": ["\n\n", "END"]})
+    sp = http_of(r)["sampling_params"]
+    assert sp == {"max_new_tokens": 16, "min_new_tokens": 2, "stop": ["\n\n", "END"]}
+
+
+def test_sampling_floats_only_when_given_absent_is_not_zero() -> None:
+    g = grpc_of(req(samplingOptions={"temperature": 0.0, "topK": -1}))
+    assert g.sampling_params.HasField("temperature")
+    assert g.sampling_params.temperature == 0.0
+    assert g.sampling_params.top_k == -1
+    for name in ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "seed"):
+        assert not g.sampling_params.HasField(name)
+    assert http_of(req(samplingOptions={"topP": 0.5}))["sampling_params"] == {"top_p": 0.5}
+
+
+def test_seed() -> None:
+    assert grpc_of(req(samplingOptions={"seed": "1234567890123"})).sampling_params.seed == 1234567890123
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ({"logprobs": 0}, (True, 0, -1)),
+        ({"logprobs": 3}, (True, 3, -1)),
+        ({"promptLogprobs": 0}, (True, 0, 0)),
+        ({"logprobs": 2, "promptLogprobs": 5}, (True, 5, 0)),
+        ({"logprobs": 7, "promptLogprobs": 1}, (True, 7, 0)),
+    ],
+)
+def test_logprob_table(output: dict[str, int], expected: tuple[bool, int, int]) -> None:
+    g = grpc_of(req(outputOptions=output))
+    assert (g.return_logprob, g.top_logprobs_num, g.logprob_start_len) == expected
+    h = http_of(req(outputOptions=output))
+    assert (h["return_logprob"], h["top_logprobs_num"], h["logprob_start_len"]) == expected
+
+
+def test_guided_json_and_regex() -> None:
+    schema = '{"type": "object"}'
+    assert (
+        grpc_of(req(samplingOptions={"guidedDecoding": {"json": schema}})).sampling_params.json_schema
+        == schema
+    )
+    assert http_of(req(samplingOptions={"guidedDecoding": {"regex": "a+"}}))["sampling_params"] == {
+        "regex": "a+"
+    }
+
+
+@pytest.mark.parametrize(
+    "guided", [{"grammar": "root ::= x"}, {"structuralTag": "{}"}, {"choice": {"choices": ["a", "b"]}}]
+)
+def test_other_guided_kinds_refused(guided: dict[str, Any]) -> None:
+    assert refused(req(samplingOptions={"guidedDecoding": guided})).startswith(
+        "sampling_options.guided_decoding"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"tokenIds": []}, "token_ids"),
+        ({"samplingOptions": {"n": 2}}, "sampling_options.n"),
+        ({"samplingOptions": {"n": 0}}, "sampling_options.n"),
+        ({"samplingOptions": {"bestOf": 3}}, "sampling_options.best_of"),
+        ({"samplingOptions": {"useBeamSearch": True}}, "sampling_options.use_beam_search"),
+        ({"samplingOptions": {"lengthPenalty": 0.5}}, "sampling_options.length_penalty"),
+        (
+            {"samplingOptions": {"includeStopStrInOutput": True}},
+            "sampling_options.include_stop_str_in_output",
+        ),
+        ({"samplingOptions": {"logitBias": {"5": 1.0}}}, "sampling_options.logit_bias"),
+        ({"extraArgs": {"frobnicate": 1}}, "extra_args.frobnicate"),
+        ({"tokenIds": [1, 2**31]}, "token_ids"),
+        ({"stopConditions": {"maxTokens": 2**31}}, "stop_conditions.max_tokens"),
+        ({"stopConditions": {"stopTokenIds": [2**31]}}, "stop_conditions.stop_token_ids"),
+        ({"routing": {"dpRank": 2**31}}, "routing.dp_rank"),
+    ],
+)
+def test_refusals_name_the_field(fields: dict[str, Any], named: str) -> None:
+    message = refused(req(**fields))
+    assert message.startswith(named)
+
+
+def test_int32_message() -> None:
+    assert "token ids must fit in int32" in refused(req(tokenIds=[2**32 - 1]))
+
+
+def test_accepted_identities() -> None:
+    r = req(samplingOptions={"n": 1, "bestOf": 1, "lengthPenalty": 1.0, "useBeamSearch": False})
+    assert grpc_of(r).rid == PID
+
+
+def test_media_refused_on_grpc_carried_on_http() -> None:
+    r = req(multiModalData=[{"kind": "IMAGE", "url": "https://x/a.png"}, {"kind": "AUDIO", "url": "data:a"}])
+    assert refused(r).startswith("multi_modal_data")
+    body = http_of(r, RequestSettings(transport="http"))
+    assert body["image_data"] == ["https://x/a.png"]
+    assert body["audio_data"] == ["data:a"]
+
+
+def test_lora_dp_rank_priority() -> None:
+    r = req(routing={"loraName": "sql", "dpRank": 3, "prefillDpRank": 1, "priority": 5})
+    g = grpc_of(r)
+    assert (g.lora_path, g.routed_dp_rank, g.priority) == ("sql", 3, 5)
+    assert grpc_of(r, PREFILL).routed_dp_rank == 1
+    assert grpc_of(req(routing={"dpRank": 3}), PREFILL).routed_dp_rank == 3
+
+
+def test_priority_follows_scheduler_direction() -> None:
+    low_first = RequestSettings(low_priority_values_first=True)
+    assert grpc_of(req(routing={"priority": 5}), low_first).priority == -5
+    assert grpc_of(req(routing={"priority": -(2**31)}), low_first).priority == 2**31 - 1
+    assert http_of(req(routing={"priority": 0}))["priority"] == 0
+
+
+def test_agg_ignores_bootstrap() -> None:
+    r = req(bootstrapInfo={"bootstrapHost": "h", "bootstrapPort": 1, "bootstrapRoom": "2"})
+    assert not grpc_of(r).HasField("disaggregated_params")
+
+
+def test_bootstrap_info_first_then_prefill_result() -> None:
+    params = {"bootstrap_host": "p", "bootstrap_port": 2, "bootstrap_room": "3"}
+    both = req(
+        bootstrapInfo={"bootstrapHost": "b", "bootstrapPort": 1, "bootstrapRoom": "9"},
+        prefillResult={"disaggregatedParams": params},
+    )
+    d = grpc_of(both, DECODE).disaggregated_params
+    assert (d.bootstrap_host, d.bootstrap_port, d.bootstrap_room) == ("b", 1, 9)
+    only = req(prefillResult={"disaggregatedParams": params})
+    h = http_of(only, DECODE)
+    assert (h["bootstrap_host"], h["bootstrap_port"], h["bootstrap_room"]) == ("p", 2, 3)
+
+
+def test_prefill_defaults_to_discovered_host_and_given_room_and_clamps() -> None:
+    r = req(stopConditions={"maxTokens": 100, "minTokens": 10})
+    g = to_grpc(build_native(r, PID, PREFILL, room=ROOM_MAX))
+    assert (g.disaggregated_params.bootstrap_host, g.disaggregated_params.bootstrap_port) == (
+        "10.0.0.5",
+        8998,
+    )
+    assert g.disaggregated_params.bootstrap_room == ROOM_MAX
+    assert g.sampling_params.max_new_tokens == 1
+    assert not g.sampling_params.HasField("min_new_tokens")
+
+
+def test_decode_without_bootstrap_refused() -> None:
+    assert refused(req(), DECODE).startswith("prefill_result")
+
+
+@pytest.mark.parametrize(
+    ("info", "named"),
+    [
+        ({"bootstrapHost": "  ", "bootstrapPort": 1, "bootstrapRoom": "1"}, "bootstrap_info.bootstrap_host"),
+        (
+            {"bootstrapHost": "h", "bootstrapPort": 2**31, "bootstrapRoom": "1"},
+            "bootstrap_info.bootstrap_port",
+        ),
+        (
+            {"bootstrapHost": "h", "bootstrapPort": 1, "bootstrapRoom": str(2**63)},
+            "bootstrap_info.bootstrap_room",
+        ),
+    ],
+)
+def test_bootstrap_info_ranges(info: dict[str, Any], named: str) -> None:
+    assert refused(req(bootstrapInfo=info), DECODE).startswith(named)
+
+
+def test_bootstrap_room_max_accepted() -> None:
+    r = req(bootstrapInfo={"bootstrapHost": "h", "bootstrapPort": 1, "bootstrapRoom": str(ROOM_MAX)})
+    assert grpc_of(r, DECODE).disaggregated_params.bootstrap_room == ROOM_MAX
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"bootstrap_port": 1, "bootstrap_room": "1"}, "bootstrap_host"),
+        ({"bootstrap_host": "h", "bootstrap_port": 1.5, "bootstrap_room": "1"}, "bootstrap_port"),
+        ({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": str(2**63)}, "bootstrap_room"),
+        ({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": "-1"}, "bootstrap_room"),
+        ({"bootstrap_host": "h", "bootstrap_port": -1, "bootstrap_room": 1}, "bootstrap_port"),
+    ],
+)
+def test_prefill_result_ranges(params: dict[str, Any], named: str) -> None:
+    message = refused(req(prefillResult={"disaggregatedParams": params}), DECODE)
+    assert message.startswith(f"prefill_result.disaggregated_params.{named}")
+
+
+@given(room=st.integers(min_value=0, max_value=ROOM_MAX), port=st.integers(0, 2**31 - 1))
+def test_handoff_round_trips_exactly(room: int, port: int) -> None:
+    """The prefill terminal's params, passed back by the frontend, give decode the same triple."""
+    params = bootstrap_struct(Bootstrap("node-1", port, room))
+    echoed = struct_pb2.Struct()
+    echoed.MergeFromString(params.SerializeToString())
+    decode = build_native(
+        sidecar_pb2.PreprocessedRequest(
+            token_ids=[1], prefill_result=sidecar_pb2.PrefillResult(disaggregated_params=echoed)
+        ),
+        PID,
+        DECODE,
+        room=0,
+    )
+    assert decode.bootstrap == Bootstrap("node-1", port, room)
+
+
+def test_empty_private_id_refused() -> None:
+    with pytest.raises(SidecarError):
+        build_native(req(), "", AGG, room=0)
+
+
+@given(
+    user=st.lists(st.integers(0, 2**31 - 1), max_size=6),
+    hidden=st.lists(st.integers(0, 2**31 - 1), max_size=6),
+)
+def test_stop_ids_property(user: list[int], hidden: list[int]) -> None:
+    r = sidecar_pb2.PreprocessedRequest(
+        token_ids=[1],
+        stop_conditions=sidecar_pb2.StopConditions(stop_token_ids=user, stop_token_ids_hidden=hidden),
+    )
+    ids = list(grpc_of(r).sampling_params.stop_token_ids)
+    assert len(ids) == len(set(ids))
+    assert set(ids) == set(user) | set(hidden)
+    assert ids[: len(dict.fromkeys(user))] == list(dict.fromkeys(user))

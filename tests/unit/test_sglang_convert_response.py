@@ -1,0 +1,372 @@
+"""SGLang response conversion: one state machine for both wires (spec/SGLANG.md "Response
+conversion"), in cumulative and incremental modes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, bootstrap_struct
+from sidecar_sglang.convert_response import (
+    NativeEvent,
+    ResponseState,
+    error_from_http_status,
+    event_from_grpc,
+    event_from_http,
+)
+
+
+def native(**fields: Any) -> NativeRequest:
+    base: dict[str, Any] = {"rid": "r", "input_ids": (1, 2, 3, 4), "sampling": NativeSampling()}
+    base.update(fields)
+    return NativeRequest(**base)
+
+
+def ev(ids: list[int], finish: object = None, finished: bool | None = None, **meta: object) -> NativeEvent:
+    m: dict[str, object] = {"finish_reason": finish, **meta}
+    return NativeEvent(ids, m, finish is not None if finished is None else finished)
+
+
+def run(state: ResponseState, events: list[NativeEvent]) -> list[sidecar_pb2.LLMEngineOutput]:
+    outs: list[sidecar_pb2.LLMEngineOutput] = []
+    for event in events:
+        outs.extend(state.feed(event, aborted_by_us=False))
+    return outs
+
+
+def stop(matched: object = None) -> dict[str, object]:
+    return {"type": "stop", "matched": matched}
+
+
+def test_cumulative_deltas_and_usage() -> None:
+    state = ResponseState(native(), cumulative=True)
+    outs = run(
+        state,
+        [ev([5]), ev([5, 6, 7]), ev([5, 6, 7, 8], stop(), prompt_tokens=4, cached_tokens=9)],
+    )
+    assert [list(o.token_ids) for o in outs] == [[5], [6, 7], [8]]
+    terminal = outs[-1]
+    assert terminal.finish_reason == sidecar_pb2.STOP
+    assert terminal.WhichOneof("stop_reason") is None
+    usage = terminal.completion_usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, usage.cached_tokens) == (
+        4,
+        4,
+        8,
+        4,
+    )
+    assert state.done
+
+
+def test_incremental_deltas() -> None:
+    outs = run(
+        ResponseState(native(), cumulative=False),
+        [ev([5]), ev([6, 7]), ev([8], {"type": "length", "length": 4})],
+    )
+    assert [list(o.token_ids) for o in outs] == [[5], [6, 7], [8]]
+    assert outs[-1].finish_reason == sidecar_pb2.LENGTH
+
+
+def test_cached_absent_stays_absent() -> None:
+    outs = run(ResponseState(native(), cumulative=False), [ev([5], "length", prompt_tokens=4)])
+    assert not outs[0].completion_usage.HasField("cached_tokens")
+
+
+@pytest.mark.parametrize(
+    ("matched", "kind", "value"),
+    [
+        ("END", "stop_string", "END"),
+        (19, "stop_token_id", 19),
+        (2, None, None),  # EOS / hidden: never a stop reason
+        (None, None, None),
+    ],
+)
+def test_stop_reasons(matched: object, kind: str | None, value: object) -> None:
+    request = native(user_stop_token_ids=frozenset({19}))
+    (out,) = run(ResponseState(request, cumulative=False), [ev([9], stop(matched))])
+    assert out.finish_reason == sidecar_pb2.STOP
+    assert out.WhichOneof("stop_reason") == kind
+    if kind is not None:
+        assert getattr(out, kind) == value
+
+
+def test_stop_without_matched_key_and_bare_string() -> None:
+    (a,) = run(ResponseState(native(), cumulative=False), [ev([9], {"type": "stop"})])
+    (b,) = run(ResponseState(native(), cumulative=False), [ev([9], "stop")])
+    for out in (a, b):
+        assert out.finish_reason == sidecar_pb2.STOP
+        assert out.WhichOneof("stop_reason") is None
+
+
+@pytest.mark.parametrize("finish", [None, {"type": "weird"}, 42, "done", {"matched": 1}])
+def test_finished_without_known_finish_reason_is_protocol_error(finish: object) -> None:
+    state = ResponseState(native(), cumulative=False)
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([1], finish, finished=True), aborted_by_us=False)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert "missing finish_reason" in info.value.message
+
+
+def test_abort_we_asked_for_is_cancelled() -> None:
+    state = ResponseState(native(), cumulative=False)
+    state.feed(ev([1]), aborted_by_us=False)
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([1], {"type": "abort", "message": "Abort"}), aborted_by_us=True)
+    assert info.value.reason is ErrorReason.CANCELLED
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [(400, ErrorReason.INVALID_ARGUMENT), (None, ErrorReason.UNKNOWN), (500, ErrorReason.UNKNOWN)],
+)
+def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason) -> None:
+    finish = {"type": "abort", "message": "prompt too long", "status_code": status, "err_type": "BadRequest"}
+    with pytest.raises(SidecarError) as info:
+        ResponseState(native(), cumulative=False).feed(ev([], finish), aborted_by_us=False)
+    assert info.value.reason is reason
+    assert "prompt too long" in info.value.message
+    assert "type=abort" in info.value.message
+    if status is not None:
+        assert f"status_code={status}" in info.value.message
+        assert "err_type=BadRequest" in info.value.message
+
+
+def test_negative_id_is_protocol_error() -> None:
+    with pytest.raises(SidecarError) as info:
+        ResponseState(native(), cumulative=False).feed(ev([3, -1]), aborted_by_us=False)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+
+
+def test_message_after_terminal_is_refused() -> None:
+    state = ResponseState(native(), cumulative=False)
+    run(state, [ev([1], "length")])
+    with pytest.raises(SidecarError):
+        state.feed(ev([1], "length"), aborted_by_us=False)
+
+
+def test_end_of_stream_errors() -> None:
+    state = ResponseState(native(), cumulative=False)
+    assert state.end_of_stream(aborted_by_us=False).reason is ErrorReason.ENGINE_SHUTDOWN
+    assert state.end_of_stream(aborted_by_us=True).reason is ErrorReason.CANCELLED
+
+
+def triple(lp: float, tid: int) -> list[object]:
+    return [lp, tid, None]
+
+
+def test_logprobs_cumulative_sliced_sampled_first() -> None:
+    request = native(return_logprob=True, logprobs=1)
+    lps = [triple(-0.1, 5), triple(-0.2, 6)]
+    tops = [[triple(-0.1, 5), triple(-2.0, 9)], [triple(-1.0, 7), triple(-0.2, 6)]]
+    state = ResponseState(request, cumulative=True)
+    outs = run(
+        state,
+        [
+            ev([5], output_token_logprobs=lps[:1], output_top_logprobs=tops[:1]),
+            ev([5, 6], "length", output_token_logprobs=lps, output_top_logprobs=tops),
+        ],
+    )
+    assert [list(o.log_probs) for o in outs] == [[-0.1], [-0.2]]
+    first = outs[0].top_logprobs[0].entries
+    assert [(e.token_id, e.HasField("rank")) for e in first] == [(5, True)]
+    second = outs[1].top_logprobs[0].entries
+    assert [e.token_id for e in second] == [6, 7]
+    assert second[1].rank == 1
+
+
+def test_logprob_count_mismatch_is_protocol_error() -> None:
+    state = ResponseState(native(return_logprob=True, logprobs=0), cumulative=False)
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([5, 6], output_token_logprobs=[triple(-0.1, 5)]), aborted_by_us=False)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+
+
+def test_prompt_logprobs_on_terminal() -> None:
+    request = native(return_logprob=True, prompt_logprobs=1)
+    meta: dict[str, Any] = {
+        "input_token_logprobs": [[None, 1, None], triple(-0.5, 2)],
+        "input_top_logprobs": [None, [triple(-0.3, 8)]],
+    }
+    outs = run(ResponseState(request, cumulative=False), [ev([5], **meta), ev([6], "length")])
+    assert not outs[0].HasField("engine_data")
+    data = outs[-1].engine_data.fields["prompt_logprobs"].list_value.values
+    assert data[0].WhichOneof("kind") == "null_value"
+    row = data[1].list_value.values
+    assert [v.struct_value.fields["token_id"].number_value for v in row] == [2, 8]
+    assert not outs[0].log_probs  # output logprobs were not asked
+
+
+def test_prefill_grpc_ignores_chunks_and_hands_off() -> None:
+    bootstrap = Bootstrap("10.1.1.1", 8998, 2**63 - 1)
+    state = ResponseState(native(prefill=True, bootstrap=bootstrap), cumulative=True)
+    outs = run(state, [ev([5]), ev([5], "length", prompt_tokens=4)])
+    (terminal,) = outs
+    assert list(terminal.token_ids) == []
+    assert (terminal.completion_usage.prompt_tokens, terminal.completion_usage.completion_tokens) == (4, 0)
+    assert terminal.disaggregated_params == bootstrap_struct(bootstrap)
+    assert state.handoff().disaggregated_params == bootstrap_struct(bootstrap)
+    assert state.handoff().finish_reason == sidecar_pb2.UNSPECIFIED
+
+
+def test_text_deltas_cumulative_and_incremental() -> None:
+    cum = ResponseState(native(), cumulative=True)
+    outs = run(
+        cum,
+        [NativeEvent([5], {}, False, "he"), NativeEvent([5, 6], {"finish_reason": "length"}, True, "hello")],
+    )
+    assert [o.text for o in outs] == ["he", "llo"]
+    inc = ResponseState(native(), cumulative=False)
+    outs = run(
+        inc, [NativeEvent([5], {}, False, ""), NativeEvent([6], {"finish_reason": "length"}, True, "x")]
+    )
+    assert [o.text for o in outs] == ["", "x"]
+    assert outs[0].HasField("text")
+
+
+def test_grpc_meta_is_json_in_strings_and_bad_values_are_absent() -> None:
+    message = sglang_pb2.GenerateResponse(
+        output_ids=[4],
+        meta_info={
+            "finish_reason": '{"type": "length", "length": 1}',
+            "prompt_tokens": "4",
+            "cached_tokens": "{bad",
+        },
+        finished=True,
+    )
+    event = event_from_grpc(message)
+    assert event.meta == {"finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4}
+    (out,) = ResponseState(native(), cumulative=False).feed(event, aborted_by_us=False)
+    assert not out.completion_usage.HasField("cached_tokens")
+
+
+def test_http_events() -> None:
+    event = event_from_http({"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}})
+    assert (event.finished, event.text, list(event.output_ids)) == (False, "a", [1])
+    with pytest.raises(SidecarError) as info:
+        event_from_http({"error": {"message": "bad input", "type": "invalid_request_error", "code": 400}})
+    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert "bad input" in info.value.message
+    with pytest.raises(SidecarError) as info:
+        event_from_http([1, 2])
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (400, ErrorReason.INVALID_ARGUMENT),
+        (404, ErrorReason.INVALID_ARGUMENT),
+        (401, ErrorReason.UNKNOWN),
+        (403, ErrorReason.UNKNOWN),
+        (500, ErrorReason.UNKNOWN),
+        (502, ErrorReason.CANNOT_CONNECT),
+        (503, ErrorReason.CANNOT_CONNECT),
+        (504, ErrorReason.CANNOT_CONNECT),
+        (505, ErrorReason.UNKNOWN),
+    ],
+)
+def test_http_status_table(status: int, reason: ErrorReason) -> None:
+    error = error_from_http_status(status, "words")
+    assert error.reason is reason
+    assert "words" in error.message
+
+
+# --- properties -----------------------------------------------------------------------
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    ids = draw(st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=30))
+    cuts = sorted(draw(st.lists(st.integers(0, len(ids)), max_size=6)))
+    return ids, cuts
+
+
+@given(streams(), st.booleans())
+def test_deltas_concatenate_to_engine_ids(stream: tuple[list[int], list[int]], cumulative: bool) -> None:
+    ids, cuts = stream
+    bounds = [*cuts, len(ids)]
+    events: list[NativeEvent] = []
+    previous = 0
+    for i, end in enumerate(bounds):
+        last = i == len(bounds) - 1
+        chunk = ids[:end] if cumulative else ids[previous:end]
+        events.append(ev(chunk, "length" if last else None))
+        previous = end
+    state = ResponseState(native(), cumulative=cumulative)
+    outs = run(state, events)
+    assert [t for o in outs for t in o.token_ids] == ids
+    assert sum(o.finish_reason != sidecar_pb2.UNSPECIFIED for o in outs) == 1
+    assert outs[-1].finish_reason == sidecar_pb2.LENGTH
+    assert outs[-1].completion_usage.completion_tokens == len(ids)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+meta_keys = st.sampled_from(
+    [
+        "finish_reason",
+        "prompt_tokens",
+        "cached_tokens",
+        "output_token_logprobs",
+        "output_top_logprobs",
+        "input_token_logprobs",
+        "input_top_logprobs",
+        "id",
+    ]
+)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(-3, 50), max_size=4),
+            st.dictionaries(meta_keys, json_values, max_size=5),
+            st.booleans(),
+        ),
+        max_size=5,
+    ),
+    st.booleans(),
+    st.booleans(),
+)
+def test_arbitrary_meta_raises_only_sidecar_errors(
+    events: list[tuple[list[int], dict[str, object], bool]], cumulative: bool, logprobs: bool
+) -> None:
+    request = native(
+        return_logprob=logprobs, logprobs=2 if logprobs else None, prompt_logprobs=1 if logprobs else None
+    )
+    state = ResponseState(request, cumulative=cumulative)
+    terminals = 0
+    try:
+        for ids, meta, finished in events:
+            for out in state.feed(NativeEvent(ids, meta, finished), aborted_by_us=False):
+                terminals += out.finish_reason != sidecar_pb2.UNSPECIFIED
+    except SidecarError:
+        return
+    assert terminals <= 1
+
+
+@given(
+    st.dictionaries(st.text(max_size=6), st.text(max_size=12), max_size=6),
+    st.lists(st.integers(-5, 9), max_size=4),
+)
+def test_grpc_decoding_never_raises(meta: dict[str, str], ids: list[int]) -> None:
+    event = event_from_grpc(sglang_pb2.GenerateResponse(output_ids=ids, meta_info=meta, finished=True))
+    for key, raw in meta.items():
+        try:
+            expected = json.loads(raw)
+        except ValueError:
+            assert key not in event.meta
+        else:
+            assert event.meta[key] == expected or expected != expected
