@@ -1,0 +1,159 @@
+"""``testkit-engine vllm|sglang ...``: run a testkit engine until SIGTERM/SIGINT (exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import signal
+import sys
+from types import ModuleType
+
+from testkit.faults import FaultPlan, parse_fault_flag
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+
+__all__ = ["add_vllm_arguments", "main", "run_vllm", "vllm_config_from_args"]
+
+_log = logging.getLogger("testkit.vllm")
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _fault(text: str) -> tuple[str, FaultPlan]:
+    try:
+        return parse_fault_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    d = VllmEngineConfig()
+    a = parser.add_argument
+    a("--listen", type=_listen, default=(d.host, 50051), help="HOST:PORT (default 127.0.0.1:50051)")
+    a("--served-model-name", default=d.served_model_name)
+    a("--model-path", default=d.model_path)
+    a("--context-length", type=int, default=d.context_length)
+    a("--vocab-size", type=int, default=d.vocab_size)
+    a("--eos-token-id", type=int, action="append", default=None, help="repeatable; the first is the primary")
+    a("--kv-role", choices=["", "kv_producer", "kv_consumer", "kv_both"], default=d.kv_role)
+    a("--kv-engine-id", default=d.kv_engine_id)
+    a("--kv-host", default=d.kv_host, help="host announced in a prefill's handoff")
+    a("--kv-port", type=int, default=d.kv_port, help="port announced in a prefill's handoff")
+    a("--data-parallel-size", type=int, default=d.data_parallel_size)
+    a("--block-size", type=int, default=d.block_size)
+    a("--max-running", "--max-num-seqs", dest="max_num_seqs", type=int, default=d.max_num_seqs)
+    a("--total-kv-tokens", type=int, default=d.total_kv_tokens)
+    a("--token-latency-ms", type=float, default=d.token_latency_ms)
+    a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
+    a("--startup-delay-secs", type=float, default=d.startup_delay_secs, help="refuse connections until then")
+    a("--supports-vision", action="store_true")
+    a("--fault", type=_fault, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
+      help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
+
+
+def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
+    host, port = args.listen
+    return VllmEngineConfig(
+        host=host,
+        port=port,
+        served_model_name=args.served_model_name,
+        model_path=args.model_path,
+        context_length=args.context_length,
+        vocab_size=args.vocab_size,
+        eos_token_ids=tuple(args.eos_token_id) if args.eos_token_id else VllmEngineConfig().eos_token_ids,
+        kv_role=args.kv_role,
+        kv_engine_id=args.kv_engine_id,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        data_parallel_size=args.data_parallel_size,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        total_kv_tokens=args.total_kv_tokens,
+        token_latency_ms=args.token_latency_ms,
+        chunk_tokens=args.chunk_tokens,
+        startup_delay_secs=args.startup_delay_secs,
+        supports_vision=args.supports_vision,
+    )
+
+
+async def _serve_vllm(config: VllmEngineConfig, faults: list[tuple[str, FaultPlan]]) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = VllmTestEngine(config)
+    for match, plan in faults:
+        engine.faults.add(match, plan)
+    try:
+        port = await engine.start()
+        ready = asyncio.ensure_future(engine.wait_ready(config.startup_delay_secs + 3600))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done() and not ready.cancelled() and ready.exception() is None:
+                _log.info("ready on %s:%d", config.host, port)
+            await stopping
+        finally:
+            for fut in (ready, stopping):
+                fut.cancel()
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await fut
+    finally:
+        await engine.stop(1.0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    _log.info("stopped")
+    return 0
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    try:
+        config = vllm_config_from_args(args)
+    except ValueError as e:
+        print(f"testkit-engine vllm: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve_vllm(config, list(args.fault)))
+    except OSError as e:
+        _log.error("testkit-engine vllm: %s", e)
+        return 1
+
+
+def _sglang_module() -> ModuleType | None:
+    try:
+        return importlib.import_module("testkit.sglang_engine")
+    except ModuleNotFoundError as e:
+        if e.name != "testkit.sglang_engine":
+            raise
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    parser = argparse.ArgumentParser(
+        prog="testkit-engine", description="CPU engines on the real native wires"
+    )
+    sub = parser.add_subparsers(dest="engine", metavar="{vllm,sglang}")
+    add_vllm_arguments(sub.add_parser("vllm", help="vllm.grpc.engine.VllmEngine + gRPC health"))
+    sglang = _sglang_module()
+    if sglang is not None:
+        sglang.add_arguments(sub.add_parser("sglang", help="SGLang native gRPC and HTTP"))
+    args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        return run_vllm(args)
+    if args.engine == "sglang" and sglang is not None:
+        return int(sglang.run(args))
+    parser.print_usage(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
