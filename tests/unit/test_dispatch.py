@@ -13,12 +13,17 @@ from sidecar_common.dispatch import (
     CancelCause,
     ChoiceTracker,
     Delivery,
+    Generation,
     PrivateIds,
     Registry,
     choice_count,
     make_private_id,
 )
+from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.metrics import Metrics
+from sidecar_common.relay import RelayConfig, relay
+from tests.fake_engine import FakeEngine, terminal, tokens
 
 Out = sidecar_pb2.LLMEngineOutput
 
@@ -128,3 +133,74 @@ async def test_registry_wait_idle() -> None:
         tg.start_soon(later)
         assert await reg.wait_idle(5)
     assert reg.inflight == 0
+
+
+# --- relay: the coalescing writer and its backpressure, driven without gRPC ---------------
+
+
+def _generation(engine: FakeEngine, request_id: str = "r") -> Generation:
+    req = sidecar_pb2.PreprocessedRequest(request_id=request_id, token_ids=[1])
+    return Generation(engine, GenerateCall(req, PrivateIds("0123abcd").next(request_id)))
+
+
+async def test_relay_merges_what_queued_while_the_frontend_was_busy() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(i) for i in range(20)] + [terminal(20)]})
+    gen = _generation(engine)
+    release = anyio.Event()
+    sent: list[Out] = []
+
+    async def slow_write(out: Out) -> None:
+        sent.append(out)
+        if len(sent) == 1:
+            # The frontend is busy until the engine has produced ten more chunks.
+            await engine.wait_for("yield", 11)
+            release.set()
+
+    metrics = Metrics("fake")
+    await relay(gen, slow_write, Delivery(n=1), RelayConfig(capacity=32), metrics=metrics)
+    assert release.is_set()
+    assert [t for o in sent for t in o.token_ids] == list(range(21))
+    assert sent[-1].finish_reason == sidecar_pb2.EOS
+    assert len(sent) < 12
+    assert list(sent[1].token_ids) == list(range(1, len(sent[1].token_ids) + 1))
+    assert len(sent[1].token_ids) >= 10
+    merges = metrics.registry.get_sample_value("sidecar_coalesced_merges_total", {"engine": "fake"})
+    assert merges == 21 - len(sent)
+    assert engine.aborts == []
+
+
+async def test_relay_stops_reading_the_engine_when_the_frontend_does_not_drain() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(i) for i in range(1000)] + [terminal(1000)]})
+    gen = _generation(engine)
+    stuck = anyio.Event()
+
+    async def stuck_write(out: Out) -> None:
+        stuck.set()
+        await anyio.sleep_forever()
+
+    capacity = 8
+    with anyio.move_on_after(0.3):
+        await relay(gen, stuck_write, Delivery(n=1), RelayConfig(capacity=capacity))
+    assert stuck.is_set()
+    yielded = sum(1 for kind, _ in engine.events if kind == "yield")
+    # One chunk in the writer's hands, a full buffer, and one the pump holds while blocked.
+    assert yielded <= capacity + 2
+    # The frontend went away: the unfinished generation is aborted once, then closed.
+    assert engine.aborts == [gen.private_id]
+    assert engine.events[-2:] == [("abort", gen.private_id), ("closed", gen.private_id)]
+
+
+async def test_relay_raises_the_engine_error_after_the_prefix() -> None:
+    boom = SidecarError(ErrorReason.OVERLOADED, "Generate: busy (RESOURCE_EXHAUSTED)")
+    engine = FakeEngine(scripts={"r": [tokens(1), tokens(2), boom]})
+    gen = _generation(engine)
+    sent: list[int] = []
+
+    async def write(out: Out) -> None:
+        sent.extend(out.token_ids)
+
+    with pytest.raises(SidecarError) as info:
+        await relay(gen, write, Delivery(n=1), RelayConfig())
+    assert info.value is boom
+    assert sent == [1, 2]
+    assert engine.aborts == [gen.private_id]
