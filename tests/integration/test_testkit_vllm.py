@@ -325,3 +325,17 @@ async def test_die_mid_stream_then_restart_on_the_same_port() -> None:
 async def channel_ready(channel: grpc.aio.Channel) -> None:
     wait: Awaitable[None] = channel.channel_ready()
     await asyncio.wait_for(wait, 5)
+
+
+async def test_client_leaving_while_waiting_leaves_the_queue() -> None:
+    async with serve(max_num_seqs=1, token_latency_ms=10) as (engine, stub, _):
+        first = stub.Generate(request("w1", max_tokens=1000), timeout=10)
+        await first.read()
+        queued = stub.Generate(request("w2", max_tokens=2), timeout=10)
+        await until(lambda: engine.book.waiting_ids() == ["w2"], "w2 to wait")
+        queued.cancel()
+        await until(lambda: engine.book.waiting_count == 0, "w2 to leave the queue")
+        assert engine.book.outcome_of("w2") is Outcome.CANCELLED
+        first.cancel()
+        await until(lambda: engine.running_count() == 0, "w1 to stop")
+        assert [type(m).__name__ for m in engine.book.requests()] == ["GenerateRequest"] * 2

@@ -192,5 +192,6 @@ def test_properties(
     assert len(a) >= min(sp.min_tokens, MODEL.context_length - len(prompt))
     fin = a[-1].finish
     assert fin is not None
-    if fin.matched_stop_str is not None:
+    if fin.matched_stop_str is not None and sp.min_tokens == 0:
+        # Before min_tokens stop strings are not looked for (as in vLLM), so only then.
         assert fin.matched_stop_str not in text(a)
