@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from bench.procstat import cpu_seconds, peak_rss_kib, reset_peak_rss
+from bench.procstat import cpu_seconds, machine_busy_seconds, peak_rss_kib, reset_peak_rss
 from sidecar_common.api import sidecar_pb2
 
 __all__ = ["Command", "main", "percentile", "run"]
@@ -165,10 +165,12 @@ async def run(cmd: Command) -> dict[str, Any]:
         await asyncio.sleep(cmd.warmup_s)
         pids = {"hop": cmd.hop_pid, "engine": cmd.engine_pid, "client": os.getpid()}
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items() if p}
+        busy0, steal0 = machine_busy_seconds()
         tally.start = time.perf_counter()
         tally.end = tally.start + cmd.window_s
         await asyncio.sleep(cmd.window_s)
         cpu1 = {k: cpu_seconds(p) for k, p in pids.items() if p}
+        busy1, steal1 = machine_busy_seconds()
         elapsed = time.perf_counter() - tally.start
         stop.set()
         for task in tasks:
@@ -178,6 +180,9 @@ async def run(cmd: Command) -> dict[str, Any]:
         for ch in channels:
             await ch.close(None)
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
+    # CPU that none of the benchmark's processes used: someone else was busy on the machine.
+    cpu["other"] = max(0.0, (busy1 - busy0) - sum(cpu.values()))
+    cpu["steal"] = steal1 - steal0
     return {
         "window_s": elapsed,
         "tokens": tally.tokens,

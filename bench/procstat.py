@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["cpu_seconds", "peak_rss_kib", "reset_peak_rss"]
+__all__ = ["cpu_seconds", "machine_busy_seconds", "peak_rss_kib", "reset_peak_rss"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -35,3 +35,16 @@ def reset_peak_rss(pid: int) -> bool:
         f.write("5")
         return True
     return False
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat.
+
+    Busy minus our own processes' CPU is what something else on the machine took during a
+    run (another test suite, say): the harness reports it so a disturbed run can be seen.
+    """
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0
+    return (user + nice + system + irq + softirq) / _TICKS, steal / _TICKS

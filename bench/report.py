@@ -21,6 +21,7 @@ _METRICS = (
     "hop_peak_rss_mib",
     "hop_core_util",
     "engine_core_util",
+    "other_cpu_util",
 )
 
 
@@ -51,6 +52,7 @@ def row_figures(raw: dict[str, Any]) -> dict[str, float | None]:
         "hop_peak_rss_mib": rss / 1024.0 if rss else None,
         "hop_core_util": hop / window if hop is not None else None,
         "engine_core_util": core0 / window,
+        "other_cpu_util": (cpu.get("other", 0.0) + cpu.get("steal", 0.0)) / window,
     }
 
 
@@ -130,8 +132,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def _table(rows: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = [
         "| path | engine | K | streams | tokens/s | hop CPU µs/token | hop CPU µs/msg | tokens/msg "
-        "| TTFT p50/p99 ms | gap p50/p99 ms | hop peak RSS MiB | hop core | engine+client core |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p50/p99 ms | gap p50/p99 ms | hop peak RSS MiB | hop core | engine+client core | other |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows:
         path, engine, k, c = name.split("|")
@@ -141,8 +143,8 @@ def _table(rows: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
             f"| {_fmt(r['tokens_per_msg'], 2)} "
             f"| {_fmt(r['ttft_p50_ms'], 2)} / {_fmt(r['ttft_p99_ms'], 2)} "
             f"| {_fmt(r['gap_p50_ms'], 2)} / {_fmt(r['gap_p99_ms'], 2)} | {_fmt(r['hop_peak_rss_mib'])} "
-            f"| {_fmt(r['hop_core_util'], 2)} | {_fmt(r['engine_core_util'], 2)} |"
-            + (f" errors: {r['errors']}" if r["errors"] else "")
+            f"| {_fmt(r['hop_core_util'], 2)} | {_fmt(r['engine_core_util'], 2)} "
+            f"| {_fmt(r['other_cpu_util'], 2)} |" + (f" errors: {r['errors']}" if r["errors"] else "")
         )
     return lines
 
@@ -158,6 +160,12 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
         f"after {doc['warmup_s']} s warm-up, requests of {doc['max_tokens']} tokens (ignore_eos).",
         "",
         *_table(sorted(doc["results"].items(), key=lambda kv: _order(kv[0]))),
+        "",
+        "Paths: direct = client to the engine's native API; bare-proxy = bench/bare_proxy.py (raw bytes, "
+        "no decoding); sidecar = sidecar-vllm; sidecar-grpc/-http = sidecar-sglang per transport. "
+        "µs/msg is per message the client received; tokens/msg > K means the hop coalesced. "
+        "Core columns are CPU-seconds per second: the hop (CPU 1), engine + load generator (CPU 0), "
+        "and other = anything else on the machine (including steal) during the window.",
         "",
         "Added latency (vLLM): 1 stream TTFT on the fast engine; 16 streams on an engine paced at "
         f"{doc['paced_ms']:g} ms/token.",
