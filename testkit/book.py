@@ -122,6 +122,10 @@ class Book:
         self.finished.append(FinishedRecord(request_id, outcome, detail))
         self._promote()
 
+    def refused(self, request_id: str, outcome: Outcome, detail: str = "") -> None:
+        """Log a request turned away before it was queued (a live one of that id is untouched)."""
+        self.finished.append(FinishedRecord(request_id, outcome, detail))
+
     def _promote(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
             rid, fut = self._waiting.popitem(last=False)

@@ -25,7 +25,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -357,12 +357,12 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         try:
             prompt, kv = self._check(request)
         except _RequestError as e:
-            self.book.release(rid, Outcome.ERROR, str(e))
+            self.book.refused(rid, Outcome.ERROR, str(e))
             await context.abort(e.code, str(e))
             return
         plan = self.faults.plan_for(rid)
         if plan is not None and plan.kind is FaultKind.FAIL_OPEN:
-            self.book.release(rid, Outcome.FAULTED, plan.kind.value)
+            self.book.refused(rid, Outcome.FAULTED, plan.kind.value)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "testkit fault: fail_open")
             return
         if kv is not None and kv.get("do_remote_prefill"):
@@ -370,8 +370,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         live = self._live[rid] = _Live()
         outcome, detail = Outcome.CANCELLED, "client left"
         try:
-            async for msg in self._faulted(self._stream(request, prompt, kv, live), plan, live):
-                yield msg
+            stream = self._faulted(self._stream(request, prompt, kv, live), plan, live)
+            async with contextlib.aclosing(stream):
+                async for msg in stream:
+                    yield msg
             outcome, detail = self._end_state(live, plan)
         except _FaultError as e:
             outcome, detail = Outcome.FAULTED, str(e)
@@ -406,7 +408,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     async def _stream(
         self, request: pb.GenerateRequest, prompt: tuple[int, ...], kv: dict[str, Any] | None, live: _Live
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         c, rid = self.config, request.request_id
         sampling = self._sampling(request)
         choices = [_Choice(Generator(c.model, prompt, sampling, i)) for i in range(sampling.n)]
@@ -519,9 +521,16 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         return pb.GenerateResponse(complete=done)
 
     async def _faulted(
+        self, source: AsyncGenerator[pb.GenerateResponse, None], plan: FaultPlan | None, live: _Live
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Apply a per-request fault plan to the stream ``source`` makes."""
+        async with contextlib.aclosing(source):
+            async for msg in self._apply(source, plan, live):
+                yield msg
+
+    async def _apply(
         self, source: AsyncIterator[pb.GenerateResponse], plan: FaultPlan | None, live: _Live
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Apply a per-request fault plan to the stream ``source`` makes."""
         if plan is None:
             async for msg in source:
                 yield msg

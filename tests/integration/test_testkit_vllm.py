@@ -339,3 +339,14 @@ async def test_client_leaving_while_waiting_leaves_the_queue() -> None:
         first.cancel()
         await until(lambda: engine.running_count() == 0, "w1 to stop")
         assert [type(m).__name__ for m in engine.book.requests()] == ["GenerateRequest"] * 2
+
+
+async def test_duplicate_live_request_id_is_refused_and_the_live_one_keeps_running() -> None:
+    async with serve(token_latency_ms=10) as (engine, stub, _):
+        live = stub.Generate(request("dup", max_tokens=1000), timeout=10)
+        await live.read()
+        code, _ = await expect_status(stub, request("dup", max_tokens=2))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert engine.book.running_ids() == ["dup"]
+        live.cancel()
+        await until(lambda: engine.running_count() == 0, "dup to stop")
