@@ -1,0 +1,53 @@
+"""``sidecar-sglang`` / ``python -m sidecar_sglang``: the sidecar for an SGLang engine, over
+SGLang's native gRPC (default) or its native HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+
+from sidecar_common.cli import run_engine
+from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.engine import Engine
+from sidecar_sglang.grpc_engine import SglangGrpcEngine
+from sidecar_sglang.http_engine import SglangHttpEngine
+
+__all__ = ["SPEC", "build", "main"]
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--transport",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="SGLang's native wire to use: gRPC (--grpc-endpoint) or HTTP (--http-endpoint)",
+    )
+    parser.add_argument(
+        "--http-endpoint",
+        default=None,
+        help="SGLang's HTTP server (host:port or http://host:port); required with --transport http",
+    )
+
+
+def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
+    """The engine for the chosen transport. A bad flag raises ValueError (a usage error)."""
+    transport = getattr(namespace, "transport", "grpc")
+    if transport == "grpc":
+        return SglangGrpcEngine(config)
+    if transport != "http":
+        raise ValueError(f"--transport must be grpc or http, not {transport!r}")
+    text = getattr(namespace, "http_endpoint", None)
+    if not text:
+        raise ValueError("--http-endpoint is required with --transport http")
+    return SglangHttpEngine(config, parse_endpoint(text))
+
+
+SPEC = EngineSpec(name="sglang", add_arguments=_add_arguments, build=build)
+
+
+def main() -> None:
+    raise SystemExit(run_engine(SPEC))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The SGLang engine over its native gRPC service (``sglang.runtime.v1.SglangService``).
+
+I/O only: every protocol rule lives in :mod:`sidecar_sglang.convert_request`,
+:mod:`sidecar_sglang.convert_response` and :mod:`sidecar_sglang.discovery`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final, TypeVar
+
+import anyio
+import grpc
+import structlog
+
+from sidecar_common.api import sglang_pb2, sglang_pb2_grpc, sidecar_pb2
+from sidecar_common.config import SidecarConfig
+from sidecar_common.engine import EngineLoad, GenerateCall
+from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error, protocol_error
+from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
+from sidecar_sglang.convert_request import RequestSettings, build_native, to_grpc
+from sidecar_sglang.convert_response import ResponseState, event_from_grpc
+from sidecar_sglang.discovery import Discovered, discover, loads_from_json
+
+__all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangGrpcEngine", "random_room"]
+
+_log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+ABORT_TIMEOUT: Final = 2.0
+HEALTH_TIMEOUT: Final = 1.5
+LOAD_TIMEOUT: Final = 2.0
+# The grpc timeout is the real bound; this margin only catches a call that ignores it.
+_GRACE: Final = 0.5
+
+
+def random_room() -> int:
+    """A bootstrap room in [0, 2^63), for a prefill request that names none."""
+    return secrets.randbelow(2**63)
+
+
+def _json(rpc: str, text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise protocol_error("sglang", f"{rpc} json_info is not JSON") from None
+
+
+def _object(rpc: str, value: object) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise protocol_error("sglang", f"{rpc} json_info is not a JSON object")
+    return value
+
+
+class _NotHealthy(Exception):
+    """The engine answered HealthCheck but is not ready: retried within the deadline."""
+
+
+class SglangGrpcEngine:
+    """One SGLang engine started with ``--grpc-port``, behind ``config.pool``."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        clock: Clock | None = None,
+        connector: Connector | None = None,
+        room: Callable[[], int] = random_room,
+    ) -> None:
+        self._config = config
+        self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
+        self._room = room
+        self._stubs: dict[int, sglang_pb2_grpc.SglangServiceAsyncStub] = {}
+        self._found: Discovered | None = None
+        self._settings = RequestSettings(mode=config.disaggregation_mode, transport="grpc")
+        # private id -> "the sidecar asked the engine to abort it", for live generations only.
+        self._live: dict[str, bool] = {}
+
+    @property
+    def name(self) -> str:
+        return "sglang"
+
+    def _stub(self) -> sglang_pb2_grpc.SglangServiceAsyncStub:
+        channel = self._pool.channel()
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = sglang_pb2_grpc.SglangServiceStub(channel)
+        return stub
+
+    # ------------------------------------------------------------------- start-up
+
+    async def start(self) -> None:
+        # One deadline for the pool, the health wait and discovery (spec/COMMON.md).
+        deadline = Deadline.start(self._pool.clock, self._config.pool.startup_deadline)
+        await self._pool.connect(deadline)
+        target = self._config.pool.endpoint.target
+        await retry_until_deadline(
+            f"sglang engine {target} (HealthCheck)", self._health_attempt, deadline, self._config.pool.retry
+        )
+        model = await self._unary(
+            "GetModelInfo", deadline, lambda s, t: s.GetModelInfo(sglang_pb2.GetModelInfoRequest(), timeout=t)
+        )
+        server = await self._unary(
+            "GetServerInfo",
+            deadline,
+            lambda s, t: s.GetServerInfo(sglang_pb2.GetServerInfoRequest(), timeout=t),
+        )
+        listed = await self._unary(
+            "ListModels", deadline, lambda s, t: s.ListModels(sglang_pb2.ListModelsRequest(), timeout=t)
+        )
+        model_json = _object("GetModelInfo", _json("GetModelInfo", model.json_info or "{}"))
+        model_json.setdefault("model_path", model.model_path)
+        cards: list[dict[str, object]] = []
+        for card in listed.models:
+            entry: dict[str, object] = {"id": card.id, "root": card.root}
+            if card.HasField("parent"):
+                entry["parent"] = card.parent
+            if card.HasField("max_model_len"):
+                entry["max_model_len"] = card.max_model_len
+            cards.append(entry)
+        self._found = discover(
+            model_json,
+            _object("GetServerInfo", _json("GetServerInfo", server.json_info)),
+            cards,
+            expected_mode=self._config.disaggregation_mode,
+            transport="grpc",
+            engine_host=self._config.pool.endpoint.host,
+        )
+        self._settings = self._found.settings
+        _log.info(
+            "sglang engine discovered",
+            transport="grpc",
+            served_model_name=self._found.model_info.served_model_name,
+            incremental=self._found.incremental,
+            disaggregation_mode=self._found.model_info.disaggregation_mode,
+            elapsed=round(deadline.elapsed(), 3),
+        )
+
+    async def _health_attempt(self, timeout: float) -> None:
+        reply = await self._stub().HealthCheck(sglang_pb2.HealthCheckRequest(), timeout=timeout)
+        if not reply.healthy:
+            raise _NotHealthy("engine reports not healthy")
+
+    async def _unary(
+        self,
+        rpc: str,
+        deadline: Deadline,
+        call: Callable[[sglang_pb2_grpc.SglangServiceAsyncStub, float], Awaitable[T]],
+    ) -> T:
+        # Not retried: the engine is healthy by now, and a server that is not SGLang must fail
+        # fast rather than spin until the start-up deadline.
+        timeout = min(self._config.pool.retry.attempt_timeout, deadline.remaining())
+        if timeout <= 0:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT,
+                f"{rpc}: the startup deadline ({deadline.seconds:g}s) ran out before discovery",
+            )
+        return await self._bounded(rpc, timeout, call)
+
+    async def _bounded(
+        self,
+        rpc: str,
+        timeout: float,
+        call: Callable[[sglang_pb2_grpc.SglangServiceAsyncStub, float], Awaitable[T]],
+    ) -> T:
+        stub = self._stub()
+        try:
+            with anyio.fail_after(timeout + _GRACE):
+                return await call(stub, timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(rpc, err) from None
+        except TimeoutError:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s"
+            ) from None
+
+    def model_info(self) -> sidecar_pb2.ModelInfo:
+        if self._found is None:
+            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the sglang engine is not discovered yet")
+        return self._found.model_info
+
+    # ------------------------------------------------------------------- requests
+
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        build_native(request, "validate", self._settings, room=0)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
+        pid = call.private_id
+        native = build_native(call.request, pid, self._settings, room=self._room())
+        incremental = self._found.incremental if self._found is not None else False
+        state = ResponseState(native, cumulative=not incremental)
+        self._live[pid] = False
+        stream = self._stub().Generate(to_grpc(native))
+        try:
+            async for message in stream:
+                for out in state.feed(event_from_grpc(message), aborted_by_us=self._live.get(pid, False)):
+                    yield out
+                if state.done:
+                    return
+            raise state.end_of_stream(aborted_by_us=self._live.get(pid, False))
+        except grpc.RpcError as err:
+            # SGLang ends a stream it aborted at our request with CANCELLED and no terminal.
+            if self._live.get(pid, False) and err.code() == grpc.StatusCode.CANCELLED:
+                raise state.end_of_stream(aborted_by_us=True) from None
+            raise from_rpc_error("Generate", err) from None
+        finally:
+            # Leaving early (error, aclose, cancel) must release the HTTP/2 stream now.
+            stream.cancel()
+            self._live.pop(pid, None)
+
+    async def abort(self, private_id: str) -> None:
+        if not private_id:
+            # SGLang matches rids by prefix: an empty rid would abort everything.
+            return
+        if private_id in self._live:
+            self._live[private_id] = True
+        request = sglang_pb2.AbortRequest(rid=private_id, abort_all=False)
+        try:
+            await self._bounded("Abort", ABORT_TIMEOUT, lambda s, t: s.Abort(request, timeout=t))
+        except SidecarError as err:
+            # Best effort: SGLang may already have dropped a cancelled stream's rid.
+            _log.warning("sglang abort failed", private_id=private_id, error=err.message)
+
+    async def load(self) -> EngineLoad:
+        reply = await self._bounded(
+            "GetLoad", LOAD_TIMEOUT, lambda s, t: s.GetLoad(sglang_pb2.GetLoadRequest(), timeout=t)
+        )
+        return EngineLoad(ranks=loads_from_json(_json("GetLoad", reply.json_info)))
+
+    async def healthy(self) -> bool:
+        try:
+            with anyio.move_on_after(HEALTH_TIMEOUT + _GRACE):
+                await self._health_attempt(HEALTH_TIMEOUT)
+                return True
+        except (grpc.RpcError, _NotHealthy, SidecarError):
+            pass
+        return False
+
+    async def close(self) -> None:
+        self._stubs.clear()
+        await self._pool.close()

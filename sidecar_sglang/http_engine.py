@@ -1,0 +1,275 @@
+"""The SGLang engine over its native HTTP API (``POST /generate`` as Server-Sent Events).
+
+I/O only: the request body, the event rules and discovery are the same pure code the gRPC
+transport uses; :mod:`sidecar_sglang.sse` frames the byte stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Final
+
+import aiohttp
+import anyio
+import structlog
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.config import SidecarConfig
+from sidecar_common.endpoint import Endpoint
+from sidecar_common.engine import EngineLoad, GenerateCall
+from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.pool import Clock, Deadline, SystemClock, retry_until_deadline
+from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
+from sidecar_sglang.convert_response import ResponseState, error_from_http_status, event_from_http
+from sidecar_sglang.discovery import Discovered, discover, loads_from_json
+from sidecar_sglang.grpc_engine import random_room
+from sidecar_sglang.sse import SseParser
+
+__all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangHttpEngine"]
+
+_log = structlog.get_logger(__name__)
+
+ABORT_TIMEOUT: Final = 2.0
+HEALTH_TIMEOUT: Final = 1.5
+LOAD_TIMEOUT: Final = 2.0
+# After the terminal, how long to wait for SGLang's ``[DONE]`` so the connection can be
+# reused; past it the connection is closed instead.
+_TRAILER_TIMEOUT: Final = 1.0
+_ERROR_BODY_LIMIT: Final = 64 * 1024
+_READ_SIZE: Final = 64 * 1024
+
+
+def _error_words(body: bytes) -> str:
+    """The message of an SGLang/FastAPI error body, else the body itself (shortened)."""
+    text = body[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or "no details"
+    if isinstance(payload, dict):
+        for key in ("error", "detail", "message"):
+            value = payload.get(key)
+            if isinstance(value, dict) and "message" in value:
+                return str(value["message"])
+            if value is not None:
+                return str(value)
+    return text.strip()[:500]
+
+
+class _NotHealthy(Exception):
+    """``/health`` answered but not 200: retried within the start-up deadline."""
+
+
+class SglangHttpEngine:
+    """One SGLang engine's HTTP server (``--port``), through one aiohttp session whose
+    connection limit matches ``--grpc-connections``."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        endpoint: Endpoint,
+        *,
+        clock: Clock | None = None,
+        room: Callable[[], int] = random_room,
+    ) -> None:
+        self._config = config
+        self._endpoint = endpoint
+        self._base = endpoint.http_base_url
+        self._clock: Clock = clock or SystemClock()
+        self._room = room
+        self._session: aiohttp.ClientSession | None = None
+        self._found: Discovered | None = None
+        self._settings = RequestSettings(mode=config.disaggregation_mode, transport="http")
+        self._live: dict[str, bool] = {}
+
+    @property
+    def name(self) -> str:
+        return "sglang"
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._config.pool.connections)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self._config.pool.retry.attempt_timeout
+                ),
+            )
+        return self._session
+
+    # ------------------------------------------------------------------- start-up
+
+    async def start(self) -> None:
+        deadline = Deadline.start(self._clock, self._config.pool.startup_deadline)
+        await retry_until_deadline(
+            f"sglang engine {self._base} (GET /health)",
+            self._health_attempt,
+            deadline,
+            self._config.pool.retry,
+        )
+        model = await self._get_json(("/model_info", "/get_model_info"), deadline)
+        server = await self._get_json(("/server_info", "/get_server_info"), deadline)
+        listed = await self._get_json(("/v1/models",), deadline)
+        if not isinstance(model, dict) or not isinstance(server, dict):
+            raise protocol_error("sglang", "model or server info is not a JSON object")
+        cards = listed.get("data", []) if isinstance(listed, dict) else listed
+        self._found = discover(
+            model,
+            server,
+            [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else [],
+            expected_mode=self._config.disaggregation_mode,
+            transport="http",
+            engine_host=self._endpoint.host,
+        )
+        self._settings = self._found.settings
+        _log.info(
+            "sglang engine discovered",
+            transport="http",
+            served_model_name=self._found.model_info.served_model_name,
+            incremental=self._found.incremental,
+            disaggregation_mode=self._found.model_info.disaggregation_mode,
+            elapsed=round(deadline.elapsed(), 3),
+        )
+
+    async def _health_attempt(self, timeout: float) -> None:
+        with anyio.fail_after(timeout):
+            async with self._http().get(f"{self._base}/health") as resp:
+                if resp.status != 200:
+                    raise _NotHealthy(f"GET /health answered HTTP {resp.status}")
+                await resp.read()
+
+    async def _get_json(
+        self, paths: tuple[str, ...], deadline: Deadline | None, timeout: float = 0.0
+    ) -> object:
+        """GET the first of ``paths`` that exists (older servers only have the deprecated ones)."""
+        if deadline is not None:
+            timeout = min(self._config.pool.retry.attempt_timeout, deadline.remaining())
+        status, body = 404, b""
+        path = paths[0]
+        try:
+            with anyio.fail_after(timeout):
+                for path in paths:
+                    async with self._http().get(f"{self._base}{path}") as resp:
+                        status, body = resp.status, await resp.read()
+                    if status != 404:
+                        break
+        except TimeoutError:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT, f"GET {path}: no answer in {timeout:.3f}s"
+            ) from None
+        except aiohttp.ClientError as err:
+            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"GET {path}: {err!r}") from None
+        if status != 200:
+            raise error_from_http_status(status, f"GET {path}: {_error_words(body)}")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise protocol_error("sglang", f"GET {path} is not JSON") from None
+
+    def model_info(self) -> sidecar_pb2.ModelInfo:
+        if self._found is None:
+            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the sglang engine is not discovered yet")
+        return self._found.model_info
+
+    # ------------------------------------------------------------------- requests
+
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        build_native(request, "validate", self._settings, room=0)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
+        pid = call.private_id
+        native = build_native(call.request, pid, self._settings, room=self._room())
+        incremental = self._found.incremental if self._found is not None else False
+        state = ResponseState(native, cumulative=not incremental)
+        self._live[pid] = False
+        resp: aiohttp.ClientResponse | None = None
+        reusable = False
+        try:
+            try:
+                resp = await self._http().post(f"{self._base}/generate", json=to_http_json(native))
+            except aiohttp.ClientError as err:
+                raise SidecarError(ErrorReason.CANNOT_CONNECT, f"Generate: POST /generate: {err!r}") from None
+            if resp.status != 200:
+                body = await resp.content.read(_ERROR_BODY_LIMIT)
+                raise error_from_http_status(resp.status, _error_words(body))
+            if native.prefill:
+                # Decode can start its KV transfer as soon as prefill is admitted.
+                yield state.handoff()
+            parser = SseParser()
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except aiohttp.ClientError as err:
+                    _log.debug("sglang stream read failed", private_id=pid, error=repr(err))
+                    chunk = b""
+                if not chunk:
+                    raise state.end_of_stream(aborted_by_us=self._live.get(pid, False))
+                for data in parser.feed(chunk):
+                    if data.strip() == "[DONE]":
+                        raise protocol_error("sglang", "[DONE] before a terminal event")
+                    try:
+                        payload = json.loads(data)
+                    except ValueError:
+                        raise protocol_error("sglang", "an event is not JSON") from None
+                    for out in state.feed(event_from_http(payload), aborted_by_us=self._live.get(pid, False)):
+                        yield out
+                    if state.done:
+                        break
+                if state.done:
+                    break
+            reusable = await self._drain_trailer(resp, parser)
+        finally:
+            self._live.pop(pid, None)
+            if resp is not None:
+                if reusable:
+                    resp.release()
+                else:
+                    # An unfinished body cannot go back to the pool; closing also tells SGLang
+                    # the client left.
+                    resp.close()
+
+    async def _drain_trailer(self, resp: aiohttp.ClientResponse, parser: SseParser) -> bool:
+        """Read up to ``[DONE]`` after the terminal, so the connection can be reused."""
+        with anyio.move_on_after(_TRAILER_TIMEOUT):
+            try:
+                while True:
+                    chunk = await resp.content.readany()
+                    if not chunk:
+                        return True
+                    if any(d.strip() == "[DONE]" for d in parser.feed(chunk)):
+                        return await resp.content.read() == b""
+            except aiohttp.ClientError:
+                return False
+        return False
+
+    async def abort(self, private_id: str) -> None:
+        if not private_id:
+            # SGLang matches rids by prefix: an empty rid would abort everything.
+            return
+        if private_id in self._live:
+            self._live[private_id] = True
+        body = {"rid": private_id, "abort_all": False}
+        try:
+            with anyio.fail_after(ABORT_TIMEOUT):
+                async with self._http().post(f"{self._base}/abort_request", json=body) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        _log.warning("sglang abort refused", private_id=private_id, status=resp.status)
+        except (TimeoutError, aiohttp.ClientError) as err:
+            _log.warning("sglang abort failed", private_id=private_id, error=repr(err))
+
+    async def load(self) -> EngineLoad:
+        return EngineLoad(ranks=loads_from_json(await self._get_json(("/v1/loads",), None, LOAD_TIMEOUT)))
+
+    async def healthy(self) -> bool:
+        try:
+            await self._health_attempt(HEALTH_TIMEOUT)
+        except (TimeoutError, aiohttp.ClientError, _NotHealthy):
+            return False
+        return True
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
