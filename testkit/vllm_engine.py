@@ -370,7 +370,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         live = self._live[rid] = _Live()
         outcome, detail = Outcome.CANCELLED, "client left"
         try:
-            stream = self._faulted(self._stream(request, prompt, kv, live), plan, live)
+            stall = plan.stall_secs if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN else 0.0
+            stream = self._faulted(self._stream(request, prompt, kv, live, stall), plan, live)
             async with contextlib.aclosing(stream):
                 async for msg in stream:
                     yield msg
@@ -407,8 +408,14 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         }
 
     async def _stream(
-        self, request: pb.GenerateRequest, prompt: tuple[int, ...], kv: dict[str, Any] | None, live: _Live
+        self,
+        request: pb.GenerateRequest,
+        prompt: tuple[int, ...],
+        kv: dict[str, Any] | None,
+        live: _Live,
+        stall: float,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The request's messages; ``stall`` delays the first step (an abort still cuts it short)."""
         c, rid = self.config, request.request_id
         sampling = self._sampling(request)
         choices = [_Choice(Generator(c.model, prompt, sampling, i)) for i in range(sampling.n)]
@@ -431,7 +438,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             live_choices = [ch for ch in choices if not ch.gen.done]
             if not live_choices:
                 break
-            await self._pause(live, c.token_latency_ms / 1000.0 * c.chunk_tokens)
+            await self._pause(live, c.token_latency_ms / 1000.0 * c.chunk_tokens + stall)
+            stall = 0.0
             if live.aborted.is_set():
                 for ch in live_choices:
                     for msg in from_abort(ch, len(prompt), cached):
@@ -539,13 +547,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         cut = kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG)
         sent = 0
         first: pb.GenerateResponse | None = None
-        stalled = kind is not FaultKind.STALL_FIRST_TOKEN
         async for msg in source:
             which = msg.WhichOneof("response")
             ids = list(msg.chunk.token_ids) if which == "chunk" else []
-            if not stalled and ids:
-                stalled = True
-                await self._pause(live, plan.stall_secs)
             if cut and (which == "complete" or sent + len(ids) > k):
                 if k > sent and which == "chunk":
                     part = pb.GenerateResponse()

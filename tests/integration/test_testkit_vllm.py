@@ -350,3 +350,14 @@ async def test_duplicate_live_request_id_is_refused_and_the_live_one_keeps_runni
         assert engine.book.running_ids() == ["dup"]
         live.cancel()
         await until(lambda: engine.running_count() == 0, "dup to stop")
+
+
+async def test_abort_during_a_first_token_stall_ends_without_tokens() -> None:
+    async with serve() as (engine, stub, _):
+        engine.faults.add("stall", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=5.0))
+        task = asyncio.create_task(collect(stub, request("stall-1", max_tokens=3)))
+        await until(lambda: engine.running_count() == 1, "the stalled request to run")
+        await stub.Abort(pb.AbortRequest(request_ids=["stall-1"]), timeout=5)
+        msgs = await asyncio.wait_for(task, 5)
+        assert [t for c in chunks(msgs) for t in c.token_ids] == []
+        assert [d.finish_reason for d in completes(msgs)] == ["abort"]
