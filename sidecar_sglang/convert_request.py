@@ -148,6 +148,14 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         )
     if s.logit_bias:
         raise invalid_argument("sampling_options.logit_bias", "not supported by SGLang's native API")
+    if request.routing.HasField("cache_namespace"):
+        raise invalid_argument("routing.cache_namespace", "SGLang has no cache namespaces")
+    guided = s.guided_decoding
+    for name in ("backend", "whitespace_pattern"):
+        if guided.HasField(name):
+            raise invalid_argument(
+                f"sampling_options.guided_decoding.{name}", "SGLang has no per-request choice"
+            )
     if request.multi_modal_data and settings.transport == "grpc":
         raise invalid_argument("multi_modal_data", "media is not supported over SGLang's native gRPC")
     unknown = sorted(set(request.extra_args.fields) - _KNOWN_EXTRA_ARGS)

@@ -237,6 +237,11 @@ class ResponseState:
             self.done = True
             raise self._abort_error(finish, aborted_by_us)
         out = self._delta(event) if not self.request.prefill else None
+        reported = _as_int(event.meta.get("completion_tokens"))
+        if not self.request.prefill and reported is not None and reported != self.completion_tokens:
+            raise protocol_error(
+                _ENGINE, f"completion_tokens is {reported} but {self.completion_tokens} tokens were streamed"
+            )
         terminal = out if out is not None else sidecar_pb2.LLMEngineOutput()
         self._terminal(terminal, finish, event.meta)
         self.done = True

@@ -150,6 +150,11 @@ def test_other_guided_kinds_refused(guided: dict[str, Any]) -> None:
         ({"stopConditions": {"maxTokens": 2**31}}, "stop_conditions.max_tokens"),
         ({"stopConditions": {"stopTokenIds": [2**31]}}, "stop_conditions.stop_token_ids"),
         ({"routing": {"dpRank": 2**31}}, "routing.dp_rank"),
+        ({"routing": {"cacheNamespace": "t"}}, "routing.cache_namespace"),
+        (
+            {"samplingOptions": {"guidedDecoding": {"regex": "a", "backend": "x"}}},
+            "sampling_options.guided_decoding.backend",
+        ),
     ],
 )
 def test_refusals_name_the_field(fields: dict[str, Any], named: str) -> None:

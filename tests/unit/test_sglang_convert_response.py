@@ -143,6 +143,16 @@ def test_negative_id_is_protocol_error() -> None:
     assert info.value.reason is ErrorReason.PROTOCOL_ERROR
 
 
+def test_completion_count_mismatch_on_terminal_is_protocol_error() -> None:
+    state = ResponseState(native(), cumulative=True)
+    run(state, [ev([5, 6])])
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([5, 6, 7], "length", completion_tokens=4), aborted_by_us=False)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    ok = ResponseState(native(), cumulative=True)
+    assert run(ok, [ev([5, 6, 7], "length", completion_tokens=3)])[0].completion_usage.completion_tokens == 3
+
+
 def test_message_after_terminal_is_refused() -> None:
     state = ResponseState(native(), cumulative=False)
     run(state, [ev([1], "length")])
