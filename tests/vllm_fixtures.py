@@ -1,18 +1,42 @@
-"""Builders of vLLM engine messages in the shape of vLLM's own servicer, for the vLLM tests.
+"""Helpers for the vLLM tests: engine messages in the servicer's shape, and a running stack.
 
 ``servicer_stream`` reproduces what ``smg_grpc_servicer.vllm.servicer`` sends in streaming
 mode: one chunk per engine step with that step's new tokens (counts per message), and after
 the finishing step a ``complete`` whose ``output_ids`` restate that final delta.
+
+``vllm_stack`` runs the testkit vLLM engine, a ``VllmEngine`` and a ``SidecarServer`` on
+loopback in-process, and yields a public-API client; everything is torn down on exit.
+(Plain async context managers: a non-root conftest cannot register fixture plugins.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
+import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-__all__ = ["chunk", "complete", "output_logprobs", "servicer_stream"]
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.config import DisaggregationMode, SidecarConfig
+from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_vllm.engine import VllmEngine
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+
+__all__ = [
+    "Stack",
+    "chunk",
+    "complete",
+    "output_logprobs",
+    "public_request",
+    "servicer_stream",
+    "sidecar_config",
+    "vllm_stack",
+]
 
 Resp: TypeAlias = vllm_engine_pb2.GenerateResponse
 
@@ -83,3 +107,61 @@ def servicer_stream(deltas: Sequence[Sequence[int]], reason: str = "length", ind
     msgs = [chunk(d, index) for d in deltas]
     msgs.append(complete(deltas[-1], reason, index))
     return msgs
+
+
+def sidecar_config(
+    port: int, mode: DisaggregationMode = "agg", *, deadline: float = 10.0, connections: int = 2
+) -> SidecarConfig:
+    retry = RetryPolicy(attempt_timeout=1.0, max_interval=0.1, initial_interval=0.02)
+    pool = PoolConfig(
+        parse_endpoint(f"127.0.0.1:{port}"), connections=connections, startup_deadline=deadline, retry=retry
+    )
+    return SidecarConfig(pool=pool, listen="127.0.0.1:0", disaggregation_mode=mode)
+
+
+@dataclass
+class Stack:
+    engine: VllmTestEngine
+    adapter: VllmEngine
+    server: SidecarServer
+    stub: Any  # sidecar_pb2_grpc.WorkerStub (its async face is typing-only)
+
+
+@asynccontextmanager
+async def vllm_stack(
+    engine: VllmTestEngine | None = None, mode: DisaggregationMode = "agg", **engine_config: Any
+) -> AsyncIterator[Stack]:
+    """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
+    if engine is None:
+        engine = VllmTestEngine(VllmEngineConfig(**engine_config))
+    port = await engine.start()
+    adapter = VllmEngine(sidecar_config(port, mode))
+    server = SidecarServer(
+        adapter,
+        ServerConfig(listen="127.0.0.1:0", hold_decode_cancels=mode == "decode", health_watch_interval=0.2),
+    )
+    channel: grpc.aio.Channel | None = None
+    try:
+        await adapter.start()
+        await server.start()
+        server.set_serving()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        yield Stack(engine, adapter, server, sidecar_pb2_grpc.WorkerStub(channel))
+    finally:
+        if channel is not None:
+            await channel.close(None)
+        await server.stop()
+        await adapter.close()
+        await engine.stop(0)
+
+
+def public_request(
+    request_id: str = "req", token_ids: Sequence[int] = (101, 202, 303, 404), **stop: Any
+) -> sidecar_pb2.PreprocessedRequest:
+    req = sidecar_pb2.PreprocessedRequest(request_id=request_id, token_ids=token_ids)
+    for key, value in stop.items():
+        if isinstance(value, list):
+            getattr(req.stop_conditions, key).extend(value)
+        else:
+            setattr(req.stop_conditions, key, value)
+    return req

@@ -1,0 +1,484 @@
+"""The vLLM sidecar end to end: testkit vLLM engine <- VllmEngine <- SidecarServer <- a real
+gRPC client of the public API, all on 127.0.0.1 in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import grpc
+import pytest
+from google.protobuf import json_format
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_vllm.engine import VllmEngine
+from testkit.faults import FaultKind, FaultPlan
+from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+from tests.vllm_fixtures import Stack, public_request, sidecar_config, vllm_stack
+
+pytestmark = pytest.mark.timeout(60)
+
+Out = sidecar_pb2.LLMEngineOutput
+PROMPT = [101, 202, 303, 404]
+
+
+async def collect(call: Any) -> list[Out]:
+    return [out async for out in call]
+
+
+async def collect_until_error(call: Any) -> tuple[list[Out], grpc.aio.AioRpcError]:
+    outs: list[Out] = []
+    try:
+        async for out in call:
+            outs.append(out)
+    except grpc.aio.AioRpcError as err:
+        return outs, err
+    raise AssertionError("the stream ended OK")
+
+
+def reason_of(err: grpc.aio.AioRpcError) -> tuple[str, str]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return info.reason, info.metadata["migratable"]
+
+
+def tokens(outs: list[Out], index: int = 0) -> list[int]:
+    return [t for o in outs if o.index == index for t in o.token_ids]
+
+
+def expected(stack: Stack, prompt: list[int] = PROMPT, index: int = 0, **sampling: Any) -> list[int]:
+    spec = SamplingSpec(**sampling)
+    return [t.token_id for t in generate(stack.engine.config.model, prompt, spec, index)]
+
+
+def terminal(outs: list[Out], index: int = 0) -> Out:
+    mine = [o for o in outs if o.index == index and o.finish_reason != sidecar_pb2.UNSPECIFIED]
+    assert len(mine) == 1
+    return mine[0]
+
+
+async def until(cond: Callable[[], bool], what: str, secs: float = 10.0) -> None:
+    # The engine's book has no events to wait on; poll it, bounded.
+    with anyio.fail_after(secs):
+        while not cond():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert cond(), what
+
+
+def private_ids(stack: Stack) -> list[str]:
+    return [rid for rid, _ in stack.engine.book.received]
+
+
+# ---------------------------------------------------------------------------- discovery
+
+
+async def test_model_info_and_load_come_from_the_engine() -> None:
+    async with vllm_stack(served_model_name="", data_parallel_size=2, max_num_seqs=7) as s:
+        info = await s.stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest(), timeout=5)
+        assert info.engine == "vllm"
+        assert info.served_model_name == "testkit/tiny-model", "falls back to model_path"
+        assert (info.max_context_length, info.vocab_size, list(info.eos_token_ids)) == (4096, 32000, [2])
+        assert (info.kv_block_size, info.max_num_seqs, info.data_parallel_size) == (16, 7, 2)
+        assert info.disaggregation_mode == "agg"
+        load = await s.stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=5)
+        assert [r.dp_rank for r in load.ranks] == [0, 1]
+        assert all(r.HasField("kv_usage") and r.running_requests == 0 for r in load.ranks)
+
+
+@pytest.mark.parametrize(
+    ("mode", "role"), [("prefill", "kv_consumer"), ("decode", "kv_producer"), ("prefill", "")]
+)
+async def test_a_kv_role_that_cannot_serve_the_mode_fails_start_up_naming_both(mode: Any, role: str) -> None:
+    engine = VllmTestEngine(VllmEngineConfig(kv_role=role))
+    port = await engine.start()
+    adapter = VllmEngine(sidecar_config(port, mode))
+    try:
+        with pytest.raises(SidecarError) as info:
+            await adapter.start()
+        assert mode in info.value.message
+        assert repr(role) in info.value.message
+    finally:
+        await adapter.close()
+        await engine.stop(0)
+
+
+async def test_no_engine_within_the_deadline_is_cannot_connect() -> None:
+    engine = VllmTestEngine(VllmEngineConfig(startup_delay_secs=30))
+    port = await engine.start()
+    adapter = VllmEngine(sidecar_config(port, deadline=0.5, connections=1))
+    try:
+        with pytest.raises(SidecarError) as info:
+            await adapter.start()
+        assert info.value.reason is ErrorReason.CANNOT_CONNECT
+        assert f"127.0.0.1:{port}" in info.value.message
+    finally:
+        await adapter.close()
+        await engine.stop(0)
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+async def test_streaming_with_usage() -> None:
+    async with vllm_stack() as s:
+        outs = await collect(s.stub.Generate(public_request(max_tokens=6), timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=6)
+        assert all(len(o.token_ids) == 1 for o in outs[:-1]), "one delta per engine step"
+        end = terminal(outs)
+        assert end is outs[-1]
+        assert end.finish_reason == sidecar_pb2.LENGTH
+        u = end.completion_usage
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (4, 6, 10)
+        assert u.HasField("cached_tokens")
+        sent = s.engine.book.requests()[0]
+        assert isinstance(sent, pb.GenerateRequest)
+        assert sent.stream
+        assert sent.request_id.endswith("-req")
+        assert s.engine.book.aborts == []
+
+
+async def test_multi_token_chunks_are_not_repeated_by_the_restating_complete() -> None:
+    async with vllm_stack(chunk_tokens=4) as s:
+        outs = await collect(s.stub.Generate(public_request(max_tokens=10), timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=10)
+        assert terminal(outs).completion_usage.completion_tokens == 10
+
+
+async def test_eos_stops_without_a_stop_reason() -> None:
+    async with vllm_stack() as s:
+        prompt = [EOS_TRIGGER_TOKEN, 3, 500]
+        req = public_request(token_ids=prompt, stop_token_ids_hidden=[2], max_tokens=20)
+        outs = await collect(s.stub.Generate(req, timeout=10))
+        assert len(tokens(outs)) == 3
+        assert tokens(outs)[-1] == 2
+        end = terminal(outs)
+        assert end.finish_reason == sidecar_pb2.STOP
+        assert end.WhichOneof("stop_reason") is None
+
+
+async def test_user_stop_token_is_reported() -> None:
+    async with vllm_stack() as s:
+        free_run = expected(s, max_tokens=8)
+        stop = free_run[4]
+        want = free_run[: free_run.index(stop) + 1]
+        outs = await collect(s.stub.Generate(public_request(max_tokens=8, stop_token_ids=[stop]), timeout=10))
+        assert tokens(outs) == want
+        end = terminal(outs)
+        assert end.finish_reason == sidecar_pb2.STOP
+        assert end.WhichOneof("stop_reason") == "stop_token_id"
+        assert end.stop_token_id == stop
+
+
+async def test_stop_string_is_reported() -> None:
+    async with vllm_stack() as s:
+        free_run = expected(s, max_tokens=12)
+        word = next(detokenize(t) for t in free_run[3:] if len(detokenize(t)) > 1)
+        outs = await collect(s.stub.Generate(public_request(max_tokens=12, stop=[word]), timeout=10))
+        end = terminal(outs)
+        assert end.finish_reason == sidecar_pb2.STOP
+        assert end.stop_string == word
+        got = tokens(outs)
+        assert got == free_run[: len(got)]
+        assert len(got) < 12
+
+
+async def test_logprobs_and_prompt_logprobs() -> None:
+    async with vllm_stack() as s:
+        req = public_request(max_tokens=4)
+        req.output_options.logprobs = 2
+        req.output_options.prompt_logprobs = 1
+        outs = await collect(s.stub.Generate(req, timeout=10))
+        for o in outs:
+            assert len(o.log_probs) == len(o.token_ids) == len(o.top_logprobs)
+            for tok, lp, top in zip(o.token_ids, o.log_probs, o.top_logprobs, strict=True):
+                assert top.entries[0].token_id == tok
+                assert top.entries[0].logprob == lp
+                assert len({e.token_id for e in top.entries}) == len(top.entries)
+        data = json_format.MessageToDict(terminal(outs).engine_data)
+        plp = data["prompt_logprobs"]
+        assert len(plp) == len(PROMPT)
+        assert plp[0] is None
+        assert all(str(tok) in pos for tok, pos in zip(PROMPT[1:], plp[1:], strict=True))
+
+
+async def test_n_2_streams_two_choices() -> None:
+    async with vllm_stack() as s:
+        req = public_request(max_tokens=5)
+        req.sampling_options.n = 2
+        outs = await collect(s.stub.Generate(req, timeout=10))
+        for i in (0, 1):
+            assert tokens(outs, i) == expected(s, index=i, max_tokens=5, n=2)
+            assert terminal(outs, i).completion_usage.completion_tokens == 5
+        assert tokens(outs, 0) != tokens(outs, 1)
+
+
+async def test_duplicate_public_ids_are_isolated() -> None:
+    async with vllm_stack(token_latency_ms=5) as s:
+        a = s.stub.Generate(public_request("dup", max_tokens=5), timeout=10)
+        b = s.stub.Generate(public_request("dup", max_tokens=40), timeout=10)
+        first_b = await b.read()
+        assert first_b.token_ids
+        b.cancel()
+        outs = await collect(a)
+        assert tokens(outs) == expected(s, max_tokens=5)
+        ids = private_ids(s)
+        assert len(set(ids)) == 2
+        await until(lambda: s.engine.book.running_count == 0, "engine idle")
+        assert len(s.engine.book.aborts) == 1
+
+
+# ------------------------------------------------------------------------- disaggregation
+
+
+async def test_prefill_then_decode_through_two_sidecars() -> None:
+    async with (
+        vllm_stack(mode="prefill", kv_role="kv_producer", kv_port=5600) as p,
+        vllm_stack(mode="decode", kv_role="kv_consumer") as d,
+    ):
+        assert (await p.stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest())).disaggregation_mode == "prefill"
+        pre = await collect(p.stub.Generate(public_request("pd", max_tokens=8), timeout=10))
+        assert len(pre) == 1
+        handoff = pre[0]
+        assert list(handoff.token_ids) == []
+        assert handoff.finish_reason != sidecar_pb2.CANCELLED
+        assert handoff.completion_usage.completion_tokens == 0
+        params = json_format.MessageToDict(handoff.disaggregated_params)
+        assert params["remote_port"] == 5600
+        sent_prefill = p.engine.book.requests()[0]
+        assert isinstance(sent_prefill, pb.GenerateRequest)
+        assert json.loads(sent_prefill.kv_transfer_params_json) == {"do_remote_decode": True}
+        assert sent_prefill.sampling_params.max_tokens == 1
+
+        req = public_request("pd", max_tokens=8)
+        req.prefill_result.disaggregated_params.CopyFrom(handoff.disaggregated_params)
+        outs = await collect(d.stub.Generate(req, timeout=10))
+        assert len(tokens(outs)) == 8
+        assert terminal(outs).finish_reason == sidecar_pb2.LENGTH
+        [(_, kv)] = d.engine.handoffs
+        assert kv["remote_port"] == "5600"
+        assert kv["remote_block_ids"] == params["remote_block_ids"]
+
+
+async def test_aborted_prefill_ends_cancelled_without_handoff() -> None:
+    async with vllm_stack(mode="prefill", kv_role="kv_producer", token_latency_ms=3000) as p:
+        call = p.stub.Generate(public_request("pre", max_tokens=8), timeout=20)
+        await until(lambda: p.engine.book.running_count == 1, "prefill running")
+        # vLLM aborting on its own (e.g. its own shutdown or an operator's abort).
+        await p.engine.Abort(pb.AbortRequest(request_ids=private_ids(p)), None)
+        outs = await collect(call)
+        assert len(outs) == 1
+        assert outs[0].finish_reason == sidecar_pb2.CANCELLED
+        assert not outs[0].HasField("disaggregated_params")
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    ("plan", "prefix", "code", "reason", "migratable"),
+    [
+        (FaultPlan(FaultKind.FAIL_OPEN), 0, grpc.StatusCode.UNAVAILABLE, "CANNOT_CONNECT", "true"),
+        (
+            FaultPlan(FaultKind.CLOSE_AFTER, after=3),
+            3,
+            grpc.StatusCode.UNAVAILABLE,
+            "ENGINE_SHUTDOWN",
+            "true",
+        ),
+        (FaultPlan(FaultKind.ERROR_AFTER, after=2), 2, grpc.StatusCode.UNKNOWN, "UNKNOWN", "false"),
+        (
+            FaultPlan(FaultKind.ERROR_AFTER, after=1, code="RESOURCE_EXHAUSTED"),
+            1,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "OVERLOADED",
+            "false",
+        ),
+        (
+            FaultPlan(FaultKind.MALFORMED_TERMINAL, variant="unknown_finish_reason"),
+            5,
+            grpc.StatusCode.INTERNAL,
+            "PROTOCOL_ERROR",
+            "false",
+        ),
+    ],
+)
+async def test_engine_failure_gives_the_exact_prefix_then_a_typed_status(
+    plan: FaultPlan, prefix: int, code: grpc.StatusCode, reason: str, migratable: str
+) -> None:
+    async with vllm_stack() as s:
+        s.engine.faults.add("-bad", plan)
+        outs, err = await collect_until_error(
+            s.stub.Generate(public_request("bad", max_tokens=5), timeout=10)
+        )
+        full = expected(s, max_tokens=5)
+        assert tokens(outs) == full[:prefix]
+        assert all(o.finish_reason == sidecar_pb2.UNSPECIFIED for o in outs)
+        assert err.code() == code
+        assert reason_of(err) == (reason, migratable)
+        # The next request on the same sidecar works.
+        again = await collect(s.stub.Generate(public_request("good", max_tokens=5), timeout=10))
+        assert tokens(again) == full
+        await until(lambda: s.engine.book.running_count == 0, "engine idle")
+
+
+async def test_engine_error_status_keeps_the_engines_words() -> None:
+    async with vllm_stack() as s:
+        s.engine.faults.add("-bad", FaultPlan(FaultKind.ERROR_AFTER, after=1, message="boom in step"))
+        _, err = await collect_until_error(s.stub.Generate(public_request("bad", max_tokens=5), timeout=10))
+        assert err.details() == "Generate: boom in step (INTERNAL)"
+
+
+async def test_engine_rejection_is_invalid_argument() -> None:
+    async with vllm_stack() as s:
+        outs, err = await collect_until_error(s.stub.Generate(public_request(token_ids=[99999]), timeout=10))
+        assert outs == []
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "out of vocabulary" in (err.details() or "")
+
+
+# ------------------------------------------------------------------------- cancellation
+
+
+async def _cancel_case(s: Stack) -> None:
+    await until(lambda: s.engine.book.running_count == 0, "engine idle after the client left")
+    [pid] = private_ids(s)
+    assert s.engine.book.aborts == [pid]
+
+
+async def test_client_cancel_leaves_nothing_running_and_aborts_once() -> None:
+    async with vllm_stack(token_latency_ms=20) as s:
+        call = s.stub.Generate(public_request(max_tokens=1000), timeout=20)
+        assert (await call.read()).token_ids
+        call.cancel()
+        await _cancel_case(s)
+        await asyncio.sleep(0.2)
+        assert len(s.engine.book.aborts) == 1
+
+
+async def test_client_deadline_leaves_nothing_running_and_aborts_once() -> None:
+    async with vllm_stack(token_latency_ms=20) as s:
+        call = s.stub.Generate(public_request(max_tokens=1000), timeout=0.5)
+        _, err = await collect_until_error(call)
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await _cancel_case(s)
+
+
+async def test_public_abort_stops_the_engine_request() -> None:
+    async with vllm_stack(token_latency_ms=20) as s:
+        call = s.stub.Generate(public_request("victim", max_tokens=1000), timeout=20)
+        assert (await call.read()).token_ids
+        reply = await s.stub.Abort(sidecar_pb2.AbortRequest(request_id="victim"), timeout=5)
+        assert reply.aborted == 1
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
+                pass
+        await _cancel_case(s)
+
+
+class OrderedEngine(VllmTestEngine):
+    """Records, in order, the first token sent and every abort received."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        super().__init__(config)
+        self.events: list[str] = []
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        async for msg in super().Generate(request, context):
+            if msg.WhichOneof("response") == "chunk" and msg.chunk.token_ids and "token" not in self.events:
+                self.events.append("token")
+            yield msg
+
+    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
+        self.events.append("abort")
+        reply: pb.AbortResponse = await super().Abort(request, context)
+        return reply
+
+
+@pytest.mark.parametrize(("mode", "order"), [("decode", ["token", "abort"]), ("agg", ["abort"])])
+async def test_decode_holds_a_cancel_until_the_first_token(mode: Any, order: list[str]) -> None:
+    role = "kv_consumer" if mode == "decode" else ""
+    engine = OrderedEngine(VllmEngineConfig(kv_role=role, token_latency_ms=5))
+    engine.faults.add("-held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=0.5))
+    async with vllm_stack(engine, mode=mode) as s:
+        req = public_request("held", max_tokens=1000)
+        if mode == "decode":
+            req.prefill_result.disaggregated_params.update({"engine_id": "x"})
+        call = s.stub.Generate(req, timeout=20)
+        await until(lambda: s.engine.book.running_count == 1, "request running")
+        call.cancel()
+        await _cancel_case(s)
+        assert engine.events[: len(order)] == order
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def _refusals() -> list[tuple[str, sidecar_pb2.PreprocessedRequest]]:
+    cases: list[tuple[str, sidecar_pb2.PreprocessedRequest]] = [
+        ("token_ids", sidecar_pb2.PreprocessedRequest())
+    ]
+
+    def case(field: str, mutate: Callable[[sidecar_pb2.PreprocessedRequest], None]) -> None:
+        req = public_request()
+        mutate(req)
+        cases.append((field, req))
+
+    case("sampling_options.best_of", lambda r: setattr(r.sampling_options, "best_of", 2))
+    case("sampling_options.use_beam_search", lambda r: setattr(r.sampling_options, "use_beam_search", True))
+    case("sampling_options.length_penalty", lambda r: setattr(r.sampling_options, "length_penalty", 2.0))
+    case("sampling_options.seed", lambda r: setattr(r.sampling_options, "seed", 2**40))
+    case("sampling_options.top_k", lambda r: setattr(r.sampling_options, "top_k", -5))
+    case("sampling_options.top_p", lambda r: setattr(r.sampling_options, "top_p", 0.0))
+    case(
+        "sampling_options.repetition_penalty",
+        lambda r: setattr(r.sampling_options, "repetition_penalty", 0.0),
+    )
+    case("output_options.logprobs", lambda r: setattr(r.output_options, "logprobs", 2**31))
+    case("extra_args.surprise", lambda r: r.extra_args.update({"surprise": True}))
+    case("routing.lora_name", lambda r: setattr(r.routing, "lora_name", "l"))
+    case("routing.priority", lambda r: setattr(r.routing, "priority", 3))
+    case("routing.cache_namespace", lambda r: setattr(r.routing, "cache_namespace", "t"))
+
+    def guided_backend(r: sidecar_pb2.PreprocessedRequest) -> None:
+        r.sampling_options.guided_decoding.regex = "a"
+        r.sampling_options.guided_decoding.backend = "x"
+
+    case("sampling_options.guided_decoding.backend", guided_backend)
+    case(
+        "multi_modal_data",
+        lambda r: (
+            r.multi_modal_data.add(kind=sidecar_pb2.MultimodalItem.IMAGE, url="https://x/y.png") and None
+        ),
+    )
+    case("prefill_result", lambda r: r.prefill_result.disaggregated_params.update({"a": 1}))
+    return cases
+
+
+async def test_every_refused_input_is_refused_before_any_engine_call() -> None:
+    async with vllm_stack() as s:
+        for field, req in _refusals():
+            outs, err = await collect_until_error(s.stub.Generate(req, timeout=10))
+            assert outs == []
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert (err.details() or "").startswith(field), (field, err.details())
+            assert reason_of(err) == ("INVALID_ARGUMENT", "false")
+        assert s.engine.book.received == []
+
+
+async def test_decode_without_a_handoff_is_refused_before_any_engine_call() -> None:
+    async with vllm_stack(mode="decode", kv_role="kv_both") as s:
+        _, err = await collect_until_error(s.stub.Generate(public_request(), timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.details() or "").startswith("prefill_result.disaggregated_params")
+        assert s.engine.book.received == []
