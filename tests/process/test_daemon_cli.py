@@ -16,19 +16,21 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import anyio
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from sidecar_common import systemd
-from sidecar_common.api import sidecar_pb2
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine, EngineLoad, GenerateCall
-from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.pool import ChannelPool, Deadline, SystemClock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,11 +40,16 @@ WAIT = 30.0
 
 
 class FakeEngine:
-    """An engine whose start() is chosen by --fake-start: a real pool connect, ok, or hang."""
+    """An engine whose start() is chosen by --fake-start (a real pool connect, ok, or hang),
+    which streams --fake-tokens tokens --fake-token-delay-secs apart, and which appends every
+    private id it is asked to abort to --fake-abort-file."""
 
-    def __init__(self, config: SidecarConfig, mode: str) -> None:
+    def __init__(self, config: SidecarConfig, namespace: argparse.Namespace) -> None:
         self._config = config
-        self._mode = mode
+        self._mode: str = namespace.fake_start
+        self._tokens: int = namespace.fake_tokens
+        self._delay: float = namespace.fake_token_delay_secs
+        self._abort_file: str | None = namespace.fake_abort_file
         self._pool: ChannelPool | None = None
 
     @property
@@ -63,11 +70,18 @@ class FakeEngine:
         return None
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
-        raise SidecarError(ErrorReason.UNKNOWN, "the fake engine does not generate")
-        yield sidecar_pb2.LLMEngineOutput()  # pragma: no cover - makes this an async generator
+        for token in range(self._tokens):
+            if token:
+                await anyio.sleep(self._delay)
+            yield sidecar_pb2.LLMEngineOutput(token_ids=[100 + token])
+        yield sidecar_pb2.LLMEngineOutput(finish_reason=sidecar_pb2.LENGTH)
 
     async def abort(self, private_id: str) -> None:
-        return None
+        if self._abort_file:
+            # A real abort is a network call: it yields to the loop before it lands.
+            await anyio.sleep(0.01)
+            with open(self._abort_file, "a") as f:  # noqa: ASYNC230 - tiny, and must not yield
+                f.write(private_id + "\n")
 
     async def load(self) -> EngineLoad:
         return EngineLoad()
@@ -82,10 +96,13 @@ class FakeEngine:
 
 def _fake_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-start", choices=("pool", "ok", "hang"), default="pool")
+    parser.add_argument("--fake-tokens", type=int, default=3)
+    parser.add_argument("--fake-token-delay-secs", type=float, default=0.0)
+    parser.add_argument("--fake-abort-file", default=None)
 
 
 def _fake_build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
-    return FakeEngine(config, namespace.fake_start)
+    return FakeEngine(config, namespace)
 
 
 FAKE_SPEC = EngineSpec(name="fake", add_arguments=_fake_arguments, build=_fake_build)
@@ -289,10 +306,15 @@ def test_listen_port_in_use_exits_1_with_one_clear_line() -> None:
     assert "Traceback" not in result.stdout + result.stderr
 
 
+# The engine endpoint is never dialled by these fake engines (nothing listens on port 1).
+STARTS = ("--grpc-endpoint", "127.0.0.1:1", "--fake-start", "ok")
+HANGS = ("--grpc-endpoint", "127.0.0.1:1", "--fake-start", "hang")
+
+
 class _Daemon:
     """A daemon child process whose JSON log lines are read as they come."""
 
-    def __init__(self, args: Sequence[str], **env: str) -> None:
+    def __init__(self, *args: str, **env: str) -> None:
         self.proc = subprocess.Popen(
             _fake("--listen", "127.0.0.1:0", "--log-format", "json", *args),
             stdout=subprocess.PIPE,
@@ -336,7 +358,7 @@ def _health(port: int) -> int:
 
 def test_serves_then_drains_on_sigterm_and_exits_0(notify_socket: tuple[socket.socket, str]) -> None:
     sock, path = notify_socket
-    daemon = _Daemon(["--grpc-endpoint", "127.0.0.1:1", "--fake-start", "ok"], NOTIFY_SOCKET=path)
+    daemon = _Daemon(*STARTS, NOTIFY_SOCKET=path)
     try:
         serving = daemon.wait_for("serving")
         port = int(str(serving["port"]))
@@ -353,7 +375,7 @@ def test_serves_then_drains_on_sigterm_and_exits_0(notify_socket: tuple[socket.s
 
 
 def test_sigterm_during_startup_stops_promptly_with_exit_0() -> None:
-    daemon = _Daemon(["--grpc-endpoint", "127.0.0.1:1", "--fake-start", "hang"])
+    daemon = _Daemon(*HANGS)
     try:
         listening = daemon.wait_for("connecting to engine")
         assert listening["engine"] == "fake"
@@ -364,11 +386,102 @@ def test_sigterm_during_startup_stops_promptly_with_exit_0() -> None:
 
 
 def test_health_is_not_serving_until_the_engine_started() -> None:
-    daemon = _Daemon(["--grpc-endpoint", "127.0.0.1:1", "--fake-start", "hang"])
+    daemon = _Daemon(*HANGS)
     try:
         port = int(str(daemon.wait_for("connecting to engine")["port"]))
         assert _health(port) == health_pb2.HealthCheckResponse.NOT_SERVING
         daemon.proc.send_signal(signal.SIGINT)
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+def _wait_health(port: int, wanted: int) -> None:
+    deadline = time.monotonic() + WAIT
+    while _health(port) != wanted:
+        assert time.monotonic() < deadline, f"health never became {wanted}"
+        time.sleep(0.05)
+
+
+def _generate(channel: grpc.Channel, request_id: str) -> Iterator[sidecar_pb2.LLMEngineOutput]:
+    stub = sidecar_pb2_grpc.WorkerStub(channel)
+    request = sidecar_pb2.PreprocessedRequest(request_id=request_id, token_ids=[1, 2, 3])
+    return iter(stub.Generate(request, timeout=WAIT))
+
+
+def _error_reason(err: grpc.RpcError) -> str:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return str(info.reason)
+    return ""
+
+
+def test_drain_lets_inflight_generations_finish_and_refuses_new_ones() -> None:
+    daemon = _Daemon(
+        *STARTS, "--fake-tokens", "8", "--fake-token-delay-secs", "0.25", "--drain-timeout-secs", "60"
+    )
+    try:
+        port = int(str(daemon.wait_for("serving")["port"]))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = _generate(channel, "in-flight")
+            chunks = [next(stream)]
+            daemon.proc.send_signal(signal.SIGTERM)
+            _wait_health(port, health_pb2.HealthCheckResponse.NOT_SERVING)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(_generate(channel, "too-late"))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert _error_reason(refused.value) == "ENGINE_SHUTDOWN"
+            chunks.extend(stream)
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == [100 + i for i in range(8)]
+        assert chunks[-1].finish_reason == sidecar_pb2.LENGTH
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+def test_second_sigterm_cancels_inflight_generations_and_aborts_them(tmp_path: Path) -> None:
+    aborts = tmp_path / "aborts.txt"
+    daemon = _Daemon(
+        *STARTS,
+        *("--fake-tokens", "5", "--fake-token-delay-secs", "3600", "--drain-timeout-secs", "3600"),
+        *("--fake-abort-file", str(aborts)),
+    )
+    try:
+        port = int(str(daemon.wait_for("serving")["port"]))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = _generate(channel, "stuck")
+            assert list(next(stream).token_ids) == [100]
+            daemon.proc.send_signal(signal.SIGTERM)
+            daemon.wait_for("stop requested, draining")
+            daemon.proc.send_signal(signal.SIGTERM)
+            # The drain would wait an hour: the second signal ends it, well within WAIT.
+            with pytest.raises(grpc.RpcError) as ended:
+                list(stream)
+            assert ended.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+        assert daemon.finish() == 0
+        assert len(aborts.read_text().split()) == 1
+    finally:
+        daemon.finish()
+
+
+def test_metrics_endpoint_serves_the_sidecar_registry() -> None:
+    metrics_port = _free_port()
+    daemon = _Daemon(*STARTS, "--metrics-port", str(metrics_port))
+    try:
+        port = int(str(daemon.wait_for("serving")["port"]))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert len(list(_generate(channel, "counted"))) >= 2
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=WAIT) as response:
+            body = response.read().decode()
+        started = [line for line in body.splitlines() if line.startswith("sidecar_requests_started")]
+        assert started, body
+        assert started[0].endswith(" 1.0")
+        daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.finish() == 0
     finally:
         daemon.finish()

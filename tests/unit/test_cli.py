@@ -1,16 +1,23 @@
-"""The command line as a user types it: defaults, flags, their environment mirrors, refusals."""
+"""The command line as a user types it: defaults, flags, their environment mirrors, refusals;
+and the log lines the daemon then writes."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+import io
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timedelta
 
 import pytest
+import structlog
 
 from sidecar_common.cli import build_parser, env_var_for, main, parse_config, parse_listen
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import Engine
+from sidecar_common.logs import OUR_LOGGERS, configure_logging, default_log_format
 
 
 def _add_fake_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,3 +230,78 @@ def test_sidecar_command_needs_a_known_engine(
     text = captured.out + captured.err
     assert "vllm" in text
     assert "sglang" in text
+
+
+# --- logging: what a log shipper receives ---------------------------------------------------
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    ours = {name: logging.getLogger(name).level for name in OUR_LOGGERS}
+    config = structlog.get_config()
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+        for name, old in ours.items():
+            logging.getLogger(name).setLevel(old)
+        structlog.configure(**config)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_json_logs_are_one_object_per_line_with_the_standard_keys() -> None:
+    out = io.StringIO()
+    configure_logging("json", "info", stream=out)
+    structlog.get_logger("sidecar_common.daemon").info("serving", port=50061)
+    structlog.get_logger("sidecar_common.daemon").debug("not at info")
+    logging.getLogger("grpc._cython.cygrpc").info("library chatter")
+    logging.getLogger("grpc._cython.cygrpc").warning("library trouble %d", 7)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        structlog.get_logger("sidecar_common.server").exception("handler crashed")
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["serving", "library trouble 7", "handler crashed"]
+    first = lines[0]
+    assert (first["level"], first["logger"], first["port"]) == ("info", "sidecar_common.daemon", 50061)
+    stamp = datetime.fromisoformat(first["timestamp"].replace("Z", "+00:00"))
+    assert stamp.utcoffset() == timedelta(0)
+    assert (lines[1]["level"], lines[1]["logger"]) == ("warning", "grpc._cython.cygrpc")
+    assert "RuntimeError: boom" in lines[2]["exception"]
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_debug_level_shows_our_debug_but_not_library_info() -> None:
+    out = io.StringIO()
+    configure_logging("json", "debug", stream=out)
+    structlog.get_logger("sidecar_vllm.engine").debug("discovered", blocks=16)
+    logging.getLogger("aiohttp.access").info("GET /health")
+    events = [json.loads(line)["event"] for line in out.getvalue().splitlines()]
+    assert events == ["discovered"]
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_console_format_is_not_json_and_reconfiguring_replaces_the_handler() -> None:
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("json", "info", stream=first)
+    configure_logging("console", "info", stream=second)
+    structlog.get_logger("sidecar_common.daemon").info("serving", port=1)
+    assert first.getvalue() == ""
+    text = second.getvalue()
+    assert "serving" in text
+    assert "port=1" in text
+    assert not text.lstrip().startswith("{")
+
+
+def test_default_log_format_follows_the_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert default_log_format(Tty()) == "console"
+    assert default_log_format(io.StringIO()) == "json"
