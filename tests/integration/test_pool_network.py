@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Iterator
 
+import anyio
 import grpc
 import pytest
 
@@ -20,15 +21,19 @@ async def _who(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) 
     return context.peer().encode()
 
 
-@pytest.fixture
-async def peer_server() -> AsyncIterator[int]:
-    """A gRPC server whose one method answers with the caller's address as the server sees it."""
+def _peer_server(address: str) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
     handler = grpc.method_handlers_generic_handler(
         "test.Peer", {"Who": grpc.unary_unary_rpc_method_handler(_who)}
     )
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    return server, server.add_insecure_port(address)
+
+
+@pytest.fixture
+async def peer_server() -> AsyncIterator[int]:
+    """A gRPC server whose one method answers with the caller's address as the server sees it."""
+    server, port = _peer_server("127.0.0.1:0")
     await server.start()
     try:
         yield port
@@ -106,3 +111,20 @@ async def test_nothing_listening_is_cannot_connect_naming_the_endpoint(closed_po
     assert info.value.reason is ErrorReason.CANNOT_CONNECT
     assert f"engine 127.0.0.1:{closed_port} slot 1/2" in message
     assert "last error: ConnectionError: connection to" in message
+
+
+@pytest.mark.timeout(20)
+async def test_slots_keep_trying_until_an_engine_that_starts_late_is_up(closed_port: int) -> None:
+    pool = _pool(closed_port, 2)
+    server, port = _peer_server(f"127.0.0.1:{closed_port}")
+    assert port == closed_port
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(pool.connect, Deadline.start(SystemClock(), 10.0))
+            await anyio.sleep(0.3)  # a few refused attempts first
+            await server.start()
+        peers = {await _ask_who(pool.channel()) for _ in range(2)}
+        assert len(peers) == 2
+    finally:
+        await pool.close()
+        await server.stop(None)
