@@ -224,8 +224,12 @@ class ResponseState:
         if self.done:
             raise protocol_error(_ENGINE, "a message after the terminal")
         for key in ("input_token_logprobs", "input_top_logprobs"):
-            if key in event.meta:
-                self._input_meta[key] = event.meta[key]
+            # Incremental streams send the prompt's logprobs once, then empty lists: keep the
+            # fullest list seen.
+            value = event.meta.get(key)
+            held = self._input_meta.get(key)
+            if isinstance(value, list) and (not isinstance(held, list) or len(value) > len(held)):
+                self._input_meta[key] = value
         finished = event.finished or event.meta.get("finish_reason") is not None
         if not finished:
             if self.request.prefill:

@@ -1,0 +1,103 @@
+"""Helpers for the SGLang end-to-end tests: a running stack per transport.
+
+``sglang_stack`` runs the testkit SGLang engine (both native wires), the SGLang engine
+adapter for the chosen transport and a ``SidecarServer`` on loopback in-process, and yields a
+public-API client; everything is torn down on exit. (Plain async context managers: a
+non-root conftest cannot register fixture plugins.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.config import DisaggregationMode, SidecarConfig
+from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.engine import Engine
+from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_sglang.grpc_engine import SglangGrpcEngine
+from sidecar_sglang.http_engine import SglangHttpEngine
+from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+
+__all__ = ["Stack", "Transport", "adapter_for", "public_request", "sglang_stack", "sidecar_config"]
+
+Transport = Literal["grpc", "http"]
+_ENGINE_MODES: dict[DisaggregationMode, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
+
+
+def sidecar_config(
+    port: int, mode: DisaggregationMode = "agg", *, deadline: float = 10.0, connections: int = 2
+) -> SidecarConfig:
+    retry = RetryPolicy(attempt_timeout=1.0, max_interval=0.1, initial_interval=0.02)
+    pool = PoolConfig(
+        parse_endpoint(f"127.0.0.1:{port}"), connections=connections, startup_deadline=deadline, retry=retry
+    )
+    return SidecarConfig(pool=pool, listen="127.0.0.1:0", disaggregation_mode=mode)
+
+
+def adapter_for(
+    engine: SglangTestEngine, transport: Transport, mode: DisaggregationMode = "agg", **config: Any
+) -> Engine:
+    if transport == "grpc":
+        return SglangGrpcEngine(sidecar_config(engine.grpc_port, mode, **config))
+    http = parse_endpoint(f"127.0.0.1:{engine.http_port}")
+    return SglangHttpEngine(sidecar_config(engine.grpc_port or 1, mode, **config), http)
+
+
+@dataclass
+class Stack:
+    engine: SglangTestEngine
+    adapter: Engine
+    server: SidecarServer
+    stub: Any  # sidecar_pb2_grpc.WorkerStub (its async face is typing-only)
+    transport: Transport
+
+
+@asynccontextmanager
+async def sglang_stack(
+    transport: Transport,
+    engine: SglangTestEngine | None = None,
+    mode: DisaggregationMode = "agg",
+    **engine_config: Any,
+) -> AsyncIterator[Stack]:
+    """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
+    if engine is None:
+        engine_config.setdefault("disaggregation_mode", _ENGINE_MODES[mode])
+        engine = SglangTestEngine(SglangEngineConfig(**engine_config))
+    await engine.start()
+    adapter = adapter_for(engine, transport, mode)
+    server = SidecarServer(
+        adapter,
+        ServerConfig(listen="127.0.0.1:0", hold_decode_cancels=mode == "decode", health_watch_interval=0.2),
+    )
+    channel: grpc.aio.Channel | None = None
+    try:
+        await adapter.start()
+        await server.start()
+        server.set_serving()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        yield Stack(engine, adapter, server, sidecar_pb2_grpc.WorkerStub(channel), transport)
+    finally:
+        if channel is not None:
+            await channel.close(None)
+        await server.stop()
+        await adapter.close()
+        await engine.stop()
+
+
+def public_request(
+    request_id: str = "req", token_ids: Sequence[int] = (101, 202, 303, 404), **stop: Any
+) -> sidecar_pb2.PreprocessedRequest:
+    req = sidecar_pb2.PreprocessedRequest(request_id=request_id, token_ids=token_ids)
+    for key, value in stop.items():
+        if isinstance(value, list):
+            getattr(req.stop_conditions, key).extend(value)
+        else:
+            setattr(req.stop_conditions, key, value)
+    return req
