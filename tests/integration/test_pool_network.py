@@ -21,10 +21,21 @@ async def _who(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) 
     return context.peer().encode()
 
 
+async def _echo(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+    return request
+
+
 def _peer_server(address: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+    big = 64 * 1024 * 1024
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", big), ("grpc.max_send_message_length", big)]
+    )
     handler = grpc.method_handlers_generic_handler(
-        "test.Peer", {"Who": grpc.unary_unary_rpc_method_handler(_who)}
+        "test.Peer",
+        {
+            "Who": grpc.unary_unary_rpc_method_handler(_who),
+            "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+        },
     )
     server.add_generic_rpc_handlers((handler,))
     return server, server.add_insecure_port(address)
@@ -128,3 +139,15 @@ async def test_slots_keep_trying_until_an_engine_that_starts_late_is_up(closed_p
     finally:
         await pool.close()
         await server.stop(None)
+
+
+async def test_messages_far_above_grpcs_4_mib_default_get_through(peer_server: int) -> None:
+    pool = _pool(peer_server, 1)
+    await pool.connect(Deadline.start(SystemClock(), 10.0))
+    payload = b"x" * (20 * 1024 * 1024)
+    try:
+        echo = pool.channel().unary_unary("/test.Peer/Echo", None, None)
+        reply: bytes = await echo(payload, timeout=10.0)
+    finally:
+        await pool.close()
+    assert reply == payload
