@@ -225,3 +225,29 @@ async def test_channels_are_handed_out_round_robin_and_close_is_idempotent() -> 
 def test_a_pool_needs_at_least_one_connection() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ChannelPool(PoolConfig(ENDPOINT, connections=0))
+
+
+async def test_no_channel_before_connect_and_no_connect_after_close() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    pool = make_pool(clock, connector, 2, RetryPolicy())
+    with pytest.raises(SidecarError, match="not connected") as before:
+        pool.channel()
+    assert before.value.reason is ErrorReason.ENGINE_SHUTDOWN
+
+    await pool.close()
+    with pytest.raises(SidecarError, match="closed") as after:
+        await pool.connect(Deadline.start(clock, 1.0))
+    assert after.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert connector.calls == []
+
+
+async def test_connecting_twice_opens_no_more_channels() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    pool = make_pool(clock, connector, 2, RetryPolicy())
+    await pool.connect(Deadline.start(clock, 1.0))
+    await pool.connect(Deadline.start(clock, 1.0))
+    assert len(connector.channels) == 2
+    assert pool.size == 2
+    await pool.close()
