@@ -325,6 +325,13 @@ class _Daemon:
         )
         self.lines: list[dict[str, object]] = []
 
+    @classmethod
+    def attach(cls, proc: subprocess.Popen[str]) -> _Daemon:
+        daemon = cls.__new__(cls)
+        daemon.proc = proc
+        daemon.lines = []
+        return daemon
+
     def wait_for(self, event: str) -> dict[str, object]:
         assert self.proc.stdout is not None
         deadline = time.monotonic() + WAIT
@@ -482,6 +489,119 @@ def test_metrics_endpoint_serves_the_sidecar_registry() -> None:
         assert started, body
         assert started[0].endswith(" 1.0")
         daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+# --- the real console scripts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["sidecar-vllm"], ["sidecar", "vllm"], ["sidecar-sglang"], ["sidecar", "sglang"]],
+    ids=" ".join,
+)
+def test_engine_scripts_refuse_bad_flags_before_any_network_io(
+    idle_listener: tuple[socket.socket, str], command: list[str]
+) -> None:
+    sock, address = idle_listener
+    argv = [_script(command[0]), *command[1:]]
+    result = _run([*argv, "--grpc-endpoint", address, "--grpc-connections", "0"])
+    assert result.returncode == 2
+    assert "--grpc-connections" in result.stderr
+    result = _run([*argv, "--grpc-endpoint", f"grpcs://{address}"])
+    assert result.returncode == 2
+    assert "--grpc-endpoint" in result.stderr
+    assert _nobody_connected(sock)
+
+
+def test_python_dash_m_works() -> None:
+    result = _run([sys.executable, "-m", "sidecar_vllm", "--help"])
+    assert result.returncode == 0
+    assert "--grpc-endpoint" in result.stdout
+
+
+def test_sidecar_vllm_startup_failure_exits_1_with_one_clear_line() -> None:
+    port = _free_port()  # nothing listens there
+    result = _run(
+        [_script("sidecar-vllm"), "--grpc-endpoint", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0"],
+        SIDECAR_GRPC_STARTUP_DEADLINE_SECS="1",
+        SIDECAR_LOG_FORMAT="json",
+    )
+    assert result.returncode == 1
+    errors = [e for e in _json_lines(result.stdout) if e.get("level") in ("error", "critical")]
+    assert len(errors) == 1, result.stdout
+    assert errors[0]["event"] == "start-up failed"
+    assert f"127.0.0.1:{port}" in str(errors[0]["error"])
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.fixture
+def testkit_vllm() -> Iterator[str]:
+    """A testkit vLLM engine on a free loopback port; yields its address."""
+    proc = subprocess.Popen(
+        [_script("testkit-engine"), "vllm", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    try:
+        assert proc.stderr is not None
+        address = ""
+        deadline = time.monotonic() + WAIT
+        while not address and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            if "ready on " in line:
+                address = line.rsplit("ready on ", 1)[1].strip()
+        assert address, "the testkit engine did not come up"
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+
+
+def test_sidecar_vllm_serves_a_testkit_engine_then_stops_cleanly(
+    testkit_vllm: str, notify_socket: tuple[socket.socket, str]
+) -> None:
+    sock, path = notify_socket
+    proc = subprocess.Popen(
+        [_script("sidecar-vllm"), "--listen", "127.0.0.1:0", "--grpc-connections", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(
+            NOTIFY_SOCKET=path,
+            SIDECAR_GRPC_ENDPOINT=testkit_vllm,
+            SIDECAR_LOG_FORMAT="json",
+            SIDECAR_GRPC_STARTUP_DEADLINE_SECS="20",
+        ),
+    )
+    daemon = _Daemon.attach(proc)
+    try:
+        port = int(str(daemon.wait_for("serving")["port"]))
+        message = sock.recv(4096).decode()
+        while "READY=1" not in message:
+            message = sock.recv(4096).decode()
+        assert _health(port) == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = sidecar_pb2_grpc.WorkerStub(channel).GetModelInfo(
+                sidecar_pb2.GetModelInfoRequest(), timeout=WAIT
+            )
+            assert info.engine == "vllm"
+            chunks = list(_generate(channel, "through-the-script"))
+        assert chunks[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+        proc.send_signal(signal.SIGTERM)
+        assert "STOPPING=1" in sock.recv(4096).decode()
         assert daemon.finish() == 0
     finally:
         daemon.finish()
