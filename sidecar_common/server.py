@@ -82,13 +82,15 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         known = request.service in HEALTH_SERVICES
         last: int | None = None
         while True:
+            # Registered before reading the status, so a change during the write below
+            # wakes this loop instead of being missed.
+            event = anyio.Event()
+            self._waiters.append(event)
             status = self.status if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
             if status != last:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
             # Ends when the client cancels or the server stops (the handler is cancelled).
-            event = anyio.Event()
-            self._waiters.append(event)
             await event.wait()
 
 

@@ -385,3 +385,48 @@ async def test_metrics_count_requests() -> None:
         finished = {"engine": "fake", "finish_reason": "EOS"}
         assert reg.get_sample_value("sidecar_requests_finished_total", finished) == 1
         assert reg.get_sample_value("sidecar_inflight_requests", {"engine": "fake"}) == 0
+
+
+async def test_health_watch_stream_sees_every_transition() -> None:
+    async with servicer_running(serving=False) as h:
+        watch = h.health.Watch(health_pb2.HealthCheckRequest(service="sidecar.v1.Worker"))
+        assert (await watch.read()).status == NOT_SERVING
+        h.server.set_serving()
+        assert (await watch.read()).status == SERVING
+        await h.server.drain()
+        assert (await watch.read()).status == NOT_SERVING
+        watch.cancel()
+        unknown = h.health.Watch(health_pb2.HealthCheckRequest(service="other"))
+        assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        unknown.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.health_of("other")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_stop_without_drain_aborts_in_flight_work_once() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
+    async with servicer_running(engine) as h:
+        call = h.stub.Generate(request("r"))
+        await call.read()
+        await h.server.stop()
+        assert engine.aborts == [engine.calls[0].private_id]
+        assert h.server.inflight == 0
+        await h.server.stop()  # idempotent
+
+
+async def test_reflection_lists_the_services() -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with servicer_running() as h:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{h.server.port}")
+        try:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = stub.ServerReflectionInfo()
+            await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            resp = await call.read()
+            await call.done_writing()
+            names = {s.name for s in resp.list_services_response.service}
+            assert {"sidecar.v1.Worker", "grpc.health.v1.Health"} <= names
+        finally:
+            await channel.close(None)
