@@ -1,0 +1,154 @@
+"""The vLLM sidecar as a user runs it: ``testkit-engine vllm`` and ``sidecar-vllm`` as real
+processes through their console scripts, talking over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+# Bound on every wait for a child: far above what any of these needs, never hit when green.
+WAIT = 30.0
+
+
+def script(name: str) -> str:
+    path = BIN / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"console script {name} is not installed"
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def process(argv: Sequence[str]) -> Iterator[subprocess.Popen[str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_") and k != "NOTIFY_SOCKET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen(
+        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=WAIT)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def engine_argv(port: int) -> list[str]:
+    return [script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{port}"]
+
+
+def sidecar_argv(engine_port: int, deadline: float) -> list[str]:
+    return [
+        script("sidecar-vllm"),
+        "--grpc-endpoint",
+        f"127.0.0.1:{engine_port}",
+        "--listen",
+        "127.0.0.1:0",
+        "--grpc-connections",
+        "2",
+        "--grpc-startup-deadline-secs",
+        str(deadline),
+        "--grpc-retry-interval-secs",
+        "0.2",
+        "--log-format",
+        "json",
+    ]
+
+
+def log_lines(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def serving_port(proc: subprocess.Popen[str]) -> int:
+    seen = []
+    for entry in log_lines(proc):
+        seen.append(entry)
+        if entry.get("event") == "serving":
+            return int(entry["port"])
+    raise AssertionError(f"the sidecar never served; exit {proc.poll()}; log: {seen}")
+
+
+def generate_six(port: int) -> list[sidecar_pb2.LLMEngineOutput]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = sidecar_pb2_grpc.WorkerStub(channel)
+        request = sidecar_pb2.PreprocessedRequest(request_id="proc", token_ids=[101, 202, 303, 404])
+        request.stop_conditions.max_tokens = 6
+        return list(stub.Generate(request, timeout=WAIT))
+
+
+def test_streaming_generation_through_the_console_scripts() -> None:
+    engine_port = free_port()
+    with process(engine_argv(engine_port)), process(sidecar_argv(engine_port, deadline=WAIT)) as sidecar:
+        port = serving_port(sidecar)
+        outs = generate_six(port)
+        assert sum(len(o.token_ids) for o in outs) == 6
+        assert outs[-1].finish_reason == sidecar_pb2.LENGTH
+        usage = outs[-1].completion_usage
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 6, 10)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = sidecar_pb2_grpc.WorkerStub(channel).GetModelInfo(
+                sidecar_pb2.GetModelInfoRequest(), timeout=WAIT
+            )
+        assert info.engine == "vllm"
+        assert info.served_model_name == "testkit-model"
+        sidecar.send_signal(signal.SIGTERM)
+        assert sidecar.wait(timeout=WAIT) == 0
+
+
+def test_engine_started_after_the_sidecar_within_the_deadline_is_reached() -> None:
+    engine_port = free_port()
+    with process(sidecar_argv(engine_port, deadline=WAIT)) as sidecar:
+        # The sidecar is retrying against a closed port by now.
+        time.sleep(1.0)
+        assert sidecar.poll() is None
+        with process(engine_argv(engine_port)):
+            port = serving_port(sidecar)
+            outs = generate_six(port)
+            assert sum(len(o.token_ids) for o in outs) == 6
+
+
+def test_no_engine_by_the_deadline_is_a_clear_start_up_error() -> None:
+    engine_port = free_port()
+    with process(sidecar_argv(engine_port, deadline=1.0)) as sidecar:
+        code = sidecar.wait(timeout=WAIT)
+        assert code != 0
+        failures = [e for e in log_lines(sidecar) if e.get("event") == "start-up failed"]
+        assert len(failures) == 1
+        error = failures[0]["error"]
+        assert f"127.0.0.1:{engine_port}" in error
+        assert "startup deadline 1s" in error
