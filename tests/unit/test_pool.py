@@ -107,12 +107,20 @@ async def test_any_failing_slot_closes_every_channel_opened() -> None:
 async def test_cancelling_connect_closes_the_channels_already_open() -> None:
     clock = FakeClock()
     connector = ScriptedConnector(clock, [Step()], then=Step(forever=True))
-    pool = make_pool(clock, connector, 3, RetryPolicy())
+    all_slots_tried = anyio.Event()
 
-    with anyio.move_on_after(0.05) as scope:
-        await pool.connect(Deadline.start(clock, 100.0))
+    async def watched(target: str, timeout: float) -> grpc.aio.Channel:
+        if len(connector.calls) == 2:  # slot 1 is open and slot 2 hangs: this is slot 3
+            all_slots_tried.set()
+        return await connector(target, timeout)
 
-    assert scope.cancelled_caught
+    pool = ChannelPool(PoolConfig(ENDPOINT, connections=3), clock=clock, connector=watched)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(pool.connect, Deadline.start(clock, 100.0))
+            await all_slots_tried.wait()
+            group.cancel_scope.cancel()
+
     assert [channel.closed for channel in connector.channels] == [1]
     assert pool.size == 0
 
