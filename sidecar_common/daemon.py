@@ -17,6 +17,7 @@ that cannot be reached) and exit code 1, after closing whatever had been opened.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -44,6 +45,7 @@ EXIT_USAGE: Final = 2
 # Bound on the close steps that have no deadline of their own: a wedged close must not keep
 # the process (and a systemd stop job or a Kubernetes pod) hanging forever.
 _CLOSE_TIMEOUT: Final = 10.0
+_STARTUP_SLACK: Final = 30.0
 
 log = structlog.get_logger("sidecar_common.daemon")
 
@@ -65,7 +67,7 @@ class _Stopper:
         async for signum in signals:
             self.signals_seen += 1
             if self.signals_seen == 1:
-                log.info("stop requested, draining", signal=signum.name)
+                log.info("stop requested", signal=signum.name)
                 self.requested.set()
                 self.startup.cancel()
             else:
@@ -79,6 +81,13 @@ def _server_config(config: SidecarConfig) -> ServerConfig:
         drain_timeout=config.drain_timeout,
         hold_decode_cancels=config.disaggregation_mode == "decode",
     )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llm-sidecars")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _cleanup_allowance(server_config: ServerConfig) -> float:
@@ -143,6 +152,18 @@ async def _serve(
     spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace, stopper: _Stopper
 ) -> int:
     endpoint = config.pool.endpoint
+    log.info(
+        "starting",
+        engine=spec.name,
+        version=_version(),
+        endpoint=str(endpoint),
+        connections=config.pool.connections,
+        startup_deadline_secs=config.pool.startup_deadline,
+        listen=config.listen,
+        disaggregation_mode=config.disaggregation_mode,
+        drain_timeout_secs=config.drain_timeout,
+        metrics_port=config.metrics_port,
+    )
     try:
         engine: Engine = spec.build(config, namespace)
     except ValueError as err:
@@ -159,7 +180,15 @@ async def _serve(
                 server = await _start(spec, config, engine, closing)
                 systemd.notify(f"STATUS=connecting to {spec.name} at {endpoint}")
                 log.info("connecting to engine", engine=spec.name, endpoint=str(endpoint), port=server.port)
-                await engine.start()
+                # engine.start() is bounded by the startup deadline itself; this outer bound
+                # only guarantees the daemon cannot hang on an adapter that overruns it.
+                with anyio.move_on_after(config.pool.startup_deadline + _STARTUP_SLACK) as bound:
+                    await engine.start()
+                if bound.cancelled_caught:
+                    raise _StartupFailed(
+                        f"{spec.name} engine at {endpoint} did not start within the startup deadline "
+                        f"({config.pool.startup_deadline:g}s)"
+                    )
         except (SidecarError, _StartupFailed) as err:
             if stopper.requested.is_set():
                 # The failure is the cancelled start-up itself: a requested stop, not an error.
