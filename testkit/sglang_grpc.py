@@ -1,0 +1,206 @@
+"""SGLang's native gRPC wire (``sglang.runtime.v1.SglangService``) over the testkit engine.
+
+Framing follows SGLang 0.5.23's Rust server: every meta_info value is JSON text; a request's
+channel is keyed by its exact rid; ``Abort`` closes that channel (the stream ends CANCELLED
+with no terminal message) and forwards the rid to the scheduler, which aborts by prefix; an
+``Abort`` for a rid with no open channel is ignored; a stream the client cancels is aborted
+at once; submit errors and scheduler errors end the stream with INTERNAL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
+from testkit.sglang_engine import (
+    Bootstrap,
+    Chunk,
+    Closed,
+    Cut,
+    Fail,
+    NativeRequest,
+    RequestRejected,
+    RequestStream,
+)
+
+if TYPE_CHECKING:
+    from testkit.sglang_engine import SglangTestEngine
+
+__all__ = ["SglangGrpcServer", "native_request_from_proto", "response_from_out"]
+
+SERVICE_NAME = "sglang.runtime.v1.SglangService"
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+def native_request_from_proto(req: sglang_pb2.GenerateRequest, rid: str) -> NativeRequest:
+    sp = req.sampling_params if req.HasField("sampling_params") else sglang_pb2.SamplingParams()
+
+    bootstrap = None
+    if req.HasField("disaggregated_params"):
+        dp = req.disaggregated_params
+        bootstrap = Bootstrap(dp.bootstrap_host, dp.bootstrap_port, dp.bootstrap_room)
+    return NativeRequest(
+        rid=rid,
+        input_ids=tuple(req.input_ids),
+        wire="grpc",
+        max_new_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else None,
+        min_new_tokens=sp.min_new_tokens,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        n=sp.n if sp.HasField("n") else 1,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stream=req.stream if req.HasField("stream") else False,
+        return_logprob=req.return_logprob if req.HasField("return_logprob") else False,
+        top_logprobs_num=req.top_logprobs_num if req.HasField("top_logprobs_num") else 0,
+        logprob_start_len=req.logprob_start_len if req.HasField("logprob_start_len") else -1,
+        bootstrap=bootstrap,
+        priority=req.priority if req.HasField("priority") else None,
+        routed_dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
+    )
+
+
+def response_from_out(out: dict[str, Any], finished: bool) -> sglang_pb2.GenerateResponse:
+    """SGLang's chunk dict → GenerateResponse: ids as-is, each meta value as JSON text."""
+    meta = {k: json.dumps(v, separators=(",", ":")) for k, v in out["meta_info"].items()}
+    return sglang_pb2.GenerateResponse(output_ids=out["output_ids"], meta_info=meta, finished=finished)
+
+
+class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
+    def __init__(self, engine: SglangTestEngine) -> None:
+        self._engine = engine
+        self._channels: dict[str, RequestStream] = {}
+
+    async def Generate(
+        self, request: sglang_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[sglang_pb2.GenerateResponse]:
+        engine = self._engine
+        rid = request.rid if request.HasField("rid") else engine.new_rid()
+        engine.book.record_request(rid, request)
+        if rid in self._channels:
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"Failed to submit request: Duplicate active gRPC request id: {rid}"
+            )
+        try:
+            stream = engine.submit(native_request_from_proto(request, rid))
+        except RequestRejected as e:
+            await context.abort(grpc.StatusCode[e.grpc_code], e.message)
+        self._channels[rid] = stream
+        ended = False  # the stream reached an end of its own (else the client left)
+        try:
+            while True:
+                ev = await stream.next()
+                if ev is None or isinstance(ev, Cut):
+                    ended = True
+                    return
+                if isinstance(ev, Chunk):
+                    yield response_from_out(ev.out, ev.finished)
+                    continue
+                ended = True
+                if isinstance(ev, Fail):
+                    await context.abort(grpc.StatusCode[ev.code], ev.message)
+                assert isinstance(ev, Closed)
+                await context.abort(grpc.StatusCode.CANCELLED, ev.message)
+        finally:
+            if self._channels.get(rid) is stream:
+                del self._channels[rid]
+            if not ended and engine.is_live(rid):
+                engine.abort(rid, source="grpc-cancel")
+
+    async def Abort(
+        self, request: sglang_pb2.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.AbortResponse:
+        engine = self._engine
+        if request.abort_all:
+            channels, self._channels = self._channels, {}
+            for rid, s in channels.items():
+                s.put(Closed(f"Request aborted: {rid}"))
+            engine.abort("", True, source="grpc")
+            return sglang_pb2.AbortResponse(success=True)
+        if not request.rid.strip():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "Abort requires a non-empty rid unless abort_all is true"
+            )
+        stream = self._channels.pop(request.rid, None)
+        if stream is None:
+            engine.note_ignored_abort(request.rid, source="grpc")
+        else:
+            stream.put(Closed(f"Request aborted: {request.rid}"))
+            engine.abort(request.rid, source="grpc")
+        return sglang_pb2.AbortResponse(success=True)
+
+    async def HealthCheck(
+        self, request: sglang_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.HealthCheckResponse:
+        return sglang_pb2.HealthCheckResponse(healthy=self._engine.ready)
+
+    async def GetModelInfo(
+        self, request: sglang_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.GetModelInfoResponse:
+        info = self._engine.model_info(http=False)
+        return sglang_pb2.GetModelInfoResponse(model_path=info["model_path"], json_info=json.dumps(info))
+
+    async def GetServerInfo(
+        self, request: sglang_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.GetServerInfoResponse:
+        return sglang_pb2.GetServerInfoResponse(json_info=json.dumps(self._engine.server_info(http=False)))
+
+    async def ListModels(
+        self, request: sglang_pb2.ListModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.ListModelsResponse:
+        cfg = self._engine.config
+        card = sglang_pb2.ModelCard(id=cfg.model_name, root=cfg.model_name, max_model_len=cfg.context_length)
+        return sglang_pb2.ListModelsResponse(models=[card])
+
+    async def GetLoad(
+        self, request: sglang_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.GetLoadResponse:
+        rank = request.dp_rank if request.HasField("dp_rank") else None
+        return sglang_pb2.GetLoadResponse(json_info=json.dumps(self._engine.loads(rank)))
+
+
+class SglangGrpcServer:
+    """A grpc.aio server with the SGLang service and standard health, on one port."""
+
+    def __init__(self, engine: SglangTestEngine, host: str, port: int) -> None:
+        self._engine = engine
+        self._host = host
+        self.port = port
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ]
+        )
+        sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Servicer(self._engine), server)
+        health_servicer = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        bound = server.add_insecure_port(f"{self._host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC to {self._host}:{self.port}")
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, not_serving)
+        await server.start()
+        self.port = bound
+        self._server = server
+        self._engine.spawn(self._serving_when_ready(health_servicer))
+
+    async def _serving_when_ready(self, health_servicer: Any) -> None:
+        await self._engine.wait_ready(None)
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(None)

@@ -1,0 +1,351 @@
+"""SGLang's native HTTP API (aiohttp.web) over the testkit engine.
+
+As SGLang 0.5.23's FastAPI server: ``/generate`` streams Server-Sent Events
+``data: {json}\\n\\n`` and ends with ``data: [DONE]\\n\\n`` (headers go out before the first
+token); an error raised by the request (duplicate rid, too long...) is an event
+``{"error": {message, type, code, retryable}}`` under HTTP 200, followed by ``[DONE]``; a body
+that does not parse is a 400 before any stream. A client that disconnects is aborted only
+after ``disconnect_abort_delay_secs`` (SGLang's background task waits 2 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from testkit.sglang_engine import (
+    Bootstrap,
+    Chunk,
+    Cut,
+    Fail,
+    NativeRequest,
+    RequestRejected,
+    RequestStream,
+    StreamEvent,
+)
+
+if TYPE_CHECKING:
+    from testkit.sglang_engine import SglangTestEngine
+
+__all__ = ["GRPC_TO_HTTP", "SglangHttpServer", "native_request_from_json"]
+
+log = logging.getLogger("testkit.sglang.http")
+
+# How a fault's gRPC code reads on this wire.
+GRPC_TO_HTTP = {
+    "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+_POLL_SECS = 0.05  # how often a waiting stream checks whether its client is still there
+
+
+class _BadBody(ValueError):
+    pass
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def _dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _int(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _BadBody(f"{key}: Input should be a valid integer")
+    return v
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _BadBody(f"{key}: Input should be a valid boolean")
+    return v
+
+
+def _ints(body: dict[str, Any], key: str) -> tuple[int, ...]:
+    v = body.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise _BadBody(f"{key}: Input should be a flat list of integers")
+    return tuple(v)
+
+
+def native_request_from_json(body: object, rid: str, default_bootstrap_port: int) -> NativeRequest:
+    """A /generate body → NativeRequest; _BadBody (HTTP 400) when a field has the wrong type."""
+    if not isinstance(body, dict):
+        raise _BadBody("Input should be a valid dictionary or object to extract fields from")
+    if body.get("input_ids") is None:
+        # The engine has no tokenizer: text prompts and embeddings cannot be served.
+        raise _BadBody("input_ids: Field required (the testkit engine takes token ids only)")
+    input_ids = _ints(body, "input_ids")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise _BadBody("sampling_params: Input should be a valid dictionary")
+    stop = sp.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        raise _BadBody("sampling_params.stop: Input should be a string or a list of strings")
+    seed = _int(sp, "seed")
+    if seed is None:
+        seed = _int(sp, "sampling_seed")
+    bootstrap = None
+    host = body.get("bootstrap_host")
+    room = _int(body, "bootstrap_room")
+    port = _int(body, "bootstrap_port")
+    if host is not None or room is not None:
+        if not isinstance(host, str) or room is None:
+            raise _BadBody("bootstrap_host and bootstrap_room go together")
+        bootstrap = Bootstrap(host, default_bootstrap_port if port is None else port, room)
+    top = _int(body, "top_logprobs_num")
+    start = _int(body, "logprob_start_len")
+    n = _int(sp, "n")
+    return NativeRequest(
+        rid=rid,
+        input_ids=input_ids,
+        wire="http",
+        max_new_tokens=_int(sp, "max_new_tokens"),
+        min_new_tokens=_int(sp, "min_new_tokens") or 0,
+        stop=tuple(stop),
+        stop_token_ids=_ints(sp, "stop_token_ids"),
+        ignore_eos=_bool(sp, "ignore_eos"),
+        n=1 if n is None else n,
+        seed=seed,
+        stream=_bool(body, "stream"),
+        return_logprob=_bool(body, "return_logprob"),
+        top_logprobs_num=top or 0,
+        logprob_start_len=-1 if start is None else start,
+        bootstrap=bootstrap,
+        priority=_int(body, "priority"),
+        routed_dp_rank=_int(body, "routed_dp_rank"),
+    )
+
+
+def _bad_request(message: str) -> web.Response:
+    # FastAPI's RequestValidationError, as SGLang renders it (400, not 422).
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return web.Response(status=400, body=_dumps(body), content_type="application/json")
+
+
+def _error_event(message: str, code: int) -> bytes:
+    err = {"message": message, "type": "invalid_request_error", "code": code, "retryable": False}
+    return b"data: " + _dumps({"error": err}) + b"\n\n"
+
+
+class SglangHttpServer:
+    def __init__(self, engine: SglangTestEngine, host: str, port: int) -> None:
+        self._engine = engine
+        self._host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/generate", self._generate)
+        r.add_put("/generate", self._generate)
+        r.add_post("/abort_request", self._abort)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self._health)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self._server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self._model_info)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/v1/loads", self._loads)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self._host, self.port, reuse_address=True)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    # -- /generate --------------------------------------------------------------------
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        engine = self._engine
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            return _bad_request(f"JSON decode error: {e}")
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if rid is not None and not isinstance(rid, str):
+            return _bad_request("rid: Input should be a valid string (batches are not served)")
+        rid = rid or engine.new_rid()
+        engine.book.record_request(rid, body)
+        try:
+            req = native_request_from_json(body, rid, engine.config.bootstrap_port)
+        except _BadBody as e:
+            return _bad_request(str(e))
+        try:
+            stream = engine.submit(req)
+        except RequestRejected as e:
+            if e.http_status >= 500 or not req.stream:
+                return web.json_response({"error": {"message": e.message}}, status=e.http_status)
+            resp = await self._open_sse(request)
+            await resp.write(_error_event(e.message, e.http_status))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        try:
+            if req.stream:
+                return await self._stream(request, stream)
+            return await self._unary(request, stream)
+        finally:
+            if engine.is_live(rid):
+                engine.abort_later(rid, engine.config.disconnect_abort_delay_secs, source="http-disconnect")
+
+    async def _open_sse(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        return resp
+
+    async def _stream(self, request: web.Request, stream: RequestStream) -> web.StreamResponse:
+        resp = await self._open_sse(request)
+        try:
+            while True:
+                ev = await self._next(request, stream)
+                if ev is None:
+                    await resp.write(b"data: [DONE]\n\n")
+                    return resp
+                if isinstance(ev, Chunk):
+                    await resp.write(b"data: " + _dumps(ev.out) + b"\n\n")
+                elif isinstance(ev, Fail):
+                    await resp.write(_error_event(ev.message, GRPC_TO_HTTP.get(ev.code, 500)))
+                elif isinstance(ev, Cut):
+                    self._cut(request)
+                    return resp
+        except (_Disconnected, ConnectionError):
+            log.info("client of %s disconnected", stream.rid)
+            return resp
+
+    async def _unary(self, request: web.Request, stream: RequestStream) -> web.StreamResponse:
+        try:
+            return await self._unary_result(request, stream)
+        except _Disconnected:
+            log.info("client of %s disconnected", stream.rid)
+            return web.Response(status=499)
+
+    async def _unary_result(self, request: web.Request, stream: RequestStream) -> web.StreamResponse:
+        last: dict[str, Any] | None = None
+        while True:
+            ev = await self._next(request, stream)
+            if ev is None:
+                return web.Response(body=_dumps(last), content_type="application/json")
+            if isinstance(ev, Chunk):
+                last = last or ev.out  # the terminal; a repeat after it is not a new response
+            elif isinstance(ev, Fail):
+                status = GRPC_TO_HTTP.get(ev.code, 500)
+                return web.json_response({"error": {"message": ev.message}}, status=status)
+            elif isinstance(ev, Cut):
+                self._cut(request)
+                return web.Response(status=500)
+
+    @staticmethod
+    def _cut(request: web.Request) -> None:
+        # As SGLang when an unexpected exception escapes the stream: the connection drops.
+        if request.transport is not None:
+            request.transport.abort()
+
+    @staticmethod
+    async def _next(request: web.Request, stream: RequestStream) -> StreamEvent | None:
+        """The next event; _Disconnected as soon as the client is gone (polled)."""
+        get = asyncio.ensure_future(stream.next())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=_POLL_SECS)
+                if done:
+                    return get.result()
+                if request.transport is None or request.transport.is_closing():
+                    raise _Disconnected
+        finally:
+            if not get.done():
+                get.cancel()
+
+    # -- everything else --------------------------------------------------------------
+    async def _abort(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError as e:
+            return _bad_request(f"JSON decode error: {e}")
+        if not isinstance(body, dict):
+            return _bad_request("Input should be a valid dictionary")
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
+        if not isinstance(rid, str):
+            return _bad_request("rid: Input should be a valid string")
+        engine = self._engine
+        if abort_all:
+            engine.abort("", True, source="http")
+        elif rid and (engine.is_live(rid) or engine.config.tokenizer_workers > 1):
+            engine.abort(rid, source="http")
+        else:
+            engine.note_ignored_abort(rid, source="http")
+        return web.Response(status=200)
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200 if self._engine.ready else 503)
+
+    async def _server_info(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self._engine.server_info(http=True))
+
+    async def _model_info(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self._engine.model_info(http=True))
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        cfg = self._engine.config
+        card = {
+            "id": cfg.model_name,
+            "object": "model",
+            "created": int(self._engine.server_info(http=True)["startup_time"]),
+            "owned_by": "sglang",
+            "root": cfg.model_name,
+            "parent": None,
+            "max_model_len": cfg.context_length,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _loads(self, request: web.Request) -> web.StreamResponse:
+        raw = request.query.get("dp_rank")
+        try:
+            rank = None if raw is None else int(raw)
+        except ValueError:
+            return _bad_request("dp_rank: Input should be a valid integer")
+        return web.json_response(
+            {
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": self._engine.server_info(http=True)["version"],
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": self._engine.loads(rank),
+            }
+        )
