@@ -269,6 +269,7 @@ class ChannelPool:
         self._channels: list[grpc.aio.Channel] = []
         self._next = 0
         self._closed = False
+        self._connecting = False
 
     @property
     def config(self) -> PoolConfig:
@@ -315,6 +316,9 @@ class ChannelPool:
                 if scope is not None:
                     scope.cancel()
 
+        if self._connecting:
+            raise RuntimeError("ChannelPool.connect() is already running")
+        self._connecting = True
         try:
             await open_slot(0, None)
             if failure is None and n > 1:
@@ -322,10 +326,14 @@ class ChannelPool:
                     for index in range(1, n):
                         group.start_soon(open_slot, index, group.cancel_scope)
         finally:
-            if failure is not None or any(channel is None for channel in opened):
+            self._connecting = False
+            if failure is not None or self._closed or any(channel is None for channel in opened):
                 await _close_all([channel for channel in opened if channel is not None])
         if failure is not None:
             raise failure
+        if self._closed:
+            # close() ran while the slots were connecting (shutdown during start-up).
+            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool was closed")
         self._channels = [channel for channel in opened if channel is not None]
         self._next = 0
 

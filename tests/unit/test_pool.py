@@ -259,3 +259,30 @@ async def test_connecting_twice_opens_no_more_channels() -> None:
     assert len(connector.channels) == 2
     assert pool.size == 2
     await pool.close()
+
+
+async def test_closing_while_connecting_leaves_no_channel_open() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    release = anyio.Event()
+
+    async def slow_second_slot(target: str, timeout: float) -> grpc.aio.Channel:
+        if connector.calls:  # slot 2 waits until close() has run
+            await release.wait()
+        return await connector(target, timeout)
+
+    pool = ChannelPool(PoolConfig(ENDPOINT, connections=2), clock=clock, connector=slow_second_slot)
+
+    async def close_then_release() -> None:
+        await pool.close()
+        release.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(close_then_release)
+            with pytest.raises(SidecarError, match="closed") as info:
+                await pool.connect(Deadline.start(clock, 10.0))
+
+    assert info.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert [channel.closed for channel in connector.channels] == [1, 1]
+    assert pool.size == 0
