@@ -6,6 +6,7 @@ transport uses; :mod:`sidecar_sglang.sse` frames the byte stream.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Final
@@ -37,7 +38,8 @@ LOAD_TIMEOUT: Final = 2.0
 # reused; past it the connection is closed instead.
 _TRAILER_TIMEOUT: Final = 1.0
 _ERROR_BODY_LIMIT: Final = 64 * 1024
-_READ_SIZE: Final = 64 * 1024
+_ERROR_BODY_TIMEOUT: Final = 5.0
+_CONTROL_CONNECTIONS: Final = 4
 
 
 def _error_words(body: bytes) -> str:
@@ -79,6 +81,7 @@ class SglangHttpEngine:
         self._clock: Clock = clock or SystemClock()
         self._room = room
         self._session: aiohttp.ClientSession | None = None
+        self._control_session: aiohttp.ClientSession | None = None
         self._found: Discovered | None = None
         self._settings = RequestSettings(mode=config.disaggregation_mode, transport="http")
         self._live: dict[str, bool] = {}
@@ -87,16 +90,25 @@ class SglangHttpEngine:
     def name(self) -> str:
         return "sglang"
 
+    def _new_session(self, limit: int) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._config.pool.retry.attempt_timeout),
+        )
+
     def _http(self) -> aiohttp.ClientSession:
+        """Generations: HTTP/1.1 holds one connection per stream, so ``--grpc-connections``
+        bounds the generations in flight on the engine (the rest queue here)."""
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._config.pool.connections)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self._config.pool.retry.attempt_timeout
-                ),
-            )
+            self._session = self._new_session(self._config.pool.connections)
         return self._session
+
+    def _control(self) -> aiohttp.ClientSession:
+        """Aborts, health, load and discovery on connections of their own: an abort must not
+        wait behind the very streams it is meant to stop."""
+        if self._control_session is None:
+            self._control_session = self._new_session(_CONTROL_CONNECTIONS)
+        return self._control_session
 
     # ------------------------------------------------------------------- start-up
 
@@ -134,7 +146,7 @@ class SglangHttpEngine:
 
     async def _health_attempt(self, timeout: float) -> None:
         with anyio.fail_after(timeout):
-            async with self._http().get(f"{self._base}/health") as resp:
+            async with self._control().get(f"{self._base}/health") as resp:
                 if resp.status != 200:
                     raise _NotHealthy(f"GET /health answered HTTP {resp.status}")
                 await resp.read()
@@ -150,7 +162,7 @@ class SglangHttpEngine:
         try:
             with anyio.fail_after(timeout):
                 for path in paths:
-                    async with self._http().get(f"{self._base}{path}") as resp:
+                    async with self._control().get(f"{self._base}{path}") as resp:
                         status, body = resp.status, await resp.read()
                     if status != 404:
                         break
@@ -191,7 +203,9 @@ class SglangHttpEngine:
             except aiohttp.ClientError as err:
                 raise SidecarError(ErrorReason.CANNOT_CONNECT, f"Generate: POST /generate: {err!r}") from None
             if resp.status != 200:
-                body = await resp.content.read(_ERROR_BODY_LIMIT)
+                body = b""
+                with anyio.move_on_after(_ERROR_BODY_TIMEOUT), contextlib.suppress(aiohttp.ClientError):
+                    body = await resp.content.read(_ERROR_BODY_LIMIT)
                 raise error_from_http_status(resp.status, _error_words(body))
             if native.prefill:
                 # Decode can start its KV transfer as soon as prefill is admitted.
@@ -252,7 +266,7 @@ class SglangHttpEngine:
         body = {"rid": private_id, "abort_all": False}
         try:
             with anyio.fail_after(ABORT_TIMEOUT):
-                async with self._http().post(f"{self._base}/abort_request", json=body) as resp:
+                async with self._control().post(f"{self._base}/abort_request", json=body) as resp:
                     await resp.read()
                     if resp.status != 200:
                         _log.warning("sglang abort refused", private_id=private_id, status=resp.status)
@@ -270,6 +284,8 @@ class SglangHttpEngine:
         return True
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        sessions = (self._session, self._control_session)
+        self._session = self._control_session = None
+        for session in sessions:
+            if session is not None:
+                await session.close()

@@ -64,6 +64,7 @@ async def sglang_stack(
     transport: Transport,
     engine: SglangTestEngine | None = None,
     mode: DisaggregationMode = "agg",
+    connections: int = 2,
     **engine_config: Any,
 ) -> AsyncIterator[Stack]:
     """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
@@ -71,7 +72,7 @@ async def sglang_stack(
         engine_config.setdefault("disaggregation_mode", _ENGINE_MODES[mode])
         engine = SglangTestEngine(SglangEngineConfig(**engine_config))
     await engine.start()
-    adapter = adapter_for(engine, transport, mode)
+    adapter = adapter_for(engine, transport, mode, connections=connections)
     server = SidecarServer(
         adapter,
         ServerConfig(listen="127.0.0.1:0", hold_decode_cancels=mode == "decode", health_watch_interval=0.2),

@@ -359,6 +359,20 @@ async def test_client_cancel_aborts_only_that_request(transport: Transport, when
 
 
 @TRANSPORTS
+async def test_abort_gets_through_when_every_connection_is_streaming(transport: Transport) -> None:
+    # One engine connection, busy with the stream to stop; SGLang's own abort of a departed
+    # HTTP client is pushed out of the test's reach, so only the sidecar's abort can stop it.
+    async with sglang_stack(
+        transport, connections=1, token_latency_ms=20, disconnect_abort_delay_secs=600
+    ) as s:
+        call = s.stub.Generate(public_request("victim", max_tokens=1000), timeout=20)
+        assert (await call.read()).token_ids
+        call.cancel()
+        [pid] = private_ids(s)
+        await _only_target_aborted(s, pid)
+
+
+@TRANSPORTS
 async def test_client_deadline_aborts_and_leaves_nothing_running(transport: Transport) -> None:
     async with sglang_stack(transport, token_latency_ms=20) as s:
         _, err = await collect_until_error(s.stub.Generate(public_request(max_tokens=1000), timeout=0.5))
