@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from google.protobuf import struct_pb2
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.structs import (
@@ -138,6 +138,8 @@ exact_json: st.SearchStrategy[JSON] = st.recursive(
 )
 
 
+# No per-example deadline: a loaded 2-core CI machine must not turn slowness into a failure.
+@settings(deadline=None)
 @given(st.dictionaries(st.text(), exact_json, max_size=5))
 def test_json_within_range_round_trips_exactly(obj: dict[str, JSON]) -> None:
     back = json_from_struct(struct_from_json(obj))
