@@ -22,9 +22,10 @@ _TLS_SCHEMES: Final = frozenset({"https", "grpcs"})
 # RFC 1123 host names (and IPv4 dotted quads, which match too); underscores are tolerated
 # because container and compose service names use them.
 _HOSTNAME: Final = re.compile(
-    r"^[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?$"
+    r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?"
 )
-_PORT: Final = re.compile(r"^[0-9]{1,5}$")
+_PORT: Final = re.compile(r"[0-9]{1,5}")
+_NUMERIC_HOST: Final = re.compile(r"[0-9.]+")
 
 
 class EndpointError(ValueError):
@@ -107,15 +108,20 @@ def _split_host_port(authority: str, refuse: _Refuse) -> tuple[str, str]:
     host, _, port_text = authority.partition(":")
     if not host:
         raise refuse("the host is missing")
-    if "]" in host or not _HOSTNAME.match(host):
+    if not _HOSTNAME.fullmatch(host):
         raise refuse(f"{host!r} is not a valid host name or IPv4 address")
+    if _NUMERIC_HOST.fullmatch(host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise refuse(f"{host!r} is not a valid IPv4 address") from None
     return host, port_text
 
 
 def _parse_port(port_text: str, refuse: _Refuse) -> int:
     if not port_text:
         raise refuse("the port is missing")
-    if not _PORT.match(port_text):
+    if not _PORT.fullmatch(port_text):
         raise refuse(f"port {port_text!r} is not a number")
     port = int(port_text)
     if not 1 <= port <= 65535:

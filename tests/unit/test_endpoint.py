@@ -60,6 +60,10 @@ REFUSED = [
     ("grpc://", "host is missing"),
     ("bad host:1", "not a valid host name"),
     ("-host:1", "not a valid host name"),
+    ("ho%st:1", "not a valid host name"),
+    ("999.1.1.1:1", "not a valid IPv4 address"),
+    ("10.0.0:1", "not a valid IPv4 address"),
+    ("host:1\n2", "not a number"),
 ]
 
 
