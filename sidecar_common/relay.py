@@ -105,8 +105,11 @@ async def _write_loop(
         backlog = len(batch) > 1
         msgs = coalesce(batch)
         for msg in msgs:
-            await write(msg)
+            # Counted before the write: a cancel that lands during the write does not take
+            # back a message already handed to gRPC, and counting it first means the
+            # CANCELLED terminals that may follow never duplicate a terminal it carried.
             delivery.observe(msg)
+            await write(msg)
             if metrics is not None:
                 now = time.monotonic()
                 if last_sent is None:

@@ -278,14 +278,18 @@ class SidecarServer:
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: Context) -> None:
         started_at = time.monotonic()
         refusal = self._refusal()
+        if refusal is None:
+            try:
+                self._engine.validate(request)
+            except SidecarError as err:
+                refusal = err
+            except Exception as exc:
+                refusal = _unexpected(f"{self._engine.name} validate", exc)
         if refusal is not None:
+            if self._metrics is not None:
+                self._metrics.failed(refusal.reason.value)
+            _log.debug("generate refused", public_id=request.request_id, reason=refusal.reason.value)
             await _fail(context, refusal)
-        try:
-            self._engine.validate(request)
-        except SidecarError as err:
-            await _fail(context, err)
-        except Exception as exc:
-            await _fail(context, _unexpected(f"{self._engine.name} validate", exc))
         if not request.request_id:
             named = sidecar_pb2.PreprocessedRequest()
             named.CopyFrom(request)
@@ -309,8 +313,8 @@ class SidecarServer:
                 raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
             if entry.scope.cancelled_caught:
                 for terminal in delivery.cancelled_terminals(len(request.token_ids)):
-                    await context.write(terminal)
                     delivery.observe(terminal)
+                    await context.write(terminal)
                 log.info("generate aborted by request", engine_aborted=gen.aborted)
             if metrics is not None:
                 metrics.finished(delivery.last_finish_reason())

@@ -385,6 +385,11 @@ async def test_metrics_count_requests() -> None:
         finished = {"engine": "fake", "finish_reason": "EOS"}
         assert reg.get_sample_value("sidecar_requests_finished_total", finished) == 1
         assert reg.get_sample_value("sidecar_inflight_requests", {"engine": "fake"}) == 0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await collect(h.stub.Generate(request(token_ids=[])))
+        failed = {"engine": "fake", "reason": "INVALID_ARGUMENT"}
+        assert reg.get_sample_value("sidecar_requests_failed_total", failed) == 1
+        assert reg.get_sample_value("sidecar_engine_connected", {"engine": "fake"}) == 1
 
 
 async def test_health_watch_stream_sees_every_transition() -> None:
