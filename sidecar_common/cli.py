@@ -200,17 +200,20 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     )
     ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     spec.add_arguments(parser)
+    for action, var in _env_actions(parser):
+        if action.help != argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env {var}]".lstrip()
     return parser
 
 
-class _Unset:
-    """Marks a destination no command-line flag has set, so an environment value may fill it."""
+class _FromEnv:
+    """Marks a destination no command-line flag has set, so its variable may fill it."""
 
-    def __repr__(self) -> str:
-        return "<unset>"
+    def __init__(self, var: str) -> None:
+        self.var = var
 
-
-_UNSET: Final = _Unset()
+    def __repr__(self) -> str:  # what --help shows as the default
+        return f"${self.var}"
 
 
 def _env_actions(parser: argparse.ArgumentParser) -> list[tuple[argparse.Action, str]]:
@@ -262,10 +265,11 @@ def _from_env(
 def _parse_with_env(
     parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
 ) -> argparse.Namespace:
-    # Destinations backed by a set variable get a sentinel default and lose `required`, so
-    # argparse itself tells us (sentinel still there) which ones no flag has set.
+    # Destinations backed by a set variable get a marker default and lose `required`, so
+    # argparse itself tells us (marker still there) which ones no flag has set.
     pending: dict[str, list[tuple[argparse.Action, str, str]]] = {}
     originals: dict[str, Any] = {}
+    markers: dict[str, object] = {}
     for action, var in _env_actions(parser):
         raw = environ.get(var)
         if raw is not None:
@@ -273,14 +277,16 @@ def _parse_with_env(
     for action in parser._actions:
         if action.dest in pending:
             originals.setdefault(action.dest, action.default)
-            # Append actions copy their default, so they keep None as their marker.
-            action.default = None if isinstance(action, argparse._AppendAction) else _UNSET
+            # Append actions copy their default into a fresh list, so None is their marker.
+            marker = (
+                None if isinstance(action, argparse._AppendAction) else _FromEnv(pending[action.dest][0][1])
+            )
+            action.default = markers.setdefault(action.dest, marker)
             action.required = False
     namespace = parser.parse_args(list(argv))
     for dest, sources in pending.items():
-        current = getattr(namespace, dest, _UNSET)
-        if current is not _UNSET and current is not None:
-            continue
+        if getattr(namespace, dest) is not markers[dest]:
+            continue  # a flag set it: the flag wins, the variable is not even parsed
         value = originals[dest]
         for action, var, raw in sources:
             value = _from_env(parser, action, var, raw, originals[dest])

@@ -25,6 +25,7 @@ def _add_fake_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-endpoint", default=None)
     parser.add_argument("--chunk-tokens", type=int, default=4)
     parser.add_argument("--incremental", action="store_true")
+    parser.add_argument("--extra-id", type=int, action="append", default=None)
 
 
 def _no_build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
@@ -123,6 +124,26 @@ def test_boolean_engine_flag_from_the_environment() -> None:
     assert parse(ENDPOINT, {"SIDECAR_INCREMENTAL": "true"})[1].incremental is True
     assert parse(ENDPOINT, {"SIDECAR_INCREMENTAL": "0"})[1].incremental is False
     assert parse([*ENDPOINT, "--incremental"], {"SIDECAR_INCREMENTAL": "no"})[1].incremental is True
+
+
+def test_repeatable_engine_flag_from_the_environment() -> None:
+    assert parse(ENDPOINT)[1].extra_id is None
+    assert parse(ENDPOINT, {"SIDECAR_EXTRA_ID": "7"})[1].extra_id == [7]
+    flags = [*ENDPOINT, "--extra-id", "1", "--extra-id", "2"]
+    assert parse(flags, {"SIDECAR_EXTRA_ID": "7"})[1].extra_id == [1, 2]
+
+
+def test_help_shows_each_flags_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for var in (
+        "SIDECAR_GRPC_ENDPOINT",
+        "SIDECAR_DRAIN_TIMEOUT_SECS",
+        "SIDECAR_TRANSPORT",
+        "SIDECAR_EXTRA_ID",
+    ):
+        assert f"[env {var}]" in out
 
 
 def test_unrelated_variables_are_ignored() -> None:
