@@ -11,10 +11,13 @@ import signal
 import sys
 from types import ModuleType
 
-from testkit.faults import FaultPlan, parse_fault_flag
+from aiohttp import web
+
+from testkit.book import Book
+from testkit.faults import FaultBook, FaultPlan, parse_directive, parse_fault_flag
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
-__all__ = ["add_vllm_arguments", "main", "run_vllm", "vllm_config_from_args"]
+__all__ = ["add_vllm_arguments", "control_app", "main", "run_vllm", "vllm_config_from_args"]
 
 _log = logging.getLogger("testkit.vllm")
 
@@ -31,6 +34,47 @@ def _fault(text: str) -> tuple[str, FaultPlan]:
         return parse_fault_flag(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def control_app(book: Book, faults: FaultBook) -> web.Application:
+    """The out-of-process control endpoint: read the book, install and clear fault plans.
+
+    ``GET /book``; ``POST /faults`` with ``{"match": ..., "fault": "close_after:3", "times": 1}``;
+    ``DELETE /faults``.
+    """
+
+    async def get_book(_: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "running": book.running_ids(),
+                "waiting": book.waiting_ids(),
+                "aborts": book.aborts,
+                "received": [rid for rid, _ in book.received],
+                "finished": [
+                    {"request_id": r.request_id, "outcome": r.outcome.value, "detail": r.detail}
+                    for r in book.finished
+                ],
+            }
+        )
+
+    async def add_fault(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            times = body.get("times")
+            faults.add(str(body["match"]), parse_directive(str(body["fault"])), times)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return web.json_response({"error": f"bad fault: {e}"}, status=400)
+        return web.json_response({"ok": True})
+
+    async def clear_faults(_: web.Request) -> web.Response:
+        faults.clear()
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/book", get_book)
+    app.router.add_post("/faults", add_fault)
+    app.router.add_delete("/faults", clear_faults)
+    return app
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +100,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     a("--supports-vision", action="store_true")
     a("--fault", type=_fault, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
       help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
+    a("--control-listen", type=_listen, default=None, help="HOST:PORT of the HTTP control endpoint (off)")
 
 
 def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
@@ -83,7 +128,9 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
     )
 
 
-async def _serve_vllm(config: VllmEngineConfig, faults: list[tuple[str, FaultPlan]]) -> int:
+async def _serve_vllm(
+    config: VllmEngineConfig, faults: list[tuple[str, FaultPlan]], control: tuple[str, int] | None
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,7 +138,14 @@ async def _serve_vllm(config: VllmEngineConfig, faults: list[tuple[str, FaultPla
     engine = VllmTestEngine(config)
     for match, plan in faults:
         engine.faults.add(match, plan)
+    runner: web.AppRunner | None = None
     try:
+        if control is not None:
+            runner = web.AppRunner(control_app(engine.book, engine.faults), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, control[0], control[1])
+            await site.start()
+            _log.info("control on %s:%d", control[0], runner.addresses[0][1])
         port = await engine.start()
         ready = asyncio.ensure_future(engine.wait_ready(config.startup_delay_secs + 3600))
         stopping = asyncio.ensure_future(stop.wait())
@@ -107,6 +161,8 @@ async def _serve_vllm(config: VllmEngineConfig, faults: list[tuple[str, FaultPla
                     await fut
     finally:
         await engine.stop(1.0)
+        if runner is not None:
+            await runner.cleanup()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     _log.info("stopped")
@@ -120,7 +176,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         print(f"testkit-engine vllm: {e}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_serve_vllm(config, list(args.fault)))
+        return asyncio.run(_serve_vllm(config, list(args.fault), args.control_listen))
     except OSError as e:
         _log.error("testkit-engine vllm: %s", e)
         return 1

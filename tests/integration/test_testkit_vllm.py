@@ -9,10 +9,12 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from testkit.__main__ import control_app
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, ModelSpec, SamplingSpec, generate
@@ -361,3 +363,20 @@ async def test_abort_during_a_first_token_stall_ends_without_tokens() -> None:
         msgs = await asyncio.wait_for(task, 5)
         assert [t for c in chunks(msgs) for t in c.token_ids] == []
         assert [d.finish_reason for d in completes(msgs)] == ["abort"]
+
+
+async def test_control_endpoint_installs_faults_and_shows_the_book() -> None:
+    async with (
+        serve() as (engine, stub, _),
+        TestClient(TestServer(control_app(engine.book, engine.faults))) as http,
+    ):
+        resp = await http.post("/faults", json={"match": "ctl", "fault": "close_after:1", "times": 1})
+        assert resp.status == 200
+        bad = await http.post("/faults", json={"match": "x", "fault": "explode"})
+        assert bad.status == 400
+        msgs = await collect(stub, request("ctl-1", max_tokens=5))
+        assert completes(msgs) == []
+        book = await (await http.get("/book")).json()
+        assert book["running"] == []
+        assert book["finished"] == [{"request_id": "ctl-1", "outcome": "faulted", "detail": "close_after"}]
+        await http.delete("/faults")
