@@ -216,7 +216,11 @@ async def _serve(
         systemd.notify("STOPPING=1\nSTATUS=draining")
         drain_bound = config.drain_timeout + _cleanup_allowance(_server_config(config))
         with stopper.drain, anyio.move_on_after(drain_bound) as drain_scope:
-            await server.drain()
+            try:
+                await server.drain()
+            except Exception:
+                # Stopping must still happen (server.stop cancels and aborts what is left).
+                log.exception("drain failed")
         if drain_scope.cancelled_caught and stopper.signals_seen < 2:
             log.warning("drain did not finish in time", timeout_secs=drain_bound)
         # Leaving the exit stack: server.stop() (cancels what is left), engine.close(), metrics.

@@ -516,6 +516,17 @@ def test_engine_scripts_refuse_bad_flags_before_any_network_io(
     assert _nobody_connected(sock)
 
 
+def test_bad_engine_specific_value_exits_2_before_any_network_io(
+    idle_listener: tuple[socket.socket, str],
+) -> None:
+    sock, address = idle_listener
+    # SGLang over HTTP needs --http-endpoint: the engine package's build() refuses it.
+    result = _run([_script("sidecar-sglang"), "--grpc-endpoint", address], SIDECAR_TRANSPORT="http")
+    assert result.returncode == 2
+    assert "--http-endpoint" in result.stdout + result.stderr
+    assert _nobody_connected(sock)
+
+
 def test_python_dash_m_works() -> None:
     result = _run([sys.executable, "-m", "sidecar_vllm", "--help"])
     assert result.returncode == 0
