@@ -32,13 +32,17 @@ PROMPT = [101, 202, 303, 404]
 
 
 async def collect(call: Any) -> list[Out]:
-    return [out async for out in call]
+    """The rest of the stream (read() based, so it mixes with earlier read() calls)."""
+    outs: list[Out] = []
+    while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+        outs.append(out)
+    return outs
 
 
 async def collect_until_error(call: Any) -> tuple[list[Out], grpc.aio.AioRpcError]:
     outs: list[Out] = []
     try:
-        async for out in call:
+        while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
             outs.append(out)
     except grpc.aio.AioRpcError as err:
         return outs, err
@@ -325,10 +329,28 @@ async def test_engine_failure_gives_the_exact_prefix_then_a_typed_status(
         assert all(o.finish_reason == sidecar_pb2.UNSPECIFIED for o in outs)
         assert err.code() == code
         assert reason_of(err) == (reason, migratable)
+        [bad] = private_ids(s)
+        assert s.engine.book.aborts == [bad], "a generation left unfinished is aborted exactly once"
         # The next request on the same sidecar works.
         again = await collect(s.stub.Generate(public_request("good", max_tokens=5), timeout=10))
         assert tokens(again) == full
         await until(lambda: s.engine.book.running_count == 0, "engine idle")
+
+
+async def test_engine_dying_mid_stream_is_migratable_and_health_notices() -> None:
+    async with vllm_stack(token_latency_ms=20) as s:
+        assert await s.adapter.healthy()
+        call = s.stub.Generate(public_request(max_tokens=1000), timeout=10)
+        assert (await call.read()).token_ids
+        await s.engine.die()
+        _, err = await collect_until_error(call)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert reason_of(err)[1] == "true"
+        assert not await s.adapter.healthy()
+        await s.engine.start()
+        with anyio.fail_after(10):
+            while not await s.adapter.healthy():  # noqa: ASYNC110 - a probe, not an event
+                await asyncio.sleep(0.05)
 
 
 async def test_engine_error_status_keeps_the_engines_words() -> None:
@@ -380,8 +402,7 @@ async def test_public_abort_stops_the_engine_request() -> None:
         reply = await s.stub.Abort(sidecar_pb2.AbortRequest(request_id="victim"), timeout=5)
         assert reply.aborted == 1
         with contextlib.suppress(grpc.aio.AioRpcError):
-            while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
-                pass
+            await collect(call)
         await _cancel_case(s)
 
 
@@ -418,6 +439,17 @@ async def test_decode_holds_a_cancel_until_the_first_token(mode: Any, order: lis
         call.cancel()
         await _cancel_case(s)
         assert engine.events[: len(order)] == order
+
+
+async def test_media_on_a_vision_model_reaches_the_engine_as_references() -> None:
+    async with vllm_stack(supports_vision=True) as s:
+        req = public_request(max_tokens=2)
+        req.multi_modal_data.add(kind=sidecar_pb2.MultimodalItem.IMAGE, url="https://x/cat.png")
+        outs = await collect(s.stub.Generate(req, timeout=10))
+        assert terminal(outs).finish_reason == sidecar_pb2.LENGTH
+        sent = s.engine.book.requests()[0]
+        assert isinstance(sent, pb.GenerateRequest)
+        assert [item.url for item in sent.media_refs.items] == ["https://x/cat.png"]
 
 
 # ------------------------------------------------------------------------------ refusals
