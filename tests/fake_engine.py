@@ -57,6 +57,7 @@ class FakeEngine:
     aborts: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     closed: bool = False
+    abort_hangs: bool = False  # an engine whose abort call never answers
 
     @property
     def name(self) -> str:
@@ -105,6 +106,8 @@ class FakeEngine:
     async def abort(self, private_id: str) -> None:
         self.aborts.append(private_id)
         self._record("abort", private_id)
+        if self.abort_hangs:
+            await anyio.sleep_forever()
 
     async def load(self) -> EngineLoad:
         if self.load_error is not None:

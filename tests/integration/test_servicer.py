@@ -342,6 +342,42 @@ async def test_decode_hold_is_bounded() -> None:
         assert engine.aborts == [engine.calls[0].private_id]
 
 
+async def test_decode_hold_ends_on_an_engine_error_and_still_aborts() -> None:
+    gate = anyio.Event()
+    boom = SidecarError(ErrorReason.CANNOT_CONNECT, "Generate: reset (UNAVAILABLE)")
+    engine = FakeEngine(scripts={"r": [Gate(gate), boom]})
+    async with servicer_running(engine, hold_decode_cancels=True) as h:
+        call = h.stub.Generate(request("r"))
+        await engine.wait_for("generate")
+        call.cancel()
+        await anyio.sleep(0.1)  # let the cancel reach the sidecar: it is now holding
+        assert engine.aborts == []
+        gate.set()
+        await engine.wait_for("abort")
+        assert engine.aborts == [engine.calls[0].private_id]
+
+
+async def test_without_the_hold_a_cancel_before_the_first_token_aborts_at_once() -> None:
+    engine = FakeEngine(scripts={"r": [HANG]})
+    async with servicer_running(engine) as h:
+        call = h.stub.Generate(request("r"))
+        await engine.wait_for("generate")
+        assert not engine.calls[0].hold_cancel_until_first_token
+        call.cancel()
+        await engine.wait_for("closed")
+        assert engine.aborts == [engine.calls[0].private_id]
+
+
+async def test_a_hanging_engine_abort_does_not_hang_the_request() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]}, abort_hangs=True)
+    async with servicer_running(engine, abort_timeout=0.1) as h:
+        call = h.stub.Generate(request("r"))
+        await call.read()
+        call.cancel()
+        assert await h.server.wait_idle(5)
+        assert engine.aborts == [engine.calls[0].private_id]
+
+
 async def test_health_watch_follows_the_engine() -> None:
     engine = FakeEngine()
     async with servicer_running(engine, health_watch_interval=0.02) as h:

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
@@ -147,6 +147,7 @@ def reconstruct(outs: list[Out], n: int) -> list[Reconstructed]:
     return result
 
 
+@settings(deadline=None)
 @given(stream=streams(), data=st.data())
 def test_any_split_coalesced_reconstructs_the_same_stream(stream: Stream, data: st.DataObject) -> None:
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(stream.chunks) - 1)))))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
@@ -28,6 +28,7 @@ from tests.fake_engine import FakeEngine, terminal, tokens
 Out = sidecar_pb2.LLMEngineOutput
 
 
+@settings(deadline=None)
 @given(st.lists(st.text(), min_size=2, max_size=30))
 def test_private_ids_are_unique_and_prefix_free_whatever_the_public_ids(public_ids: list[str]) -> None:
     gen = PrivateIds()
@@ -204,3 +205,22 @@ async def test_relay_raises_the_engine_error_after_the_prefix() -> None:
     assert info.value is boom
     assert sent == [1, 2]
     assert engine.aborts == [gen.private_id]
+
+
+async def test_abort_once_is_bounded_and_happens_once() -> None:
+    engine = FakeEngine(abort_hangs=True)
+    gen = _generation(engine)
+    gen = Generation(engine, gen.call, abort_timeout=0.05)
+    await gen.abort_once()
+    await gen.abort_once()
+    assert gen.aborted
+    assert engine.aborts == [gen.private_id]
+
+
+async def test_a_completed_generation_is_never_aborted() -> None:
+    engine = FakeEngine()
+    gen = _generation(engine)
+    async for out in gen.stream():
+        gen.tracker.observe(out)
+    await gen.abort_once()
+    assert engine.aborts == []
