@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Awaitable, Callable
 
 import anyio
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.errors import ErrorReason, SidecarError
@@ -286,3 +289,33 @@ async def test_closing_while_connecting_leaves_no_channel_open() -> None:
     assert info.value.reason is ErrorReason.ENGINE_SHUTDOWN
     assert [channel.closed for channel in connector.channels] == [1, 1]
     assert pool.size == 0
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    # Bounded so that no example needs more than a few hundred attempts (the test stays fast).
+    deadline_secs=st.floats(min_value=0.01, max_value=5.0),
+    initial=st.floats(min_value=0.01, max_value=1.0),
+    cap=st.floats(min_value=0.05, max_value=5.0),
+    attempt_timeout=st.floats(min_value=0.01, max_value=40.0),
+    takes=st.floats(min_value=0.0, max_value=3.0),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_no_schedule_of_failures_outlives_the_deadline(
+    deadline_secs: float, initial: float, cap: float, attempt_timeout: float, takes: float, seed: int
+) -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, then=Step(takes=takes, error=REFUSED))
+    policy = RetryPolicy(attempt_timeout=attempt_timeout, max_interval=cap, initial_interval=initial)
+    deadline = Deadline.start(clock, deadline_secs)
+    rng = random.Random(seed)
+
+    async def run() -> None:
+        with pytest.raises(SidecarError) as info:
+            await retry_until_deadline("e", attempt_with(connector), deadline, policy, rand=rng.random)
+        assert info.value.reason is ErrorReason.CANNOT_CONNECT
+
+    anyio.run(run)
+    assert clock.now - 1000.0 <= deadline_secs + 1e-9
+    assert all(pause <= cap + 1e-12 for pause in clock.sleeps)
+    assert all(call.timeout <= min(attempt_timeout, deadline_secs) + 1e-9 for call in connector.calls)
