@@ -13,6 +13,7 @@ _METRICS = (
     "tokens_per_s",
     "hop_cpu_us_per_token",
     "hop_cpu_us_per_msg",
+    "hop_cpu_us_per_request",
     "tokens_per_msg",
     "ttft_p50_ms",
     "ttft_p99_ms",
@@ -45,6 +46,10 @@ def row_figures(raw: dict[str, Any]) -> dict[str, float | None]:
         "hop_cpu_us_per_token": hop / tokens * 1e6 if hop is not None and tokens else None,
         "hop_cpu_us_per_msg": hop / messages * 1e6 if hop is not None and messages else None,
         "tokens_per_msg": tokens / messages if messages else None,
+        # Meaningful for short requests (the TTFT test), where set-up dominates.
+        "hop_cpu_us_per_request": hop / raw["requests"] * 1e6
+        if hop is not None and raw["requests"]
+        else None,
         "ttft_p50_ms": raw["ttft_ms"]["p50"],
         "ttft_p99_ms": raw["ttft_ms"]["p99"],
         "gap_p50_ms": raw["gap_ms"]["p50"],
@@ -170,14 +175,15 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
         "Added latency (vLLM): 1 stream TTFT on the fast engine; 16 streams on an engine paced at "
         f"{doc['paced_ms']:g} ms/token.",
         "",
-        "| path | test | TTFT p50/p99 ms | gap p50/p99 ms | samples |",
-        "|---|---|---:|---:|---:|",
+        "| path | test | TTFT p50/p99 ms | gap p50/p99 ms | hop CPU µs/request | runs |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for name, r in sorted(doc["latency"].items()):
         test, path = name.split("|")
         out.append(
             f"| {path} | {test} | {_fmt(r['ttft_p50_ms'], 2)} / {_fmt(r['ttft_p99_ms'], 2)} "
-            f"| {_fmt(r['gap_p50_ms'], 2)} / {_fmt(r['gap_p99_ms'], 2)} | {r['runs']} |"
+            f"| {_fmt(r['gap_p50_ms'], 2)} / {_fmt(r['gap_p99_ms'], 2)} "
+            f"| {_fmt(r['hop_cpu_us_per_request'], 0)} | {r['runs']} |"
         )
     out += ["", "Targets (ratios within this run):", "", *(f"- {t.line()}" for t in targets), ""]
     if doc.get("notes"):
@@ -188,6 +194,6 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
 _PATH_ORDER = {"direct": 0, "bare-proxy": 1, "sidecar": 2, "sidecar-grpc": 3, "sidecar-http": 4}
 
 
-def _order(name: str) -> tuple[str, int, int, int]:
+def _order(name: str) -> tuple[int, int, int, int]:
     path, engine, k, c = name.split("|")
-    return (engine, int(k[1:]), int(c[1:]), _PATH_ORDER.get(path, 9))
+    return (engine != "vllm", int(k[1:]), int(c[1:]), _PATH_ORDER.get(path, 9))
