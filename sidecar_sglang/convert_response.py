@@ -57,9 +57,9 @@ def event_from_grpc(message: sglang_pb2.GenerateResponse) -> NativeEvent:
     return NativeEvent(list(message.output_ids), meta, message.finished)
 
 
-def error_from_http_status(status: int, message: str) -> SidecarError:
+def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:
     """SGLang HTTP status -> typed error (spec/SGLANG.md, "The native HTTP wire")."""
-    words = f"Generate: {message} (HTTP {status})"
+    words = f"{rpc}: {message} (HTTP {status})"
     if status in (401, 403):
         # Auth is not configured on the sidecar's side: not the request's fault.
         return SidecarError(ErrorReason.UNKNOWN, words)

@@ -173,7 +173,7 @@ class SglangHttpEngine:
         except aiohttp.ClientError as err:
             raise SidecarError(ErrorReason.CANNOT_CONNECT, f"GET {path}: {err!r}") from None
         if status != 200:
-            raise error_from_http_status(status, f"GET {path}: {_error_words(body)}")
+            raise error_from_http_status(status, _error_words(body), rpc=f"GET {path}")
         try:
             return json.loads(body)
         except ValueError:
