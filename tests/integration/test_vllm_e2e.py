@@ -131,6 +131,63 @@ async def test_no_engine_within_the_deadline_is_cannot_connect() -> None:
         await engine.stop(0)
 
 
+class SlowToWarmEngine(VllmTestEngine):
+    """Serves, but answers HealthCheck "not healthy" for its first ``sick`` probes."""
+
+    def __init__(self, sick: int) -> None:
+        super().__init__(VllmEngineConfig())
+        self.sick = sick
+        self.probes = 0
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context: Any) -> pb.HealthCheckResponse:
+        self.probes += 1
+        if self.probes <= self.sick:
+            return pb.HealthCheckResponse(healthy=False, message="warming up")
+        reply: pb.HealthCheckResponse = await super().HealthCheck(request, context)
+        return reply
+
+
+class NoServerInfoEngine(VllmTestEngine):
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Any) -> pb.GetServerInfoResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no such method here")
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(("sick", "ok"), [(3, True), (10**6, False)])
+async def test_start_waits_for_health_within_the_one_startup_deadline(sick: int, ok: bool) -> None:
+    engine = SlowToWarmEngine(sick)
+    port = await engine.start()
+    adapter = VllmEngine(sidecar_config(port, deadline=1.5))
+    try:
+        if ok:
+            await adapter.start()
+            assert adapter.model_info().served_model_name == "testkit-model"
+            assert engine.probes == sick + 1
+        else:
+            with pytest.raises(SidecarError) as info:
+                await adapter.start()
+            assert info.value.reason is ErrorReason.CANNOT_CONNECT
+            assert "HealthCheck" in info.value.message
+            assert "warming up" in info.value.message
+            assert "startup deadline 1.5s" in info.value.message
+    finally:
+        await adapter.close()
+        await engine.stop(0)
+
+
+async def test_a_discovery_failure_fails_start_up_at_once_with_the_engines_words() -> None:
+    engine = NoServerInfoEngine(VllmEngineConfig())
+    port = await engine.start()
+    adapter = VllmEngine(sidecar_config(port, deadline=600))
+    try:
+        with anyio.fail_after(30), pytest.raises(SidecarError) as info:
+            await adapter.start()
+        assert info.value.message == "GetServerInfo: no such method here (UNIMPLEMENTED)"
+    finally:
+        await adapter.close()
+        await engine.stop(0)
+
+
 # ---------------------------------------------------------------------------- generation
 
 
