@@ -35,11 +35,14 @@ class Book:
     """One engine's ledger. Not thread-safe: it lives on the engine's event loop."""
 
     max_running: int = 256
+    # KV tokens the running requests may hold together; None = unbounded. A request that
+    # alone exceeds it still runs when nothing else does (it could never start otherwise).
+    kv_capacity: int | None = None
     received: list[tuple[str, object]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     finished: list[FinishedRecord] = field(default_factory=list)
     _running: dict[str, int] = field(default_factory=dict)  # id -> tokens held in KV
-    _waiting: OrderedDict[str, asyncio.Future[bool]] = field(default_factory=OrderedDict)
+    _waiting: OrderedDict[str, tuple[asyncio.Future[bool], int]] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -94,31 +97,28 @@ class Book:
         """
         if self.is_live(request_id):
             raise ValueError(f"request {request_id!r} is already live")
-        if not self._waiting and len(self._running) < self.max_running:
+        if not self._waiting and self._fits(tokens):
             self._running[request_id] = tokens
             return True
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = fut
-        admitted = await fut
-        if admitted:
-            self._running[request_id] = tokens
-        return admitted
+        self._waiting[request_id] = (fut, tokens)
+        return await fut
 
     def abort_waiting(self, request_id: str) -> bool:
         """Take a waiting request out of the queue; its ``admit`` returns False."""
-        fut = self._waiting.pop(request_id, None)
-        if fut is None:
+        entry = self._waiting.pop(request_id, None)
+        if entry is None:
             return False
-        if not fut.done():
-            fut.set_result(False)
+        if not entry[0].done():
+            entry[0].set_result(False)
         return True
 
     def release(self, request_id: str, outcome: Outcome, detail: str = "") -> None:
         """The request ended (however): free its slot or queue place and log the outcome."""
         self._running.pop(request_id, None)
-        fut = self._waiting.pop(request_id, None)
-        if fut is not None and not fut.done():
-            fut.cancel()
+        entry = self._waiting.pop(request_id, None)
+        if entry is not None and not entry[0].done():
+            entry[0].cancel()
         self.finished.append(FinishedRecord(request_id, outcome, detail))
         self._promote()
 
@@ -126,10 +126,21 @@ class Book:
         """Log a request turned away before it was queued (a live one of that id is untouched)."""
         self.finished.append(FinishedRecord(request_id, outcome, detail))
 
+    def _fits(self, tokens: int) -> bool:
+        if len(self._running) >= self.max_running:
+            return False
+        if self.kv_capacity is None or not self._running:
+            return True
+        return self.used_tokens() + tokens <= self.kv_capacity
+
     def _promote(self) -> None:
-        while self._waiting and len(self._running) < self.max_running:
-            rid, fut = self._waiting.popitem(last=False)
+        # FIFO: the head waits for room even if a later, smaller request would fit.
+        while self._waiting:
+            rid, (fut, tokens) = next(iter(self._waiting.items()))
+            if not fut.done() and not self._fits(tokens):
+                return
+            del self._waiting[rid]
             if not fut.done():
+                # Take the slot now, before the waiter resumes, so nobody else takes it.
+                self._running[rid] = tokens
                 fut.set_result(True)
-                # Reserve its slot now; ``admit`` fills in the real entry when it resumes.
-                self._running[rid] = 0

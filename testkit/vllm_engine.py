@@ -129,7 +129,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     def __init__(self, config: VllmEngineConfig | None = None) -> None:
         self.config = config or VllmEngineConfig()
-        self.book = Book(max_running=self.config.max_num_seqs)
+        self.book = Book(max_running=self.config.max_num_seqs, kv_capacity=self.config.total_kv_tokens)
         self.faults = FaultBook()
         self.handoffs: list[tuple[str, dict[str, Any]]] = []  # decode requests' kv params
         self.port = self.config.port

@@ -380,3 +380,16 @@ async def test_control_endpoint_installs_faults_and_shows_the_book() -> None:
         assert book["running"] == []
         assert book["finished"] == [{"request_id": "ctl-1", "outcome": "faulted", "detail": "close_after"}]
         await http.delete("/faults")
+
+
+async def test_kv_capacity_makes_requests_wait_for_room() -> None:
+    async with serve(total_kv_tokens=6, token_latency_ms=10) as (engine, stub, _):
+        big = stub.Generate(request("kv1", max_tokens=1000), timeout=10)
+        await big.read()
+        queued = asyncio.create_task(collect(stub, request("kv2", max_tokens=2)))
+        await until(lambda: engine.book.waiting_ids() == ["kv2"], "kv2 to wait for KV room")
+        loads = await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)
+        assert loads.loads[0].num_used_tokens >= len(PROMPT)
+        big.cancel()
+        assert completes(await asyncio.wait_for(queued, 5))[0].finish_reason == "length"
+        assert engine.running_count() == 0
