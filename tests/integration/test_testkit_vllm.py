@@ -393,3 +393,15 @@ async def test_kv_capacity_makes_requests_wait_for_room() -> None:
         big.cancel()
         assert completes(await asyncio.wait_for(queued, 5))[0].finish_reason == "length"
         assert engine.running_count() == 0
+
+
+async def test_non_streamed_request_gets_one_complete_per_choice_with_every_token() -> None:
+    req = request("ns", max_tokens=5, n=2)
+    req.stream = False
+    async with serve(chunk_tokens=2) as (_, stub, _ch):
+        msgs = await collect(stub, req)
+    assert [m.WhichOneof("response") for m in msgs] == ["complete", "complete"]
+    by_index = {d.index: d for d in completes(msgs)}
+    assert list(by_index[0].output_ids) == expected_ids(5, 0)
+    assert list(by_index[1].output_ids) == expected_ids(5, 1)
+    assert by_index[1].completion_tokens == 5
