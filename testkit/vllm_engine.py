@@ -16,6 +16,21 @@ The stream shape follows smg-grpc-servicer's ``VllmEngineServicer`` with ``strea
 
 A primary-EOS stop reports no ``matched_stop`` (vLLM's scheduler sets no stop_reason for it);
 stop token ids, and EOS ids that are not the primary one, report ``matched_token_id``.
+
+Testkit choices where vLLM has no equivalent:
+
+* ``startup_delay_secs``: connections are *refused* (nothing listens) until the delay passed;
+  the port is reserved up front so ``start()`` can return it at once.
+* Disaggregation: a request whose kv params say ``do_remote_decode`` is a prefill; on a
+  kv_producer/kv_both engine its terminal carries a NIXL-shaped handoff. One that says
+  ``do_remote_prefill`` is a decode: it must carry remote_host/remote_port/remote_engine_id/
+  remote_block_ids (else INVALID_ARGUMENT) and is recorded in ``handoffs``.
+* Faults (testkit.faults): ``after`` counts tokens sent over all choices, and a cut fault
+  fires at the first terminal when the stream is shorter; a hung stream ignores Abort (a
+  wedged engine) and ends only when the client leaves or the engine stops; the wire's ids are
+  uint32, so ``negative_id`` sends 0xFFFFFFFF (-1 as int32).
+* Only tokenized input; sampling temperature/top-p/penalties, logit_bias and guided decoding
+  are accepted and ignored (the generator is deterministic).
 """
 
 from __future__ import annotations
