@@ -239,6 +239,11 @@ class SglangTestEngine:
         self._ready = asyncio.Event()
         self._started_at = 0.0
 
+    @property
+    def task_count(self) -> int:
+        """Tasks the engine still owns (requests, delayed aborts); 0 after ``stop``."""
+        return len(self._tasks)
+
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Bind the wires (port 0 picks free ports); ready after ``startup_delay_secs``."""
@@ -327,7 +332,7 @@ class SglangTestEngine:
         return list(self._live)
 
     def new_rid(self) -> str:
-        return uuid.uuid4().hex
+        return str(uuid.uuid4())
 
     def submit(self, req: NativeRequest) -> RequestStream:
         """Validate and start one request; RequestRejected if SGLang would refuse it."""
@@ -731,29 +736,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--grpc-listen", type=_listen, default=("127.0.0.1", 30001), help="HOST:PORT or 'off'")
     a("--http-listen", type=_listen, default=("127.0.0.1", 30000), help="HOST:PORT or 'off'")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--incremental",
-        dest="incremental",
-        action="store_true",
-        default=False,
-        help="stream deltas (SGLang's --incremental-streaming-output)",
-    )
-    mode.add_argument(
-        "--cumulative",
-        dest="incremental",
-        action="store_false",
-        help="stream cumulative output_ids and text (SGLang's default)",
-    )
+    mode.add_argument("--incremental", dest="incremental", action="store_true", default=False,
+                      help="stream deltas (SGLang's --incremental-streaming-output)")  # fmt: skip
+    mode.add_argument("--cumulative", dest="incremental", action="store_false",
+                      help="stream cumulative output_ids and text (SGLang's default)")  # fmt: skip
     a("--model-path", default=d.model_path)
-    a("--served-model-name", default=None)
+    a("--served-model-name", default=None, help="default: the model path")
     a("--eos-token-id", type=int, default=d.eos_token_id)
     a("--vocab-size", type=int, default=d.vocab_size)
-    a(
-        "--context-length",
-        type=int,
-        default=None,
-        help=f"the model's context (default {d.context_length}); reported as the launch flag when given",
-    )
+    a("--context-length", type=int, default=None,
+      help=f"default {d.context_length}; server info reports it only when given")  # fmt: skip
     a("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens, help="max_total_num_tokens")
     a("--page-size", type=int, default=d.page_size)
     a("--max-running-requests", type=int, default=d.max_running_requests)
@@ -762,23 +754,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
     a("--startup-delay-secs", type=float, default=d.startup_delay_secs)
     a("--disaggregation-mode", choices=DISAGG_MODES, default=d.disaggregation_mode)
-    a(
-        "--disaggregation-bootstrap-port",
-        "--bootstrap-port",
-        dest="bootstrap_port",
-        type=int,
-        default=d.bootstrap_port,
-    )
+    a("--disaggregation-bootstrap-port", "--bootstrap-port", dest="bootstrap_port", type=int,
+      default=d.bootstrap_port)  # fmt: skip
     a("--disconnect-abort-delay-secs", type=float, default=d.disconnect_abort_delay_secs)
     a("--tokenizer-workers", type=int, default=d.tokenizer_workers)
-    a(
-        "--fault",
-        type=_fault,
-        action="append",
-        default=[],
-        metavar="MATCH=KIND[:ARG]...",
-        help="install a fault plan for request ids containing MATCH (repeatable)",
-    )
+    a("--fault", type=_fault, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
+      help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:

@@ -161,6 +161,7 @@ class SglangHttpServer:
         self._host = host
         self.port = port
         self._runner: web.AppRunner | None = None
+        self._active: dict[int, web.Request] = {}  # Request is not hashable
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -188,7 +189,10 @@ class SglangHttpServer:
         self.port = int(runner.addresses[0][1])
 
     async def stop(self) -> None:
+        """Stop at once: open streams are cut (as when the engine dies), not drained."""
         runner, self._runner = self._runner, None
+        for request in list(self._active.values()):
+            self._cut(request)
         if runner is not None:
             await runner.cleanup()
 
@@ -217,11 +221,13 @@ class SglangHttpServer:
             await resp.write(_error_event(e.message, e.http_status))
             await resp.write(b"data: [DONE]\n\n")
             return resp
+        self._active[id(request)] = request
         try:
             if req.stream:
                 return await self._stream(request, stream)
             return await self._unary(request, stream)
         finally:
+            self._active.pop(id(request), None)
             if engine.is_live(rid):
                 engine.abort_later(rid, engine.config.disconnect_abort_delay_secs, source="http-disconnect")
 

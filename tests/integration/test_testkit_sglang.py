@@ -7,6 +7,7 @@ that nothing keeps running afterwards), the faults a test asks for, and the info
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,7 @@ import pytest
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN
-from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine, add_arguments, config_from_args
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -41,6 +42,7 @@ async def make_engine() -> AsyncIterator[Factory]:
     yield make
     for engine in engines:
         await engine.stop()
+        assert engine.task_count == 0
         assert engine.book.running_count == 0
         assert engine.book.waiting_count == 0
 
@@ -638,3 +640,30 @@ async def test_decode_records_the_bootstrap_triple(
     assert engine.bootstraps == {"d-1": ("pf", 9000, 42)}
     info = engine.server_info(http=False)
     assert info["disaggregation_mode"] == "decode"
+
+
+# -- the console entry --------------------------------------------------------------------------
+def test_cli_flags_make_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = (
+        "--grpc-listen 127.0.0.1:0 --http-listen off --incremental --served-model-name m "
+        "--eos-token-id 5 --context-length 1024 --kv-capacity-tokens 5000 --max-running-requests 3 "
+        "--token-latency-ms 2.5 --chunk-tokens 4 --startup-delay-secs 1 --disaggregation-mode decode "
+        "--bootstrap-port 9100 --fault r1=close_after:2"
+    )
+    args = parser.parse_args(flags.split())
+    cfg = config_from_args(args)
+    assert (cfg.grpc_port, cfg.http_port, cfg.incremental) == (0, None, True)
+    assert (cfg.model_name, cfg.eos_token_id, cfg.context_length, cfg.context_length_flag) == (
+        "m",
+        5,
+        1024,
+        1024,
+    )
+    assert (cfg.kv_capacity_tokens, cfg.max_running_requests, cfg.chunk_tokens) == (5000, 3, 4)
+    assert (cfg.disaggregation_mode, cfg.bootstrap_port, cfg.startup_delay_secs) == ("decode", 9100, 1.0)
+    assert args.fault[0][0] == "r1"
+    assert config_from_args(parser.parse_args([])).incremental is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--incremental", "--cumulative"])
