@@ -195,8 +195,11 @@ def _progress(name: str, result: dict[str, Any]) -> None:
         f"{hop / result['tokens'] * 1e6:.1f} µs/token" if hop is not None and result["tokens"] else "-"
     )
     errors = f" errors={result['errors']} {result['error_samples'][:1]}" if result["errors"] else ""
+    other = (result["cpu_s"].get("other", 0.0) + result["cpu_s"].get("steal", 0.0)) / result["window_s"]
+    per_msg = result["tokens"] / result["messages"] if result["messages"] else 0.0
     print(
-        f"  {name}: {result['tokens_per_s']:,.0f} tokens/s, hop {per_token}{errors}",
+        f"  {name}: {result['tokens_per_s']:,.0f} tokens/s, hop {per_token}, {per_msg:.2f} tokens/msg, "
+        f"other CPU {other:.2f}{errors}",
         file=sys.stderr,
         flush=True,
     )
