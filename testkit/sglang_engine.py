@@ -222,7 +222,9 @@ class SglangTestEngine:
 
     def __init__(self, config: SglangEngineConfig | None = None) -> None:
         self.config = config or SglangEngineConfig()
-        self.book = Book(max_running=self.config.max_running_requests)
+        self.book = Book(
+            max_running=self.config.max_running_requests, kv_capacity=self.config.kv_capacity_tokens
+        )
         self.faults = FaultBook()
         self.model = ModelSpec(
             vocab_size=self.config.vocab_size,
@@ -336,6 +338,13 @@ class SglangTestEngine:
 
     def submit(self, req: NativeRequest) -> RequestStream:
         """Validate and start one request; RequestRejected if SGLang would refuse it."""
+        try:
+            return self._submit(req)
+        except RequestRejected as e:
+            self.book.refused(req.rid, Outcome.ERROR, e.message)
+            raise
+
+    def _submit(self, req: NativeRequest) -> RequestStream:
         if not self.ready:
             raise RequestRejected("The server is starting up", http_status=503, grpc_code="UNAVAILABLE")
         plan = self.faults.plan_for(req.rid)

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
+from testkit.book import Outcome
 from testkit.sglang_engine import (
     Bootstrap,
     Chunk,
@@ -84,9 +85,9 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
         rid = request.rid if request.HasField("rid") else engine.new_rid()
         engine.book.record_request(rid, request)
         if rid in self._channels:
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"Failed to submit request: Duplicate active gRPC request id: {rid}"
-            )
+            message = f"Failed to submit request: Duplicate active gRPC request id: {rid}"
+            engine.book.refused(rid, Outcome.ERROR, message)
+            await context.abort(grpc.StatusCode.INTERNAL, message)
         try:
             stream = engine.submit(native_request_from_proto(request, rid))
         except RequestRejected as e:

@@ -383,6 +383,22 @@ async def test_waiting_request_is_queued_and_abortable(
     await until(lambda: engine.book.running_count == 0)
 
 
+async def test_kv_capacity_makes_requests_wait(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
+) -> None:
+    engine = await make_engine(token_latency_ms=20, kv_capacity_tokens=10)
+    client = grpc_client(engine)
+    first = client.stub.Generate(greq("kv-1", 1000, prompt=[150] * 8, ignore_eos=True), timeout=10)
+    await read1(first)
+    second = client.stub.Generate(greq("kv-2", 2, prompt=[150] * 8), timeout=10)
+    await until(lambda: engine.book.waiting_ids() == ["kv-2"])
+    assert engine.book.running_ids() == ["kv-1"]
+    loads = json.loads((await client.stub.GetLoad(sglang_pb2.GetLoadRequest())).json_info)
+    assert loads[0]["num_waiting_reqs"] == 1
+    first.cancel()
+    assert (await drain(second))[-1].finished  # ran once the first one freed its KV
+
+
 # -- refusals -----------------------------------------------------------------------------------
 async def test_duplicate_live_rid(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
