@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
 import grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
@@ -25,7 +26,15 @@ from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
 from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
 
-__all__ = ["Stack", "Transport", "adapter_for", "public_request", "sglang_stack", "sidecar_config"]
+__all__ = [
+    "Stack",
+    "Transport",
+    "adapter_for",
+    "assert_engine_idle",
+    "public_request",
+    "sglang_stack",
+    "sidecar_config",
+]
 
 Transport = Literal["grpc", "http"]
 _ENGINE_MODES: dict[DisaggregationMode, str] = {"agg": "null", "prefill": "prefill", "decode": "decode"}
@@ -48,6 +57,16 @@ def adapter_for(
         return SglangGrpcEngine(sidecar_config(engine.grpc_port, mode, **config))
     http = parse_endpoint(f"127.0.0.1:{engine.http_port}")
     return SglangHttpEngine(sidecar_config(engine.grpc_port or 1, mode, **config), http)
+
+
+async def assert_engine_idle(engine: SglangTestEngine, secs: float = 5.0) -> None:
+    """Bounded wait for the engine to have no request running or waiting (a leak fails)."""
+    with anyio.move_on_after(secs):
+        while engine.live_ids() or engine.book.running_count or engine.book.waiting_count:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    assert not engine.live_ids(), f"requests left running on the engine: {engine.live_ids()}"
+    assert engine.book.running_count == 0
+    assert engine.book.waiting_count == 0
 
 
 @dataclass
@@ -84,6 +103,8 @@ async def sglang_stack(
         server.set_serving()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         yield Stack(engine, adapter, server, sidecar_pb2_grpc.WorkerStub(channel), transport)
+        # Every test, whatever it did, must leave nothing running on the engine.
+        await assert_engine_idle(engine)
     finally:
         if channel is not None:
             await channel.close(None)
