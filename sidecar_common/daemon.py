@@ -193,6 +193,7 @@ async def _serve(
             if stopper.requested.is_set():
                 # The failure is the cancelled start-up itself: a requested stop, not an error.
                 log.info("stopped during start-up", engine=spec.name)
+                systemd.notify("STOPPING=1")
                 return EXIT_OK
             message = err.message if isinstance(err, SidecarError) else str(err)
             log.error("start-up failed", engine=spec.name, endpoint=str(endpoint), error=message)
