@@ -124,7 +124,7 @@ def discover(
             ErrorReason.CANNOT_CONNECT,
             f"--disaggregation-mode is {expected_mode} but the SGLang engine runs {mode}",
         )
-    page = _nonneg(_int(server.get("page_size"))) or 1
+    page = _nonneg(_int(server.get("page_size")))
     total_tokens = _nonneg(_int(server.get("max_total_num_tokens")))
     host = _str(server.get("disaggregation_bootstrap_host")) or _str(server.get("host"))
     if host is None or host in _WILDCARD_HOSTS:
@@ -139,11 +139,13 @@ def discover(
         tokenizer_path=_str(model.get("tokenizer_path")) or _str(server.get("tokenizer_path")) or "",
         max_context_length=_context_length(card, server),
         kv_block_size=page,
-        total_kv_blocks=total_tokens // page,
+        total_kv_blocks=total_tokens // page if page else 0,
         max_num_seqs=_max_running(server),
-        data_parallel_size=_nonneg(_int(server.get("dp_size"))) or 1,
+        data_parallel_size=_nonneg(_int(server.get("dp_size"))),
         disaggregation_mode=mode,
-        supports_vision=_bool(model.get("has_image_understanding", False)),
+        # Media is refused over gRPC (SGLang's gRPC server may drop it silently), so only the
+        # HTTP transport can claim vision.
+        supports_vision=transport == "http" and _bool(model.get("has_image_understanding", False)),
         engine_version=_str(server.get("version")) or "",
     )
     settings = RequestSettings(

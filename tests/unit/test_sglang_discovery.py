@@ -113,6 +113,26 @@ def test_mode_disagreement_is_a_startup_error(engine: str, flag: Any) -> None:
     assert flag in info.value.message
 
 
+def test_absent_figures_are_zero_and_vision_only_over_http() -> None:
+    info = run({"disaggregation_mode": "null"}, model={"has_image_understanding": True}, cards=[]).model_info
+    assert (info.kv_block_size, info.total_kv_blocks, info.data_parallel_size, info.max_num_seqs) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert not info.supports_vision, "media is refused over gRPC"
+    http = discover(
+        {"has_image_understanding": True},
+        {"disaggregation_mode": "null"},
+        [],
+        expected_mode="agg",
+        transport="http",
+        engine_host="h",
+    )
+    assert http.model_info.supports_vision
+
+
 def test_low_priority_first_flag() -> None:
     assert run({**SERVER, "schedule_low_priority_values_first": True}).settings.low_priority_values_first
 
