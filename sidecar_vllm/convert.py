@@ -210,10 +210,10 @@ def _guided(g: sidecar_pb2.GuidedDecoding, p: vllm_engine_pb2.SamplingParams) ->
     kind = g.WhichOneof("kind")
     if kind == "json":
         try:
-            schema = json.loads(g.json)
-        except ValueError as err:
+            schema = json.loads(g.json, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as err:
             raise invalid_argument("sampling_options.guided_decoding.json", f"not JSON: {err}") from None
-        p.json_schema = json.dumps(schema, separators=(",", ":"))
+        p.json_schema = json.dumps(schema, separators=(",", ":"), allow_nan=False)
     elif kind == "regex":
         p.regex = g.regex
     elif kind == "grammar":

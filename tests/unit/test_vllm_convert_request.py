@@ -254,6 +254,8 @@ def test_guided_choice() -> None:
     ("mutate", "name"),
     [
         (lambda g: setattr(g, "json", "{not json"), "sampling_options.guided_decoding.json"),
+        (lambda g: setattr(g, "json", '{"maximum": NaN}'), "sampling_options.guided_decoding.json"),
+        (lambda g: setattr(g, "json", "[" * 100_000), "sampling_options.guided_decoding.json"),
         (lambda g: g.choice.SetInParent(), "sampling_options.guided_decoding.choice"),
         (lambda g: setattr(g, "backend", "xgrammar"), "sampling_options.guided_decoding.backend"),
         (lambda g: setattr(g, "backend", ""), "sampling_options.guided_decoding.backend"),

@@ -11,7 +11,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.config import DisaggregationMode
-from sidecar_common.errors import SidecarError
+from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_vllm.convert import ResponseState, to_generate_request
 from tests.vllm_fixtures import chunk, complete, servicer_stream
 
@@ -223,3 +223,89 @@ def test_arbitrary_engine_messages_only_ever_raise_sidecar_errors(
     except SidecarError:
         pass
     assert all(count == 1 for count in terminals.values())
+
+
+# ------------------------------------------------------------- robustness to frontend input
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def frontend_request(draw: st.DrawFn) -> sidecar_pb2.PreprocessedRequest:
+    req = sidecar_pb2.PreprocessedRequest(token_ids=draw(st.lists(token, max_size=3)))
+    s, stop, out, r = req.sampling_options, req.stop_conditions, req.output_options, req.routing
+    u32, i32, i64 = (
+        st.integers(0, 2**32 - 1),
+        st.integers(-(2**31), 2**31 - 1),
+        st.integers(-(2**63), 2**63 - 1),
+    )
+    f32 = st.floats(width=32)
+    optional: list[tuple[Any, str, st.SearchStrategy[Any]]] = [
+        *((s, name, u32) for name in ("n", "best_of")),
+        *((s, name, f32) for name in ("temperature", "top_p", "min_p", "presence_penalty")),
+        *((s, name, f32) for name in ("frequency_penalty", "repetition_penalty", "length_penalty")),
+        (s, "top_k", i32),
+        (s, "seed", i64),
+        *((s, name, st.booleans()) for name in ("use_beam_search", "include_stop_str_in_output")),
+        *((stop, name, u32) for name in ("max_tokens", "min_tokens")),
+        (stop, "ignore_eos", st.booleans()),
+        *((out, name, u32) for name in ("logprobs", "prompt_logprobs")),
+        (out, "skip_special_tokens", st.booleans()),
+        *((r, name, u32) for name in ("dp_rank", "prefill_dp_rank")),
+        *((r, name, st.text(max_size=2)) for name in ("lora_name", "cache_namespace")),
+        (r, "priority", i32),
+    ]
+    for message, name, values in optional:
+        if draw(st.booleans()):
+            setattr(message, name, draw(values))
+    stop.stop_token_ids.extend(draw(st.lists(token, max_size=2)))
+    stop.stop_token_ids_hidden.extend(draw(st.lists(token, max_size=2)))
+    for key, bias in draw(st.dictionaries(token, f32, max_size=2)).items():
+        s.logit_bias[key] = bias
+    guided = draw(st.sampled_from([None, "json", "regex", "choice"]))
+    if guided == "json":
+        s.guided_decoding.json = draw(st.text(max_size=8) | json_values.map(json.dumps))
+    elif guided == "regex":
+        s.guided_decoding.regex = draw(st.text(max_size=3))
+    elif guided == "choice":
+        s.guided_decoding.choice.choices.extend(draw(st.lists(st.text(max_size=2), max_size=2)))
+    if draw(st.booleans()):
+        req.extra_args.update(
+            draw(st.dictionaries(st.sampled_from(["kv_transfer_params", "x"]), json_values))
+        )
+    if draw(st.booleans()):
+        req.prefill_result.disaggregated_params.update(
+            draw(st.dictionaries(st.text(max_size=12), json_values))
+        )
+    for kind in draw(st.lists(st.integers(0, 3), max_size=2)):
+        req.multi_modal_data.add(kind=kind, url=draw(st.text(max_size=3)))
+    return req
+
+
+@settings(max_examples=300)
+@given(frontend_request(), st.sampled_from(MODES), st.booleans())
+def test_arbitrary_requests_convert_or_raise_invalid_argument_only(
+    req: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode, vision: bool
+) -> None:
+    refusal: SidecarError | None = None
+    try:
+        native = to_generate_request(req, "p", mode=mode, supports_vision=vision)
+    except SidecarError as err:
+        refusal = err
+    if refusal is not None:
+        assert refusal.reason is ErrorReason.INVALID_ARGUMENT
+        return
+    assert native.request_id == "p"
+    assert list(native.tokenized.input_ids) == list(req.token_ids)
+    if native.HasField("kv_transfer_params_json"):
+        assert isinstance(json.loads(native.kv_transfer_params_json, parse_constant=_no_constant), dict)
+    if native.sampling_params.WhichOneof("constraint") == "json_schema":
+        json.loads(native.sampling_params.json_schema, parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} sent to the engine as JSON")
