@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_sglang.convert_request import Mode, RequestSettings, Transport
 
 __all__ = ["Discovered", "discover", "loads_from_json"]
@@ -66,7 +66,7 @@ def _mode(value: object) -> Mode:
         return "agg"
     if text in ("prefill", "decode"):
         return "prefill" if text == "prefill" else "decode"
-    raise SidecarError(ErrorReason.CANNOT_CONNECT, f"SGLang reports an unknown disaggregation_mode {value!r}")
+    raise protocol_error("sglang", f"unknown disaggregation_mode {value!r}")
 
 
 def _card(models: Sequence[Mapping[str, object]], served: str | None) -> Mapping[str, object] | None:
@@ -110,7 +110,7 @@ def discover(
     transport: Transport,
     engine_host: str,
 ) -> Discovered:
-    """Raises SidecarError(CANNOT_CONNECT) when the engine's disaggregation mode disagrees
+    """Raises SidecarError(INVALID_ARGUMENT) when the engine's disaggregation mode disagrees
     with ``--disaggregation-mode`` (a start-up error, the sidecar must not serve)."""
     served = _str(model.get("served_model_name")) or _str(server.get("served_model_name"))
     card = _card(models, served)
@@ -120,8 +120,9 @@ def discover(
     if "disaggregation_mode" in server:
         mode = _mode(server.get("disaggregation_mode"))
     if mode != expected_mode:
+        # A configuration error, not a connectivity one: retrying elsewhere would not help.
         raise SidecarError(
-            ErrorReason.CANNOT_CONNECT,
+            ErrorReason.INVALID_ARGUMENT,
             f"--disaggregation-mode is {expected_mode} but the SGLang engine runs {mode}",
         )
     page = _nonneg(_int(server.get("page_size")))
