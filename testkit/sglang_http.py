@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from testkit.faults import parse_directive
 from testkit.sglang_engine import (
     Bootstrap,
     Chunk,
@@ -177,6 +178,9 @@ class SglangHttpServer:
             r.add_get(path, self._model_info)
         r.add_get("/v1/models", self._models)
         r.add_get("/v1/loads", self._loads)
+        # Not SGLang's: the testkit's own control surface for out-of-process tests.
+        r.add_get("/testkit/state", self._state)
+        r.add_post("/testkit/faults", self._add_fault)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await runner.setup()
         try:
@@ -316,6 +320,37 @@ class SglangHttpServer:
             engine.abort(rid, source="http")
         else:
             engine.note_ignored_abort(rid, source="http")
+        return web.Response(status=200)
+
+    async def _state(self, request: web.Request) -> web.StreamResponse:
+        engine, book = self._engine, self._engine.book
+        return web.json_response(
+            {
+                "running": book.running_ids(),
+                "waiting": book.waiting_ids(),
+                "received": [rid for rid, _ in book.received],
+                "aborts": book.aborts,
+                "finished": [
+                    {"rid": f.request_id, "outcome": f.outcome.value, "detail": f.detail}
+                    for f in book.finished
+                ],
+                "abort_log": [
+                    {"rid": a.rid, "abort_all": a.abort_all, "source": a.source, "matched": list(a.matched)}
+                    for a in engine.abort_log
+                ],
+                "bootstraps": {rid: list(b) for rid, b in engine.bootstraps.items()},
+            }
+        )
+
+    async def _add_fault(self, request: web.Request) -> web.StreamResponse:
+        """``{"match": "...", "directive": "close_after:2", "times": null}``."""
+        try:
+            body = json.loads(await request.read())
+            match, times = body["match"], body.get("times")
+            plan = parse_directive(body["directive"])
+            self._engine.faults.add(match, plan, times)
+        except (ValueError, KeyError, TypeError) as e:
+            return _bad_request(f"bad fault: {e}")
         return web.Response(status=200)
 
     async def _health(self, request: web.Request) -> web.StreamResponse:

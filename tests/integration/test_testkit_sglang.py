@@ -501,6 +501,25 @@ async def test_faults_on_http(make_engine: Factory, http: aiohttp.ClientSession)
     await until(lambda: engine.book.running_count == 0)
 
 
+async def test_control_endpoints_for_out_of_process_tests(
+    make_engine: Factory, http: aiohttp.ClientSession
+) -> None:
+    engine = await make_engine()
+    url = f"http://127.0.0.1:{engine.http_port}"
+    async with http.post(f"{url}/testkit/faults", json={"match": "ctl", "directive": "close_after:1"}) as r:
+        assert r.status == 200
+    async with http.post(f"{url}/testkit/faults", json={"match": "ctl", "directive": "nonsense"}) as r:
+        assert r.status == 400
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with http.post(f"{url}/generate", json=hbody("ctl-1", 4)) as resp:
+            await sse(resp)
+    async with http.get(f"{url}/testkit/state") as r:
+        state = await r.json()
+    assert state["running"] == []
+    assert state["received"] == ["ctl-1"]
+    assert state["finished"] == [{"rid": "ctl-1", "outcome": "faulted", "detail": ""}]
+
+
 @pytest.mark.parametrize("wire", ["grpc", "http"])
 async def test_hang_keeps_the_stream_open_until_the_client_leaves(
     make_engine: Factory,
