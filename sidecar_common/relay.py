@@ -28,7 +28,7 @@ from sidecar_common.dispatch import Delivery, Generation
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
 
-__all__ = ["RelayConfig", "relay"]
+__all__ = ["RelayConfig", "Write", "relay"]
 
 Write = Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[None]]
 

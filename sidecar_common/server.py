@@ -33,7 +33,7 @@ from sidecar_common.errors import ErrorReason, SidecarError, to_rpc_status
 from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, relay
 
-__all__ = ["HEALTH_SERVICES", "ServerConfig", "SidecarServer"]
+__all__ = ["HEALTH_SERVICES", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
 
 _log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _MAX_MESSAGE = 64 * 1024 * 1024
 
-Context = grpc.aio.ServicerContext[Any, Any]
+_Context = grpc.aio.ServicerContext[Any, Any]
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,12 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         for event in waiters:
             event.set()
 
-    async def Check(self, request: Any, context: Context) -> Any:
+    async def Check(self, request: Any, context: _Context) -> Any:
         if request.service not in HEALTH_SERVICES:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=self.status)
 
-    async def Watch(self, request: Any, context: Context) -> None:
+    async def Watch(self, request: Any, context: _Context) -> None:
         known = request.service in HEALTH_SERVICES
         last: int | None = None
         while True:
@@ -94,7 +94,7 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             await event.wait()
 
 
-async def _fail(context: Context, error: SidecarError) -> NoReturn:
+async def _fail(context: _Context, error: SidecarError) -> NoReturn:
     details = to_rpc_status(error).SerializeToString()
     await context.abort(
         error.code,
@@ -114,19 +114,19 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     # The unary-stream handler writes through context.write (a coroutine, not an async
     # generator) so that its cancel scopes and task group live in one frame.
     async def Generate(  # type: ignore[override]
-        self, request: sidecar_pb2.PreprocessedRequest, context: Context
+        self, request: sidecar_pb2.PreprocessedRequest, context: _Context
     ) -> None:
         await self._owner._generate(request, context)
 
-    async def Abort(self, request: sidecar_pb2.AbortRequest, context: Context) -> sidecar_pb2.AbortResponse:
+    async def Abort(self, request: sidecar_pb2.AbortRequest, context: _Context) -> sidecar_pb2.AbortResponse:
         return self._owner._abort(request)
 
     async def GetModelInfo(
-        self, request: sidecar_pb2.GetModelInfoRequest, context: Context
+        self, request: sidecar_pb2.GetModelInfoRequest, context: _Context
     ) -> sidecar_pb2.ModelInfo:
         return await self._owner._model_info(context)
 
-    async def GetLoad(self, request: sidecar_pb2.GetLoadRequest, context: Context) -> sidecar_pb2.LoadReport:
+    async def GetLoad(self, request: sidecar_pb2.GetLoadRequest, context: _Context) -> sidecar_pb2.LoadReport:
         return await self._owner._load(context)
 
 
@@ -135,6 +135,9 @@ def _unexpected(what: str, exc: Exception) -> SidecarError:
 
 
 class SidecarServer:
+    """One sidecar's gRPC server: ``start`` (health NOT_SERVING), ``set_serving`` once the
+    engine is discovered, ``drain`` on a stop signal, then ``stop``."""
+
     def __init__(self, engine: Engine, config: ServerConfig, *, metrics: Metrics | None = None) -> None:
         self._engine = engine
         self._config = config
@@ -275,7 +278,7 @@ class SidecarServer:
                     self._metrics.set_engine_connected(ok)
                 self._update_health()
 
-    async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: Context) -> None:
+    async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:
         started_at = time.monotonic()
         refusal = self._refusal()
         if refusal is None:
@@ -342,7 +345,7 @@ class SidecarServer:
         _log.info("abort requested", public_id=request.request_id, aborted=count)
         return sidecar_pb2.AbortResponse(aborted=count)
 
-    async def _model_info(self, context: Context) -> sidecar_pb2.ModelInfo:
+    async def _model_info(self, context: _Context) -> sidecar_pb2.ModelInfo:
         if not self._serving:
             await _fail(context, SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving"))
         try:
@@ -352,7 +355,7 @@ class SidecarServer:
         except Exception as exc:
             await _fail(context, _unexpected(f"{self._engine.name} model_info", exc))
 
-    async def _load(self, context: Context) -> sidecar_pb2.LoadReport:
+    async def _load(self, context: _Context) -> sidecar_pb2.LoadReport:
         try:
             with anyio.fail_after(self._config.health_probe_timeout):
                 load = await self._engine.load()
