@@ -13,6 +13,9 @@ negated when discovery reports the low-values-first flag.
 
 from __future__ import annotations
 
+import math
+import re
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -38,6 +41,7 @@ __all__ = [
 INT32_MAX: Final = 2**31 - 1
 INT32_MIN: Final = -(2**31)
 ROOM_MAX: Final = 2**63 - 1
+_DECIMAL: Final = re.compile(r"[0-9]{1,20}")
 
 Mode = Literal["agg", "prefill", "decode"]
 Transport = Literal["grpc", "http"]
@@ -126,8 +130,21 @@ def _ordered_unique(*groups: Iterable[int]) -> tuple[int, ...]:
     return tuple(seen)
 
 
+def _shortest_float32(value: float) -> float:
+    """The shortest decimal that is the same float32: the frontend's 0.7 arrives as
+    0.699999988079071 and should reach the engine (and its logs) as 0.7."""
+    for digits in range(1, 10):
+        candidate = float(f"{value:.{digits}g}")
+        if struct.unpack("<f", struct.pack("<f", candidate))[0] == value:
+            return candidate
+    return value
+
+
 def _opt_float(msg: sidecar_pb2.SamplingOptions, name: str) -> float | None:
-    return float(getattr(msg, name)) if msg.HasField(name) else None  # type: ignore[arg-type]
+    if not msg.HasField(name):  # type: ignore[arg-type]
+        return None
+    value = float(getattr(msg, name))
+    return _shortest_float32(value) if math.isfinite(value) else value
 
 
 def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> None:
@@ -221,7 +238,7 @@ def _struct_int(value: struct_pb2.Value, name: str, maximum: int) -> int:
         result = int(number)
     elif kind == "string_value":
         text = value.string_value.strip()
-        if not text.isdigit():
+        if not _DECIMAL.fullmatch(text):
             raise invalid_argument(name, "must be a non-negative integer")
         result = int(text)
     else:

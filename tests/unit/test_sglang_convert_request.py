@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import pytest
@@ -88,6 +89,19 @@ def test_sampling_floats_only_when_given_absent_is_not_zero() -> None:
     for name in ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "seed"):
         assert not g.sampling_params.HasField(name)
     assert http_of(req(samplingOptions={"topP": 0.5}))["sampling_params"] == {"top_p": 0.5}
+
+
+def test_float32_values_reach_the_engine_as_written() -> None:
+    body = http_of(req(samplingOptions={"temperature": 0.7, "topP": 0.95, "minP": 1e-05}))
+    assert body["sampling_params"] == {"temperature": 0.7, "top_p": 0.95, "min_p": 1e-05}
+
+
+@given(st.floats(width=32, allow_nan=False, allow_infinity=False))
+def test_float32_shortening_never_changes_the_value(value: float) -> None:
+    request = sidecar_pb2.PreprocessedRequest(token_ids=[1])
+    request.sampling_options.temperature = value
+    sent = http_of(request)["sampling_params"]["temperature"]
+    assert struct.unpack("<f", struct.pack("<f", sent))[0] == request.sampling_options.temperature
 
 
 def test_seed() -> None:
@@ -259,6 +273,8 @@ def test_bootstrap_room_max_accepted() -> None:
         ({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": str(2**63)}, "bootstrap_room"),
         ({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": "-1"}, "bootstrap_room"),
         ({"bootstrap_host": "h", "bootstrap_port": -1, "bootstrap_room": 1}, "bootstrap_port"),
+        ({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": "²"}, "bootstrap_room"),
+        ({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": True}, "bootstrap_room"),
     ],
 )
 def test_prefill_result_ranges(params: dict[str, Any], named: str) -> None:
