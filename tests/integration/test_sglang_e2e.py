@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from sidecar_common.api import sidecar_pb2
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
@@ -372,6 +372,34 @@ async def test_abort_gets_through_when_every_connection_is_streaming(transport: 
         call.cancel()
         [pid] = private_ids(s)
         await _only_target_aborted(s, pid)
+
+
+@TRANSPORTS
+async def test_a_dropped_client_connection_aborts_the_request(transport: Transport) -> None:
+    async with sglang_stack(transport, token_latency_ms=20, disconnect_abort_delay_secs=600) as s:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{s.server.port}")
+        try:
+            stub: Any = sidecar_pb2_grpc.WorkerStub(channel)
+            call = stub.Generate(public_request("dropped", max_tokens=1000), timeout=20)
+            assert (await call.read()).token_ids
+        finally:
+            await channel.close(None)
+        [pid] = private_ids(s)
+        await _only_target_aborted(s, pid)
+
+
+@TRANSPORTS
+async def test_cancel_while_queued_behind_a_full_scheduler(transport: Transport) -> None:
+    async with sglang_stack(transport, max_running_requests=1, token_latency_ms=10) as s:
+        busy = s.stub.Generate(public_request("busy", max_tokens=20), timeout=20)
+        first = await busy.read()
+        queued = s.stub.Generate(public_request("queued", max_tokens=5), timeout=20)
+        await until(lambda: s.engine.book.waiting_count == 1, "second request waits for a slot")
+        queued.cancel()
+        victim = next(pid for pid in private_ids(s) if pid.endswith("-queued"))
+        outs = [first, *await read_all(busy)]
+        assert tokens(outs) == expected(s, max_tokens=20)
+        await _only_target_aborted(s, victim)
 
 
 @TRANSPORTS
