@@ -138,6 +138,7 @@ class VllmEngine:
             disaggregation_mode=self._mode,
             supports_vision=model.supports_vision,
         )
+        await self._discover_capacity(deadline, self._info)
         _log.info(
             "vllm engine discovered",
             served_model_name=self._info.served_model_name,
@@ -172,6 +173,27 @@ class VllmEngine:
             raise SidecarError(
                 ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s"
             ) from None
+
+    async def _discover_capacity(self, deadline: Deadline, info: sidecar_pb2.ModelInfo) -> None:
+        """KV capacity and engine version, which only GetLoads reports. Best effort: an
+        engine that cannot say leaves them zero/empty, as the API allows."""
+        try:
+            loads = await self._discover(
+                "GetLoads",
+                deadline,
+                lambda stub, t: stub.GetLoads(
+                    vllm_engine_pb2.GetLoadsRequest(), timeout=min(t, LOAD_TIMEOUT)
+                ),
+            )
+        except SidecarError as err:
+            _log.warning("vllm engine capacity unknown", error=err.message)
+            return
+        info.engine_version = loads.version
+        block = info.kv_block_size
+        tokens = max((load.max_total_num_tokens for load in loads.loads), default=0)
+        if block > 0 and tokens > 0:
+            # Per rank: every data-parallel rank holds its own cache of this size.
+            info.total_kv_blocks = tokens // block
 
     def _check_kv_role(self, kv_role: str) -> None:
         needed = KV_ROLES.get(self._mode)

@@ -95,6 +95,8 @@ async def test_model_info_and_load_come_from_the_engine() -> None:
         assert (info.max_context_length, info.vocab_size, list(info.eos_token_ids)) == (4096, 32000, [2])
         assert (info.kv_block_size, info.max_num_seqs, info.data_parallel_size) == (16, 7, 2)
         assert info.disaggregation_mode == "agg"
+        assert info.total_kv_blocks == 65536 // 16
+        assert info.engine_version == "testkit"
         load = await s.stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=5)
         assert [r.dp_rank for r in load.ranks] == [0, 1]
         assert all(r.HasField("kv_usage") and r.running_requests == 0 for r in load.ranks)
