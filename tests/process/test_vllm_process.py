@@ -152,3 +152,19 @@ def test_no_engine_by_the_deadline_is_a_clear_start_up_error() -> None:
         error = failures[0]["error"]
         assert f"127.0.0.1:{engine_port}" in error
         assert "startup deadline 1s" in error
+
+
+def test_python_dash_m_runs_the_same_command_line() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run(
+        [sys.executable, "-m", "sidecar_vllm", "--grpc-endpoint", "https://secure:1"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+    assert run.returncode == 2, "a TLS endpoint is a usage error, before any network I/O"
+    assert "--grpc-endpoint" in run.stderr
