@@ -399,6 +399,79 @@ async def test_kv_capacity_makes_requests_wait(
     assert (await drain(second))[-1].finished  # ran once the first one freed its KV
 
 
+async def test_both_wires_give_the_same_tokens(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
+) -> None:
+    engine = await make_engine(chunk_tokens=3)
+    via_grpc = (await grpc_all(grpc_client(engine), greq("same-g", 9, ignore_eos=True)))[-1]
+    via_http = (await http_all(http, engine.http_port, hbody("same-h", 9, ignore_eos=True)))[-1]
+    assert list(via_grpc.output_ids) == via_http["output_ids"]
+
+
+async def test_many_concurrent_requests_all_finish_within_capacity(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
+) -> None:
+    engine = await make_engine(max_running_requests=3, token_latency_ms=1)
+    client = grpc_client(engine)
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, engine.book.running_count)
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        results = await asyncio.gather(*(grpc_all(client, greq(f"many-{i}", 5)) for i in range(12)))
+    finally:
+        watcher.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watcher
+    assert all(r[-1].finished for r in results)
+    assert 1 <= peak <= 3
+    assert engine.book.running_count == 0
+
+
+async def test_abort_all_on_both_wires(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
+) -> None:
+    engine = await make_engine(token_latency_ms=20)
+    client = grpc_client(engine)
+    calls = [client.stub.Generate(greq(f"all-{i}", 1000, ignore_eos=True), timeout=10) for i in range(2)]
+    for c in calls:
+        await read1(c)
+    assert (await client.stub.Abort(sglang_pb2.AbortRequest(abort_all=True))).success
+    for c in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await drain(c)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+    await until(lambda: engine.book.running_count == 0)
+
+    url = f"http://127.0.0.1:{engine.http_port}"
+    async with http.post(f"{url}/generate", json=hbody("all-h", 1000, ignore_eos=True)) as resp:
+        await resp.content.readline()
+        async with http.post(f"{url}/abort_request", json={"rid": "", "abort_all": True}) as r:
+            assert r.status == 200
+        events, done = await sse(resp)
+    assert done
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine.book.running_count == 0
+
+
+async def test_grpc_abort_of_an_unknown_rid_is_ignored_but_recorded(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
+) -> None:
+    engine = await make_engine()
+    stub = grpc_client(engine).stub
+    assert (await stub.Abort(sglang_pb2.AbortRequest(rid="gone"))).success
+    assert engine.book.aborts == ["gone"]
+    assert engine.abort_log[0].matched == ()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Abort(sglang_pb2.AbortRequest(rid=""))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 # -- refusals -----------------------------------------------------------------------------------
 async def test_duplicate_live_rid(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
