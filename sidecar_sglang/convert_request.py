@@ -135,8 +135,12 @@ def _shortest_float32(value: float) -> float:
     0.699999988079071 and should reach the engine (and its logs) as 0.7."""
     for digits in range(1, 10):
         candidate = float(f"{value:.{digits}g}")
-        if struct.unpack("<f", struct.pack("<f", candidate))[0] == value:
-            return candidate
+        try:
+            if struct.unpack("<f", struct.pack("<f", candidate))[0] == value:
+                return candidate
+        except OverflowError:
+            # Rounding near the float32 maximum went past it; more digits come closer.
+            continue
     return value
 
 
