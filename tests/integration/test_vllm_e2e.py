@@ -366,12 +366,15 @@ async def test_aborted_prefill_ends_cancelled_without_handoff() -> None:
             "OVERLOADED",
             "false",
         ),
-        (
-            FaultPlan(FaultKind.MALFORMED_TERMINAL, variant="unknown_finish_reason"),
-            5,
-            grpc.StatusCode.INTERNAL,
-            "PROTOCOL_ERROR",
-            "false",
+        *(
+            (
+                FaultPlan(FaultKind.MALFORMED_TERMINAL, variant=v),
+                5,
+                grpc.StatusCode.INTERNAL,
+                "PROTOCOL_ERROR",
+                "false",
+            )
+            for v in ("missing_finish_reason", "unknown_finish_reason", "count_mismatch", "negative_id")
         ),
     ],
 )
@@ -394,6 +397,26 @@ async def test_engine_failure_gives_the_exact_prefix_then_a_typed_status(
         again = await collect(s.stub.Generate(public_request("good", max_tokens=5), timeout=10))
         assert tokens(again) == full
         await until(lambda: s.engine.book.running_count == 0, "engine idle")
+
+
+async def test_a_hung_engine_stream_ends_at_the_client_deadline_and_is_released() -> None:
+    async with vllm_stack() as s:
+        s.engine.faults.add("-hung", FaultPlan(FaultKind.HANG, after=2))
+        outs, err = await collect_until_error(
+            s.stub.Generate(public_request("hung", max_tokens=5), timeout=0.5)
+        )
+        assert tokens(outs) == expected(s, max_tokens=5)[:2]
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await _cancel_case(s)
+
+
+async def test_messages_after_the_terminal_are_ignored() -> None:
+    async with vllm_stack() as s:
+        s.engine.faults.add("-echo", FaultPlan(FaultKind.REPEAT_AFTER_TERMINAL))
+        outs = await collect(s.stub.Generate(public_request("echo", max_tokens=5), timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=5)
+        assert terminal(outs) is outs[-1]
+        assert s.engine.book.aborts == []
 
 
 async def test_engine_dying_mid_stream_is_migratable_and_health_notices() -> None:
