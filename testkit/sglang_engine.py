@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Protocol
@@ -211,6 +212,8 @@ class _Live:
     sent_ids: int = 0
     sent_text: int = 0
     first: dict[str, Any] | None = None
+    cached: int = 0
+    stamped: bool = False
 
 
 def _triple(lp: float | None, tok: int) -> list[Any]:
@@ -240,6 +243,7 @@ class SglangTestEngine:
         self._servers: list[_Server] = []
         self._ready = asyncio.Event()
         self._started_at = 0.0
+        self._prefix_cache: deque[tuple[int, ...]] = deque(maxlen=256)
 
     @property
     def task_count(self) -> int:
@@ -255,6 +259,7 @@ class SglangTestEngine:
         cfg = self.config
         self._ready = asyncio.Event()
         self._started_at = time.time()
+        self._prefix_cache.clear()  # a (re)started engine has a cold cache
         servers: list[_Server] = []
         try:
             if cfg.grpc_port is not None:
@@ -456,6 +461,7 @@ class SglangTestEngine:
                 stream.put(Chunk(self._abort_out(live, reason), True))
                 outcome = Outcome.ABORTED
                 return
+            live.cached = self._prefix_lookup(req.input_ids)
             if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN:
                 await self._wait_abort(live, plan.stall_secs)
             fault_at = None
@@ -510,6 +516,23 @@ class SglangTestEngine:
         await live.abort_evt.wait()
         return Outcome.ABORTED, False
 
+    def _prefix_lookup(self, prompt: tuple[int, ...]) -> int:
+        """A radix cache in miniature: whole pages shared with an earlier prompt are cached.
+
+        The last prompt token is always computed (its logits make the first output token).
+        """
+        best = 0
+        for seen in self._prefix_cache:
+            n = 0
+            for a, b in zip(seen, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        self._prefix_cache.append(prompt)
+        page = self.config.page_size
+        return min(best // page * page, len(prompt) - 1)
+
     def _sampling(self, req: NativeRequest) -> SamplingSpec:
         return SamplingSpec(
             max_tokens=req.max_new_tokens,
@@ -549,7 +572,10 @@ class SglangTestEngine:
                 meta["input_top_logprobs"] = self._input_logprobs(req, True) if first else []
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(live.ids)
-        meta["cached_tokens"] = 0
+        meta["cached_tokens"] = live.cached
+        if not live.stamped:
+            live.stamped = True
+            meta["response_sent_to_client_ts"] = time.time()
         if final:
             meta["e2e_latency"] = time.perf_counter() - live.started
         return meta

@@ -245,6 +245,17 @@ async def test_finish_reasons(
         assert stop not in by_str["text"]
 
 
+async def test_a_repeated_prefix_reports_cached_tokens(
+    make_engine: Factory, http: aiohttp.ClientSession
+) -> None:
+    engine = await make_engine(page_size=4)
+    prompt = list(range(150, 160))
+    first = (await http_all(http, engine.http_port, hbody("pc-1", 2, prompt=prompt)))[-1]
+    again = (await http_all(http, engine.http_port, hbody("pc-2", 2, prompt=prompt)))[-1]
+    other = (await http_all(http, engine.http_port, hbody("pc-3", 2, prompt=[*prompt[:5], 999])))[-1]
+    assert [e["meta_info"]["cached_tokens"] for e in (first, again, other)] == [0, 8, 4]
+
+
 async def test_logprobs_shape(make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]) -> None:
     engine = await make_engine()
     req = greq("lp", 3, ignore_eos=True, return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
