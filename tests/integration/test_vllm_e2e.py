@@ -511,7 +511,7 @@ class OrderedEngine(VllmTestEngine):
 async def test_decode_holds_a_cancel_until_the_first_token(mode: Any, order: list[str]) -> None:
     role = "kv_consumer" if mode == "decode" else ""
     engine = OrderedEngine(VllmEngineConfig(kv_role=role, token_latency_ms=5))
-    engine.faults.add("-held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=0.5))
+    engine.faults.add("-held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=1.5))
     async with vllm_stack(engine, mode=mode) as s:
         req = public_request("held", max_tokens=1000)
         if mode == "decode":
