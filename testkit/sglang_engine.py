@@ -251,8 +251,24 @@ class SglangTestEngine:
         return len(self._tasks)
 
     # -- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Bind the wires (port 0 picks free ports); ready after ``startup_delay_secs``."""
+    async def __aenter__(self) -> SglangTestEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.config.grpc_host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.config.http_host}:{self.http_port}"
+
+    async def start(self) -> tuple[int, int]:
+        """Bind the wires (port 0 picks free ports) and return (gRPC port, HTTP port), 0 for a
+        wire not served; the engine is ready after ``startup_delay_secs``."""
         from testkit.sglang_grpc import SglangGrpcServer
         from testkit.sglang_http import SglangHttpServer
 
@@ -281,6 +297,7 @@ class SglangTestEngine:
             self.spawn(self._become_ready(cfg.startup_delay_secs))
         else:
             self._ready.set()
+        return self.grpc_port, self.http_port
 
     async def _become_ready(self, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -313,12 +330,12 @@ class SglangTestEngine:
         """Engine-wide fault: die now. Streams break mid-way, then connections are refused."""
         await self.stop()
 
-    async def restart(self, startup_delay_secs: float | None = None) -> None:
+    async def restart(self, startup_delay_secs: float | None = None) -> tuple[int, int]:
         """Engine-wide fault: die, then come back on the same ports (same book)."""
         await self.kill()
         if startup_delay_secs is not None:
             self.config = replace(self.config, startup_delay_secs=startup_delay_secs)
-        await self.start()
+        return await self.start()
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         """Run a task the engine owns: ``stop`` cancels and awaits it."""

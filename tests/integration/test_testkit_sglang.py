@@ -657,8 +657,7 @@ async def test_kill_then_restart_on_the_same_ports(
         await drain(call)
     with pytest.raises(aiohttp.ClientConnectionError):
         await http.get(f"http://127.0.0.1:{ports[1]}/health")
-    await engine.restart()
-    assert (engine.grpc_port, engine.http_port) == ports
+    assert await engine.restart() == ports
     msgs = await grpc_all(client, greq("k-2", 2))
     assert msgs[-1].finished
 
@@ -759,6 +758,16 @@ async def test_decode_records_the_bootstrap_triple(
     assert engine.bootstraps == {"d-1": ("pf", 9000, 42)}
     info = engine.server_info(http=False)
     assert info["disaggregation_mode"] == "decode"
+
+
+async def test_engine_as_a_context_manager(http: aiohttp.ClientSession) -> None:
+    async with SglangTestEngine(SglangEngineConfig(grpc_port=None)) as engine:
+        assert engine.grpc_port == 0
+        async with http.get(f"{engine.http_url}/health") as r:
+            assert r.status == 200
+    assert engine.task_count == 0
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await http.get(f"{engine.http_url}/health")
 
 
 # -- the console entry --------------------------------------------------------------------------
