@@ -89,7 +89,8 @@ class VllmEngine:
         self._config = config
         self._mode: DisaggregationMode = config.disaggregation_mode
         self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
-        self._stubs: dict[int, _Stub] = {}
+        # One stub per pool channel, made once, not per call.
+        self._stubs: dict[grpc.aio.Channel, _Stub] = {}
         self._info: sidecar_pb2.ModelInfo | None = None
 
     @property
@@ -98,9 +99,9 @@ class VllmEngine:
 
     def _stub(self) -> _Stub:
         channel = self._pool.channel()
-        stub = self._stubs.get(id(channel))
+        stub = self._stubs.get(channel)
         if stub is None:
-            stub = self._stubs[id(channel)] = cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
+            stub = self._stubs[channel] = cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
         return stub
 
     # ------------------------------------------------------------------- start-up

@@ -133,6 +133,19 @@ async def test_no_engine_within_the_deadline_is_cannot_connect() -> None:
         await engine.stop(0)
 
 
+async def test_load_reports_the_engines_running_requests_and_kv_usage() -> None:
+    async with vllm_stack(token_latency_ms=20, total_kv_tokens=1000) as s:
+        call = s.stub.Generate(public_request(max_tokens=1000), timeout=20)
+        assert (await call.read()).token_ids
+        load = await s.stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=5)
+        assert load.inflight_requests == 1
+        [rank] = load.ranks
+        assert (rank.running_requests, rank.waiting_requests) == (1, 0)
+        assert 0.0 < rank.kv_usage <= 1.0
+        call.cancel()
+        await _cancel_case(s)
+
+
 class SlowToWarmEngine(VllmTestEngine):
     """Serves, but answers HealthCheck "not healthy" for its first ``sick`` probes."""
 
