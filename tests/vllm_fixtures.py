@@ -129,7 +129,11 @@ class Stack:
 
 @asynccontextmanager
 async def vllm_stack(
-    engine: VllmTestEngine | None = None, mode: DisaggregationMode = "agg", **engine_config: Any
+    engine: VllmTestEngine | None = None,
+    mode: DisaggregationMode = "agg",
+    *,
+    drain_timeout: float = 30.0,
+    **engine_config: Any,
 ) -> AsyncIterator[Stack]:
     """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
     if engine is None:
@@ -138,7 +142,12 @@ async def vllm_stack(
     adapter = VllmEngine(sidecar_config(port, mode))
     server = SidecarServer(
         adapter,
-        ServerConfig(listen="127.0.0.1:0", hold_decode_cancels=mode == "decode", health_watch_interval=0.2),
+        ServerConfig(
+            listen="127.0.0.1:0",
+            drain_timeout=drain_timeout,
+            hold_decode_cancels=mode == "decode",
+            health_watch_interval=0.2,
+        ),
     )
     channel: grpc.aio.Channel | None = None
     try:

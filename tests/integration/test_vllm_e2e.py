@@ -501,6 +501,19 @@ async def test_public_abort_stops_the_engine_request() -> None:
         await _cancel_case(s)
 
 
+async def test_drain_past_its_timeout_aborts_the_engine_request_once() -> None:
+    async with vllm_stack(token_latency_ms=20, drain_timeout=0.3) as s:
+        call = s.stub.Generate(public_request("long", max_tokens=1000), timeout=20)
+        assert (await call.read()).token_ids
+        await s.server.drain()
+        _, err = await collect_until_error(call)
+        assert err.code() != grpc.StatusCode.OK
+        await _cancel_case(s)
+        _, refused = await collect_until_error(s.stub.Generate(public_request("late"), timeout=5))
+        assert reason_of(refused) == ("ENGINE_SHUTDOWN", "true")
+        assert len(private_ids(s)) == 1, "a refused request never reaches the engine"
+
+
 class OrderedEngine(VllmTestEngine):
     """Records, in order, the first token sent and every abort received."""
 
