@@ -497,6 +497,10 @@ class SglangTestEngine:
                     outcome, send_end = await self._apply_fault(live, plan)
                     return
                 if live.abort_evt.is_set() or (latency > 0 and await self._wait_abort(live, latency)):
+                    if live.ids and not gen.done:
+                        # SGLang marks a decoding request to finish and still runs the
+                        # decode step already scheduled: its token rides on the abort.
+                        self._take(live, gen.step())
                     self._emit_abort(live)
                     outcome = Outcome.ABORTED
                     return

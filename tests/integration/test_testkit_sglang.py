@@ -297,18 +297,25 @@ async def test_abort_matches_by_prefix_of_a_live_rid(
         http.post(f"{url}/generate", json=hbody("job-1", 1000, ignore_eos=True)) as a,
         http.post(f"{url}/generate", json=hbody("job-1b", 1000, ignore_eos=True)) as b,
     ):
-        await a.content.readline()
-        await b.content.readline()
+        firsts = [json.loads((await r.content.readline())[len(b"data: ") :]) for r in (a, b)]
         # A bare prefix naming no live request is ignored (one tokenizer worker).
         async with http.post(f"{url}/abort_request", json={"rid": "job-", "abort_all": False}) as r:
             assert r.status == 200
         assert engine.book.running_count == 2
         async with http.post(f"{url}/abort_request", json={"rid": "job-1", "abort_all": False}) as r:
             assert r.status == 200
-        for resp in (a, b):
+        for resp, first in zip((a, b), firsts, strict=True):
             events, done = await sse(resp)
+            events.insert(0, first)
             assert done
-            assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert events[-1]["meta_info"]["finish_reason"] == {
+                "type": "abort",
+                "message": "Aborted",
+                "status_code": None,
+                "err_type": None,
+            }
+            # The decode step already scheduled still lands, on the abort chunk itself.
+            assert len(events[-1]["output_ids"]) == len(events[-2]["output_ids"]) + 1
     assert engine.book.running_count == 0
     assert engine.book.aborts == ["job-", "job-1"]
     assert set(engine.abort_log[-1].matched) == {"job-1", "job-1b"}
