@@ -54,7 +54,8 @@ def event_from_grpc(message: sglang_pb2.GenerateResponse) -> NativeEvent:
         ok, value = _loads(raw)
         if ok:
             meta[key] = value
-    return NativeEvent(list(message.output_ids), meta, message.finished)
+    # The repeated field is passed as is: the state machine slices off the part it needs.
+    return NativeEvent(message.output_ids, meta, message.finished)
 
 
 def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:
@@ -260,11 +261,12 @@ class ResponseState:
         )
 
     def _delta(self, event: NativeEvent) -> sidecar_pb2.LLMEngineOutput | None:
-        ids = _token_ids(event.output_ids)
+        raw = event.output_ids
         start = self._offset if self.cumulative else 0
-        if self.cumulative and len(ids) < self._offset:
-            raise protocol_error(_ENGINE, f"cumulative output_ids shrank from {self._offset} to {len(ids)}")
-        new = ids[start:]
+        if self.cumulative and len(raw) < self._offset:
+            raise protocol_error(_ENGINE, f"cumulative output_ids shrank from {self._offset} to {len(raw)}")
+        # Only the new part is checked: a cumulative stream resends every id in every event.
+        new = _token_ids(raw[start:] if start else raw)
         text: str | None = None
         if event.text is not None:
             text = event.text[self._text_offset :] if self.cumulative else event.text
