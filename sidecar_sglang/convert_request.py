@@ -373,6 +373,15 @@ def _sampling_items(sampling: NativeSampling) -> dict[str, object]:
     return items
 
 
+def _http_sampling(sampling: NativeSampling) -> dict[str, object]:
+    items = _sampling_items(sampling)
+    if "seed" in items:
+        # SGLang's HTTP schema names it sampling_seed and refuses unknown keys (the gRPC
+        # message calls it seed).
+        items["sampling_seed"] = items.pop("seed")
+    return items
+
+
 def to_grpc(native: NativeRequest) -> sglang_pb2.GenerateRequest:
     """The native gRPC message (streaming)."""
     message = sglang_pb2.GenerateRequest(
@@ -407,7 +416,7 @@ def to_http_json(native: NativeRequest) -> dict[str, object]:
     """The ``POST /generate`` body (streaming), absent fields omitted."""
     body: dict[str, object] = {
         "input_ids": list(native.input_ids),
-        "sampling_params": _sampling_items(native.sampling),
+        "sampling_params": _http_sampling(native.sampling),
         "stream": True,
         "rid": native.rid,
     }

@@ -105,8 +105,10 @@ def test_float32_shortening_never_changes_the_value(value: float) -> None:
     assert struct.unpack("<f", struct.pack("<f", sent))[0] == request.sampling_options.temperature
 
 
-def test_seed() -> None:
-    assert grpc_of(req(samplingOptions={"seed": "1234567890123"})).sampling_params.seed == 1234567890123
+def test_seed_is_seed_on_grpc_and_sampling_seed_on_http() -> None:
+    r = req(samplingOptions={"seed": "1234567890123"})
+    assert grpc_of(r).sampling_params.seed == 1234567890123
+    assert http_of(r)["sampling_params"] == {"sampling_seed": 1234567890123}
 
 
 @pytest.mark.parametrize(
