@@ -320,3 +320,27 @@ def test_stop_ids_property(user: list[int], hidden: list[int]) -> None:
     assert len(ids) == len(set(ids))
     assert set(ids) == set(user) | set(hidden)
     assert ids[: len(dict.fromkeys(user))] == list(dict.fromkeys(user))
+
+
+_FLOAT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+@given(
+    st.dictionaries(st.sampled_from(sorted(_FLOAT_FIELDS)), st.sampled_from([0.0, 0.5, 1.0, 2.0]), max_size=6)
+)
+def test_absent_is_not_zero_property(given_fields: dict[str, float]) -> None:
+    """Exactly the sampling values the frontend set reach the engine, zeros included."""
+    request = sidecar_pb2.PreprocessedRequest(token_ids=[1])
+    for name, value in given_fields.items():
+        setattr(request.sampling_options, name, value)
+    sent = grpc_of(request).sampling_params
+    for name, native_name in _FLOAT_FIELDS.items():
+        assert sent.HasField(native_name) == (name in given_fields)  # type: ignore[arg-type]
+    assert set(http_of(request)["sampling_params"]) == {_FLOAT_FIELDS[n] for n in given_fields}
