@@ -123,15 +123,24 @@ def _triple(item: object, where: str) -> tuple[float | None, int, str | None]:
     """``[logprob, token_id, text|null]``; the logprob may be null (first prompt position)."""
     if not isinstance(item, list | tuple) or len(item) < 2:
         raise protocol_error(_ENGINE, f"{where} entry {item!r} is not [logprob, token_id, text]")
-    lp, tid = item[0], _as_int(item[1])
-    if (
-        tid is None
-        or tid < 0
-        or not (lp is None or (isinstance(lp, int | float) and not isinstance(lp, bool)))
-    ):
-        raise protocol_error(_ENGINE, f"{where} entry {item!r} is not [logprob, token_id, text]")
+    tid = _as_int(item[1])
+    valid, logprob = _logprob(item[0])
+    if tid is None or not 0 <= tid <= _UINT32_MAX or not valid:
+        raise protocol_error(_ENGINE, f"{where} entry {str(item)[:200]} is not [logprob, token_id, text]")
     text = item[2] if len(item) > 2 and isinstance(item[2], str) else None
-    return (None if lp is None else float(lp)), tid, text
+    return logprob, tid, text
+
+
+def _logprob(value: object) -> tuple[bool, float | None]:
+    """(valid, logprob): null is valid (no logprob), a number is, anything else is not."""
+    if value is None:
+        return True, None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False, None
+    try:
+        return True, float(value)
+    except OverflowError:  # a JSON integer beyond any float
+        return False, None
 
 
 def _list(meta: Mapping[str, object], key: str) -> list[object] | None:
@@ -322,7 +331,7 @@ class ResponseState:
             ):
                 out.stop_token_id = matched
         prompt = _as_int(meta.get("prompt_tokens"))
-        if prompt is None or prompt < 0:
+        if prompt is None or not 0 <= prompt <= _UINT32_MAX // 2:
             # The engine always reports it; the request's length is the same number.
             prompt = len(self.request.input_ids)
         completion = 0 if self.request.prefill else self.completion_tokens

@@ -153,6 +153,30 @@ def test_completion_count_mismatch_on_terminal_is_protocol_error() -> None:
     assert run(ok, [ev([5, 6, 7], "length", completion_tokens=3)])[0].completion_usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"output_token_logprobs": [[10**400, 5, None]]},
+        {"output_token_logprobs": [[-0.1, 2**40, None]]},
+        {"output_token_logprobs": [[-0.1, 5, None]], "output_top_logprobs": [[[-0.2, -3, None]]]},
+    ],
+)
+def test_out_of_range_logprob_entries_are_protocol_errors(meta: dict[str, Any]) -> None:
+    state = ResponseState(native(return_logprob=True, logprobs=1), cumulative=False)
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([5], **meta), aborted_by_us=False)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+
+
+def test_out_of_range_usage_numbers_fall_back_or_stay_absent() -> None:
+    (out,) = run(
+        ResponseState(native(), cumulative=False),
+        [ev([5], "length", prompt_tokens=2**40, cached_tokens=2**40)],
+    )
+    assert out.completion_usage.prompt_tokens == 4
+    assert out.completion_usage.cached_tokens == 4
+
+
 def test_message_after_terminal_is_refused() -> None:
     state = ResponseState(native(), cumulative=False)
     run(state, [ev([1], "length")])
