@@ -468,7 +468,31 @@ def test_second_sigterm_cancels_inflight_generations_and_aborts_them(tmp_path: P
             # The drain would wait an hour: the second signal ends it, well within WAIT.
             with pytest.raises(grpc.RpcError) as ended:
                 list(stream)
-            assert ended.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+            # UNAVAILABLE: the frontend may migrate the request to another worker.
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert daemon.finish() == 0
+        assert len(aborts.read_text().split()) == 1
+    finally:
+        daemon.finish()
+
+
+def test_drain_timeout_cancels_leftovers_with_engine_shutdown_and_aborts_them(tmp_path: Path) -> None:
+    aborts = tmp_path / "aborts.txt"
+    daemon = _Daemon(
+        *STARTS,
+        *("--fake-tokens", "5", "--fake-token-delay-secs", "3600", "--drain-timeout-secs", "0"),
+        *("--fake-abort-file", str(aborts)),
+    )
+    try:
+        port = int(str(daemon.wait_for("serving")["port"]))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = _generate(channel, "left-over")
+            assert list(next(stream).token_ids) == [100]
+            daemon.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as ended:
+                list(stream)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert _error_reason(ended.value) == "ENGINE_SHUTDOWN"
         assert daemon.finish() == 0
         assert len(aborts.read_text().split()) == 1
     finally:
