@@ -347,6 +347,11 @@ json_values = st.recursive(
     ),
     max_leaves=12,
 )
+# Shapes close to logprob lists, so the property reaches the entry checks.
+triple_like = st.lists(
+    st.integers(-5, 2**33) | st.floats() | st.none() | st.integers(), min_size=2, max_size=3
+)
+triples_like = st.lists(triple_like | st.lists(triple_like, max_size=3) | st.none(), max_size=4)
 meta_keys = st.sampled_from(
     [
         "finish_reason",
@@ -365,8 +370,8 @@ meta_keys = st.sampled_from(
 @given(
     st.lists(
         st.tuples(
-            st.lists(st.integers(-3, 50), max_size=4),
-            st.dictionaries(meta_keys, json_values, max_size=5),
+            st.lists(st.integers(-3, 50), min_size=0, max_size=4),
+            st.dictionaries(meta_keys, json_values | triples_like, max_size=5),
             st.booleans(),
         ),
         max_size=5,
@@ -404,3 +409,26 @@ def test_grpc_decoding_never_raises(meta: dict[str, str], ids: list[int]) -> Non
             assert key not in event.meta
         else:
             assert event.meta[key] == expected or expected != expected
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.integers(0, 100), min_size=1, max_size=4),
+    st.lists(st.lists(triple_like, max_size=3) | st.none() | json_values, max_size=4),
+    st.integers(0, 3),
+)
+def test_arbitrary_top_alternatives_raise_only_sidecar_errors(
+    ids: list[int], tops: list[Any], limit: int
+) -> None:
+    """Valid sampled entries, anything at all as the alternatives."""
+    request = native(return_logprob=True, logprobs=limit)
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [[-0.5, t, None] for t in ids],
+        "output_top_logprobs": tops,
+    }
+    try:
+        (out,) = ResponseState(request, cumulative=False).feed(ev(ids, "length", **meta), aborted_by_us=False)
+    except SidecarError:
+        return
+    assert [top.entries[0].token_id for top in out.top_logprobs] == ids
+    assert all(len(top.entries) <= limit + 1 for top in out.top_logprobs)
