@@ -3,6 +3,15 @@
 The transports only decode their wire into :class:`NativeEvent` (gRPC: meta_info values are
 JSON text, decoded here; HTTP: an SSE ``data:`` JSON object). :class:`ResponseState` turns
 events into ``LLMEngineOutput`` deltas with exactly one terminal, or raises SidecarError.
+
+Choices the spec leaves open:
+
+* Tokens on an ``abort`` terminal are not forwarded: the stream ends with an error anyway, and
+  in incremental mode SGLang repeats the last token there.
+* ``engine_data.prompt_logprobs`` (when prompt logprobs were asked) is one entry per prompt
+  position: null where the engine has none (the first), else a list of
+  ``{"token_id", "logprob"}``, the prompt's own token first, then up to N alternatives.
+* A terminal whose ``completion_tokens`` disagrees with the tokens streamed is malformed.
 """
 
 from __future__ import annotations

@@ -122,7 +122,14 @@ class SglangHttpEngine:
         )
         model = await self._get_json(("/model_info", "/get_model_info"), deadline)
         server = await self._get_json(("/server_info", "/get_server_info"), deadline)
-        listed = await self._get_json(("/v1/models",), deadline)
+        try:
+            listed = await self._get_json(("/v1/models",), deadline)
+        except SidecarError as err:
+            # Without the model list the context length comes from server info instead.
+            if err.reason is not ErrorReason.INVALID_ARGUMENT:
+                raise
+            _log.warning("sglang /v1/models unavailable", error=err.message)
+            listed = []
         if not isinstance(model, dict) or not isinstance(server, dict):
             raise protocol_error("sglang", "model or server info is not a JSON object")
         cards = listed.get("data", []) if isinstance(listed, dict) else listed

@@ -23,7 +23,12 @@ from sidecar_sglang.http_engine import SglangHttpEngine
 
 pytestmark = pytest.mark.timeout(30)
 
-SERVER_INFO = {"disaggregation_mode": "null", "incremental_streaming_output": True, "page_size": 1}
+SERVER_INFO = {
+    "disaggregation_mode": "null",
+    "incremental_streaming_output": True,
+    "page_size": 1,
+    "max_req_input_len": 31,
+}
 
 
 def event(ids: list[int], finish: object = None, **meta: object) -> bytes:
@@ -41,6 +46,7 @@ class Script:
     aborts: list[Any] = field(default_factory=list)
     generate_bodies: list[Any] = field(default_factory=list)
     modern_info_paths: bool = True
+    has_model_list: bool = True
 
 
 def app_for(script: Script) -> web.Application:
@@ -77,7 +83,8 @@ def app_for(script: Script) -> web.Application:
     for path, payload in (("model_info", model), ("server_info", SERVER_INFO)):
         app.router.add_get(f"/{path}", info(payload, True))
         app.router.add_get(f"/get_{path}", info(payload, False))
-    app.router.add_get("/v1/models", models)
+    if script.has_model_list:
+        app.router.add_get("/v1/models", models)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort_request", abort)
     return app
@@ -134,6 +141,11 @@ async def test_a_normal_stream_and_the_deprecated_info_paths() -> None:
     assert outs[-1].finish_reason == sidecar_pb2.LENGTH
     assert script.generate_bodies[0]["rid"] == "0123-req"
     assert script.generate_bodies[0]["stream"] is True
+
+
+async def test_without_a_model_list_the_context_comes_from_server_info() -> None:
+    async with adapter(Script(has_model_list=False)) as engine:
+        assert engine.model_info().max_context_length == 32
 
 
 async def test_a_long_event_split_across_reads() -> None:
