@@ -38,6 +38,7 @@ class RelayConfig:
     capacity: int = 32  # engine chunks buffered before the pump stops reading
     hold_timeout: float = 30.0  # decode hold: how long a cancel waits for the first token
     drain_grace: float = 5.0  # after the last terminal, how long the engine iterator may take to end
+    busy_turns: int = 2  # loop turns before taking the buffer while the sidecar is under load
 
 
 class _PumpState:
@@ -80,10 +81,12 @@ async def _write_loop(
     recv: MemoryObjectReceiveStream[sidecar_pb2.LLMEngineOutput],
     write: Write,
     delivery: Delivery,
-    capacity: int,
+    config: RelayConfig,
+    under_load: Callable[[], bool] | None,
     metrics: Metrics | None,
     started_at: float,
 ) -> None:
+    capacity = config.capacity
     backlog = False
     last_sent: float | None = None
     while True:
@@ -91,10 +94,12 @@ async def _write_loop(
             first = await recv.receive()
         except anyio.EndOfStream:
             return
-        if backlog:
-            # The frontend is slower than the engine: one loop turn lets the pump queue
-            # what has already arrived, so the next message carries more. No timer: when
-            # idle, backlog is False and a chunk goes out as soon as it comes.
+        # A writer that wakes for each chunk usually finds only that one queued. When the
+        # frontend is slower than the engine (backlog) or the sidecar is busy, a loop turn
+        # or two lets the pump queue what has already arrived, so the next message carries
+        # more. No timer: when idle, a chunk goes out as soon as it comes.
+        turns = config.busy_turns if under_load is not None and under_load() else int(backlog)
+        for _ in range(turns):
             await anyio.lowlevel.checkpoint()
         batch = [first]
         while len(batch) < capacity:
@@ -129,6 +134,7 @@ async def relay(
     *,
     metrics: Metrics | None = None,
     started_at: float | None = None,
+    under_load: Callable[[], bool] | None = None,
 ) -> None:
     """Stream ``gen`` to ``write``. Raises the engine's SidecarError after the delivered
     prefix. However it ends (including by cancellation), the engine request is aborted
@@ -144,7 +150,7 @@ async def relay(
             tg.start_soon(_pump, gen, send, pump_scope, state)
             try:
                 with recv:
-                    await _write_loop(recv, write, delivery, config.capacity, metrics, t0)
+                    await _write_loop(recv, write, delivery, config, under_load, metrics, t0)
             except Exception as exc:
                 write_error = exc
             finally:

@@ -56,6 +56,9 @@ class ServerConfig:
     health_probe_timeout: float = 5.0
     abort_timeout: float = 5.0
     relay_capacity: int = 32
+    # From this many generations in flight, writers let the loop turn before each message
+    # so that chunks that arrived meanwhile go out merged (fewer, fuller messages).
+    coalesce_min_inflight: int = 16
 
 
 class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -244,6 +247,9 @@ class SidecarServer:
         hold = self._config.decode_hold_timeout if self._config.hold_decode_cancels else 0.0
         return hold + 2 * self._config.abort_timeout + 1.0
 
+    def _under_load(self) -> bool:
+        return self._registry.inflight >= self._config.coalesce_min_inflight
+
     def _update_health(self) -> None:
         accepting = self._serving and self._engine_ok and not self._draining
         self._health.set(_SERVING if accepting else _NOT_SERVING)
@@ -310,7 +316,13 @@ class SidecarServer:
         try:
             with entry.scope:
                 await relay(
-                    gen, context.write, delivery, self._relay_config, metrics=metrics, started_at=started_at
+                    gen,
+                    context.write,
+                    delivery,
+                    self._relay_config,
+                    metrics=metrics,
+                    started_at=started_at,
+                    under_load=self._under_load,
                 )
             if entry.scope.cancelled_caught and entry.cause is CancelCause.DRAIN:
                 raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")

@@ -224,3 +224,21 @@ async def test_a_completed_generation_is_never_aborted() -> None:
         gen.tracker.observe(out)
     await gen.abort_once()
     assert engine.aborts == []
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+async def test_relay_merges_only_under_load(loaded: bool) -> None:
+    engine = FakeEngine(scripts={"r": [tokens(i) for i in range(40)] + [terminal(40)]})
+    gen = _generation(engine)
+    sent: list[Out] = []
+
+    async def write(out: Out) -> None:
+        sent.append(out)
+
+    await relay(gen, write, Delivery(n=1), RelayConfig(), under_load=lambda: loaded)
+    assert [t for o in sent for t in o.token_ids] == list(range(41))
+    if loaded:
+        assert len(sent) < 41
+    else:
+        # Idle: each chunk goes out as it comes, never held back for company.
+        assert len(sent) == 41
