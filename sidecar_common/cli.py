@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NoReturn, cast
 
 from sidecar_common.config import DisaggregationMode, EngineSpec, SidecarConfig
-from sidecar_common.endpoint import EndpointError, parse_endpoint
+from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
 from sidecar_common.pool import PoolConfig, RetryPolicy
 
@@ -107,14 +107,13 @@ def parse_listen(text: str) -> str:
     return f"{host}:{port}"
 
 
-def _endpoint_text(text: str) -> str:
-    # Parsed here so the refusal is an argparse usage error naming the flag (or variable);
-    # parse_config parses it again to build the Endpoint value.
+def _endpoint(text: str) -> Endpoint:
+    # Parsed as the flag's type so that a refusal is a usage error naming the flag (or its
+    # variable), before anything touches the network.
     try:
-        parse_endpoint(text)
+        return parse_endpoint(text)
     except EndpointError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
 def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:
@@ -131,7 +130,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     engine.add_argument(
         "--grpc-endpoint",
         required=True,
-        type=_endpoint_text,
+        type=_endpoint,
         metavar="HOST:PORT",
         help="the engine's gRPC address: host:port, grpc://host:port or http://host:port",
     )
@@ -306,10 +305,7 @@ def parse_config(
     engine's own flags). Usage errors exit 2 through argparse; nothing here does I/O."""
     parser = build_parser(spec, prog=prog)
     ns = _parse_with_env(parser, argv, environ)
-    try:
-        endpoint = parse_endpoint(ns.grpc_endpoint)
-    except EndpointError as err:  # pragma: no cover - _endpoint_text already refused it
-        parser.error(f"argument --grpc-endpoint: {err}")
+    endpoint: Endpoint = ns.grpc_endpoint
     log_format: LogFormat = ns.log_format or log_format_default or default_log_format()
     pool = PoolConfig(
         endpoint=endpoint,
