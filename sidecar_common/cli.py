@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import math
 import os
 import sys
@@ -28,6 +29,7 @@ __all__ = [
     "env_var_for",
     "load_spec",
     "main",
+    "package_version",
     "parse_config",
     "parse_listen",
     "run_engine",
@@ -116,6 +118,13 @@ def _endpoint(text: str) -> Endpoint:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("llm-sidecars")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:
     """The common flags of spec/COMMON.md, then the engine's own."""
     parser = argparse.ArgumentParser(
@@ -126,6 +135,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     engine = parser.add_argument_group("engine connection")
     engine.add_argument(
         "--grpc-endpoint",
@@ -346,6 +356,7 @@ def _top_parser() -> argparse.ArgumentParser:
         description="gRPC sidecar between an LLM serving frontend and an inference engine.",
         epilog="Run `sidecar ENGINE --help` for the flags of one engine.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("engine", choices=tuple(ENGINES), help="the inference engine to serve")
     return parser
 
@@ -364,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
     if not args or args[0].startswith("-"):
-        # `sidecar --help` prints usage and exits 0; anything else without an engine is 2.
+        # `sidecar --help` / `--version` exit 0; anything else without an engine is 2.
         top.parse_args(args[:1])
         top.error("an engine name is required")
     name = args[0]

@@ -17,7 +17,6 @@ that cannot be reached) and exit code 1, after closing whatever had been opened.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -29,6 +28,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common import systemd
+from sidecar_common.cli import package_version
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine
 from sidecar_common.errors import SidecarError
@@ -81,13 +81,6 @@ def _server_config(config: SidecarConfig) -> ServerConfig:
         drain_timeout=config.drain_timeout,
         hold_decode_cancels=config.disaggregation_mode == "decode",
     )
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("llm-sidecars")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _cleanup_allowance(server_config: ServerConfig) -> float:
@@ -155,7 +148,7 @@ async def _serve(
     log.info(
         "starting",
         engine=spec.name,
-        version=_version(),
+        version=package_version(),
         endpoint=str(endpoint),
         connections=config.pool.connections,
         startup_deadline_secs=config.pool.startup_deadline,

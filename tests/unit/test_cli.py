@@ -240,6 +240,17 @@ def test_listen_addresses_accepted(text: str, normal: str) -> None:
     assert parse_listen(text) == normal
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("sidecar-fake ")
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("sidecar ")
+
+
 @pytest.mark.parametrize(("argv", "code"), [([], 2), (["nosuch"], 2), (["--help"], 0), (["-x"], 2)])
 def test_sidecar_command_needs_a_known_engine(
     capsys: pytest.CaptureFixture[str], argv: list[str], code: int
