@@ -51,6 +51,7 @@ __all__ = [
 Kind = Literal["vllm", "sglang-grpc", "sglang-http"]
 KINDS: tuple[Kind, ...] = ("vllm", "sglang-grpc", "sglang-http")
 Out = sidecar_pb2.LLMEngineOutput
+HTTP_CONNECTIONS = 1100
 TestEngine = VllmTestEngine | SglangTestEngine
 
 
@@ -115,12 +116,16 @@ def _engine(kind: Kind, engine_config: dict[str, Any]) -> TestEngine:
 async def rig(
     kind: Kind,
     *,
-    connections: int = 2,
+    connections: int | None = None,
     server: ServerConfig | None = None,
     channel_options: Sequence[tuple[str, Any]] = (),
     **engine_config: Any,
 ) -> AsyncIterator[Rig]:
     engine = _engine(kind, engine_config)
+    if connections is None:
+        # HTTP/1.1 holds one connection per stream, and the HTTP adapter's connection limit
+        # is the pool size: give it room for every stream the suites keep open.
+        connections = HTTP_CONNECTIONS if kind == "sglang-http" else 2
     adapter: Engine
     if isinstance(engine, VllmTestEngine):
         port = await engine.start()
