@@ -1,0 +1,73 @@
+"""A hung engine (accepts the stream, then never answers) cannot hold a request past the
+client's deadline, nor the drain past drain_timeout; either way the engine request is
+aborted once and nothing is left running."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from sidecar_common.server import ServerConfig
+from testkit.faults import FaultKind, FaultPlan
+from tests.reliability.harness import KINDS, Kind, Rig, error_reason, finish, request, rig, until
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [101, 202, 303]
+SLACK = 1.5  # scheduling slack on a loaded 2-core machine
+
+
+async def aborted_once_and_idle(r: Rig, public_id: str) -> None:
+    await until(lambda: r.engine_busy() == 0, f"the engine still runs {r.book.running_ids()}")
+    assert await r.server.wait_idle(5.0)
+    [pid] = [rid for rid in r.received_ids() if rid.endswith(f"-{public_id}")]
+    assert r.book.aborts.count(pid) == 1, r.book.aborts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("after", [0, 3])
+async def test_a_client_deadline_ends_a_hung_generation(kind: Kind, after: int) -> None:
+    async with rig(kind) as r:
+        r.faults.add("-hung", FaultPlan(FaultKind.HANG, after=after))
+        deadline = 0.5
+        t0 = time.monotonic()
+        ended = await finish(r.stub.Generate(request("hung", PROMPT, 50), timeout=deadline))
+        took = time.monotonic() - t0
+        assert ended.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len(ended.tokens) == after
+        assert took < deadline + SLACK, f"the deadline of {deadline}s took {took:.2f}s"
+        await aborted_once_and_idle(r, "hung")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_hung_generation_cannot_hold_the_drain(kind: Kind) -> None:
+    drain_timeout, abort_timeout = 0.5, 1.0
+    config = ServerConfig(
+        listen="127.0.0.1:0",
+        drain_timeout=drain_timeout,
+        abort_timeout=abort_timeout,
+        health_watch_interval=0.2,
+    )
+    async with rig(kind, server=config) as r:
+        r.faults.add("-hung", FaultPlan(FaultKind.HANG, after=2))
+        call = r.stub.Generate(request("hung", PROMPT, 50), timeout=60)
+        # A healthy neighbour that finishes within the drain is not cut short.
+        ok = r.stub.Generate(request("fine", PROMPT, 4), timeout=60)
+        await until(lambda: len(r.received_ids()) == 2, "both requests reached the engine")
+        t0 = time.monotonic()
+        await r.server.drain()
+        took = time.monotonic() - t0
+        # The drain waits drain_timeout, then cancels; each cancelled generation's cleanup
+        # (abort, then close) is bounded by abort_timeout.
+        assert took < drain_timeout + abort_timeout + SLACK, f"the drain took {took:.2f}s"
+        hung = await finish(call)
+        assert hung.code is grpc.StatusCode.UNAVAILABLE
+        assert error_reason(hung.error) == ("ENGINE_SHUTDOWN", "true")  # type: ignore[arg-type]
+        assert len(hung.tokens) == 2
+        fine = await finish(ok)
+        assert fine.error is None
+        assert len(fine.terminals) == 1
+        await aborted_once_and_idle(r, "hung")
+        assert not [rid for rid in r.book.aborts if rid.endswith("-fine")]
