@@ -19,6 +19,7 @@ import datetime as dt
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ from bench.report import evaluate_targets, key, markdown, summarize
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _READY_S = 60.0
 _SETTLE_S = 0.25
+_PARTS = ("vllm", "sglang", "latency")
 
 
 class _Bench:
@@ -47,6 +49,7 @@ class _Bench:
         self.hop_addr: dict[plan.HopSpec, tuple[str, Proc]] = {}
         self.notes: list[str] = []
         self.quiet_wait_s = 0.0
+        self.parts = set(_PARTS)
         self.samples: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.latency: dict[str, list[dict[str, Any]]] = defaultdict(list)
 
@@ -140,7 +143,9 @@ class _Bench:
         p = self.profile
         for r in range(p.rounds):
             print(f"round {r + 1}/{p.rounds}", file=sys.stderr, flush=True)
-            matrices = [("vllm", p.vllm_matrix)] + ([("sglang", p.sglang_matrix)] if self.sglang else [])
+            matrices = [("vllm", p.vllm_matrix)] if "vllm" in self.parts else []
+            if self.sglang and "sglang" in self.parts:
+                matrices.append(("sglang", p.sglang_matrix))
             for kind, matrix in matrices:
                 for k, c in matrix:
                     engine = plan.EngineSpec(kind, k)
@@ -149,7 +154,8 @@ class _Bench:
                         result = self._run(loadgen, cmd)
                         self.samples[key(path, kind, k, c)].append(result)
                         _progress(key(path, kind, k, c), result)
-            self._latency_round(loadgen, r)
+            if "latency" in self.parts:
+                self._latency_round(loadgen, r)
 
     def _latency_round(self, loadgen: LoadGen, r: int) -> None:
         p = self.profile
@@ -205,6 +211,22 @@ def _progress(name: str, result: dict[str, Any]) -> None:
     )
 
 
+def _git() -> dict[str, Any]:
+    """The code measured: HEAD and any uncommitted change outside bench/ (the sidecars are an
+    editable install, so a run measures the working tree, not the commit)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    dirty = [path for path in dirty if not path.startswith("bench/")]
+    return {"commit": git("rev-parse", "HEAD").strip() or "unknown", "dirty": dirty}
+
+
 def _machine() -> dict[str, Any]:
     model = "unknown"
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -232,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM engine: testkit (auto: when present) or the stand-in")  # fmt: skip
     parser.add_argument("--quiet-wait", type=float, help="max seconds to wait for an idle machine per run "
                         "(quick: 0.3, full: 5)")  # fmt: skip
+    parser.add_argument("--only", type=lambda v: set(v.split(",")), default=set(_PARTS),
+                        help=f"parts to run, of {','.join(_PARTS)} (default: all)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where latest.json/latest.md go")
     args = parser.parse_args(argv)
 
@@ -242,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     standin = args.engine == "standin" or (args.engine == "auto" and not have["testkit-vllm"])
     sglang = have["testkit-sglang"] and have["sidecar-sglang"]
     bench = _Bench(profile, standin, sglang)
+    if not args.only <= set(_PARTS):
+        parser.error(f"--only takes {','.join(_PARTS)}")
+    bench.parts = args.only
     bench.quiet_wait_s = args.quiet_wait if args.quiet_wait is not None else (5.0 if args.full else 0.3)
     if standin:
         bench.notes.append("vLLM engine: bench/standin_engine.py (testkit vLLM engine not used)")
     bench.notes += [f"{name} not available in this checkout: skipped" for name, ok in have.items() if not ok]
     pinned = bool(pin_prefix(0)) and (os.cpu_count() or 1) >= 2
+    code = _git()
     began = time.monotonic()
     loadgen = LoadGen(plan.ENGINE_CORE if pinned else None)
     try:
@@ -267,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": profile.max_tokens,
         "paced_ms": plan.PACED_MS,
         "machine": _machine(),
+        "git": code,
         "pinning": "engines + load generator on CPU 0, hop on CPU 1 (taskset -c)" if pinned else "none",
         "engines": "bench stand-in (vLLM)" if standin else "testkit (fast mode: no token latency)",
         "results": results,

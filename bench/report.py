@@ -61,10 +61,23 @@ def row_figures(raw: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+_PER_RUN = (
+    "tokens_per_s",
+    "hop_cpu_us_per_token",
+    "tokens_per_msg",
+    "ttft_p50_ms",
+    "gap_p99_ms",
+    "other_cpu_util",
+)
+
+
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over rounds of each figure, plus the error count and the raw runs."""
+    """Medians over rounds of each figure, the key figures of every run (in round order, so
+    two paths can be compared round by round), and the error count."""
     figures = [row_figures(s) for s in samples if "failed" not in s]
     out: dict[str, Any] = {"runs": len(figures), "failed_runs": len(samples) - len(figures)}
+    per_run = [None if "failed" in s else row_figures(s) for s in samples]
+    out["per_run"] = {m: [None if f is None else f[m] for f in per_run] for m in _PER_RUN}
     for metric in _METRICS:
         values = [v for f in figures if (v := f[metric]) is not None]
         out[metric] = statistics.median(values) if values else None
@@ -81,6 +94,7 @@ class Target:
     limit: float
     kind: str  # "max": measured <= limit passes; "min": measured >= limit passes
     detail: str
+    spread: tuple[float, float] | None = None  # min and max over rounds, when paired
 
     @property
     def verdict(self) -> str:
@@ -90,21 +104,39 @@ class Target:
         return "PASS" if ok else "MISS"
 
     def line(self) -> str:
-        shown = "n/a" if self.measured is None else f"{self.measured:.2f}"
+        shown = "n/a" if self.measured is None else f"{self.measured:.3g}"
         op = "<=" if self.kind == "max" else ">="
-        return f"{self.verdict}: {self.name}: {shown} {op} {self.limit:g} ({self.detail})"
+        spread = "" if self.spread is None else f"; rounds {self.spread[0]:.3g}..{self.spread[1]:.3g}"
+        return f"{self.verdict}: {self.name}: {shown} {op} {self.limit:g} ({self.detail}{spread})"
 
 
-def _ratio(results: dict[str, Any], a: str, b: str, metric: str) -> float | None:
-    num = results.get(a, {}).get(metric)
-    den = results.get(b, {}).get(metric)
-    return num / den if num is not None and den else None
+Paired = tuple[float | None, tuple[float, float] | None]
 
 
-def _diff(latency: dict[str, Any], a: str, b: str, metric: str) -> float | None:
-    x = latency.get(a, {}).get(metric)
-    y = latency.get(b, {}).get(metric)
-    return x - y if x is not None and y is not None else None
+def _paired(table: dict[str, Any], a: str, b: str, metric: str, ratio: bool) -> Paired:
+    """Median over rounds of a/b (or a-b) of one figure, and its range.
+
+    Pairing within a round cancels most of the drift of a shared machine: the two runs of a
+    round are seconds apart, while rounds are minutes apart.
+    """
+    xs = table.get(a, {}).get("per_run", {}).get(metric, [])
+    ys = table.get(b, {}).get("per_run", {}).get(metric, [])
+    values = [
+        (x / y if ratio else x - y)
+        for x, y in zip(xs, ys, strict=False)
+        if x is not None and y is not None and (y or not ratio)
+    ]
+    if not values:
+        return None, None
+    return statistics.median(values), (min(values), max(values))
+
+
+def _ratio(results: dict[str, Any], a: str, b: str, metric: str) -> Paired:
+    return _paired(results, a, b, metric, ratio=True)
+
+
+def _diff(latency: dict[str, Any], a: str, b: str, metric: str) -> Paired:
+    return _paired(latency, a, b, metric, ratio=False)
 
 
 def evaluate_targets(results: dict[str, Any], latency: dict[str, Any]) -> list[Target]:
@@ -112,20 +144,24 @@ def evaluate_targets(results: dict[str, Any], latency: dict[str, Any]) -> list[T
     side16, bare16 = key("sidecar", "vllm", 1, 16), key("bare-proxy", "vllm", 1, 16)
     http16, grpc16 = key("sidecar-http", "sglang", 1, 16), key("sidecar-grpc", "sglang", 1, 16)
     cpu, tps = "hop_cpu_us_per_token", "tokens_per_s"
+
+    def target(name: str, paired: Paired, limit: float, kind: str, detail: str) -> Target:
+        return Target(name, paired[0], limit, kind, detail, paired[1])
+
     return [
-        Target("256 streams K=1 CPU/token, sidecar / bare proxy",
+        target("256 streams K=1 CPU/token, sidecar / bare proxy",
                _ratio(results, side256, bare256, cpu), 0.7, "max", "vLLM"),
-        Target("256 streams K=1 tokens/s, sidecar / bare proxy",
+        target("256 streams K=1 tokens/s, sidecar / bare proxy",
                _ratio(results, side256, bare256, tps), 1.3, "min", "vLLM"),
-        Target("16 streams K=1 CPU/token, sidecar / bare proxy",
+        target("16 streams K=1 CPU/token, sidecar / bare proxy",
                _ratio(results, side16, bare16, cpu), 1.1, "max", "vLLM"),
-        Target("16 streams K=1 tokens/s, sidecar / bare proxy",
+        target("16 streams K=1 tokens/s, sidecar / bare proxy",
                _ratio(results, side16, bare16, tps), 0.9, "min", "vLLM"),
-        Target("1 stream added TTFT p50 (ms), sidecar - direct",
+        target("1 stream added TTFT p50 (ms), sidecar - direct",
                _diff(latency, "ttft|sidecar", "ttft|direct", "ttft_p50_ms"), 2.0, "max", "vLLM, fast engine"),
-        Target("16 paced streams added p99 gap (ms), sidecar - direct",
+        target("16 paced streams added p99 gap (ms), sidecar - direct",
                _diff(latency, "paced|sidecar", "paced|direct", "gap_p99_ms"), 2.0, "max", "vLLM, paced"),
-        Target("SGLang CPU/token, HTTP / gRPC (16 streams K=1)",
+        target("SGLang CPU/token, HTTP / gRPC (16 streams K=1)",
                _ratio(results, http16, grpc16, cpu), 2.0, "max", "sidecar-sglang"),
     ]  # fmt: skip
 
@@ -161,6 +197,7 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
         "",
         f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), Python {m['python']}, grpcio {m['grpcio']}, "
         f"{m['kernel']}. Engines: {doc['engines']}. Pinning: {doc['pinning']}. "
+        f"Code: {doc['git']['commit'][:10]}{' + uncommitted changes' if doc['git']['dirty'] else ''}. "
         f"Each figure is the median of {doc['rounds']} alternating run(s); window {doc['window_s']} s "
         f"after {doc['warmup_s']} s warm-up, requests of {doc['max_tokens']} tokens (ignore_eos).",
         "",
@@ -185,7 +222,13 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
             f"| {_fmt(r['gap_p50_ms'], 2)} / {_fmt(r['gap_p99_ms'], 2)} "
             f"| {_fmt(r['hop_cpu_us_per_request'], 0)} | {r['runs']} |"
         )
-    out += ["", "Targets (ratios within this run):", "", *(f"- {t.line()}" for t in targets), ""]
+    out += [
+        "",
+        "Targets (median over rounds of the per-round ratio or difference, with its range):",
+        "",
+        *(f"- {t.line()}" for t in targets),
+        "",
+    ]
     if doc.get("notes"):
         out += ["Notes:", "", *(f"- {n}" for n in doc["notes"]), ""]
     return "\n".join(out)
