@@ -4,6 +4,7 @@ Paths, side by side in one run against the same testkit engine in a fast mode:
 
 * ``direct``: the load generator speaks vLLM's native API to the engine (no hop);
 * ``bare-proxy``: through bench/bare_proxy.py, which relays raw bytes without decoding;
+* ``convert-floor`` (--full): bench/convert_floor.py, the least a converting hop can do;
 * ``sidecar``: through ``sidecar-vllm`` (public API in, native API out);
 * ``sidecar-grpc`` / ``sidecar-http``: ``sidecar-sglang`` over each native SGLang transport.
 
@@ -67,6 +68,8 @@ class _Bench:
             if spec.kind == "vllm":
                 if not spec.token_latency_ms:
                     hops.append(plan.HopSpec("bare-proxy", spec))
+                    if self.profile.floor:
+                        hops.append(plan.HopSpec("convert-floor", spec))
                 if have_vllm_sidecar:
                     hops.append(plan.HopSpec("sidecar", spec))
             else:
@@ -129,7 +132,7 @@ class _Bench:
 
     def _paths(self, engine_kind: str, rotation: int) -> list[str]:
         if engine_kind == "vllm":
-            paths = ["direct", "bare-proxy"] + (["sidecar"] if self._has_hop("sidecar") else [])
+            paths = ["direct", "bare-proxy"] + [p for p in ("convert-floor", "sidecar") if self._has_hop(p)]
         else:
             paths = ["sidecar-grpc", "sidecar-http"]
         # Alternate the order round by round so no path always runs first (or last).
@@ -167,7 +170,7 @@ class _Bench:
             cmd = self._command(path, fast, 1, plan.TTFT_MAX_TOKENS, p.ttft_window_s)
             self.latency[f"ttft|{path}"].append(self._run(loadgen, cmd))
             _progress(f"ttft|{path}", self.latency[f"ttft|{path}"][-1])
-        for path in (x for x in paths if x != "bare-proxy"):
+        for path in (x for x in paths if x in ("direct", "sidecar")):
             cmd = self._command(path, paced, plan.PACED_STREAMS, plan.PACED_MAX_TOKENS, p.paced_window_s)
             self.latency[f"paced|{path}"].append(self._run(loadgen, cmd))
             _progress(f"paced|{path}", self.latency[f"paced|{path}"][-1])

@@ -36,7 +36,7 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class HopSpec:
-    path: str  # the result's path name: bare-proxy, sidecar, sidecar-grpc, sidecar-http
+    path: str  # the result's path name: bare-proxy, convert-floor, sidecar, sidecar-grpc, sidecar-http
     engine: EngineSpec
 
 
@@ -53,6 +53,7 @@ class Profile:
     sglang_matrix: tuple[tuple[int, int], ...]
     ttft_window_s: float
     paced_window_s: float
+    floor: bool = False  # also run bench/convert_floor.py, the converting-hop reference
 
 
 QUICK = Profile(
@@ -76,6 +77,7 @@ FULL = Profile(
     sglang_matrix=((1, 1), (1, 16), (1, 256), (8, 16), (8, 256)),
     ttft_window_s=2.0,
     paced_window_s=3.0,
+    floor=True,
 )
 
 PACED_MS = 20.0
@@ -126,6 +128,8 @@ def hop_argv(hop: HopSpec, listen: str, engine_grpc: str, engine_http: str | Non
     quiet = ["--log-level", "warning"]
     if hop.path == "bare-proxy":
         return [sys.executable, "-m", "bench.bare_proxy", "--listen", listen, "--upstream", engine_grpc]
+    if hop.path == "convert-floor":
+        return [sys.executable, "-m", "bench.convert_floor", "--listen", listen, "--upstream", engine_grpc]
     if hop.engine.kind == "vllm":
         return [_script("sidecar-vllm"), "--grpc-endpoint", engine_grpc, "--listen", listen, *quiet]
     transport = hop.path.removeprefix("sidecar-")

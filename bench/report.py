@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Target", "evaluate_targets", "key", "markdown", "row_figures", "summarize"]
+__all__ = ["Target", "evaluate_targets", "key", "markdown", "references", "row_figures", "summarize"]
 
 _METRICS = (
     "tokens_per_s",
@@ -166,6 +166,28 @@ def evaluate_targets(results: dict[str, Any], latency: dict[str, Any]) -> list[T
     ]  # fmt: skip
 
 
+def references(results: dict[str, Any], latency: dict[str, Any]) -> list[str]:
+    """Where the sidecar's cost sits between "any hop" and "any converting hop" (not targets)."""
+    lines = []
+    for k, c in ((1, 16), (1, 256), (8, 256)):
+        bare, floor, side = (key(p, "vllm", k, c) for p in ("bare-proxy", "convert-floor", "sidecar"))
+        for name, a, b in (
+            ("convert-floor / bare-proxy", floor, bare),
+            ("sidecar / convert-floor", side, floor),
+        ):
+            value, spread = _ratio(results, a, b, "hop_cpu_us_per_token")
+            if value is not None and spread is not None:
+                lines.append(f"K={k}, {c} streams, CPU/token {name}: {value:.3g} {_range(spread)}")
+    value, spread = _diff(latency, "ttft|sidecar", "ttft|convert-floor", "ttft_p50_ms")
+    if value is not None and spread is not None:
+        lines.append(f"1 stream TTFT p50, sidecar - convert-floor: {value:.3g} ms {_range(spread)}")
+    return lines
+
+
+def _range(spread: tuple[float, float]) -> str:
+    return f"(rounds {spread[0]:.3g}..{spread[1]:.3g})"
+
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -204,7 +226,8 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
         *_table(sorted(doc["results"].items(), key=lambda kv: _order(kv[0]))),
         "",
         "Paths: direct = client to the engine's native API; bare-proxy = bench/bare_proxy.py (raw bytes, "
-        "no decoding); sidecar = sidecar-vllm; sidecar-grpc/-http = sidecar-sglang per transport. "
+        "no decoding); convert-floor = bench/convert_floor.py (decode, convert, encode in one task: the "
+        "floor of a converting hop); sidecar = sidecar-vllm; sidecar-grpc/-http = sidecar-sglang. "
         "µs/msg is per message the client received; tokens/msg > K means the hop coalesced. "
         "Core columns are CPU-seconds per second: the hop (CPU 1), engine + load generator (CPU 0), "
         "and other = anything else on the machine (including steal) during the window.",
@@ -229,12 +252,22 @@ def markdown(doc: dict[str, Any], targets: list[Target]) -> str:
         *(f"- {t.line()}" for t in targets),
         "",
     ]
+    refs = references(doc["results"], doc["latency"])
+    if refs:
+        out += ["Reference ratios (not targets):", "", *(f"- {line}" for line in refs), ""]
     if doc.get("notes"):
         out += ["Notes:", "", *(f"- {n}" for n in doc["notes"]), ""]
     return "\n".join(out)
 
 
-_PATH_ORDER = {"direct": 0, "bare-proxy": 1, "sidecar": 2, "sidecar-grpc": 3, "sidecar-http": 4}
+_PATH_ORDER = {
+    "direct": 0,
+    "bare-proxy": 1,
+    "convert-floor": 2,
+    "sidecar": 3,
+    "sidecar-grpc": 4,
+    "sidecar-http": 5,
+}
 
 
 def _order(name: str) -> tuple[int, int, int, int]:
