@@ -139,8 +139,8 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     engine = parser.add_argument_group("engine connection")
     engine.add_argument(
         "--grpc-endpoint",
-        required=True,
         type=_endpoint,
+        default=None,
         metavar="HOST:PORT",
         help="the engine's gRPC address: host:port, grpc://host:port or http://host:port",
     )
@@ -315,7 +315,14 @@ def parse_config(
     engine's own flags). Usage errors exit 2 through argparse; nothing here does I/O."""
     parser = build_parser(spec, prog=prog)
     ns = _parse_with_env(parser, argv, environ)
-    endpoint: Endpoint = ns.grpc_endpoint
+    endpoint: Endpoint | None = ns.grpc_endpoint
+    if endpoint is None and spec.endpoint_when_unset is not None:
+        try:
+            endpoint = spec.endpoint_when_unset(ns)
+        except ValueError as error:
+            parser.error(str(error))
+    if endpoint is None:
+        parser.error(f"--grpc-endpoint (or {ENV_PREFIX}GRPC_ENDPOINT) is required")
     log_format: LogFormat = ns.log_format or log_format_default or default_log_format()
     pool = PoolConfig(
         endpoint=endpoint,

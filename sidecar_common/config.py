@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import Engine
 from sidecar_common.pool import PoolConfig
 
@@ -35,8 +36,13 @@ class EngineSpec:
     ``build`` receives the common config and the parsed namespace (for the engine's own
     flags, e.g. SGLang's ``--transport``). It must not do I/O; ``Engine.start`` does.
     A bad engine-specific flag value raises ``ValueError`` with a message (usage error).
+
+    ``endpoint_when_unset`` lets an engine whose chosen transport is not gRPC (SGLang over
+    HTTP) supply the engine address when ``--grpc-endpoint`` is not given; returning None
+    keeps ``--grpc-endpoint`` required.
     """
 
     name: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     build: Callable[[SidecarConfig, argparse.Namespace], Engine]
+    endpoint_when_unset: Callable[[argparse.Namespace], Endpoint | None] | None = None

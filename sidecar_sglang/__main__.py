@@ -7,7 +7,7 @@ import argparse
 
 from sidecar_common.cli import run_engine
 from sidecar_common.config import EngineSpec, SidecarConfig
-from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.engine import Engine
 from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
@@ -36,13 +36,33 @@ def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
         return SglangGrpcEngine(config)
     if transport != "http":
         raise ValueError(f"--transport must be grpc or http, not {transport!r}")
+    endpoint = _http_endpoint(namespace)
+    if endpoint is None:
+        raise ValueError("--http-endpoint is required with --transport http")
+    return SglangHttpEngine(config, endpoint)
+
+
+def _http_endpoint(namespace: argparse.Namespace) -> Endpoint | None:
     text = getattr(namespace, "http_endpoint", None)
     if not text:
-        raise ValueError("--http-endpoint is required with --transport http")
-    return SglangHttpEngine(config, parse_endpoint(text))
+        return None
+    try:
+        return parse_endpoint(text)
+    except EndpointError as error:
+        raise ValueError(f"--http-endpoint: {error}") from error
 
 
-SPEC = EngineSpec(name="sglang", add_arguments=_add_arguments, build=build)
+def _endpoint_when_unset(namespace: argparse.Namespace) -> Endpoint | None:
+    """Over HTTP the gRPC endpoint is not used: the HTTP one stands in (so logs and the
+    start-up deadline name the address really dialled)."""
+    if getattr(namespace, "transport", "grpc") != "http":
+        return None
+    return _http_endpoint(namespace)
+
+
+SPEC = EngineSpec(
+    name="sglang", add_arguments=_add_arguments, build=build, endpoint_when_unset=_endpoint_when_unset
+)
 
 
 def main() -> None:

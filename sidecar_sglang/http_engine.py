@@ -64,8 +64,8 @@ class _NotHealthy(Exception):
 
 
 class SglangHttpEngine:
-    """One SGLang engine's HTTP server (``--port``), through one aiohttp session whose
-    connection limit matches ``--grpc-connections``."""
+    """One SGLang engine's HTTP server (``--port``), through one aiohttp session for the
+    generations and a small one for control calls."""
 
     def __init__(
         self,
@@ -97,10 +97,11 @@ class SglangHttpEngine:
         )
 
     def _http(self) -> aiohttp.ClientSession:
-        """Generations: HTTP/1.1 holds one connection per stream, so ``--grpc-connections``
-        bounds the generations in flight on the engine (the rest queue here)."""
+        """Generations: HTTP/1.1 holds one connection per stream, so any cap here would queue
+        generations inside the sidecar, invisible to the engine's scheduler (which is where
+        admission belongs). Hence no connection limit (aiohttp's 0)."""
         if self._session is None:
-            self._session = self._new_session(self._config.pool.connections)
+            self._session = self._new_session(0)
         return self._session
 
     def _control(self) -> aiohttp.ClientSession:

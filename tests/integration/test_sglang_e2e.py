@@ -510,3 +510,16 @@ async def test_decode_without_a_handoff_is_refused_before_any_engine_call(transp
         _, err = await collect_until_error(s.stub.Generate(public_request(), timeout=10))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert s.engine.book.received == []
+
+
+@TRANSPORTS
+async def test_concurrent_generations_are_not_capped_by_the_connection_count(transport: Transport) -> None:
+    # Over HTTP/1.1 each stream holds a connection; the engine's scheduler, not the sidecar,
+    # must decide how many run. With 2 pool connections, 12 streams all reach the engine.
+    async with sglang_stack(transport, connections=2, token_latency_ms=20, max_running_requests=64) as s:
+        calls = [s.stub.Generate(public_request(f"wide-{i}", max_tokens=200), timeout=30) for i in range(12)]
+        for call in calls:
+            assert (await call.read()).token_ids
+        assert s.engine.book.running_count == 12
+        for call in calls:
+            call.cancel()

@@ -337,3 +337,31 @@ def test_default_log_format_follows_the_terminal() -> None:
 
     assert default_log_format(Tty()) == "console"
     assert default_log_format(io.StringIO()) == "json"
+
+
+def test_sglang_over_http_needs_no_grpc_endpoint() -> None:
+    from sidecar_sglang.__main__ import SPEC as SGLANG
+
+    config, ns = parse_config(
+        SGLANG, ["--transport", "http", "--http-endpoint", "127.0.0.1:30000"], {}, log_format_default="json"
+    )
+    assert ns.transport == "http"
+    assert config.pool.endpoint == Endpoint("127.0.0.1", 30000)
+
+
+def test_sglang_over_grpc_still_requires_the_grpc_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    from sidecar_sglang.__main__ import SPEC as SGLANG
+
+    with pytest.raises(SystemExit) as exc:
+        parse_config(SGLANG, ["--http-endpoint", "127.0.0.1:30000"], {}, log_format_default="json")
+    assert exc.value.code == 2
+    assert "--grpc-endpoint" in capsys.readouterr().err
+
+
+def test_sglang_bad_http_endpoint_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from sidecar_sglang.__main__ import SPEC as SGLANG
+
+    with pytest.raises(SystemExit) as exc:
+        parse_config(SGLANG, ["--transport", "http", "--http-endpoint", "https://x:1"], {})
+    assert exc.value.code == 2
+    assert "--http-endpoint" in capsys.readouterr().err
