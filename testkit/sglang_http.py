@@ -94,6 +94,38 @@ def _ints(body: dict[str, Any], key: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+# SamplingParams' keyword arguments in SGLang 0.5.23 (the HTTP seed is `sampling_seed`).
+_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "n",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "custom_params",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+    }
+)
+
+
 def native_request_from_json(body: object, rid: str, default_bootstrap_port: int) -> NativeRequest:
     """A /generate body → NativeRequest; _BadBody (HTTP 400) when a field has the wrong type."""
     if not isinstance(body, dict):
@@ -110,9 +142,11 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         stop = (stop,)
     if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
         raise _BadBody("sampling_params.stop: Input should be a string or a list of strings")
-    seed = _int(sp, "seed")
-    if seed is None:
-        seed = _int(sp, "sampling_seed")
+    unknown = sorted(set(sp) - _SAMPLING_KEYS)
+    if unknown:
+        # SGLang builds SamplingParams(**sampling_params): an unknown key is a 400 there.
+        raise _BadBody(f"sampling_params: unexpected keyword argument {unknown[0]!r}")
+    seed = _int(sp, "sampling_seed")
     bootstrap = None
     host = body.get("bootstrap_host")
     room = _int(body, "bootstrap_room")

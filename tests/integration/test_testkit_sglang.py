@@ -211,6 +211,22 @@ async def test_http_non_streaming_returns_one_json(make_engine: Factory, http: a
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
+async def test_http_refuses_unknown_sampling_keys_as_sglang_does(
+    make_engine: Factory, http: aiohttp.ClientSession
+) -> None:
+    # SGLang's HTTP seed is `sampling_seed`; `seed` is an unknown SamplingParams keyword (400).
+    engine = await make_engine()
+    url = f"http://127.0.0.1:{engine.http_port}/generate"
+    body = hbody("seeded", 3, ignore_eos=True)
+    body["sampling_params"]["seed"] = 7
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 400
+        assert "seed" in (await resp.json())["message"]
+    body["sampling_params"]["sampling_seed"] = body["sampling_params"].pop("seed")
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 200
+
+
 # -- finish reasons -------------------------------------------------------------------------
 @pytest.mark.parametrize("wire", ["grpc", "http"])
 async def test_finish_reasons(
