@@ -10,13 +10,15 @@ that received every terminal is never aborted.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import structlog
@@ -37,6 +39,7 @@ __all__ = [
     "choice_count",
     "make_private_id",
     "new_public_id",
+    "run_to_completion",
 ]
 
 _log = structlog.get_logger(__name__)
@@ -150,6 +153,28 @@ class Delivery:
                 )
             )
         return outs
+
+
+async def run_to_completion(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Run a bounded cleanup to its end even if the caller is cancelled meanwhile.
+
+    anyio's shield stops anyio cancellations only: grpc.aio cancels a handler's task
+    natively, possibly more than once, and each cancel would cut an engine abort short.
+    The cleanup runs as its own task; a cancel that arrived while waiting for it is
+    re-raised once it is done.
+    """
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class CancelCause(enum.Enum):

@@ -66,9 +66,18 @@ class Metrics:
             "sidecar_engine_aborts", "Abort calls sent to the engine", labels, registry=self.registry
         )
 
+        # Children bound once: labels() on every chunk would cost more than the update.
+        self._started = self.requests_started.labels(engine)
+        self._inflight = self.inflight.labels(engine)
+        self._ttft = self.time_to_first_token.labels(engine)
+        self._gap = self.inter_chunk_latency.labels(engine)
+        self._merges = self.coalesced_merges.labels(engine)
+        self._aborts = self.engine_aborts.labels(engine)
+        self._connected = self.engine_connected.labels(engine)
+
     def started(self) -> None:
-        self.requests_started.labels(self.engine).inc()
-        self.inflight.labels(self.engine).inc()
+        self._started.inc()
+        self._inflight.inc()
 
     def finished(self, finish_reason: str) -> None:
         self.requests_finished.labels(self.engine, finish_reason).inc()
@@ -77,20 +86,20 @@ class Metrics:
         self.requests_failed.labels(self.engine, reason).inc()
 
     def ended(self) -> None:
-        self.inflight.labels(self.engine).dec()
+        self._inflight.dec()
 
     def first_token(self, seconds: float) -> None:
-        self.time_to_first_token.labels(self.engine).observe(seconds)
+        self._ttft.observe(seconds)
 
     def inter_chunk(self, seconds: float) -> None:
-        self.inter_chunk_latency.labels(self.engine).observe(seconds)
+        self._gap.observe(seconds)
 
     def merged(self, count: int) -> None:
         if count > 0:
-            self.coalesced_merges.labels(self.engine).inc(count)
+            self._merges.inc(count)
 
     def aborted(self) -> None:
-        self.engine_aborts.labels(self.engine).inc()
+        self._aborts.inc()
 
     def set_engine_connected(self, connected: bool) -> None:
-        self.engine_connected.labels(self.engine).set(1 if connected else 0)
+        self._connected.set(1 if connected else 0)

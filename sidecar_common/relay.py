@@ -15,16 +15,16 @@ the hold timeout, and only then aborts.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.coalesce import coalesce
-from sidecar_common.dispatch import Delivery, Generation
+from sidecar_common.dispatch import Delivery, Generation, run_to_completion
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
 
@@ -41,30 +41,76 @@ class RelayConfig:
     busy_turns: int = 2  # loop turns before taking the buffer while the sidecar is under load
 
 
-class _PumpState:
-    def __init__(self) -> None:
-        # Set when nobody reads the buffer any more: the pump discards and stops at the
-        # first token (decode hold) instead of blocking on a full buffer.
+class _Buffer:
+    """A bounded FIFO from the pump to the writer.
+
+    Leaner than an anyio memory stream on the hot path: no checkpoint per item (the
+    engine read is the pump's suspension point), and the writer can look at what is
+    queued before taking it, which is what coalescing needs.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._items: deque[sidecar_pb2.LLMEngineOutput] = deque()
+        self._capacity = capacity
+        self.ended = False  # the pump is done: nothing more will come
+        # Nobody reads any more: the pump discards and, with the decode hold, stops at the
+        # first token instead of blocking on a full buffer.
         self.detached = False
+        self._data: anyio.Event | None = None  # the writer waits for an item
+        self._space: anyio.Event | None = None  # the pump waits for room
+
+    async def put(self, item: sidecar_pb2.LLMEngineOutput) -> bool:
+        """Queue one chunk; False (and nothing queued) once the writer is gone."""
+        while len(self._items) >= self._capacity and not self.detached:
+            self._space = anyio.Event()
+            await self._space.wait()
+        if self.detached:
+            return False
+        self._items.append(item)
+        self._wake_writer()
+        return True
+
+    async def wait(self) -> bool:
+        """Wait for a chunk; False once the pump ended and everything was taken."""
+        while not self._items:
+            if self.ended:
+                return False
+            self._data = anyio.Event()
+            await self._data.wait()
+        return True
+
+    def take(self) -> list[sidecar_pb2.LLMEngineOutput]:
+        items = list(self._items)
+        self._items.clear()
+        self._wake_pump()
+        return items
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake_writer()
+
+    def detach(self) -> None:
+        self.detached = True
+        self._items.clear()
+        self._wake_pump()
+
+    def _wake_writer(self) -> None:
+        if self._data is not None:
+            self._data.set()
+            self._data = None
+
+    def _wake_pump(self) -> None:
+        if self._space is not None:
+            self._space.set()
+            self._space = None
 
 
-async def _pump(
-    gen: Generation,
-    send: MemoryObjectSendStream[sidecar_pb2.LLMEngineOutput],
-    scope: anyio.CancelScope,
-    state: _PumpState,
-) -> None:
-    with scope, send:
+async def _pump(gen: Generation, buffer: _Buffer, scope: anyio.CancelScope) -> None:
+    with scope:
         try:
             async for out in gen.stream():
                 gen.tracker.observe(out)
-                if not state.detached:
-                    try:
-                        await send.send(out)
-                        continue
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        state.detached = True
-                if gen.tracker.saw_token_or_terminal:
+                if not await buffer.put(out) and gen.tracker.saw_token_or_terminal:
                     return
             if not gen.complete:
                 gen.fail(gen.ended_early())
@@ -75,10 +121,12 @@ async def _pump(
             gen.fail(
                 SidecarError(ErrorReason.UNKNOWN, f"{gen.engine.name} generate: {type(exc).__name__}: {exc}")
             )
+        finally:
+            buffer.end()
 
 
 async def _write_loop(
-    recv: MemoryObjectReceiveStream[sidecar_pb2.LLMEngineOutput],
+    buffer: _Buffer,
     write: Write,
     delivery: Delivery,
     config: RelayConfig,
@@ -86,14 +134,9 @@ async def _write_loop(
     metrics: Metrics | None,
     started_at: float,
 ) -> None:
-    capacity = config.capacity
     backlog = False
     last_sent: float | None = None
-    while True:
-        try:
-            first = await recv.receive()
-        except anyio.EndOfStream:
-            return
+    while await buffer.wait():
         # A writer that wakes for each chunk usually finds only that one queued. When the
         # frontend is slower than the engine (backlog) or the sidecar is busy, a loop turn
         # or two lets the pump queue what has already arrived, so the next message carries
@@ -101,12 +144,7 @@ async def _write_loop(
         turns = config.busy_turns if under_load is not None and under_load() else int(backlog)
         for _ in range(turns):
             await anyio.lowlevel.checkpoint()
-        batch = [first]
-        while len(batch) < capacity:
-            try:
-                batch.append(recv.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
+        batch = buffer.take()
         backlog = len(batch) > 1
         msgs = coalesce(batch)
         for msg in msgs:
@@ -140,38 +178,43 @@ async def relay(
     prefix. However it ends (including by cancellation), the engine request is aborted
     exactly once unless every terminal arrived, and the engine stream is closed."""
     t0 = time.monotonic() if started_at is None else started_at
-    send, recv = anyio.create_memory_object_stream[sidecar_pb2.LLMEngineOutput](config.capacity)
+    buffer = _Buffer(config.capacity)
     pump_scope = anyio.CancelScope(shield=True)
-    state = _PumpState()
     # Kept out of the task group so that it is not wrapped in an ExceptionGroup.
     write_error: Exception | None = None
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_pump, gen, send, pump_scope, state)
+            tg.start_soon(_pump, gen, buffer, pump_scope)
             try:
-                with recv:
-                    await _write_loop(recv, write, delivery, config, under_load, metrics, t0)
+                await _write_loop(buffer, write, delivery, config, under_load, metrics, t0)
             except Exception as exc:
                 write_error = exc
             finally:
-                state.detached = True
-                with anyio.CancelScope(shield=True):
-                    if gen.complete:
-                        # Every terminal arrived: the iterator is about to end; never abort.
-                        pump_scope.deadline = anyio.current_time() + config.drain_grace
-                    elif gen.hold_pending:
-                        pump_scope.deadline = anyio.current_time() + config.hold_timeout
-                    else:
-                        await _abort(gen, metrics)
+                buffer.detach()
+                if gen.complete:
+                    # Every terminal arrived: the iterator is about to end; never abort.
+                    pump_scope.deadline = anyio.current_time() + config.drain_grace
+                elif gen.hold_pending:
+                    pump_scope.deadline = anyio.current_time() + config.hold_timeout
+                else:
+                    try:
+                        # The abort goes out before the stream is cut (pump cancelled).
+                        with anyio.CancelScope(shield=True):
+                            await run_to_completion(_abort(gen, metrics))
+                    finally:
                         pump_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            await _abort(gen, metrics)
-            await gen.close_stream()
+            await run_to_completion(_finish(gen, metrics))
     if write_error is not None:
         raise write_error
     if gen.error is not None:
         raise gen.error
+
+
+async def _finish(gen: Generation, metrics: Metrics | None) -> None:
+    await _abort(gen, metrics)
+    await gen.close_stream()
 
 
 async def _abort(gen: Generation, metrics: Metrics | None) -> None:

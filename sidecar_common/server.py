@@ -286,7 +286,12 @@ class SidecarServer:
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:
         started_at = time.monotonic()
-        refusal = self._refusal()
+        # A bad request is refused as such whatever the engine's state (it would fail on
+        # any worker, so it must not look migratable); validation needs the discovered
+        # engine, hence after the not-serving check.
+        refusal = (
+            None if self._serving else SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
+        )
         if refusal is None:
             try:
                 self._engine.validate(request)
@@ -294,6 +299,8 @@ class SidecarServer:
                 refusal = err
             except Exception as exc:
                 refusal = _unexpected(f"{self._engine.name} validate", exc)
+        if refusal is None:
+            refusal = self._refusal()
         if refusal is not None:
             if self._metrics is not None:
                 self._metrics.failed(refusal.reason.value)

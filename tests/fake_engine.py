@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.dispatch import choice_count
@@ -91,6 +92,8 @@ class FakeEngine:
         try:
             for step in steps:
                 if isinstance(step, sidecar_pb2.LLMEngineOutput):
+                    # A real engine suspends on its transport for every message.
+                    await anyio.lowlevel.checkpoint()
                     self._record("yield", pid)
                     yield step
                 elif isinstance(step, BaseException):

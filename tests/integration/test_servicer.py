@@ -390,6 +390,9 @@ async def test_health_watch_follows_the_engine() -> None:
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         detail = error_info(info.value)
         assert (detail.reason, detail.metadata["migratable"]) == ("CANNOT_CONNECT", "true")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(h.stub.Generate(request(token_ids=[])))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # bad anywhere: not migratable
         engine.healthy_answer = True
         await h.wait_health(SERVING)
         assert (await collect(h.stub.Generate(request())))[-1].finish_reason == sidecar_pb2.EOS
