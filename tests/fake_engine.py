@@ -59,6 +59,7 @@ class FakeEngine:
     running: set[str] = field(default_factory=set)
     closed: bool = False
     abort_hangs: bool = False  # an engine whose abort call never answers
+    abort_latency: float = 0.0  # a real abort is a network call: it is recorded when it lands
 
     @property
     def name(self) -> str:
@@ -107,6 +108,8 @@ class FakeEngine:
             self._record("closed", pid)
 
     async def abort(self, private_id: str) -> None:
+        if self.abort_latency:
+            await anyio.sleep(self.abort_latency)
         self.aborts.append(private_id)
         self._record("abort", private_id)
         if self.abort_hangs:

@@ -474,3 +474,25 @@ async def test_reflection_lists_the_services() -> None:
             assert {"sidecar.v1.Worker", "grpc.health.v1.Health"} <= names
         finally:
             await channel.close(None)
+
+
+async def test_cancel_of_a_client_that_stopped_reading_aborts_once() -> None:
+    # 10 MB of tokens against a 64 KiB window (no BDP growth): the handler is soon blocked
+    # in its write, and the pump on a full buffer, when the client cancels.
+    big = [tokens(*([300] * 1000)) for _ in range(5000)]
+    engine = FakeEngine(scripts={"r": [*big, terminal(1)]}, abort_latency=0.05)
+    async with servicer_running(engine) as h:
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{h.server.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        try:
+            call = sidecar_pb2_grpc.WorkerStub(channel).Generate(request("r"))
+            await call.read()
+            await anyio.sleep(0.3)  # the windows and the relay's buffer fill, then nothing moves
+            yielded = sum(1 for kind, _ in engine.events if kind == "yield")
+            assert yielded < len(big)  # backpressure reached the engine
+            call.cancel()
+            await engine.wait_for("closed")
+            assert engine.aborts == [engine.calls[0].private_id]
+        finally:
+            await channel.close(None)
