@@ -144,9 +144,9 @@ def requests(draw: st.DrawFn) -> sidecar_pb2.PreprocessedRequest:
     if draw(st.booleans()):
         out = req.output_options
         out.SetInParent()
-        # Extreme top-N only with short prompts: the testkit engine computes every prompt
-        # position's top-N on its event loop (a real vLLM refuses N > max_logprobs = 20).
-        top_n = small_or_extreme if len(req.token_ids) <= 12 else st.integers(0, 40)
+        # Top-N stays moderate: the testkit engines compute each position's top-N over the whole
+        # vocabulary on their event loop (a real vLLM refuses N > max_logprobs = 20 itself).
+        top_n = st.integers(0, 40)
         put(out, "logprobs", draw(maybe(top_n)))
         put(out, "prompt_logprobs", draw(maybe(top_n)))
         put(out, "skip_special_tokens", draw(maybe(st.booleans())))
@@ -190,25 +190,24 @@ async def answer(r: Rig, req: sidecar_pb2.PreprocessedRequest) -> tuple[Ended, b
             call.cancel()
     except grpc.aio.AioRpcError as err:
         ended.error = err
-    return ended, len(r.book.received) > before
+    saw = len(r.book.received) > before
+    # The sidecar stays healthy: its own probe of the engine still succeeds afterwards.
+    assert await r.adapter.healthy(), "the engine probe fails after this request"
+    return ended, saw
 
 
-# SGLang's gRPC server refuses these with status INTERNAL, which the sidecar reports as
-# UNKNOWN: pinned by test_sglang_grpc_engine_refusals_are_invalid_argument (xfail, defect).
-SGLANG_GRPC_REFUSALS = (
-    "outside the vocabulary",
-    "longer than the model's context length",
-    "exceeds the model's maximum context length",
-)
-
-
+# SGLang's gRPC server refuses a request (before any output) with status INTERNAL, which the
+# sidecar reports as UNKNOWN: pinned by test_sglang_grpc_engine_refusals_are_invalid_argument
+# (xfail, defect); here such an answer is recognised and counted, not failed.
 def known_sglang_grpc_refusal(kind: Kind, ended: Ended, engine_saw_it: bool) -> bool:
-    details = ended.error.details() if ended.error is not None else ""
+    details = (ended.error.details() if ended.error is not None else "") or ""
     return (
         kind == "sglang-grpc"
         and engine_saw_it
+        and not ended.outs
         and ended.code is grpc.StatusCode.UNKNOWN
-        and any(phrase in (details or "") for phrase in SGLANG_GRPC_REFUSALS)
+        and details.startswith("Generate: ")
+        and details.endswith("(INTERNAL)")
     )
 
 
@@ -277,11 +276,15 @@ def test_non_finite_sampling_floats_are_refused_by_name(stack: Background, value
     reason="defect: over SGLang gRPC an engine refusal (status INTERNAL) reaches the frontend as "
     "UNKNOWN; the sidecar knows vocab_size and the context length and could refuse by name",
 )
-@pytest.mark.parametrize("prompt", [[32000], [101] * 5000], ids=["out_of_vocabulary", "too_long"])
-def test_sglang_grpc_engine_refusals_are_invalid_argument(prompt: list[int]) -> None:
+@pytest.mark.parametrize("case", ["out_of_vocabulary", "too_long", "dp_rank"])
+def test_sglang_grpc_engine_refusals_are_invalid_argument(case: str) -> None:
+    req = request("refused", [32000] if case == "out_of_vocabulary" else [101] * 5000, 4)
+    if case == "dp_rank":
+        req = request("refused", [101], 4)
+        req.routing.dp_rank = 1
     bg = Background("sglang-grpc")
     try:
-        ended, _ = bg.run(answer(bg.rig, request("refused", prompt, 4)))
+        ended, _ = bg.run(answer(bg.rig, req))
         assert ended.code is grpc.StatusCode.INVALID_ARGUMENT, (ended.code, ended.error)
     finally:
         bg.close()
