@@ -18,7 +18,7 @@ from testkit.faults import FaultKind, FaultPlan
 from tests.reliability.harness import KINDS, Ended, Kind, expected_tokens, finish, request, rig, until
 
 STREAMS = 1000
-STALL = 2.0  # every request waits this long at the engine before its first token
+STALL = 4.0  # every request waits this long at the engine before its first token
 
 
 @pytest.mark.slow
