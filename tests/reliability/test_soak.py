@@ -40,7 +40,7 @@ from tests.reliability.harness import (
 SCALE = float(os.environ.get("SIDECAR_SOAK_SCALE", "1"))
 REQUESTS = max(1, int(3000 * SCALE))
 IN_FLIGHT = 200
-WARMUP = 400
+WARMUP = 200
 SEED = 20261130
 MALFORMED = ("missing_finish_reason", "unknown_finish_reason", "count_mismatch", "negative_id")
 KNOWN_ABORT_RACE = True
