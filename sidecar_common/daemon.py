@@ -7,8 +7,9 @@ discovery within the one startup deadline) -> health SERVING -> systemd READY=1.
 Signals: the first SIGTERM/SIGINT stops the start-up if it is still running, or starts the
 graceful drain (health NOT_SERVING at once, in-flight generations get --drain-timeout-secs,
 then are cancelled and aborted on the engine). A second signal during the drain skips the
-rest of the wait: the in-flight generations are cancelled right away. Either way the
-process exits 0, because it stopped as asked.
+rest of the wait: the in-flight generations are cancelled right away, each still ending with
+ENGINE_SHUTDOWN (migratable) after its engine abort; a third stops waiting for that cleanup.
+Either way the process exits 0, because it stopped as asked.
 
 A start-up failure is one log line (no traceback for an expected failure such as an engine
 that cannot be reached) and exit code 1, after closing whatever had been opened.
@@ -62,6 +63,8 @@ class _Stopper:
     drain: anyio.CancelScope
     requested: anyio.Event
     signals_seen: int = 0
+    # Set once the server is up: what a second signal calls to end in-flight work now.
+    cancel_inflight: Callable[[], object] | None = None
 
     async def watch(self, signals: AsyncIterator[signal.Signals]) -> None:
         async for signum in signals:
@@ -70,8 +73,13 @@ class _Stopper:
                 log.info("stop requested", signal=signum.name)
                 self.requested.set()
                 self.startup.cancel()
-            else:
+            elif self.signals_seen == 2 and self.cancel_inflight is not None:
+                # Cancelled through the server, not by cutting the drain: each stream still
+                # gets its ENGINE_SHUTDOWN status and its engine abort.
                 log.warning("second stop signal: cancelling in-flight generations now", signal=signum.name)
+                self.cancel_inflight()
+            else:
+                log.warning("another stop signal: not waiting for the cleanup", signal=signum.name)
                 self.drain.cancel()
 
 
@@ -201,6 +209,7 @@ async def _serve(
             return EXIT_OK
 
         server.set_serving()
+        stopper.cancel_inflight = server.cancel_inflight
         info = engine.model_info()
         status = f"serving {info.served_model_name or spec.name} on port {server.port}"
         systemd.notify(f"READY=1\nSTATUS={status}")

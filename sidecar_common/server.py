@@ -55,6 +55,9 @@ class ServerConfig:
     health_watch_interval: float = 1.0  # background engine health watch period
     health_probe_timeout: float = 5.0
     abort_timeout: float = 5.0
+    # stop(): how long the final statuses (ENGINE_SHUTDOWN with its ErrorInfo) may take to
+    # reach their clients before the server cuts what is left.
+    stop_grace: float = 1.0
     relay_capacity: int = 32
     # From this many generations in flight, writers let the loop turn before each message
     # so that chunks that arrived meanwhile go out merged (fewer, fuller messages).
@@ -159,6 +162,8 @@ class SidecarServer:
         self._draining = False
         self._stopped = False
         self._watch: asyncio.Task[None] | None = None
+        # The drain's wait for in-flight work; cancel_inflight() ends it early.
+        self._drain_wait: anyio.CancelScope | None = None
 
     @property
     def port(self) -> int:
@@ -217,7 +222,13 @@ class SidecarServer:
         self._update_health()
         log = _log.bind(inflight=self._registry.inflight)
         log.info("drain started", timeout=self._config.drain_timeout)
-        if await self._registry.wait_idle(self._config.drain_timeout):
+        self._drain_wait = anyio.CancelScope(deadline=anyio.current_time() + self._config.drain_timeout)
+        try:
+            with self._drain_wait:
+                await self._registry.wait_idle(float("inf"))
+        finally:
+            self._drain_wait = None
+        if self._registry.inflight == 0:
             log.info("drain finished")
             return
         cancelled = self._registry.cancel_all()
@@ -225,21 +236,39 @@ class SidecarServer:
         # Each cancelled generation may hold for its first token, then aborts (bounded).
         await self._registry.wait_idle(self._cleanup_bound())
 
+    def cancel_inflight(self) -> int:
+        """Stop waiting: refuse new work and end every in-flight generation now with
+        ENGINE_SHUTDOWN (migratable), each aborted on the engine. Returns how many.
+
+        Does not wait: a running :meth:`drain` returns once their cleanup is done (bounded),
+        and :meth:`stop` waits for it too.
+        """
+        self._draining = True
+        self._update_health()
+        if self._drain_wait is not None:
+            self._drain_wait.cancel()
+        cancelled = self._registry.cancel_all()
+        if cancelled:
+            _log.warning("cancelling in-flight generations", cancelled=cancelled)
+        return cancelled
+
     async def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self._draining = True
-        self._update_health()
+        self.cancel_inflight()
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.cancel()
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.health_probe_timeout):
                 await asyncio.gather(watch, return_exceptions=True)
         if self._server is not None:
-            # grace=None cancels what is left; each handler then aborts its engine request
-            # in its own (shielded) cleanup, which we wait for below.
-            await self._server.stop(None)
+            # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
+            # engine abort; the grace lets those statuses reach the clients, where stop(None)
+            # would cut them to a bare UNAVAILABLE. What is still running after it (health
+            # watches, a handler stuck past its bounds) is cancelled.
+            await self._registry.wait_idle(self._cleanup_bound())
+            await self._server.stop(self._config.stop_grace)
             await self._registry.wait_idle(self._cleanup_bound())
         _log.info("sidecar stopped")
 

@@ -316,6 +316,43 @@ async def test_drain_timeout_cancels_and_aborts_what_remains() -> None:
         assert h.server.inflight == 0
 
 
+async def test_cancel_inflight_ends_a_long_drain_with_engine_shutdown_and_one_abort() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG], "s": [tokens(1), HANG]})
+    async with servicer_running(engine, drain_timeout=3600) as h:
+        calls = [h.stub.Generate(request("r")), h.stub.Generate(request("s"))]
+        for call in calls:
+            await call.read()
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(h.server.drain)
+                await h.wait_health(NOT_SERVING)
+                assert h.server.cancel_inflight() == 2
+            # drain() returned: the hour-long wait ended, and every cleanup ran.
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            info_detail = error_info(info.value)
+            assert info_detail.reason == "ENGINE_SHUTDOWN"
+            assert info_detail.metadata["migratable"] == "true"
+        assert sorted(engine.aborts) == sorted(c.private_id for c in engine.calls)
+        assert h.server.inflight == 0
+        assert h.server.cancel_inflight() == 0
+
+
+async def test_stop_ends_in_flight_work_with_engine_shutdown_not_a_bare_status() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
+    async with servicer_running(engine) as h:
+        call = h.stub.Generate(request("r"))
+        await call.read()
+        await h.server.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error_info(info.value).reason == "ENGINE_SHUTDOWN"
+        assert engine.aborts == [engine.calls[0].private_id]
+
+
 async def test_decode_hold_aborts_only_after_the_first_token() -> None:
     gate = anyio.Event()
     engine = FakeEngine(scripts={"r": [Gate(gate), tokens(1), HANG]})
