@@ -66,8 +66,13 @@ def to_generate_request(
     *,
     mode: DisaggregationMode,
     supports_vision: bool,
+    data_parallel_size: int = 0,
 ) -> vllm_engine_pb2.GenerateRequest:
-    """The native request for one generation, or INVALID_ARGUMENT naming the field."""
+    """The native request for one generation, or INVALID_ARGUMENT naming the field.
+
+    ``data_parallel_size`` is the engine's, as discovered at start-up (0: not known, then a
+    routed rank is not checked against it).
+    """
     if not request.token_ids:
         raise invalid_argument("token_ids", "the prompt is empty")
     _refuse_uncarried(request, mode)
@@ -80,7 +85,7 @@ def to_generate_request(
     media = _media_refs(request.multi_modal_data, supports_vision)
     if media is not None:
         native.media_refs.CopyFrom(media)
-    rank = _dp_rank(request.routing, mode)
+    rank = _dp_rank(request.routing, mode, data_parallel_size)
     if rank is not None:
         native.data_parallel_rank = rank
     kv = _kv_transfer_params(request, mode)
@@ -245,12 +250,19 @@ def _media_refs(
     return refs
 
 
-def _dp_rank(r: sidecar_pb2.RoutingHints, mode: DisaggregationMode) -> int | None:
+def _dp_rank(r: sidecar_pb2.RoutingHints, mode: DisaggregationMode, dp_size: int) -> int | None:
     if mode == "prefill" and r.HasField("prefill_dp_rank"):
-        return _int32("routing.prefill_dp_rank", r.prefill_dp_rank)
-    if r.HasField("dp_rank"):
-        return _int32("routing.dp_rank", r.dp_rank)
-    return None
+        name, rank = "routing.prefill_dp_rank", r.prefill_dp_rank
+    elif r.HasField("dp_rank"):
+        name, rank = "routing.dp_rank", r.dp_rank
+    else:
+        return None
+    # The engine would fail such a request with an opaque error; it is the caller's mistake.
+    if dp_size > 0 and rank >= dp_size:
+        raise invalid_argument(
+            name, f"rank {rank} is out of range: the engine has data_parallel_size {dp_size}"
+        )
+    return _int32(name, rank)
 
 
 def _kv_transfer_params(

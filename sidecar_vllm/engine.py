@@ -216,8 +216,14 @@ class VllmEngine:
     def _convert(
         self, request: sidecar_pb2.PreprocessedRequest, private_id: str
     ) -> vllm_engine_pb2.GenerateRequest:
-        vision = self._info.supports_vision if self._info is not None else False
-        return to_generate_request(request, private_id, mode=self._mode, supports_vision=vision)
+        info = self._info
+        return to_generate_request(
+            request,
+            private_id,
+            mode=self._mode,
+            supports_vision=info.supports_vision if info is not None else False,
+            data_parallel_size=info.data_parallel_size if info is not None else 0,
+        )
 
     def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
         self._convert(request, "validate")

@@ -384,6 +384,40 @@ def test_data_parallel_rank(
         assert native.data_parallel_rank == sent
 
 
+@pytest.mark.parametrize(
+    ("mode", "field", "rank", "size", "ok"),
+    [
+        ("agg", "dp_rank", 1, 2, True),
+        ("agg", "dp_rank", 2, 2, False),
+        ("agg", "dp_rank", 7, 1, False),
+        ("agg", "dp_rank", 7, 0, True),  # size not known: the engine decides
+        ("decode", "dp_rank", 4, 4, False),
+        ("prefill", "prefill_dp_rank", 3, 3, False),
+        ("prefill", "prefill_dp_rank", 2, 3, True),
+        ("agg", "prefill_dp_rank", 9, 2, True),  # not sent outside prefill: not checked
+    ],
+)
+def test_data_parallel_rank_beyond_the_engines_size_is_refused_by_name(
+    mode: DisaggregationMode, field: str, rank: int, size: int, ok: bool
+) -> None:
+    req = make()
+    setattr(req.routing, field, rank)
+    if mode == "decode":
+        req.prefill_result.disaggregated_params.update({"k": "v"})
+
+    def run() -> vllm_engine_pb2.GenerateRequest:
+        return to_generate_request(req, "p", mode=mode, supports_vision=False, data_parallel_size=size)
+
+    if ok:
+        run()
+    else:
+        with pytest.raises(SidecarError) as info:
+            run()
+        assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+        assert f"routing.{field}" in info.value.message
+        assert str(size) in info.value.message
+
+
 # --------------------------------------------------------------------- disaggregation
 
 
