@@ -28,6 +28,7 @@ from sidecar_common.errors import invalid_argument
 __all__ = [
     "INT32_MAX",
     "ROOM_MAX",
+    "SGLANG_DEFAULT_MAX_NEW_TOKENS",
     "Bootstrap",
     "NativeRequest",
     "NativeSampling",
@@ -41,6 +42,10 @@ __all__ = [
 INT32_MAX: Final = 2**31 - 1
 INT32_MIN: Final = -(2**31)
 ROOM_MAX: Final = 2**63 - 1
+# SGLang's SamplingParams: max_new_tokens when the request names none, and the temperature
+# below which it samples greedily (forcing top_k to 1, so any top_k is then accepted).
+SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
+_SAMPLING_EPS: Final = 1e-6
 _DECIMAL: Final = re.compile(r"[0-9]{1,20}")
 
 Mode = Literal["agg", "prefill", "decode"]
@@ -73,6 +78,8 @@ class RequestSettings:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     low_priority_values_first: bool = False
+    # The engine's data-parallel size (server info ``dp_size``); None: unknown, not checked.
+    dp_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,43 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         raise invalid_argument("token_ids", f"token ids must fit in int32 (got {bad})")
 
 
+# SGLang's SamplingParams.verify ranges: the engine refuses anything outside them (over gRPC
+# as INTERNAL, which would reach the frontend as UNKNOWN), so the sidecar refuses by name first.
+# (low, high, low inclusive, high inclusive); NaN fails every comparison, so it is refused too.
+_FLOAT_RANGES: Final[Mapping[str, tuple[float, float, bool, bool]]] = {
+    "temperature": (0.0, math.inf, True, False),
+    "top_p": (0.0, 1.0, False, True),
+    "min_p": (0.0, 1.0, True, True),
+    "frequency_penalty": (-2.0, 2.0, True, True),
+    "presence_penalty": (-2.0, 2.0, True, True),
+    "repetition_penalty": (0.0, 2.0, False, True),
+}
+
+
+def _check_floats(sampling: NativeSampling) -> None:
+    for name, (low, high, low_in, high_in) in _FLOAT_RANGES.items():
+        value = getattr(sampling, name)
+        if value is None:
+            continue
+        where = f"sampling_options.{name}"
+        if not math.isfinite(value):
+            raise invalid_argument(where, f"must be a finite number (got {value})")
+        above = value >= low if low_in else value > low
+        below = value <= high if high_in else value < high
+        if not (above and below):
+            span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+            raise invalid_argument(where, f"must be in {span} for SGLang (got {value:g})")
+
+
+def _check_top_k(sampling: NativeSampling) -> None:
+    top_k, temperature = sampling.top_k, sampling.temperature
+    if top_k is None or top_k == -1 or top_k >= 1:
+        return
+    if temperature is not None and 0.0 <= temperature < _SAMPLING_EPS:
+        return  # greedy: SGLang replaces top_k with 1 before it checks it
+    raise invalid_argument("sampling_options.top_k", f"must be -1 (all) or at least 1 (got {top_k})")
+
+
 def _guided(s: sidecar_pb2.SamplingOptions) -> tuple[str | None, str | None]:
     if not s.HasField("guided_decoding"):
         return None, None
@@ -213,8 +257,14 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
     if prefill:
         # The prefill half only computes the KV cache and hands it over: one token, no minimum.
         max_new, min_new = 1, None
+    elif min_new is not None:
+        # SGLang refuses min_new_tokens above max_new_tokens (its default when absent).
+        ceiling = SGLANG_DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        if min_new > ceiling:
+            what = "max_tokens" if max_new is not None else "SGLang's default max_new_tokens"
+            raise invalid_argument("stop_conditions.min_tokens", f"{min_new} is more than {what} ({ceiling})")
     json_schema, regex = _guided(s)
-    return NativeSampling(
+    native = NativeSampling(
         temperature=_opt_float(s, "temperature"),
         top_p=_opt_float(s, "top_p"),
         top_k=s.top_k if s.HasField("top_k") else None,
@@ -231,6 +281,9 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
         regex=regex,
         seed=s.seed if s.HasField("seed") else None,
     )
+    _check_floats(native)
+    _check_top_k(native)
+    return native
 
 
 def _struct_int(value: struct_pb2.Value, name: str, maximum: int) -> int:
@@ -295,6 +348,15 @@ def _bootstrap(
     raise invalid_argument("prefill_result", "a decode request needs bootstrap_info or prefill_result")
 
 
+def _check_dp_rank(rank: int, settings: RequestSettings, prefill_rank: bool) -> None:
+    size = settings.dp_size
+    # As SGLang's tokenizer manager: rank 0 on a single-rank engine is ignored, not refused.
+    if size is None or (size <= 1 and rank == 0) or rank < size:
+        return
+    name = "routing.prefill_dp_rank" if prefill_rank else "routing.dp_rank"
+    raise invalid_argument(name, f"{rank} is out of range (the engine has {max(size, 1)} dp ranks)")
+
+
 def _priority(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> int | None:
     if not request.routing.HasField("priority"):
         return None
@@ -325,6 +387,8 @@ def build_native(
         dp_rank = _int32(routing.prefill_dp_rank, "routing.prefill_dp_rank")
     elif routing.HasField("dp_rank"):
         dp_rank = _int32(routing.dp_rank, "routing.dp_rank")
+    if dp_rank is not None:
+        _check_dp_rank(dp_rank, settings, prefill and routing.HasField("prefill_dp_rank"))
     top = max(logprobs or 0, prompt_logprobs or 0)
     return NativeRequest(
         rid=private_id,

@@ -97,7 +97,7 @@ def test_float32_values_reach_the_engine_as_written() -> None:
 
 
 @example(3.4028234663852886e38)  # the float32 maximum: short roundings overflow it
-@given(st.floats(width=32, allow_nan=False, allow_infinity=False))
+@given(st.floats(min_value=0.0, width=32, allow_nan=False, allow_infinity=False))
 def test_float32_shortening_never_changes_the_value(value: float) -> None:
     request = sidecar_pb2.PreprocessedRequest(token_ids=[1])
     request.sampling_options.temperature = value
@@ -332,8 +332,16 @@ _FLOAT_FIELDS = {
 }
 
 
+# Zero where SGLang accepts it (top_p and repetition_penalty must be above 0).
+_VALID = {
+    name: [0.5, 1.0] if name in ("top_p", "repetition_penalty") else [0.0, 0.5, 1.0] for name in _FLOAT_FIELDS
+}
+
+
 @given(
-    st.dictionaries(st.sampled_from(sorted(_FLOAT_FIELDS)), st.sampled_from([0.0, 0.5, 1.0, 2.0]), max_size=6)
+    st.sets(st.sampled_from(sorted(_FLOAT_FIELDS))).flatmap(
+        lambda names: st.fixed_dictionaries({n: st.sampled_from(_VALID[n]) for n in names})
+    )
 )
 def test_absent_is_not_zero_property(given_fields: dict[str, float]) -> None:
     """Exactly the sampling values the frontend set reach the engine, zeros included."""
@@ -344,3 +352,143 @@ def test_absent_is_not_zero_property(given_fields: dict[str, float]) -> None:
     for name, native_name in _FLOAT_FIELDS.items():
         assert sent.HasField(native_name) == (name in given_fields)  # type: ignore[arg-type]
     assert set(http_of(request)["sampling_params"]) == {_FLOAT_FIELDS[n] for n in given_fields}
+
+
+# -------------------------------------------------- values SGLang's engine would refuse
+# SamplingParams.verify refuses these after the request reached it (over gRPC as INTERNAL);
+# the sidecar refuses them first, naming the field.
+_NAN, _INF = float("nan"), float("inf")
+
+
+def _sampling(name: str, value: float) -> sidecar_pb2.PreprocessedRequest:
+    request = sidecar_pb2.PreprocessedRequest(token_ids=[1, 2, 3])
+    setattr(request.sampling_options, name, value)
+    return request
+
+
+@pytest.mark.parametrize("value", [_NAN, _INF, -_INF])
+@pytest.mark.parametrize("name", sorted(_FLOAT_FIELDS))
+def test_non_finite_sampling_floats_are_refused_by_name(name: str, value: float) -> None:
+    message = refused(_sampling(name, value))
+    assert message.startswith(f"sampling_options.{name}")
+    assert "finite" in message
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.1),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("frequency_penalty", 2.5),
+        ("frequency_penalty", -2.5),
+        ("presence_penalty", 3.0),
+        ("presence_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", 2.5),
+    ],
+)
+def test_sampling_floats_outside_sglang_ranges_are_refused_by_name(name: str, value: float) -> None:
+    assert refused(_sampling(name, value)).startswith(f"sampling_options.{name}")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("temperature", 0.0),
+        ("temperature", 100.0),
+        ("top_p", 1.0),
+        ("min_p", 0.0),
+        ("min_p", 1.0),
+        ("frequency_penalty", -2.0),
+        ("presence_penalty", 2.0),
+        ("repetition_penalty", 2.0),
+    ],
+)
+def test_sampling_float_range_ends_sglang_takes_pass(name: str, value: float) -> None:
+    assert grpc_of(_sampling(name, value)).sampling_params.HasField(name)  # type: ignore[arg-type]
+
+
+def test_length_penalty_nan_is_refused_by_name() -> None:
+    assert refused(_sampling("length_penalty", _NAN)).startswith("sampling_options.length_penalty")
+
+
+@pytest.mark.parametrize("top_k", [0, -2, -(2**31)])
+def test_top_k_sglang_refuses_is_refused_by_name(top_k: int) -> None:
+    assert refused(req(samplingOptions={"topK": top_k})).startswith("sampling_options.top_k")
+
+
+@pytest.mark.parametrize(("top_k", "temperature"), [(-1, None), (1, None), (2**31 - 1, None), (0, 0.0)])
+def test_top_k_sglang_takes_passes(top_k: int, temperature: float | None) -> None:
+    options: dict[str, Any] = {"topK": top_k}
+    if temperature is not None:
+        options["temperature"] = temperature  # greedy: SGLang replaces top_k with 1
+    assert grpc_of(req(samplingOptions=options)).sampling_params.top_k == top_k
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"stopConditions": {"maxTokens": 2**31}}, "stop_conditions.max_tokens"),
+        ({"stopConditions": {"maxTokens": 2**32 - 1}}, "stop_conditions.max_tokens"),
+        ({"stopConditions": {"minTokens": 2**31}}, "stop_conditions.min_tokens"),
+        ({"stopConditions": {"maxTokens": 4, "minTokens": 5}}, "stop_conditions.min_tokens"),
+        ({"stopConditions": {"minTokens": 129}}, "stop_conditions.min_tokens"),  # SGLang's default max 128
+        ({"stopConditions": {"stopTokenIds": [2**31]}}, "stop_conditions.stop_token_ids"),
+        ({"stopConditions": {"stopTokenIdsHidden": [2**32 - 1]}}, "stop_conditions.stop_token_ids"),
+        ({"outputOptions": {"logprobs": 2**31}}, "output_options.logprobs"),
+        ({"routing": {"dpRank": 2**31}}, "routing.dp_rank"),
+    ],
+)
+def test_numbers_the_wire_cannot_carry_are_refused_by_name(fields: dict[str, Any], named: str) -> None:
+    assert refused(req(**fields)).startswith(named)
+
+
+def test_min_tokens_up_to_the_limit_pass() -> None:
+    assert grpc_of(req(stopConditions={"minTokens": 128})).sampling_params.min_new_tokens == 128
+    s = grpc_of(req(stopConditions={"maxTokens": 5, "minTokens": 5})).sampling_params
+    assert (s.max_new_tokens, s.min_new_tokens) == (5, 5)
+
+
+def test_prefill_drops_min_tokens_so_no_min_max_refusal() -> None:
+    r = req(
+        stopConditions={"maxTokens": 4, "minTokens": 500},
+        bootstrapInfo={"bootstrapHost": "h", "bootstrapPort": 1},
+    )
+    assert grpc_of(r, PREFILL).sampling_params.max_new_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("routing", "settings", "named"),
+    [
+        ({"dpRank": 2}, RequestSettings(dp_size=2), "routing.dp_rank"),
+        ({"dpRank": 1}, RequestSettings(dp_size=1), "routing.dp_rank"),
+        ({"dpRank": 5}, RequestSettings(dp_size=0), "routing.dp_rank"),
+        (
+            {"prefillDpRank": 4, "dpRank": 0},
+            RequestSettings(mode="prefill", bootstrap_host="h", bootstrap_port=1, dp_size=4),
+            "routing.prefill_dp_rank",
+        ),
+    ],
+)
+def test_dp_rank_beyond_the_discovered_dp_size_is_refused_by_name(
+    routing: dict[str, Any], settings: RequestSettings, named: str
+) -> None:
+    assert refused(req(routing=routing), settings).startswith(named)
+
+
+@pytest.mark.parametrize(
+    ("rank", "settings"),
+    [
+        (0, RequestSettings(dp_size=1)),  # SGLang ignores rank 0 on a single-rank engine
+        (0, RequestSettings(dp_size=0)),
+        (3, RequestSettings(dp_size=4)),
+        (7, RequestSettings()),  # dp size unknown: not checked here
+    ],
+)
+def test_dp_rank_within_the_dp_size_passes(rank: int, settings: RequestSettings) -> None:
+    assert grpc_of(req(routing={"dpRank": rank}), settings).routed_dp_rank == rank
