@@ -105,14 +105,17 @@ class ChoiceTracker:
 
     def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
         """Raises PROTOCOL_ERROR for a chunk the contract does not allow."""
-        if out.index >= self._n:
-            raise protocol_error(self._engine, f"choice index {out.index} with n={self._n}")
-        if out.index in self._finished:
-            raise protocol_error(self._engine, f"chunk after the terminal of choice {out.index}")
-        if out.token_ids or _is_terminal(out):
+        # Once per engine chunk: each field is read once.
+        index = out.index
+        if index >= self._n:
+            raise protocol_error(self._engine, f"choice index {index} with n={self._n}")
+        if index in self._finished:
+            raise protocol_error(self._engine, f"chunk after the terminal of choice {index}")
+        if out.finish_reason != sidecar_pb2.UNSPECIFIED:
             self.saw_token_or_terminal = True
-        if _is_terminal(out):
-            self._finished.add(out.index)
+            self._finished.add(index)
+        elif not self.saw_token_or_terminal and out.token_ids:
+            self.saw_token_or_terminal = True
 
 
 @dataclass
@@ -126,10 +129,13 @@ class Delivery:
     last_finish: int = sidecar_pb2.UNSPECIFIED
 
     def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
-        self.tokens[out.index] = self.tokens.get(out.index, 0) + len(out.token_ids)
-        if _is_terminal(out):
-            self.finished.add(out.index)
-            self.last_finish = out.finish_reason
+        index = out.index
+        tokens = self.tokens
+        tokens[index] = tokens.get(index, 0) + len(out.token_ids)
+        finish = out.finish_reason
+        if finish != sidecar_pb2.UNSPECIFIED:
+            self.finished.add(index)
+            self.last_finish = finish
 
     def last_finish_reason(self) -> str:
         """The name of the last terminal sent (a metrics label)."""

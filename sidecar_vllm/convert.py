@@ -333,6 +333,7 @@ class ResponseState:
         s = request.sampling_options
         n = s.n if s.HasField("n") and s.n > 0 else 1
         self._choices = [_Choice() for _ in range(n)]
+        self._open = n  # choices still without their terminal (checked after every message)
         self._mode = mode
         self._user_stops = frozenset(request.stop_conditions.stop_token_ids)
         out = request.output_options
@@ -345,7 +346,7 @@ class ResponseState:
     @property
     def finished(self) -> bool:
         """Every choice has had its terminal."""
-        return all(c.done for c in self._choices)
+        return self._open == 0
 
     def feed(self, response: vllm_engine_pb2.GenerateResponse) -> list[sidecar_pb2.LLMEngineOutput]:
         kind = response.WhichOneof("response")
@@ -373,21 +374,28 @@ class ResponseState:
             self._prompt_logprobs = _prompt_logprobs_json(msg.input_logprobs)
 
     def _chunk(self, chunk: vllm_engine_pb2.GenerateStreamChunk) -> list[sidecar_pb2.LLMEngineOutput]:
-        choice = self._choice(chunk.index)
+        # The hot path (one call per engine message): each field is read once.
+        index = chunk.index
+        choice = self._choice(index)
         if choice.done:
             return []
         ids = list(chunk.token_ids)
         _check_count("chunk", chunk.completion_tokens, ids)
-        self._observe_counts(chunk.prompt_tokens, chunk.cached_tokens)
-        self._observe_prompt_logprobs(chunk)
+        prompt_tokens = chunk.prompt_tokens
+        cached_tokens = chunk.cached_tokens
+        if prompt_tokens or cached_tokens:
+            self._observe_counts(prompt_tokens, cached_tokens)
+        if self._want_prompt_logprobs:
+            self._observe_prompt_logprobs(chunk)
         choice.last_chunk = ids
         if not ids or self._mode == "prefill":
             # A prefill hands off KV only; the token it samples belongs to the decode side.
             return []
-        out = sidecar_pb2.LLMEngineOutput(token_ids=ids, index=chunk.index)
-        self._attach_logprobs(
-            out, chunk.output_logprobs if chunk.HasField("output_logprobs") else None, ids, 0
-        )
+        out = sidecar_pb2.LLMEngineOutput(token_ids=ids, index=index)
+        if self._logprobs is not None:
+            self._attach_logprobs(
+                out, chunk.output_logprobs if chunk.HasField("output_logprobs") else None, ids, 0
+            )
         choice.streamed.extend(ids)
         return [out]
 
@@ -422,6 +430,7 @@ class ResponseState:
             if finish == sidecar_pb2.STOP:
                 self._stop_reason(out, done)
         choice.done = True
+        self._open -= 1
         completion = 0 if self._mode == "prefill" else len(choice.streamed)
         out.completion_usage.prompt_tokens = self._prompt_tokens
         out.completion_usage.completion_tokens = completion

@@ -242,3 +242,38 @@ async def test_relay_merges_only_under_load(loaded: bool) -> None:
     else:
         # Idle: each chunk goes out as it comes, never held back for company.
         assert len(sent) == 41
+
+
+async def test_relay_under_load_keeps_gathering_while_chunks_keep_coming_but_bounded() -> None:
+    # The fake engine yields one chunk per loop turn: a burst the writer should ride, but
+    # never past max_busy_turns per message, nor past a full buffer.
+    engine = FakeEngine(scripts={"r": [tokens(i) for i in range(60)] + [terminal(60)]})
+    gen = _generation(engine)
+    sent: list[Out] = []
+
+    async def write(out: Out) -> None:
+        sent.append(out)
+
+    config = RelayConfig(capacity=32, busy_turns=1, max_busy_turns=5, patience=2)
+    await relay(gen, write, Delivery(n=1), config, under_load=lambda: True)
+    assert [t for o in sent for t in o.token_ids] == list(range(61))
+    assert sent[-1].finish_reason == sidecar_pb2.EOS
+    assert sum(o.finish_reason != sidecar_pb2.UNSPECIFIED for o in sent) == 1
+    # Merged well beyond one chunk per message, yet each message gathered at most what
+    # arrived during its bounded turns (one chunk per turn, plus the one that woke it).
+    assert len(sent) <= 61 // 3
+    assert max(len(o.token_ids) for o in sent) <= config.max_busy_turns + 2
+
+
+async def test_relay_when_idle_sends_each_chunk_without_gathering_turns() -> None:
+    # Not under load and no backlog: the writer takes the buffer as soon as it wakes.
+    engine = FakeEngine(scripts={"r": [tokens(i) for i in range(10)] + [terminal(10)]})
+    gen = _generation(engine)
+    sent: list[Out] = []
+
+    async def write(out: Out) -> None:
+        sent.append(out)
+
+    config = RelayConfig(busy_turns=8, max_busy_turns=8, patience=8)
+    await relay(gen, write, Delivery(n=1), config, under_load=lambda: False)
+    assert len(sent) == 11
