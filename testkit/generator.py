@@ -144,13 +144,17 @@ def _logprobs_at(h: int, token_id: int, k: int, vocab_size: int) -> PositionLogp
     # where it leads the alternatives and the case where it does not.
     rank = 1 + (h % 3)
     step = 0.25 + (h >> 8) % 100 / 100.0
-    width = max(k, rank)
+    span = vocab_size - FIRST_ORDINARY_ID
+    # Never more alternatives than the vocabulary has (the draw below would never end).
+    width = min(max(k, rank), span - 1)
     ids: list[int] = []
+    seen = {token_id}
     r = h
     while len(ids) < width:
         r = _mix(r)
-        cand = FIRST_ORDINARY_ID + r % (vocab_size - FIRST_ORDINARY_ID)
-        if cand != token_id and cand not in ids:
+        cand = FIRST_ORDINARY_ID + r % span
+        if cand not in seen:
+            seen.add(cand)
             ids.append(cand)
     ids[rank - 1] = token_id
     values = [-round(step * (i + 0.5), 4) for i in range(width)]

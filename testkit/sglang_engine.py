@@ -24,12 +24,33 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from testkit.book import Book, Outcome
 from testkit.faults import FaultBook, FaultKind, FaultPlan, parse_fault_flag
-from testkit.generator import GeneratedToken, Generator, ModelSpec, SamplingSpec, prompt_logprobs
+from testkit.generator import GeneratedToken, Generator, ModelSpec
+from testkit.sglang_core import (
+    DEFAULT_MAX_NEW_TOKENS,
+    SGLANG_VERSION,
+    AbortRecord,
+    Bootstrap,
+    Chunk,
+    Closed,
+    Cut,
+    Fail,
+    NativeRequest,
+    Now,
+    RequestRejected,
+    RequestState,
+    RequestStream,
+    StreamEvent,
+    abort_out,
+    bad_request_reason,
+    sampling_spec,
+    verify_sampling,
+)
 
+# The wire-neutral names are re-exported: the wires and the tests import them from here.
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "SGLANG_VERSION",
@@ -50,9 +71,7 @@ __all__ = [
     "run",
 ]
 
-SGLANG_VERSION = "0.5.23"
-# SGLang's SamplingParams default when a request names no max_new_tokens.
-DEFAULT_MAX_NEW_TOKENS = 128
+log = logging.getLogger("testkit.sglang")
 DISAGG_MODES = ("null", "prefill", "decode")
 
 
@@ -101,95 +120,6 @@ class SglangEngineConfig:
         return self.served_model_name or self.model_path
 
 
-class Bootstrap(NamedTuple):
-    host: str
-    port: int
-    room: int
-
-
-@dataclass(frozen=True)
-class NativeRequest:
-    """One generate request as either wire carried it, with SGLang's field names."""
-
-    rid: str
-    input_ids: tuple[int, ...]
-    wire: str  # "grpc" | "http"
-    max_new_tokens: int | None = None
-    min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    seed: int | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    bootstrap: Bootstrap | None = None
-    priority: int | None = None
-    routed_dp_rank: int | None = None
-
-
-class RequestRejected(Exception):
-    """The request is refused before it runs; each wire renders it its own way."""
-
-    def __init__(self, message: str, http_status: int = 400, grpc_code: str = "INTERNAL") -> None:
-        super().__init__(message)
-        self.message = message
-        self.http_status = http_status
-        self.grpc_code = grpc_code
-
-
-@dataclass(frozen=True)
-class Chunk:
-    out: dict[str, Any]
-    finished: bool
-
-
-@dataclass(frozen=True)
-class Cut:
-    """The stream ends with no terminal (gRPC: OK status; HTTP: the connection drops)."""
-
-
-@dataclass(frozen=True)
-class Fail:
-    code: str  # gRPC status code name
-    message: str
-
-
-@dataclass(frozen=True)
-class Closed:
-    """gRPC only: the bridge closed this rid's channel (Abort): status CANCELLED."""
-
-    message: str
-
-
-StreamEvent = Chunk | Cut | Fail | Closed
-
-
-@dataclass(frozen=True)
-class AbortRecord:
-    rid: str
-    abort_all: bool
-    source: str  # "grpc" | "http" (an Abort from a client) | "grpc-cancel" | "http-disconnect"
-    matched: tuple[str, ...]
-
-
-class RequestStream:
-    """What a wire reads for one request: events, then ``None`` (end) unless it hangs."""
-
-    def __init__(self, request: NativeRequest) -> None:
-        self.request = request
-        self.rid = request.rid
-        self._queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
-
-    def put(self, event: StreamEvent | None) -> None:
-        self._queue.put_nowait(event)
-
-    async def next(self) -> StreamEvent | None:
-        return await self._queue.get()
-
-
 class _Server(Protocol):
     port: int
 
@@ -199,25 +129,21 @@ class _Server(Protocol):
 
 @dataclass
 class _Live:
-    request: NativeRequest
+    """The engine's handle on one request: its rendering state plus what drives it."""
+
+    state: RequestState
     stream: RequestStream
     plan: FaultPlan | None
-    started: float
     abort_evt: asyncio.Event = field(default_factory=asyncio.Event)
     abort_message: str = "Aborted"
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    out_lp: list[list[Any]] = field(default_factory=list)
-    out_top: list[list[list[Any]] | None] = field(default_factory=list)
-    sent_ids: int = 0
-    sent_text: int = 0
-    first: dict[str, Any] | None = None
-    cached: int = 0
-    stamped: bool = False
+
+    @property
+    def request(self) -> NativeRequest:
+        return self.state.request
 
 
-def _triple(lp: float | None, tok: int) -> list[Any]:
-    return [lp, tok, None]
+def _now() -> Now:
+    return Now(time.time(), time.perf_counter())
 
 
 class SglangTestEngine:
@@ -365,6 +291,11 @@ class SglangTestEngine:
         except RequestRejected as e:
             self.book.refused(req.rid, Outcome.ERROR, e.message)
             raise
+        except Exception as e:
+            # SGLang's tokenizer manager fails such a request alone (gRPC INTERNAL, HTTP 400).
+            log.exception("testkit sglang: request %s refused", req.rid)
+            self.book.refused(req.rid, Outcome.ERROR, str(e))
+            raise RequestRejected(f"{type(e).__name__}: {e}") from e
 
     def _submit(self, req: NativeRequest) -> RequestStream:
         if not self.ready:
@@ -376,56 +307,90 @@ class SglangTestEngine:
             )
         if req.rid in self._live:
             raise RequestRejected(f"Duplicate request ID detected: {req.rid}")
-        req = self._validate(req)
+        req, refusal = self._validate(req)
         stream = RequestStream(req)
-        live = _Live(req, stream, plan, time.perf_counter())
+        if refusal is not None:
+            if not req.stream:
+                # The tokenizer manager turns a 400 abort of a non-streaming request into a raise.
+                raise RequestRejected(refusal)
+            stream.put(Chunk(abort_out(req.rid, bad_request_reason(refusal), 0.0), True))
+            stream.put(None)
+            self.book.refused(req.rid, Outcome.ERROR, refusal)
+            return stream
+        state = RequestState(req, self.model, self.config.incremental, time.perf_counter())
+        live = _Live(state, stream, plan)
         self._live[req.rid] = live
         if req.bootstrap is not None:
             self.bootstraps[req.rid] = req.bootstrap
         self.spawn(self._produce(live))
         return stream
 
-    def _validate(self, req: NativeRequest) -> NativeRequest:
-        ctx = self.config.context_length
+    def _validate(self, req: NativeRequest) -> tuple[NativeRequest, str | None]:
+        """SGLang's checks in its order. The tokenizer manager's raise (RequestRejected: gRPC
+        INTERNAL, HTTP 400); the scheduler's are returned as a message: the request is
+        accepted and ends at once with an ``abort`` finish of status 400."""
+        cfg = self.config
+        ctx = cfg.context_length
         n_in = len(req.input_ids)
         if n_in == 0:
             raise RequestRejected("The input_ids is empty; at least one token is required.")
-        bad = [t for t in req.input_ids if t < 0 or t >= self.config.vocab_size]
+        bad = [t for t in req.input_ids if t < 0 or t >= cfg.vocab_size]
         if bad:
             raise RequestRejected(
-                f"The input_ids {bad[:4]} are outside the vocabulary [0, {self.config.vocab_size})."
+                f"The input_ids {bad[:4]} are outside the vocabulary [0, {cfg.vocab_size})."
             )
+        dp = cfg.dp_size
+        rank = req.routed_dp_rank
+        if rank is not None and not (dp <= 1 and rank == 0) and not 0 <= rank < dp:
+            raise RequestRejected(f"routed_dp_rank={rank} out of range [0, {dp})")
         if n_in >= ctx:
             raise RequestRejected(
                 f"The input ({n_in} tokens) is longer than the model's context length ({ctx} tokens)."
             )
-        dp = self.config.dp_size
-        rank = req.routed_dp_rank
-        if rank is not None and not (dp <= 1 and rank == 0) and not 0 <= rank < dp:
-            raise RequestRejected(f"routed_dp_rank={rank} out of range [0, {dp})")
-        if req.n != 1:
-            raise RequestRejected("The testkit SGLang engine serves n=1 only.")
-        mode = self.config.disaggregation_mode
-        if mode != "null" and req.bootstrap is None:
-            raise RequestRejected(
-                f"bootstrap_host, bootstrap_port and bootstrap_room are required in {mode} mode."
-            )
         max_new = DEFAULT_MAX_NEW_TOKENS if req.max_new_tokens is None else req.max_new_tokens
-        if max_new < 0:
-            raise RequestRejected(f"max_new_tokens must be at least 0, got {max_new}.")
-        if mode == "prefill":
-            # The prefill server computes the KV cache and the first token only.
-            return replace(req, max_new_tokens=1, min_new_tokens=0)
-        if not 0 <= req.min_new_tokens <= max_new:
-            raise RequestRejected(f"min_new_tokens must be in [0, max_new_tokens], got {req.min_new_tokens}.")
-        if n_in + max_new > ctx:
+        if n_in + max_new > ctx and cfg.disaggregation_mode != "prefill":
             raise RequestRejected(
                 f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
                 f"You requested a total of {n_in + max_new} tokens: {n_in} tokens from the input "
                 f"messages and {max_new} tokens for the completion. Please reduce the number of tokens "
                 "in the input messages or the completion to fit within the limit."
             )
-        return replace(req, max_new_tokens=max_new)
+        verify_sampling(req, None if cfg.disaggregation_mode == "prefill" else max_new)
+        if req.n != 1:
+            raise RequestRejected("The testkit SGLang engine serves n=1 only.")
+        if req.return_logprob and not 0 <= req.top_logprobs_num <= cfg.vocab_size:
+            # SGLang has no check (its top-k over the vocabulary fails inside the scheduler);
+            # the testkit refuses rather than compute an impossible top-N.
+            raise RequestRejected(
+                f"top_logprobs_num={req.top_logprobs_num} out of range [0, {cfg.vocab_size}] (testkit)"
+            )
+        if cfg.disaggregation_mode == "prefill":
+            # The prefill server computes the KV cache and the first token only.
+            req = replace(req, max_new_tokens=1, min_new_tokens=0)
+        else:
+            req = replace(req, max_new_tokens=max_new)
+        return req, self._scheduler_refusal(req)
+
+    def _scheduler_refusal(self, req: NativeRequest) -> str | None:
+        cfg = self.config
+        n_in = len(req.input_ids)
+        if cfg.disaggregation_mode != "null" and req.bootstrap is None:
+            return (
+                "Invalid request: Disaggregated request received without bootstrap room id. "
+                f"req.rid={req.rid!r}"
+            )
+        max_input = min(cfg.context_length, cfg.kv_capacity_tokens) - 1
+        if n_in >= max_input:
+            return (
+                f"Input length ({n_in} tokens) exceeds the maximum allowed length ({max_input} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate."
+            )
+        if req.return_logprob and req.logprob_start_len > n_in:
+            return (
+                f"req.logprob_start_len={req.logprob_start_len} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={n_in}. Please use a smaller logprob_start_len."
+            )
+        return None
 
     def abort(self, rid: str, abort_all: bool = False, *, source: str) -> list[str]:
         """The scheduler's abort: every live rid starting with ``rid`` (or all). Returns them."""
@@ -470,61 +435,74 @@ class SglangTestEngine:
         return live.abort_evt.is_set()
 
     async def _produce(self, live: _Live) -> None:
-        req, plan, stream = live.request, live.plan, live.stream
+        req, stream = live.request, live.stream
         outcome, detail, send_end = Outcome.FINISHED, "", True
         try:
-            if not await self.book.admit(req.rid, len(req.input_ids)):
-                reason = {"type": "abort", "message": "Abort in waiting queue"}
-                stream.put(Chunk(self._abort_out(live, reason), True))
-                outcome = Outcome.ABORTED
-                return
-            live.cached = self._prefix_lookup(req.input_ids)
-            if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN:
-                await self._wait_abort(live, plan.stall_secs)
-            fault_at = None
-            if plan is not None and plan.kind in (
-                FaultKind.CLOSE_AFTER,
-                FaultKind.ERROR_AFTER,
-                FaultKind.HANG,
-            ):
-                fault_at = plan.after
-            gen = Generator(self.model, req.input_ids, self._sampling(req))
-            latency = self.config.token_latency_ms / 1000.0
-            finished: GeneratedToken | None = None
-            while True:
-                if len(live.ids) == fault_at and plan is not None:
-                    self._flush(live)
-                    outcome, send_end = await self._apply_fault(live, plan)
-                    return
-                if live.abort_evt.is_set() or (latency > 0 and await self._wait_abort(live, latency)):
-                    if live.ids and not gen.done:
-                        # SGLang marks a decoding request to finish and still runs the
-                        # decode step already scheduled: its token rides on the abort.
-                        self._take(live, gen.step())
-                    self._emit_abort(live)
-                    outcome = Outcome.ABORTED
-                    return
-                if gen.limit <= 0 or gen.done:
-                    break
-                tok = gen.step()
-                self._take(live, tok)
-                self.book.set_tokens(req.rid, len(req.input_ids) + len(live.ids))
-                if tok.finish is not None:
-                    finished = tok
-                    break
-                if len(live.ids) - live.sent_ids >= self.config.chunk_tokens:
-                    self._flush(live)
-                    if latency <= 0:
-                        await asyncio.sleep(0)  # let aborts and other requests in
-            outcome = self._finish(live, finished)
+            outcome, send_end = await self._run(live)
         except asyncio.CancelledError:
             outcome, detail = Outcome.ERROR, "engine stopped"
             raise
+        except Exception as e:
+            # As SGLang's gRPC bridge: an error while generating ends that request's stream
+            # with the error (gRPC INTERNAL, an HTTP error event); the engine and every other
+            # request carry on, and nothing of this one stays in the book.
+            log.exception("testkit sglang: request %s failed", req.rid)
+            outcome, detail = Outcome.ERROR, f"{type(e).__name__}: {e}"
+            stream.put(Fail("INTERNAL", detail))
         finally:
             self.book.release(req.rid, outcome, detail)
             self._live.pop(req.rid, None)
             if send_end:
                 stream.put(None)
+
+    async def _run(self, live: _Live) -> tuple[Outcome, bool]:
+        """One request from admission to its end: (outcome, whether its stream ends)."""
+        req, plan, stream, state = live.request, live.plan, live.stream, live.state
+        if not await self.book.admit(req.rid, len(req.input_ids)):
+            reason = {"type": "abort", "message": "Abort in waiting queue"}
+            stream.put(Chunk(abort_out(req.rid, reason, time.perf_counter() - state.started), True))
+            return Outcome.ABORTED, True
+        state.cached = self._prefix_lookup(req.input_ids)
+        if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN:
+            await self._wait_abort(live, plan.stall_secs)
+        fault_at = None
+        if plan is not None and plan.kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG):
+            fault_at = plan.after
+        gen = Generator(self.model, req.input_ids, sampling_spec(req))
+        latency = self.config.token_latency_ms / 1000.0
+        finished: GeneratedToken | None = None
+        while True:
+            if len(state.ids) == fault_at and plan is not None:
+                self._flush(live)
+                return await self._apply_fault(live, plan)
+            if live.abort_evt.is_set() or (latency > 0 and await self._wait_abort(live, latency)):
+                if state.ids and not gen.done:
+                    # SGLang marks a decoding request to finish and still runs the decode step
+                    # already scheduled: its token rides on the abort.
+                    state.take(gen.step())
+                stream.put(state.abort_chunk(live.abort_message, _now()))
+                return Outcome.ABORTED, True
+            if gen.limit <= 0 or gen.done:
+                break
+            tok = gen.step()
+            state.take(tok)
+            self.book.set_tokens(req.rid, len(req.input_ids) + len(state.ids))
+            if tok.finish is not None:
+                finished = tok
+                break
+            if state.unsent >= self.config.chunk_tokens:
+                self._flush(live)
+                if latency <= 0:
+                    await asyncio.sleep(0)  # let aborts and other requests in
+        chunks, outcome = state.finish(finished, plan, _now())
+        for chunk in chunks:
+            stream.put(chunk)
+        return outcome, True
+
+    def _flush(self, live: _Live) -> None:
+        chunk = live.state.flush(_now())
+        if chunk is not None:
+            live.stream.put(chunk)
 
     async def _apply_fault(self, live: _Live, plan: FaultPlan) -> tuple[Outcome, bool]:
         if plan.kind is FaultKind.CLOSE_AFTER:
@@ -553,121 +531,6 @@ class SglangTestEngine:
         self._prefix_cache.append(prompt)
         page = self.config.page_size
         return min(best // page * page, len(prompt) - 1)
-
-    def _sampling(self, req: NativeRequest) -> SamplingSpec:
-        return SamplingSpec(
-            max_tokens=req.max_new_tokens,
-            min_tokens=req.min_new_tokens,
-            stop_token_ids=req.stop_token_ids,
-            stop=req.stop,
-            ignore_eos=req.ignore_eos,
-            seed=req.seed,
-            logprobs=req.top_logprobs_num if req.return_logprob else None,
-        )
-
-    def _take(self, live: _Live, tok: GeneratedToken) -> None:
-        live.ids.append(tok.token_id)
-        live.text += tok.text
-        if live.request.return_logprob and tok.logprobs is not None:
-            lp = tok.logprobs
-            live.out_lp.append(_triple(lp.logprob, tok.token_id))
-            live.out_top.append([_triple(v, t) for t, v in lp.top] if live.request.top_logprobs_num else None)
-
-    def _meta(self, live: _Live, finish_reason: dict[str, Any] | None, final: bool) -> dict[str, Any]:
-        req = live.request
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": finish_reason,
-            "prompt_tokens": len(req.input_ids),
-            "weight_version": "default",
-            "num_retractions": 0,
-        }
-        if req.return_logprob:
-            inc = self.config.incremental and req.stream
-            start = live.sent_ids if inc else 0
-            meta["output_token_logprobs"] = live.out_lp[start:]
-            first = not inc or live.first is None
-            meta["input_token_logprobs"] = self._input_logprobs(req, False) if first else []
-            if req.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = live.out_top[start:]
-                meta["input_top_logprobs"] = self._input_logprobs(req, True) if first else []
-        meta["reasoning_tokens"] = 0
-        meta["completion_tokens"] = len(live.ids)
-        meta["cached_tokens"] = live.cached
-        if not live.stamped:
-            live.stamped = True
-            meta["response_sent_to_client_ts"] = time.time()
-        if final:
-            meta["e2e_latency"] = time.perf_counter() - live.started
-        return meta
-
-    def _input_logprobs(self, req: NativeRequest, top: bool) -> list[Any]:
-        if req.logprob_start_len < 0:
-            return []
-        rows = prompt_logprobs(req.input_ids, req.top_logprobs_num, self.model)[req.logprob_start_len :]
-        if top:
-            return [None if p is None else [_triple(v, t) for t, v in p.top] for p in rows]
-        toks = req.input_ids[req.logprob_start_len :]
-        return [_triple(None if p is None else p.logprob, t) for p, t in zip(rows, toks, strict=True)]
-
-    def _out(self, live: _Live, finish_reason: dict[str, Any] | None, final: bool) -> dict[str, Any]:
-        meta = self._meta(live, finish_reason, final)
-        if self.config.incremental and live.request.stream:
-            ids, text = live.ids[live.sent_ids :], live.text[live.sent_text :]
-        else:
-            ids, text = list(live.ids), live.text
-        live.sent_ids, live.sent_text = len(live.ids), len(live.text)
-        return {"text": text, "output_ids": ids, "meta_info": meta}
-
-    def _flush(self, live: _Live) -> None:
-        if len(live.ids) == live.sent_ids or not live.request.stream:
-            return
-        out = self._out(live, None, False)
-        if live.first is None:
-            live.first = out
-        live.stream.put(Chunk(out, False))
-
-    def _emit_abort(self, live: _Live) -> None:
-        reason = {"type": "abort", "message": live.abort_message, "status_code": None, "err_type": None}
-        live.stream.put(Chunk(self._out(live, reason, True), True))
-
-    def _abort_out(self, live: _Live, reason: dict[str, Any]) -> dict[str, Any]:
-        meta = {
-            "id": live.request.rid,
-            "finish_reason": reason,
-            "weight_version": "default",
-            "e2e_latency": time.perf_counter() - live.started,
-            "completion_tokens": 0,
-        }
-        return {"text": "", "output_ids": [], "meta_info": meta}
-
-    def _finish(self, live: _Live, tok: GeneratedToken | None) -> Outcome:
-        plan = live.plan
-        reason: dict[str, Any]
-        if tok is None or tok.finish is None or tok.finish.reason == "length":
-            reason = {"type": "length", "length": len(live.ids)}
-        elif tok.finish.matched_stop_str is not None:
-            reason = {"type": "stop", "matched": tok.finish.matched_stop_str}
-        else:
-            reason = {"type": "stop", "matched": tok.finish.matched_token_id}
-        out = self._out(live, reason, True)
-        outcome = Outcome.FINISHED
-        if plan is not None and plan.kind is FaultKind.MALFORMED_TERMINAL:
-            outcome = Outcome.FAULTED
-            meta = out["meta_info"]
-            if plan.variant == "missing_finish_reason":
-                meta["finish_reason"] = None
-            elif plan.variant == "unknown_finish_reason":
-                meta["finish_reason"] = {"type": "testkit-unknown"}
-            elif plan.variant == "count_mismatch":
-                meta["completion_tokens"] = len(live.ids) + 1
-            else:
-                out["output_ids"] = [*out["output_ids"], -1]
-        live.stream.put(Chunk(out, True))
-        if plan is not None and plan.kind is FaultKind.REPEAT_AFTER_TERMINAL:
-            live.stream.put(Chunk(live.first or out, False))
-            outcome = Outcome.FAULTED
-        return outcome
 
     # -- what the info endpoints report -------------------------------------------------
     def server_info(self, *, http: bool) -> dict[str, Any]:

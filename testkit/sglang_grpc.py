@@ -39,6 +39,18 @@ SERVICE_NAME = "sglang.runtime.v1.SglangService"
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
+# SamplingParams fields the engine only verifies (absent stays absent: SGLang's defaults apply).
+_CHECKED_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+
+
 def native_request_from_proto(req: sglang_pb2.GenerateRequest, rid: str) -> NativeRequest:
     sp = req.sampling_params if req.HasField("sampling_params") else sglang_pb2.SamplingParams()
 
@@ -64,6 +76,7 @@ def native_request_from_proto(req: sglang_pb2.GenerateRequest, rid: str) -> Nati
         bootstrap=bootstrap,
         priority=req.priority if req.HasField("priority") else None,
         routed_dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
+        **{n: getattr(sp, n) for n in _CHECKED_SAMPLING if sp.HasField(n)},  # type: ignore[arg-type]
     )
 
 

@@ -76,6 +76,15 @@ def _int(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
+def _float(body: dict[str, Any], key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _BadBody(f"{key}: Input should be a valid number")
+    return float(v)
+
+
 def _bool(body: dict[str, Any], key: str) -> bool:
     v = body.get(key, False)
     if v is None:
@@ -176,6 +185,13 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         bootstrap=bootstrap,
         priority=_int(body, "priority"),
         routed_dp_rank=_int(body, "routed_dp_rank"),
+        temperature=_float(sp, "temperature"),
+        top_p=_float(sp, "top_p"),
+        top_k=_int(sp, "top_k"),
+        min_p=_float(sp, "min_p"),
+        frequency_penalty=_float(sp, "frequency_penalty"),
+        presence_penalty=_float(sp, "presence_penalty"),
+        repetition_penalty=_float(sp, "repetition_penalty"),
     )
 
 

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
+from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN
 from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine, add_arguments, config_from_args
@@ -754,8 +755,13 @@ async def test_prefill_requires_bootstrap_and_makes_one_token(
 ) -> None:
     engine = await make_engine(disaggregation_mode="prefill")
     client = grpc_client(engine)
-    with pytest.raises(grpc.aio.AioRpcError):
-        await grpc_all(client, greq("p-0", 8))
+    # SGLang's scheduler refuses it (set_finish_with_abort): a clean abort terminal of status 400.
+    (refusal,) = await grpc_all(client, greq("p-0", 8))
+    reason = json.loads(refusal.meta_info["finish_reason"])
+    assert refusal.finished
+    assert reason["type"] == "abort"
+    assert reason["status_code"] == 400
+    assert "without bootstrap room" in reason["message"]
     dp = sglang_pb2.DisaggregatedParams(
         bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**63 - 1
     )
@@ -764,7 +770,7 @@ async def test_prefill_requires_bootstrap_and_makes_one_token(
     assert msgs[-1].finished
     assert engine.bootstraps["p-1"] == ("10.0.0.1", 8998, 2**63 - 1)
     events = await http_all(http, engine.http_port, hbody("p-2", 8))
-    assert "error" in events[0]
+    assert events[0]["meta_info"]["finish_reason"]["status_code"] == 400
     body = hbody("p-3", 8, bootstrap_host="h", bootstrap_port=1, bootstrap_room=5)
     events = await http_all(http, engine.http_port, body)
     assert len(events[-1]["output_ids"]) == 1
@@ -818,3 +824,148 @@ def test_cli_flags_make_the_config() -> None:
     assert config_from_args(parser.parse_args([])).incremental is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--incremental", "--cumulative"])
+
+
+# -- bad requests: refused as SGLang refuses them, and the engine carries on -------------------
+async def assert_serving(engine: SglangTestEngine, client: Grpc) -> None:
+    """Healthy at once, nothing left running or waiting, and a good request is served."""
+    reply = await client.stub.HealthCheck(sglang_pb2.HealthCheckRequest(), timeout=1)
+    assert reply.healthy
+    await until(lambda: not engine.live_ids())
+    assert engine.book.running_count == 0
+    assert engine.book.waiting_count == 0
+    msgs = await grpc_all(client, greq(f"after-{len(engine.book.finished)}", 3, ignore_eos=True))
+    assert msgs[-1].finished
+    assert len(msgs[-1].output_ids) == 3
+
+
+def _sampling(rid: str, **fields: Any) -> sglang_pb2.GenerateRequest:
+    req = greq(rid, 4)
+    for name, value in fields.items():
+        setattr(req.sampling_params, name, value)
+    return req
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"temperature": float("nan")}, "temperature must be a non-negative finite number"),
+        ({"temperature": float("inf")}, "temperature must be a non-negative finite number"),
+        ({"temperature": -1.0}, "temperature must be a non-negative finite number"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1]"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"top_k": 0}, "top_k must be -1 (disable) or at least 1"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty must be in [-2, 2]"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2]"),
+        ({"min_new_tokens": 5}, "min_new_tokens must be in [0, max_new_tokens(4)]"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be at least 0"),
+    ],
+)
+async def test_sampling_params_sglang_does_not_verify_are_internal_on_grpc_and_400_on_http(
+    make_engine: Factory,
+    grpc_client: Callable[[SglangTestEngine], Grpc],
+    http: aiohttp.ClientSession,
+    fields: dict[str, Any],
+    says: str,
+) -> None:
+    # SGLang's tokenizer manager raises (SamplingParams.verify); its gRPC bridge sends the
+    # error, which the Rust server ends the stream with as INTERNAL; HTTP answers 400.
+    engine = await make_engine()
+    client = grpc_client(engine)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(client, _sampling("bad-g", **fields))
+    assert info.value.code() is grpc.StatusCode.INTERNAL
+    assert says in (info.value.details() or "")
+    body = hbody("bad-h", 4)
+    body["sampling_params"].update(fields)
+    body["stream"] = False
+    async with http.post(f"{engine.http_url}/generate", data=json.dumps(body)) as resp:
+        assert resp.status == 400
+        assert says in (await resp.json())["error"]["message"]
+    await assert_serving(engine, client)
+
+
+async def test_greedy_temperature_makes_any_top_k_acceptable(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
+) -> None:
+    engine = await make_engine()
+    msgs = await grpc_all(grpc_client(engine), _sampling("greedy", temperature=0.0, top_k=0))
+    assert msgs[-1].finished
+
+
+@pytest.mark.parametrize(
+    ("overrides", "build", "says"),
+    [
+        ({}, lambda: greq("lp", 4, return_logprob=True, logprob_start_len=9), "logprob_start_len"),
+        (
+            {"kv_capacity_tokens": 5},
+            lambda: greq("kv", 1, prompt=[101, 102, 103, 104]),
+            "Input length (4 tokens)",
+        ),
+    ],
+)
+async def test_scheduler_refusals_end_the_stream_with_a_400_abort(
+    make_engine: Factory,
+    grpc_client: Callable[[SglangTestEngine], Grpc],
+    overrides: dict[str, Any],
+    build: Callable[[], sglang_pb2.GenerateRequest],
+    says: str,
+) -> None:
+    # SGLang's scheduler refuses these with set_finish_with_abort: a clean terminal, status OK.
+    engine = await make_engine(**overrides)
+    client = grpc_client(engine)
+    (msg,) = await grpc_all(client, build())
+    reason = json.loads(msg.meta_info["finish_reason"])
+    assert msg.finished
+    assert not msg.output_ids
+    assert (reason["type"], reason["status_code"], reason["err_type"]) == ("abort", 400, "BadRequestError")
+    assert says in reason["message"]
+    if not overrides:
+        await assert_serving(engine, client)
+
+
+async def test_a_top_n_beyond_the_vocabulary_is_refused_without_stalling_the_engine(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
+) -> None:
+    engine = await make_engine()
+    client = grpc_client(engine)
+    req = greq("top", 4, return_logprob=True, top_logprobs_num=2**31 - 1)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(client, req)
+    assert info.value.code() is grpc.StatusCode.INTERNAL
+    await assert_serving(engine, client)
+
+
+async def test_an_error_inside_the_scheduler_fails_that_request_only(
+    make_engine: Factory,
+    grpc_client: Callable[[SglangTestEngine], Grpc],
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception while generating ends that stream with INTERNAL (HTTP: an error event), as
+    SGLang's bridge does; the request leaves the book and the engine keeps serving."""
+    from testkit import generator
+
+    real_step = generator.Generator.step
+
+    def step(self: generator.Generator) -> generator.GeneratedToken:
+        if self.prompt[0] == 999:
+            raise RuntimeError("testkit: boom")
+        return real_step(self)
+
+    monkeypatch.setattr(generator.Generator, "step", step)
+    engine = await make_engine()
+    client = grpc_client(engine)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(client, greq("boom-g", 4, prompt=[999, 101]))
+    assert info.value.code() is grpc.StatusCode.INTERNAL
+    assert "boom" in (info.value.details() or "")
+    events = await http_all(http, engine.http_port, hbody("boom-h", 4, prompt=[999, 101]))
+    assert "boom" in events[-1]["error"]["message"]
+    assert {r.request_id: r.outcome for r in engine.book.finished if r.request_id.startswith("boom")} == {
+        "boom-g": Outcome.ERROR,
+        "boom-h": Outcome.ERROR,
+    }
+    await assert_serving(engine, client)

@@ -195,3 +195,15 @@ def test_properties(
     if fin.matched_stop_str is not None and sp.min_tokens == 0:
         # Before min_tokens stop strings are not looked for (as in vLLM), so only then.
         assert fin.matched_stop_str not in text(a)
+
+
+def test_top_n_beyond_the_vocabulary_ends_with_every_other_token() -> None:
+    """A top-N larger than the vocabulary used to draw forever (the engine's loop hung)."""
+    small = ModelSpec(vocab_size=2 * FIRST_ORDINARY_ID, eos_token_ids=(2,), context_length=64)
+    rows = prompt_logprobs((150, 160), 10 * small.vocab_size, small)
+    row = rows[1]
+    assert row is not None
+    top_ids = [t for t, _ in row.top]
+    assert len(top_ids) == len(set(top_ids)) == small.vocab_size - FIRST_ORDINARY_ID - 1
+    assert row.token_id in top_ids
+    assert all(FIRST_ORDINARY_ID <= t < small.vocab_size for t in top_ids)

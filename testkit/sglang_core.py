@@ -1,0 +1,372 @@
+"""The wire-neutral core of the testkit SGLang engine (pure: no I/O, no clock, no asyncio).
+
+What both wires (``sglang_grpc``, ``sglang_http``) must agree on lives here so they cannot
+drift apart: the request as SGLang's tokenizer manager sees it (``NativeRequest``), the
+checks it and ``SamplingParams.verify`` apply, the events a wire reads, and the per-request
+state machine that renders SGLang's plain-JSON "out" dicts ``{text, output_ids, meta_info}``
+(cumulative unless incremental). Times come in as arguments (``Now``), so the rendering is a
+function of its inputs. The engine (``sglang_engine``) owns the clock, the tasks and the book.
+
+Behaviour copied in spirit (not code) from SGLang 0.5.23.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from testkit.book import Outcome
+from testkit.faults import FaultKind, FaultPlan
+from testkit.generator import GeneratedToken, ModelSpec, SamplingSpec, prompt_logprobs
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "SGLANG_VERSION",
+    "AbortRecord",
+    "Bootstrap",
+    "Chunk",
+    "Closed",
+    "Cut",
+    "Fail",
+    "NativeRequest",
+    "Now",
+    "RequestRejected",
+    "RequestState",
+    "RequestStream",
+    "StreamEvent",
+    "abort_out",
+    "bad_request_reason",
+    "sampling_spec",
+    "verify_sampling",
+]
+
+SGLANG_VERSION = "0.5.23"
+# SGLang's SamplingParams default when a request names no max_new_tokens.
+DEFAULT_MAX_NEW_TOKENS = 128
+# SamplingParams: a temperature below this samples greedily (top_k forced to 1 first).
+_SAMPLING_EPS = 1e-6
+
+
+class Bootstrap(NamedTuple):
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    """One generate request as either wire carried it, with SGLang's field names."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    wire: str  # "grpc" | "http"
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    bootstrap: Bootstrap | None = None
+    priority: int | None = None
+    routed_dp_rank: int | None = None
+    # Sampling values the generator ignores but SGLang's SamplingParams.verify checks.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class RequestRejected(Exception):
+    """The request is refused before it runs; each wire renders it its own way."""
+
+    def __init__(self, message: str, http_status: int = 400, grpc_code: str = "INTERNAL") -> None:
+        super().__init__(message)
+        self.message = message
+        self.http_status = http_status
+        self.grpc_code = grpc_code
+
+
+@dataclass(frozen=True)
+class Chunk:
+    out: dict[str, Any]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The stream ends with no terminal (gRPC: OK status; HTTP: the connection drops)."""
+
+
+@dataclass(frozen=True)
+class Fail:
+    code: str  # gRPC status code name
+    message: str
+
+
+@dataclass(frozen=True)
+class Closed:
+    """gRPC only: the bridge closed this rid's channel (Abort): status CANCELLED."""
+
+    message: str
+
+
+StreamEvent = Chunk | Cut | Fail | Closed
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    rid: str
+    abort_all: bool
+    source: str  # "grpc" | "http" (an Abort from a client) | "grpc-cancel" | "http-disconnect"
+    matched: tuple[str, ...]
+
+
+class RequestStream:
+    """What a wire reads for one request: events, then ``None`` (end) unless it hangs."""
+
+    def __init__(self, request: NativeRequest) -> None:
+        self.request = request
+        self.rid = request.rid
+        self._queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+
+    def put(self, event: StreamEvent | None) -> None:
+        self._queue.put_nowait(event)
+
+    async def next(self) -> StreamEvent | None:
+        return await self._queue.get()
+
+
+@dataclass(frozen=True)
+class Now:
+    """The engine's clocks at one instant: wall (time.time) and monotonic (perf_counter)."""
+
+    wall: float
+    mono: float
+
+
+# -- SamplingParams.verify, as SGLang's tokenizer manager runs it ------------------------------
+def _range_error(name: str, value: float, low: float, high: float, low_in: bool, high_in: bool) -> str | None:
+    above = value >= low if low_in else value > low
+    below = value <= high if high_in else value < high
+    if above and below:  # NaN fails both
+        return None
+    span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+    return f"{name} must be in {span}, got {value}."
+
+
+def verify_sampling(req: NativeRequest, max_new_tokens: int | None) -> None:
+    """RequestRejected with SGLang's message for what its SamplingParams.verify refuses.
+    ``max_new_tokens`` None skips the min/max check (the prefill half drops min_new_tokens)."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise RequestRejected(f"temperature must be a non-negative finite number, got {temperature}.")
+    checks = (
+        ("top_p", req.top_p, 0.0, 1.0, False, True),
+        ("min_p", req.min_p, 0.0, 1.0, True, True),
+    )
+    for name, value, low, high, low_in, high_in in checks:
+        error = None if value is None else _range_error(name, value, low, high, low_in, high_in)
+        if error:
+            raise RequestRejected(error)
+    top_k = -1 if req.top_k is None else req.top_k
+    if temperature < _SAMPLING_EPS:
+        top_k = 1  # greedy: SamplingParams replaces top_k before verify sees it
+    if top_k != -1 and top_k < 1:
+        raise RequestRejected(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    penalties = (
+        ("frequency_penalty", req.frequency_penalty, -2.0, 2.0, True, True),
+        ("presence_penalty", req.presence_penalty, -2.0, 2.0, True, True),
+    )
+    for name, value, low, high, low_in, high_in in penalties:
+        error = None if value is None else _range_error(name, value, low, high, low_in, high_in)
+        if error:
+            raise RequestRejected(error)
+    rep = req.repetition_penalty
+    if rep is not None and not 0.0 < rep <= 2.0:
+        raise RequestRejected(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}.")
+    if req.min_new_tokens < 0:
+        raise RequestRejected(f"min_new_tokens must be in [0, max_new_tokens], got {req.min_new_tokens}.")
+    if max_new_tokens is not None:
+        if max_new_tokens < 0:
+            raise RequestRejected(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+        if req.min_new_tokens > max_new_tokens:
+            raise RequestRejected(
+                f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {req.min_new_tokens}."
+            )
+
+
+def sampling_spec(req: NativeRequest) -> SamplingSpec:
+    """The generator's view of a request."""
+    return SamplingSpec(
+        max_tokens=req.max_new_tokens,
+        min_tokens=req.min_new_tokens,
+        stop_token_ids=req.stop_token_ids,
+        stop=req.stop,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        logprobs=req.top_logprobs_num if req.return_logprob else None,
+    )
+
+
+# -- rendering --------------------------------------------------------------------------------
+def _triple(lp: float | None, tok: int) -> list[Any]:
+    return [lp, tok, None]
+
+
+def bad_request_reason(message: str) -> dict[str, Any]:
+    """The finish reason of a request SGLang's scheduler refuses (``set_finish_with_abort``)."""
+    return {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+
+
+def abort_out(rid: str, reason: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    """The out of a request that ends before producing anything (aborted while waiting,
+    refused by the scheduler)."""
+    meta = {
+        "id": rid,
+        "finish_reason": reason,
+        "weight_version": "default",
+        "e2e_latency": elapsed,
+        "completion_tokens": 0,
+    }
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+@dataclass
+class RequestState:
+    """One running request's output so far, rendered as SGLang streams it.
+
+    ``take`` each generated token; ``flush`` a non-final chunk when the stream interval is
+    reached; end with ``finish`` (stop/length, with any malformed-terminal fault) or
+    ``abort_chunk``. Cumulative output repeats everything so far in each chunk; incremental
+    output (streaming only) sends what is new.
+    """
+
+    request: NativeRequest
+    model: ModelSpec
+    incremental_output: bool
+    started: float  # monotonic
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    out_lp: list[list[Any]] = field(default_factory=list)
+    out_top: list[list[list[Any]] | None] = field(default_factory=list)
+    sent_ids: int = 0
+    sent_text: int = 0
+    first: dict[str, Any] | None = None
+    cached: int = 0
+    stamped: bool = False
+
+    @property
+    def incremental(self) -> bool:
+        return self.incremental_output and self.request.stream
+
+    def take(self, tok: GeneratedToken) -> None:
+        self.ids.append(tok.token_id)
+        self.text += tok.text
+        if self.request.return_logprob and tok.logprobs is not None:
+            lp = tok.logprobs
+            self.out_lp.append(_triple(lp.logprob, tok.token_id))
+            self.out_top.append([_triple(v, t) for t, v in lp.top] if self.request.top_logprobs_num else None)
+
+    @property
+    def unsent(self) -> int:
+        return len(self.ids) - self.sent_ids
+
+    def _input_logprobs(self, top: bool) -> list[Any]:
+        req = self.request
+        if req.logprob_start_len < 0:
+            return []
+        rows = prompt_logprobs(req.input_ids, req.top_logprobs_num, self.model)[req.logprob_start_len :]
+        if top:
+            return [None if p is None else [_triple(v, t) for t, v in p.top] for p in rows]
+        toks = req.input_ids[req.logprob_start_len :]
+        return [_triple(None if p is None else p.logprob, t) for p, t in zip(rows, toks, strict=True)]
+
+    def _meta(self, finish_reason: dict[str, Any] | None, final: bool, now: Now) -> dict[str, Any]:
+        req = self.request
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "weight_version": "default",
+            "num_retractions": 0,
+        }
+        if req.return_logprob:
+            inc = self.incremental
+            start = self.sent_ids if inc else 0
+            meta["output_token_logprobs"] = self.out_lp[start:]
+            first = not inc or self.first is None
+            meta["input_token_logprobs"] = self._input_logprobs(False) if first else []
+            if req.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = self.out_top[start:]
+                meta["input_top_logprobs"] = self._input_logprobs(True) if first else []
+        meta["reasoning_tokens"] = 0
+        meta["completion_tokens"] = len(self.ids)
+        meta["cached_tokens"] = self.cached
+        if not self.stamped:
+            self.stamped = True
+            meta["response_sent_to_client_ts"] = now.wall
+        if final:
+            meta["e2e_latency"] = now.mono - self.started
+        return meta
+
+    def out(self, finish_reason: dict[str, Any] | None, final: bool, now: Now) -> dict[str, Any]:
+        meta = self._meta(finish_reason, final, now)
+        if self.incremental:
+            ids, text = self.ids[self.sent_ids :], self.text[self.sent_text :]
+        else:
+            ids, text = list(self.ids), self.text
+        self.sent_ids, self.sent_text = len(self.ids), len(self.text)
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def flush(self, now: Now) -> Chunk | None:
+        """The non-final chunk of what is unsent, if any (non-streaming requests send none)."""
+        if not self.unsent or not self.request.stream:
+            return None
+        out = self.out(None, False, now)
+        if self.first is None:
+            self.first = out
+        return Chunk(out, False)
+
+    def abort_chunk(self, message: str, now: Now) -> Chunk:
+        reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+        return Chunk(self.out(reason, True, now), True)
+
+    def finish(
+        self, tok: GeneratedToken | None, plan: FaultPlan | None, now: Now
+    ) -> tuple[list[Chunk], Outcome]:
+        """The terminal (stop or length), bent by a malformed-terminal or repeat fault."""
+        reason: dict[str, Any]
+        if tok is None or tok.finish is None or tok.finish.reason == "length":
+            reason = {"type": "length", "length": len(self.ids)}
+        elif tok.finish.matched_stop_str is not None:
+            reason = {"type": "stop", "matched": tok.finish.matched_stop_str}
+        else:
+            reason = {"type": "stop", "matched": tok.finish.matched_token_id}
+        out = self.out(reason, True, now)
+        outcome = Outcome.FINISHED
+        if plan is not None and plan.kind is FaultKind.MALFORMED_TERMINAL:
+            outcome = Outcome.FAULTED
+            meta = out["meta_info"]
+            if plan.variant == "missing_finish_reason":
+                meta["finish_reason"] = None
+            elif plan.variant == "unknown_finish_reason":
+                meta["finish_reason"] = {"type": "testkit-unknown"}
+            elif plan.variant == "count_mismatch":
+                meta["completion_tokens"] = len(self.ids) + 1
+            else:
+                out["output_ids"] = [*out["output_ids"], -1]
+        chunks = [Chunk(out, True)]
+        if plan is not None and plan.kind is FaultKind.REPEAT_AFTER_TERMINAL:
+            chunks.append(Chunk(self.first or out, False))
+            outcome = Outcome.FAULTED
+        return chunks, outcome
