@@ -9,10 +9,14 @@ tokens, logprobs and text in the same order, and the same single terminal per ch
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final, Literal
 
 from sidecar_common.api import sidecar_pb2
 
 __all__ = ["coalesce", "merge_outputs"]
+
+_Submessage = Literal["completion_usage", "disaggregated_params", "engine_data"]
+_LAST_SET: Final[tuple[_Submessage, ...]] = ("completion_usage", "disaggregated_params", "engine_data")
 
 
 def merge_outputs(outputs: Sequence[sidecar_pb2.LLMEngineOutput]) -> sidecar_pb2.LLMEngineOutput:
@@ -26,41 +30,33 @@ def merge_outputs(outputs: Sequence[sidecar_pb2.LLMEngineOutput]) -> sidecar_pb2
     if len(outputs) == 1:
         return outputs[0]
     index = outputs[0].index
-    for part in outputs[:-1]:
-        if part.finish_reason != sidecar_pb2.UNSPECIFIED:
-            raise ValueError("only the last chunk of a merge may be terminal")
-    merged = sidecar_pb2.LLMEngineOutput(index=index)
-    has_text = False
-    texts: list[str] = []
+    last = outputs[-1]
+    merged = sidecar_pb2.LLMEngineOutput()
+    # MergeFrom (one C call per part) already gives what a merge needs for most fields:
+    # repeated token_ids / log_probs / top_logprobs concatenated in order, the last set
+    # cum_log_probs (cumulative: the latest figure includes every earlier one), the index,
+    # and the terminal's finish_reason (only the last part may set it). The few fields
+    # where it differs are fixed below, and only when some part set them.
     for part in outputs:
         if part.index != index:
             raise ValueError("merge_outputs got chunks of different choices")
-        merged.token_ids.extend(part.token_ids)
-        merged.log_probs.extend(part.log_probs)
-        merged.top_logprobs.extend(part.top_logprobs)
-        if part.HasField("text"):
-            has_text = True
-            texts.append(part.text)
-        if part.HasField("cum_log_probs"):
-            # Cumulative: the latest figure already includes every earlier one.
-            merged.cum_log_probs = part.cum_log_probs
-        # Engines only put these on the terminal; keeping the last one set (rather than
-        # strictly the terminal's) means a misplaced value is never silently dropped.
-        if part.HasField("completion_usage"):
-            merged.completion_usage.CopyFrom(part.completion_usage)
-        if part.HasField("disaggregated_params"):
-            merged.disaggregated_params.CopyFrom(part.disaggregated_params)
-        if part.HasField("engine_data"):
-            merged.engine_data.CopyFrom(part.engine_data)
-    if has_text:
-        merged.text = "".join(texts)
-    last = outputs[-1]
-    merged.finish_reason = last.finish_reason
-    which = last.WhichOneof("stop_reason")
-    if which == "stop_token_id":
-        merged.stop_token_id = last.stop_token_id
-    elif which == "stop_string":
-        merged.stop_string = last.stop_string
+        if part is not last and part.finish_reason != sidecar_pb2.UNSPECIFIED:
+            raise ValueError("only the last chunk of a merge may be terminal")
+        merged.MergeFrom(part)
+    if merged.HasField("text"):
+        # Text is a delta like the tokens: concatenated, where MergeFrom keeps the last.
+        merged.text = "".join(part.text for part in outputs if part.HasField("text"))
+    for name in _LAST_SET:
+        if merged.HasField(name):
+            # Engines only put these on the terminal; keeping the last one set (rather than
+            # strictly the terminal's, and rather than MergeFrom's field-wise blend) means
+            # a misplaced value is never silently dropped nor mixed with another.
+            getattr(merged, name).CopyFrom(
+                getattr(next(p for p in reversed(outputs) if p.HasField(name)), name)
+            )
+    if last.WhichOneof("stop_reason") is None:
+        # Why the choice stopped is the terminal's alone (the last part set it if it has one).
+        merged.ClearField("stop_reason")
     return merged
 
 

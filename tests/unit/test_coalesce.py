@@ -162,3 +162,66 @@ def test_any_split_coalesced_reconstructs_the_same_stream(stream: Stream, data: 
         assert mine[-1].finish_reason != sidecar_pb2.UNSPECIFIED
         assert all(o.finish_reason == sidecar_pb2.UNSPECIFIED for o in mine[:-1])
     assert len(sent) <= len(stream.chunks)
+
+
+def reference_merge(parts: list[Out]) -> Out:
+    """The merge rule spelled out field by field (what merge_outputs must equal)."""
+    merged = Out(index=parts[0].index, finish_reason=parts[-1].finish_reason)
+    texts = [p.text for p in parts if p.HasField("text")]
+    if texts:
+        merged.text = "".join(texts)
+    for p in parts:
+        merged.token_ids.extend(p.token_ids)
+        merged.log_probs.extend(p.log_probs)
+        merged.top_logprobs.extend(p.top_logprobs)
+        if p.HasField("cum_log_probs"):
+            merged.cum_log_probs = p.cum_log_probs
+        if p.HasField("completion_usage"):
+            merged.completion_usage.CopyFrom(p.completion_usage)
+        if p.HasField("engine_data"):
+            merged.engine_data.CopyFrom(p.engine_data)
+        if p.HasField("disaggregated_params"):
+            merged.disaggregated_params.CopyFrom(p.disaggregated_params)
+    which = parts[-1].WhichOneof("stop_reason")
+    if which == "stop_token_id":
+        merged.stop_token_id = parts[-1].stop_token_id
+    elif which == "stop_string":
+        merged.stop_string = parts[-1].stop_string
+    return merged
+
+
+@st.composite
+def rich_parts(draw: st.DrawFn) -> list[Out]:
+    count = draw(st.integers(2, 5))
+    parts = []
+    for _ in range(count):
+        out = chunk(
+            0, tuple(draw(st.lists(st.integers(0, 99), max_size=3))), draw(st.none() | st.text(max_size=2))
+        )
+        if draw(st.booleans()):
+            out.cum_log_probs = draw(st.floats(-10, 0))
+        if draw(st.booleans()):
+            # Misplaced extras (not only on the terminal): the last one set wins, whole.
+            usage = out.completion_usage
+            usage.prompt_tokens = draw(st.integers(0, 9))
+            usage.completion_tokens = draw(st.integers(0, 9))
+            if draw(st.booleans()):
+                usage.cached_tokens = draw(st.integers(0, 9))
+        if draw(st.booleans()):
+            out.engine_data.update({draw(st.sampled_from("ab")): draw(st.integers(0, 9))})
+        if draw(st.booleans()):
+            # A stop reason on a non-terminal part is not the merge's (only the terminal's is).
+            if draw(st.booleans()):
+                out.stop_token_id = draw(st.integers(0, 9))
+            else:
+                out.stop_string = draw(st.text(max_size=2))
+        parts.append(out)
+    if draw(st.booleans()):
+        parts[-1].finish_reason = sidecar_pb2.STOP
+    return parts
+
+
+@settings(deadline=None)
+@given(parts=rich_parts())
+def test_merge_equals_the_field_by_field_rule(parts: list[Out]) -> None:
+    assert merge_outputs(parts) == reference_merge(parts)
