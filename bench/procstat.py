@@ -11,7 +11,25 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of ``pid``, in seconds."""
+    """CPU time of every thread of ``pid``, in seconds.
+
+    From the scheduler's per-thread run time (nanoseconds) when the kernel has schedstat:
+    utime/stime are sampled at the clock tick, which on a busy machine can miss a process
+    that runs in short bursts (a relay does) and has read 0 for a whole window. Falls back
+    to utime + stime. A thread that exits inside a window takes its time with it; the
+    hops' threads live as long as the process.
+    """
+    try:
+        total_ns = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as f:
+                total_ns += int(f.read().split()[0])
+        return total_ns / 1e9
+    except (OSError, ValueError, IndexError):
+        return _tick_cpu_seconds(pid)
+
+
+def _tick_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         raw = f.read()
     # The command name (field 2) may contain spaces; the fields after its closing ')' do not.

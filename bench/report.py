@@ -37,6 +37,8 @@ def row_figures(raw: dict[str, Any]) -> dict[str, float | None]:
     messages = raw["messages"]
     cpu = raw["cpu_s"]
     hop = cpu.get("hop")
+    if hop is not None and hop <= 0 and tokens:
+        hop = None  # tokens went through a hop that used no CPU: a failed reading, not a figure
     rss = raw.get("hop_peak_rss_kib")
     # The engine and the client share one core: their sum says whether that core, rather
     # than the hop, was the bottleneck of a run.
