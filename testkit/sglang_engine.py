@@ -1,11 +1,13 @@
 """The testkit SGLang engine: one scheduler on the CPU behind SGLang's two native wires.
 
-``SglangTestEngine`` owns the request lifecycle (admission through ``Book``, deterministic
-tokens from ``generator``, faults from ``FaultBook``, aborts by rid prefix) and renders each
-request as SGLang's tokenizer manager does: a list of plain-JSON "out" dicts
-``{text, output_ids, meta_info}``, cumulative unless ``incremental``. The wire modules
-(``sglang_grpc``, ``sglang_http``) only frame those dicts; everything they must agree on
-lives here so the two wires cannot drift apart.
+``SglangTestEngine`` is the facade the wires and the tests use. It owns the lifecycle (both
+servers, the ready delay, kill/restart), admission through ``Book``, SGLang's request checks
+in their order, aborts by rid prefix, and one scheduler task per request that drives the
+deterministic ``generator`` and the test's fault plan. Rendering each request as SGLang's
+tokenizer manager does lives in ``sglang_core`` (shared by both wires, pure), the info JSON and
+the configuration in ``sglang_info``, the console entry in ``sglang_cli``; the wire modules
+(``sglang_grpc``, ``sglang_http``) only frame. Every name this module exported before the split
+is still importable from here.
 
 Behaviour copied in spirit (not code) from SGLang 0.5.23, with the choices the spec leaves
 open noted where they are made.
@@ -13,12 +15,9 @@ open noted where they are made.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import signal
-import sys
 import time
 import uuid
 from collections import deque
@@ -27,8 +26,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from testkit.book import Book, Outcome
-from testkit.faults import FaultBook, FaultKind, FaultPlan, parse_fault_flag
+from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec
+
+# The console entry lives in sglang_cli (which imports this module lazily); re-exported here.
+from testkit.sglang_cli import add_arguments, config_from_args, run
 from testkit.sglang_core import (
     DEFAULT_MAX_NEW_TOKENS,
     SGLANG_VERSION,
@@ -49,10 +51,12 @@ from testkit.sglang_core import (
     sampling_spec,
     verify_sampling,
 )
+from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig, loads, model_info, server_info
 
 # The wire-neutral names are re-exported: the wires and the tests import them from here.
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
+    "DISAGG_MODES",
     "SGLANG_VERSION",
     "AbortRecord",
     "Bootstrap",
@@ -72,52 +76,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("testkit.sglang")
-DISAGG_MODES = ("null", "prefill", "decode")
-
-
-@dataclass(frozen=True)
-class SglangEngineConfig:
-    grpc_host: str = "127.0.0.1"
-    grpc_port: int | None = 0  # None: do not serve gRPC
-    http_host: str = "127.0.0.1"
-    http_port: int | None = 0  # None: do not serve HTTP
-    incremental: bool = False
-    model_path: str = "testkit/tiny-sglang"
-    served_model_name: str | None = None  # None: the model path, as SGLang does
-    eos_token_id: int = 2
-    vocab_size: int = 32000
-    context_length: int = 4096
-    # SGLang's server info reports the --context-length launch flag, null when not given.
-    context_length_flag: int | None = None
-    kv_capacity_tokens: int = 1 << 20  # max_total_num_tokens
-    page_size: int = 1
-    max_running_requests: int = 256
-    dp_size: int = 1
-    token_latency_ms: float = 0.0
-    chunk_tokens: int = 1  # SGLang's --stream-interval
-    startup_delay_secs: float = 0.0
-    disaggregation_mode: str = "null"
-    bootstrap_port: int = 8998
-    # SGLang aborts a request whose HTTP client left ~2 s later (a background task).
-    disconnect_abort_delay_secs: float = 2.0
-    # With one tokenizer worker SGLang ignores an HTTP abort whose rid names no live request
-    # (so a bare prefix aborts nothing); with more it forwards it and the scheduler matches
-    # every rid that starts with it.
-    tokenizer_workers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.disaggregation_mode not in DISAGG_MODES:
-            raise ValueError(f"disaggregation_mode must be one of {DISAGG_MODES}")
-        if self.chunk_tokens < 1 or self.max_running_requests < 1 or self.dp_size < 1:
-            raise ValueError("chunk_tokens, max_running_requests and dp_size must be >= 1")
-        if self.token_latency_ms < 0 or self.startup_delay_secs < 0 or self.disconnect_abort_delay_secs < 0:
-            raise ValueError("latencies and delays must be >= 0")
-        if self.context_length < 2 or self.kv_capacity_tokens < 1 or self.page_size < 1:
-            raise ValueError("context_length, kv_capacity_tokens and page_size must be positive")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model_path
 
 
 class _Server(Protocol):
@@ -534,227 +492,16 @@ class SglangTestEngine:
 
     # -- what the info endpoints report -------------------------------------------------
     def server_info(self, *, http: bool) -> dict[str, Any]:
-        cfg = self.config
-        info: dict[str, Any] = {
-            "model_path": cfg.model_path,
-            "tokenizer_path": cfg.model_path,
-            "served_model_name": cfg.model_name,
-            "skip_tokenizer_init": False,
-            "host": cfg.http_host,
-            "port": self.http_port,
-            "grpc_port": self.grpc_port or None,
-            "context_length": cfg.context_length_flag,
-            "page_size": cfg.page_size,
-            "max_running_requests": cfg.max_running_requests,
-            "max_total_tokens": None,
-            "dp_size": cfg.dp_size,
-            "tp_size": 1,
-            "pp_size": 1,
-            "stream_interval": cfg.chunk_tokens,
-            "incremental_streaming_output": cfg.incremental,
-            "tokenizer_worker_num": cfg.tokenizer_workers,
-            "disaggregation_mode": cfg.disaggregation_mode,
-            "disaggregation_bootstrap_port": cfg.bootstrap_port,
-            "device": "cpu",
-            "launch_command": "testkit-engine sglang",
-            "status": "ready",
-            "max_total_num_tokens": cfg.kv_capacity_tokens,
-            "max_req_input_len": min(cfg.context_length, cfg.kv_capacity_tokens) - 1,
-            "kv_events": None,
-        }
-        if http:
-            info.update(
-                startup_time=self._started_at,
-                internal_states=[{"last_gen_throughput": 0.0}],
-                version=SGLANG_VERSION,
-                frontend="python",
-            )
-        else:
-            info["grpc_features"] = []
-        return info
+        return server_info(
+            self.config,
+            http=http,
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+            started_at=self._started_at,
+        )
 
     def model_info(self, *, http: bool) -> dict[str, Any]:
-        cfg = self.config
-        info: dict[str, Any] = {
-            "model_path": cfg.model_path,
-            "served_model_name": cfg.model_name,
-            "tokenizer_path": cfg.model_path,
-            "is_generation": True,
-            "weight_version": "default",
-            "load_format": "auto",
-            "reasoning_parser": None,
-            "tool_call_parser": None,
-            "disaggregation_mode": cfg.disaggregation_mode,
-            "model_type": "testkit",
-            "architectures": ["TestkitForCausalLM"],
-        }
-        if http:
-            info.update(
-                preferred_sampling_params=None, has_image_understanding=False, has_audio_understanding=False
-            )
-        return info
+        return model_info(self.config, http=http)
 
     def loads(self, dp_rank: int | None = None) -> list[dict[str, Any]]:
-        if dp_rank is not None and not 0 <= dp_rank < self.config.dp_size:
-            return []
-        used = self.book.used_tokens()
-        total = self.config.kv_capacity_tokens
-        running = self.book.running_count
-        waiting_tokens = 0
-        rows = []
-        for rank in range(self.config.dp_size):
-            if dp_rank is not None and rank != dp_rank:
-                continue
-            mine = rank == 0  # one scheduler does the work; other ranks idle
-            rows.append(
-                {
-                    "timestamp": time.time(),
-                    "dp_rank": rank,
-                    "num_running_reqs": running if mine else 0,
-                    "num_waiting_reqs": self.book.waiting_count if mine else 0,
-                    "num_waiting_uncached_tokens": waiting_tokens,
-                    "num_used_tokens": used if mine else 0,
-                    "num_total_tokens": used if mine else 0,
-                    "num_active_tokens": used if mine else 0,
-                    "num_prealloc_ready_tokens": 0,
-                    "max_total_num_tokens": total,
-                    "max_running_requests": self.config.max_running_requests,
-                    "token_usage": round(used / total, 4) if mine else 0.0,
-                    "gen_throughput": 0.0,
-                    "cache_hit_rate": 0.0,
-                    "utilization": round(running / self.config.max_running_requests, 4) if mine else 0.0,
-                    "total_prefill_uncached_tokens": 0,
-                    "total_prefill_busy_us": 0,
-                    "decode_moments": None,
-                }
-            )
-        return rows
-
-
-# -- the console entry (testkit-engine sglang ...) -------------------------------------------
-def _listen(text: str) -> tuple[str, int] | None:
-    if text.lower() in ("off", "none", ""):
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def _fault(text: str) -> tuple[str, FaultPlan]:
-    try:
-        return parse_fault_flag(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``testkit-engine sglang``."""
-    d = SglangEngineConfig()
-    a = parser.add_argument
-    a("--grpc-listen", type=_listen, default=("127.0.0.1", 30001), help="HOST:PORT or 'off'")
-    a("--http-listen", type=_listen, default=("127.0.0.1", 30000), help="HOST:PORT or 'off'")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--incremental", dest="incremental", action="store_true", default=False,
-                      help="stream deltas (SGLang's --incremental-streaming-output)")  # fmt: skip
-    mode.add_argument("--cumulative", dest="incremental", action="store_false",
-                      help="stream cumulative output_ids and text (SGLang's default)")  # fmt: skip
-    a("--model-path", default=d.model_path)
-    a("--served-model-name", default=None, help="default: the model path")
-    a("--eos-token-id", type=int, default=d.eos_token_id)
-    a("--vocab-size", type=int, default=d.vocab_size)
-    a("--context-length", type=int, default=None,
-      help=f"default {d.context_length}; server info reports it only when given")  # fmt: skip
-    a("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens, help="max_total_num_tokens")
-    a("--page-size", type=int, default=d.page_size)
-    a("--max-running-requests", type=int, default=d.max_running_requests)
-    a("--dp-size", type=int, default=d.dp_size)
-    a("--token-latency-ms", type=float, default=d.token_latency_ms)
-    a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
-    a("--startup-delay-secs", type=float, default=d.startup_delay_secs)
-    a("--disaggregation-mode", choices=DISAGG_MODES, default=d.disaggregation_mode)
-    a("--disaggregation-bootstrap-port", "--bootstrap-port", dest="bootstrap_port", type=int,
-      default=d.bootstrap_port)  # fmt: skip
-    a("--disconnect-abort-delay-secs", type=float, default=d.disconnect_abort_delay_secs)
-    a("--tokenizer-workers", type=int, default=d.tokenizer_workers)
-    a("--fault", type=_fault, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
-      help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
-
-
-def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
-    grpc_l: tuple[str, int] | None = args.grpc_listen
-    http_l: tuple[str, int] | None = args.http_listen
-    d = SglangEngineConfig()
-    return SglangEngineConfig(
-        grpc_host=grpc_l[0] if grpc_l else d.grpc_host,
-        grpc_port=grpc_l[1] if grpc_l else None,
-        http_host=http_l[0] if http_l else d.http_host,
-        http_port=http_l[1] if http_l else None,
-        incremental=args.incremental,
-        model_path=args.model_path,
-        served_model_name=args.served_model_name,
-        eos_token_id=args.eos_token_id,
-        vocab_size=args.vocab_size,
-        context_length=args.context_length or d.context_length,
-        context_length_flag=args.context_length,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        page_size=args.page_size,
-        max_running_requests=args.max_running_requests,
-        dp_size=args.dp_size,
-        token_latency_ms=args.token_latency_ms,
-        chunk_tokens=args.chunk_tokens,
-        startup_delay_secs=args.startup_delay_secs,
-        disaggregation_mode=args.disaggregation_mode,
-        bootstrap_port=args.bootstrap_port,
-        disconnect_abort_delay_secs=args.disconnect_abort_delay_secs,
-        tokenizer_workers=args.tokenizer_workers,
-    )
-
-
-async def _serve(config: SglangEngineConfig, faults: list[tuple[str, FaultPlan]]) -> int:
-    log = logging.getLogger("testkit.sglang")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    engine = SglangTestEngine(config)
-    for match, plan in faults:
-        engine.faults.add(match, plan)
-    try:
-        await engine.start()
-        where = f"grpc={config.grpc_host}:{engine.grpc_port} http={config.http_host}:{engine.http_port}"
-        log.info("testkit-engine sglang listening %s", where)
-        ready = asyncio.ensure_future(engine.wait_ready(None))
-        stopping = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if ready.done() and not ready.cancelled() and ready.exception() is None:
-                log.info("testkit-engine sglang ready %s", where)
-            await stopping
-        finally:
-            for fut in (ready, stopping):
-                fut.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await fut
-    finally:
-        await engine.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    log.info("testkit-engine sglang stopped")
-    return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; exit 0."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    try:
-        config = config_from_args(args)
-    except ValueError as e:
-        print(f"testkit-engine sglang: {e}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(_serve(config, list(args.fault)))
-    except OSError as e:
-        logging.getLogger("testkit.sglang").error("testkit-engine sglang: %s", e)
-        return 1
+        return loads(self.config, self.book, dp_rank, time.time())

@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 from testkit.book import Outcome
-from testkit.sglang_engine import (
+from testkit.sglang_core import (
     Bootstrap,
     Chunk,
     Closed,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from testkit.faults import parse_directive
-from testkit.sglang_engine import (
+from testkit.sglang_core import (
     Bootstrap,
     Chunk,
     Cut,

@@ -1,0 +1,165 @@
+"""What the testkit SGLang engine is and reports (pure): its configuration, and the JSON its
+info endpoints serve on both wires (server info, model info, per-rank load).
+
+The keys and shapes follow SGLang 0.5.23's ``get_server_info`` / ``get_model_info`` /
+``/v1/loads`` and its gRPC counterparts, which differ in a few keys (noted where they do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from testkit.book import Book
+from testkit.sglang_core import SGLANG_VERSION
+
+__all__ = ["DISAGG_MODES", "SglangEngineConfig", "loads", "model_info", "server_info"]
+
+DISAGG_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SglangEngineConfig:
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int | None = 0  # None: do not serve gRPC
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 0  # None: do not serve HTTP
+    incremental: bool = False
+    model_path: str = "testkit/tiny-sglang"
+    served_model_name: str | None = None  # None: the model path, as SGLang does
+    eos_token_id: int = 2
+    vocab_size: int = 32000
+    context_length: int = 4096
+    # SGLang's server info reports the --context-length launch flag, null when not given.
+    context_length_flag: int | None = None
+    kv_capacity_tokens: int = 1 << 20  # max_total_num_tokens
+    page_size: int = 1
+    max_running_requests: int = 256
+    dp_size: int = 1
+    token_latency_ms: float = 0.0
+    chunk_tokens: int = 1  # SGLang's --stream-interval
+    startup_delay_secs: float = 0.0
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998
+    # SGLang aborts a request whose HTTP client left ~2 s later (a background task).
+    disconnect_abort_delay_secs: float = 2.0
+    # With one tokenizer worker SGLang ignores an HTTP abort whose rid names no live request
+    # (so a bare prefix aborts nothing); with more it forwards it and the scheduler matches
+    # every rid that starts with it.
+    tokenizer_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.disaggregation_mode not in DISAGG_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {DISAGG_MODES}")
+        if self.chunk_tokens < 1 or self.max_running_requests < 1 or self.dp_size < 1:
+            raise ValueError("chunk_tokens, max_running_requests and dp_size must be >= 1")
+        if self.token_latency_ms < 0 or self.startup_delay_secs < 0 or self.disconnect_abort_delay_secs < 0:
+            raise ValueError("latencies and delays must be >= 0")
+        if self.context_length < 2 or self.kv_capacity_tokens < 1 or self.page_size < 1:
+            raise ValueError("context_length, kv_capacity_tokens and page_size must be positive")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+
+def server_info(
+    cfg: SglangEngineConfig, *, http: bool, http_port: int, grpc_port: int, started_at: float
+) -> dict[str, Any]:
+    """``get_server_info`` (HTTP) / ``GetServerInfo`` (gRPC): the keys a sidecar discovers from."""
+    info: dict[str, Any] = {
+        "model_path": cfg.model_path,
+        "tokenizer_path": cfg.model_path,
+        "served_model_name": cfg.model_name,
+        "skip_tokenizer_init": False,
+        "host": cfg.http_host,
+        "port": http_port,
+        "grpc_port": grpc_port or None,
+        "context_length": cfg.context_length_flag,
+        "page_size": cfg.page_size,
+        "max_running_requests": cfg.max_running_requests,
+        "max_total_tokens": None,
+        "dp_size": cfg.dp_size,
+        "tp_size": 1,
+        "pp_size": 1,
+        "stream_interval": cfg.chunk_tokens,
+        "incremental_streaming_output": cfg.incremental,
+        "tokenizer_worker_num": cfg.tokenizer_workers,
+        "disaggregation_mode": cfg.disaggregation_mode,
+        "disaggregation_bootstrap_port": cfg.bootstrap_port,
+        "device": "cpu",
+        "launch_command": "testkit-engine sglang",
+        "status": "ready",
+        "max_total_num_tokens": cfg.kv_capacity_tokens,
+        "max_req_input_len": min(cfg.context_length, cfg.kv_capacity_tokens) - 1,
+        "kv_events": None,
+    }
+    if http:
+        info.update(
+            startup_time=started_at,
+            internal_states=[{"last_gen_throughput": 0.0}],
+            version=SGLANG_VERSION,
+            frontend="python",
+        )
+    else:
+        info["grpc_features"] = []
+    return info
+
+
+def model_info(cfg: SglangEngineConfig, *, http: bool) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "model_path": cfg.model_path,
+        "served_model_name": cfg.model_name,
+        "tokenizer_path": cfg.model_path,
+        "is_generation": True,
+        "weight_version": "default",
+        "load_format": "auto",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": cfg.disaggregation_mode,
+        "model_type": "testkit",
+        "architectures": ["TestkitForCausalLM"],
+    }
+    if http:
+        info.update(
+            preferred_sampling_params=None, has_image_understanding=False, has_audio_understanding=False
+        )
+    return info
+
+
+def loads(cfg: SglangEngineConfig, book: Book, dp_rank: int | None, now: float) -> list[dict[str, Any]]:
+    """``GetLoad`` / ``/v1/loads``: one row per dp rank (rank 0 does the work)."""
+    if dp_rank is not None and not 0 <= dp_rank < cfg.dp_size:
+        return []
+    used = book.used_tokens()
+    total = cfg.kv_capacity_tokens
+    running = book.running_count
+    waiting_tokens = 0
+    rows = []
+    for rank in range(cfg.dp_size):
+        if dp_rank is not None and rank != dp_rank:
+            continue
+        mine = rank == 0  # one scheduler does the work; other ranks idle
+        rows.append(
+            {
+                "timestamp": now,
+                "dp_rank": rank,
+                "num_running_reqs": running if mine else 0,
+                "num_waiting_reqs": book.waiting_count if mine else 0,
+                "num_waiting_uncached_tokens": waiting_tokens,
+                "num_used_tokens": used if mine else 0,
+                "num_total_tokens": used if mine else 0,
+                "num_active_tokens": used if mine else 0,
+                "num_prealloc_ready_tokens": 0,
+                "max_total_num_tokens": total,
+                "max_running_requests": cfg.max_running_requests,
+                "token_usage": round(used / total, 4) if mine else 0.0,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+                "utilization": round(running / cfg.max_running_requests, 4) if mine else 0.0,
+                "total_prefill_uncached_tokens": 0,
+                "total_prefill_busy_us": 0,
+                "decode_moments": None,
+            }
+        )
+    return rows
