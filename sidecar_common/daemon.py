@@ -18,6 +18,7 @@ that cannot be reached) and exit code 1, after closing whatever had been opened.
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -46,6 +47,11 @@ EXIT_USAGE: Final = 2
 # Bound on the close steps that have no deadline of their own: a wedged close must not keep
 # the process (and a systemd stop job or a Kubernetes pod) hanging forever.
 _CLOSE_TIMEOUT: Final = 10.0
+# Every chunk allocates a few objects (messages, futures), so CPython's default young
+# generation threshold (700) runs a collection every few hundred chunks, and each older
+# collection walks every long-lived object (channels, descriptors). Those are frozen once
+# serving, and collections run less often; memory still comes back by reference counting.
+_GC_THRESHOLDS: Final = (20_000, 20, 20)
 _STARTUP_SLACK: Final = 30.0
 
 log = structlog.get_logger("sidecar_common.daemon")
@@ -210,6 +216,7 @@ async def _serve(
 
         server.set_serving()
         stopper.cancel_inflight = server.cancel_inflight
+        gc.freeze()  # what start-up built lives as long as the process: never rescanned
         info = engine.model_info()
         status = f"serving {info.served_model_name or spec.name} on port {server.port}"
         systemd.notify(f"READY=1\nSTATUS={status}")
@@ -255,6 +262,7 @@ async def _start(
 def run(spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace) -> int:
     """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
     options: dict[str, Any] = {}
+    gc.set_threshold(*_GC_THRESHOLDS)
     try:
         import uvloop
 
