@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.server import ServerConfig
 from tests.reliability.harness import KINDS, Ended, Kind, Rig, error_reason, expected_tokens, request, rig
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +39,11 @@ class Background:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self._cm = rig(kind, token_latency_ms=0)
+        # The engine shares this loop: an example that costs it CPU (a long prompt's logprobs)
+        # must not flip the background health watch; health is probed directly instead.
+        self._cm = rig(
+            kind, token_latency_ms=0, server=ServerConfig(listen="127.0.0.1:0", health_watch_interval=30)
+        )
         self.rig: Rig = self.run(self._cm.__aenter__())
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
@@ -115,8 +121,10 @@ def requests(draw: st.DrawFn) -> sidecar_pb2.PreprocessedRequest:
     if draw(st.booleans()):
         o = req.sampling_options
         o.SetInParent()
-        put(o, "n", draw(maybe(st.integers(0, 3) | u32)))
-        put(o, "best_of", draw(maybe(st.integers(0, 3) | u32)))
+        # n stays small: a large n costs the vLLM sidecar O(n) on its event loop, pinned by
+        # test_a_huge_n_is_answered_at_once (xfail, defect).
+        put(o, "n", draw(maybe(st.integers(0, 64))))
+        put(o, "best_of", draw(maybe(st.integers(0, 64))))
         for name in (
             "temperature",
             "top_p",
@@ -146,9 +154,12 @@ def requests(draw: st.DrawFn) -> sidecar_pb2.PreprocessedRequest:
         out.SetInParent()
         # Top-N stays moderate: the testkit engines compute each position's top-N over the whole
         # vocabulary on their event loop (a real vLLM refuses N > max_logprobs = 20 itself).
+        # Prompt logprobs only on short prompts: a 3,000-token prompt's would hold the shared
+        # event loop for seconds (an artefact of the in-process engine, not of the sidecar).
         top_n = st.integers(0, 40)
         put(out, "logprobs", draw(maybe(top_n)))
-        put(out, "prompt_logprobs", draw(maybe(top_n)))
+        if len(req.token_ids) <= 64:
+            put(out, "prompt_logprobs", draw(maybe(top_n)))
         put(out, "skip_special_tokens", draw(maybe(st.booleans())))
     if draw(st.booleans()):
         r = req.routing
@@ -286,5 +297,25 @@ def test_sglang_grpc_engine_refusals_are_invalid_argument(case: str) -> None:
     try:
         ended, _ = bg.run(answer(bg.rig, req))
         assert ended.code is grpc.StatusCode.INVALID_ARGUMENT, (ended.code, ended.error)
+    finally:
+        bg.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: the vLLM sidecar forwards any uint32 sampling_options.n and does O(n) work on its "
+    "event loop per request (n=1,000,000 blocks it for seconds); refuse n beyond a bound by name",
+)
+def test_a_huge_n_is_answered_at_once() -> None:
+    bg = Background("vllm")
+    try:
+        # A prompt the engine refuses at once: what remains is the sidecar's own cost.
+        req = request("huge-n", [101] * 5000, 4)
+        req.sampling_options.n = 1_000_000
+        t0 = time.monotonic()
+        ended, _ = bg.run(answer(bg.rig, req))
+        took = time.monotonic() - t0
+        assert ended.code is grpc.StatusCode.INVALID_ARGUMENT, ended.code
+        assert took < 1.0, f"n=1,000,000 took {took:.1f}s to answer"
     finally:
         bg.close()

@@ -43,7 +43,7 @@ IN_FLIGHT = 200
 WARMUP = 200
 SEED = 20261130
 MALFORMED = ("missing_finish_reason", "unknown_finish_reason", "count_mismatch", "negative_id")
-KNOWN_ABORT_RACE = True
+KNOWN_ABORT_RACE = False
 ERROR_CODES = ("INTERNAL", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "ABORTED")
 
 
@@ -153,9 +153,9 @@ class Tally:
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     faults: collections.Counter[str] = field(default_factory=collections.Counter)
     problems: list[str] = field(default_factory=list)
-    # The defect test_abort_race.py pins (xfail strict): a client cancel that lands while the
-    # cleanup abort of an engine failure is in flight interrupts that abort. Counted and
-    # printed apart; set KNOWN_ABORT_RACE = False once it is fixed so the soak checks it too.
+    # test_abort_race.py's defect (a client cancel landing while the cleanup abort of an engine
+    # failure is in flight interrupted that abort), fixed in 5ad398d: with KNOWN_ABORT_RACE
+    # False (now) it is a failure like any other; True would count it apart.
     abort_race: int = 0
 
     def bad(self, plan: Plan, what: str) -> None:
