@@ -1,5 +1,9 @@
 """A CPU stand-in for vLLM's gRPC server (``vllm.grpc.engine.VllmEngine``) plus gRPC health.
 
+This module is the server: lifecycle, request checks, admission, the per-step scheduler loop
+and fault plans. Building the messages (chunks, completes, logprob shapes, handoffs, malformed
+terminals) is pure and lives in ``vllm_wire``.
+
 The stream shape follows smg-grpc-servicer's ``VllmEngineServicer`` with ``stream=true``
 (vLLM's DELTA output kind):
 
@@ -29,6 +33,7 @@ Testkit choices where vLLM has no equivalent:
   fires at the first terminal when the stream is shorter; a hung stream ignores Abort (a
   wedged engine) and ends only when the client leaves or the engine stops; the wire's ids are
   uint32, so ``negative_id`` sends 0xFFFFFFFF (-1 as int32).
+* ``n`` above ``max_num_seqs`` is refused (INVALID_ARGUMENT) instead of fanned out.
 * Only tokenized input; sampling temperature/top-p/penalties, logit_bias and guided decoding
   are accepted and ignored (the generator is deterministic).
 """
@@ -52,22 +57,23 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from testkit.book import Book, Outcome
 from testkit.faults import FaultBook, FaultKind, FaultPlan
-from testkit.generator import (
-    Finish,
-    GeneratedToken,
-    Generator,
-    ModelSpec,
-    PositionLogprobs,
-    SamplingSpec,
-    prompt_logprobs,
+from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
+from testkit.vllm_wire import (
+    HANDOFF_FIELDS,
+    Choice,
+    chunk,
+    complete,
+    from_abort,
+    handoff,
+    input_logprobs,
+    malform,
+    sampling_spec,
 )
 
 __all__ = ["SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
-_HANDOFF_FIELDS = ("remote_host", "remote_port", "remote_engine_id", "remote_block_ids")
-_NEGATIVE_ONE_AS_UINT32 = 0xFFFFFFFF  # the wire's ids are uint32: -1 can only arrive like this
 
 
 @dataclass(frozen=True)
@@ -112,31 +118,6 @@ class _RequestError(Exception):
 @dataclass
 class _Live:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def _top(lp: PositionLogprobs | None, num: int) -> pb.TopLogProbs:
-    # vLLM's per-position dict holds the chosen token first, then the top-k without it.
-    top = pb.TopLogProbs()
-    if lp is None or num <= 0:
-        return top
-    entries = [(lp.token_id, lp.logprob), *((t, v) for t, v in lp.top if t != lp.token_id)]
-    for tid, value in entries[:num]:
-        top.token_ids.append(tid)
-        top.values.append(value)
-    return top
-
-
-def _output_logprobs(lps: list[PositionLogprobs | None], num: int | None) -> pb.OutputLogProbs | None:
-    if num is None or not lps:
-        return None
-    out = pb.OutputLogProbs()
-    for lp in lps:
-        assert lp is not None
-        out.token_logprobs.append(lp.logprob)
-        out.token_ids.append(lp.token_id)
-        if num:
-            out.top_logprobs.append(_top(lp, num))
-    return out
 
 
 class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
@@ -313,6 +294,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         sp = request.sampling_params
         if sp.HasField("max_tokens") and sp.max_tokens < 1:
             raise _RequestError(bad, f"max_tokens must be at least 1, got {sp.max_tokens}")
+        if sp.n > c.max_num_seqs:
+            # vLLM has no such check (it fans the request out into n sequences); the testkit
+            # refuses rather than build millions of generators on its event loop.
+            raise _RequestError(bad, f"n={sp.n} is more than max_num_seqs={c.max_num_seqs} (testkit)")
         if request.HasField("data_parallel_rank") and not (
             0 <= request.data_parallel_rank < c.data_parallel_size
         ):
@@ -331,25 +316,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             if not isinstance(kv, dict):
                 raise _RequestError(bad, "kv_transfer_params_json must be a JSON object")
             if kv.get("do_remote_prefill"):
-                missing = [f for f in _HANDOFF_FIELDS if f not in kv]
+                missing = [f for f in HANDOFF_FIELDS if f not in kv]
                 if missing:
                     raise _RequestError(bad, f"kv_transfer_params lacks {', '.join(missing)}")
         return prompt, kv
-
-    def _sampling(self, request: pb.GenerateRequest) -> SamplingSpec:
-        sp = request.sampling_params
-        return SamplingSpec(
-            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
-            min_tokens=sp.min_tokens,
-            stop_token_ids=tuple(sp.stop_token_ids),
-            stop=tuple(sp.stop),
-            ignore_eos=sp.ignore_eos,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-            seed=sp.seed if sp.HasField("seed") else None,
-            n=sp.n if sp.n > 0 else 1,
-            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
-            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
-        )
 
     def _cached(self, prompt: tuple[int, ...]) -> int:
         # Prefix caching by whole blocks; the last prompt token is always computed.
@@ -409,18 +379,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     def _handoff(self, prompt: tuple[int, ...]) -> dict[str, Any]:
         c = self.config
-        nblocks = -(-len(prompt) // c.block_size)
-        blocks = list(range(self._next_block, self._next_block + nblocks))
-        self._next_block += nblocks
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": blocks,
-            "remote_engine_id": c.kv_engine_id,
-            "remote_host": c.kv_host,
-            "remote_port": c.kv_port,
-            "tp_size": 1,
-        }
+        params = handoff(len(prompt), c.block_size, self._next_block, c.kv_engine_id, c.kv_host, c.kv_port)
+        self._next_block += len(params["remote_block_ids"])
+        return params
 
     async def _stream(
         self,
@@ -432,8 +393,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The request's messages; ``stall`` delays the first step (an abort still cuts it short)."""
         c, rid = self.config, request.request_id
-        sampling = self._sampling(request)
-        choices = [_Choice(Generator(c.model, prompt, sampling, i)) for i in range(sampling.n)]
+        sampling = sampling_spec(request)
+        choices = [Choice(Generator(c.model, prompt, sampling, i)) for i in range(sampling.n)]
         if not await self.book.admit(rid, len(prompt)):
             live.aborted.set()
             for ch in choices:
@@ -444,7 +405,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         plp = None
         if sampling.prompt_logprobs is not None:
             plp = prompt_logprobs(prompt, max(0, sampling.prompt_logprobs), c.model)
-        in_lp = _input_logprobs(prompt, plp, sampling.prompt_logprobs)
+        in_lp = input_logprobs(prompt, plp, sampling.prompt_logprobs)
         prefill = (
             kv is not None and bool(kv.get("do_remote_decode")) and c.kv_role in ("kv_producer", "kv_both")
         )
@@ -472,76 +433,26 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 produced += len(ids)
                 fin = ch.finish = toks[-1].finish
                 if request.stream:
-                    step.append(
-                        pb.GenerateResponse(
-                            chunk=pb.GenerateStreamChunk(
-                                token_ids=ids,
-                                prompt_tokens=len(prompt),
-                                completion_tokens=len(ids),
-                                cached_tokens=cached,
-                                output_logprobs=_output_logprobs(lps, sampling.logprobs),
-                                input_logprobs=None if ch.first_sent else in_lp,
-                                index=ch.gen.index,
-                            )
-                        )
-                    )
-                    ch.first_sent = True
+                    step.append(chunk(ch, ids, lps, len(prompt), cached, in_lp, sampling.logprobs))
                 if fin is not None and (request.stream or all(x.gen.done for x in choices)):
                     for done in [ch] if request.stream else choices:
                         step.append(
-                            self._complete(
+                            complete(
                                 done,
                                 done.finish or fin,
-                                request.stream,
-                                prompt,
-                                cached,
-                                in_lp,
-                                sampling,
-                                self._handoff(prompt) if prefill else None,
+                                stream=request.stream,
+                                chunk_tokens=c.chunk_tokens,
+                                primary_eos=c.eos_token_ids[0],
+                                prompt_tokens=len(prompt),
+                                cached=cached,
+                                in_lp=in_lp,
+                                sampling=sampling,
+                                handoff=self._handoff(prompt) if prefill else None,
                             )
                         )
             self.book.set_tokens(rid, produced)
             for msg in step:
                 yield msg
-
-    def _complete(
-        self,
-        ch: _Choice,
-        fin: Finish,
-        stream: bool,
-        prompt: tuple[int, ...],
-        cached: int,
-        in_lp: pb.InputLogProbs | None,
-        sampling: SamplingSpec,
-        handoff: dict[str, Any] | None,
-    ) -> pb.GenerateResponse:
-        # Streaming restates the final delta (the last chunk's ids); otherwise all the ids.
-        n_last = (
-            len(ch.all_ids) - _last_chunk_start(ch, self.config.chunk_tokens) if stream else len(ch.all_ids)
-        )
-        ids, lps = ch.all_ids[-n_last:] if n_last else [], ch.all_lps[-n_last:] if n_last else []
-        done = pb.GenerateComplete(
-            output_ids=ids,
-            finish_reason=fin.reason,
-            prompt_tokens=len(prompt),
-            completion_tokens=len(ids),
-            cached_tokens=cached,
-            output_logprobs=_output_logprobs(lps, sampling.logprobs),
-            input_logprobs=in_lp,
-            index=ch.gen.index,
-        )
-        primary_eos = (
-            fin.is_eos and not sampling.ignore_eos and fin.matched_token_id == self.config.eos_token_ids[0]
-        )
-        if fin.matched_stop_str is not None:
-            done.matched_stop_str = fin.matched_stop_str
-        elif fin.matched_token_id is not None and not primary_eos:
-            done.matched_token_id = fin.matched_token_id
-        if handoff is not None:
-            done.kv_transfer_params_json = json.dumps(handoff)
-            done.kv_transfer_params.remote_host = str(handoff["remote_host"])
-            done.kv_transfer_params.remote_port = int(handoff["remote_port"])
-        return pb.GenerateResponse(complete=done)
 
     async def _faulted(
         self, source: AsyncGenerator[pb.GenerateResponse, None], plan: FaultPlan | None, live: _Live
@@ -575,7 +486,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 await self._trip(plan)
                 return
             if which == "complete" and kind is FaultKind.MALFORMED_TERMINAL:
-                msg = _malform(msg, plan.variant)
+                msg = malform(msg, plan.variant)
             sent += len(ids)
             first = first or msg
             yield msg
@@ -603,67 +514,3 @@ class _FaultError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class _Choice:
-    """One choice's generator plus what the wire needs to remember about it."""
-
-    def __init__(self, gen: Generator) -> None:
-        self.gen = gen
-        self.all_ids: list[int] = []
-        self.all_lps: list[PositionLogprobs | None] = []
-        self.first_sent = False
-        self.finish: Finish | None = None
-
-
-def _last_chunk_start(ch: _Choice, chunk_tokens: int) -> int:
-    # Every chunk but the last is full, so the last one starts at the last full multiple.
-    n = len(ch.all_ids)
-    return ((n - 1) // chunk_tokens) * chunk_tokens if n else 0
-
-
-def from_abort(ch: _Choice, prompt_tokens: int, cached: int) -> list[pb.GenerateResponse]:
-    """vLLM's final abort output for one choice: an empty chunk, then complete("abort")."""
-    i = ch.gen.index
-    return [
-        pb.GenerateResponse(
-            chunk=pb.GenerateStreamChunk(prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
-        ),
-        pb.GenerateResponse(
-            complete=pb.GenerateComplete(
-                finish_reason="abort", prompt_tokens=prompt_tokens, cached_tokens=cached, index=i
-            )
-        ),
-    ]
-
-
-def _input_logprobs(
-    prompt: tuple[int, ...], plp: list[PositionLogprobs | None] | None, num: int | None
-) -> pb.InputLogProbs | None:
-    if plp is None or num is None:
-        return None
-    out = pb.InputLogProbs()
-    for tok, lp in zip(prompt, plp, strict=True):
-        entry = pb.InputTokenLogProb()
-        if lp is not None:
-            entry.value = lp.logprob
-        out.token_logprobs.append(entry)
-        out.token_ids.append(tok)
-        if num:
-            out.top_logprobs.append(_top(lp, num))
-    return out
-
-
-def _malform(msg: pb.GenerateResponse, variant: str) -> pb.GenerateResponse:
-    bad = pb.GenerateResponse()
-    bad.CopyFrom(msg)
-    done = bad.complete
-    if variant == "missing_finish_reason":
-        done.finish_reason = ""
-    elif variant == "unknown_finish_reason":
-        done.finish_reason = "exploded"
-    elif variant == "count_mismatch":
-        done.completion_tokens = len(done.output_ids) + 7
-    elif variant == "negative_id":
-        done.output_ids.append(_NEGATIVE_ONE_AS_UINT32)
-    return bad

@@ -310,6 +310,18 @@ async def test_invalid_requests_are_invalid_argument() -> None:
         assert engine.running_count() == 0
 
 
+async def test_n_beyond_max_num_seqs_is_refused_at_once_and_the_engine_keeps_serving() -> None:
+    # 28 million choices once built 28 million generators on the event loop (no answer, GBs).
+    async with serve(max_num_seqs=4) as (engine, stub, _):
+        code, got = await asyncio.wait_for(
+            expect_status(stub, request("many", max_tokens=2, n=28_376_735)), 5
+        )
+        assert (code, got) == (grpc.StatusCode.INVALID_ARGUMENT, [])
+        msgs = await collect(stub, request("four", max_tokens=2, n=4))
+        assert sorted(c.index for c in completes(msgs)) == [0, 1, 2, 3]
+        assert engine.running_count() == 0
+
+
 async def test_die_mid_stream_then_restart_on_the_same_port() -> None:
     async with serve(token_latency_ms=20) as (engine, stub, channel):
         call = stub.Generate(request("k", max_tokens=1000), timeout=10)

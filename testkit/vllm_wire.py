@@ -1,0 +1,223 @@
+"""vLLM's gRPC messages as the testkit engine sends them (pure: no I/O, no clock, no asyncio).
+
+Builds what ``vllm_engine`` streams, following smg-grpc-servicer's ``VllmEngineServicer`` with
+``stream=true`` (vLLM's DELTA output kind): the per-step ``chunk`` of one choice, the
+``complete`` that restates a choice's final delta (or all of it when not streaming), vLLM's
+final abort output, the logprob shapes (the chosen token first, then the top-k without it),
+the NIXL-shaped prefill handoff, and the malformed terminals a fault asks for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from testkit.generator import Finish, Generator, PositionLogprobs, SamplingSpec
+
+__all__ = [
+    "HANDOFF_FIELDS",
+    "NEGATIVE_ONE_AS_UINT32",
+    "Choice",
+    "chunk",
+    "complete",
+    "from_abort",
+    "handoff",
+    "input_logprobs",
+    "malform",
+    "output_logprobs",
+    "sampling_spec",
+]
+
+# What a decode request's kv params must name (vLLM's NIXL connector reads each).
+HANDOFF_FIELDS = ("remote_host", "remote_port", "remote_engine_id", "remote_block_ids")
+NEGATIVE_ONE_AS_UINT32 = 0xFFFFFFFF  # the wire's ids are uint32: -1 can only arrive like this
+
+
+class Choice:
+    """One choice's generator plus what the wire needs to remember about it."""
+
+    def __init__(self, gen: Generator) -> None:
+        self.gen = gen
+        self.all_ids: list[int] = []
+        self.all_lps: list[PositionLogprobs | None] = []
+        self.first_sent = False
+        self.finish: Finish | None = None
+
+
+def sampling_spec(request: pb.GenerateRequest) -> SamplingSpec:
+    """The generator's view of a request's sampling parameters."""
+    sp = request.sampling_params
+    return SamplingSpec(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+        min_tokens=sp.min_tokens,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        stop=tuple(sp.stop),
+        ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        seed=sp.seed if sp.HasField("seed") else None,
+        n=sp.n if sp.n > 0 else 1,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+    )
+
+
+def _top(lp: PositionLogprobs | None, num: int) -> pb.TopLogProbs:
+    # vLLM's per-position dict holds the chosen token first, then the top-k without it.
+    top = pb.TopLogProbs()
+    if lp is None or num <= 0:
+        return top
+    entries = [(lp.token_id, lp.logprob), *((t, v) for t, v in lp.top if t != lp.token_id)]
+    for tid, value in entries[:num]:
+        top.token_ids.append(tid)
+        top.values.append(value)
+    return top
+
+
+def output_logprobs(lps: list[PositionLogprobs | None], num: int | None) -> pb.OutputLogProbs | None:
+    if num is None or not lps:
+        return None
+    out = pb.OutputLogProbs()
+    for lp in lps:
+        assert lp is not None
+        out.token_logprobs.append(lp.logprob)
+        out.token_ids.append(lp.token_id)
+        if num:
+            out.top_logprobs.append(_top(lp, num))
+    return out
+
+
+def input_logprobs(
+    prompt: tuple[int, ...], plp: list[PositionLogprobs | None] | None, num: int | None
+) -> pb.InputLogProbs | None:
+    if plp is None or num is None:
+        return None
+    out = pb.InputLogProbs()
+    for tok, lp in zip(prompt, plp, strict=True):
+        entry = pb.InputTokenLogProb()
+        if lp is not None:
+            entry.value = lp.logprob
+        out.token_logprobs.append(entry)
+        out.token_ids.append(tok)
+        if num:
+            out.top_logprobs.append(_top(lp, num))
+    return out
+
+
+def chunk(
+    ch: Choice,
+    ids: list[int],
+    lps: list[PositionLogprobs | None],
+    prompt_tokens: int,
+    cached: int,
+    in_lp: pb.InputLogProbs | None,
+    logprobs: int | None,
+) -> pb.GenerateResponse:
+    """One step's delta for one choice; counts are per message, input logprobs only first."""
+    message = pb.GenerateResponse(
+        chunk=pb.GenerateStreamChunk(
+            token_ids=ids,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(ids),
+            cached_tokens=cached,
+            output_logprobs=output_logprobs(lps, logprobs),
+            input_logprobs=None if ch.first_sent else in_lp,
+            index=ch.gen.index,
+        )
+    )
+    ch.first_sent = True
+    return message
+
+
+def _last_chunk_start(ch: Choice, chunk_tokens: int) -> int:
+    # Every chunk but the last is full, so the last one starts at the last full multiple.
+    n = len(ch.all_ids)
+    return ((n - 1) // chunk_tokens) * chunk_tokens if n else 0
+
+
+def complete(
+    ch: Choice,
+    fin: Finish,
+    *,
+    stream: bool,
+    chunk_tokens: int,
+    primary_eos: int,
+    prompt_tokens: int,
+    cached: int,
+    in_lp: pb.InputLogProbs | None,
+    sampling: SamplingSpec,
+    handoff: dict[str, Any] | None,
+) -> pb.GenerateResponse:
+    """A choice's terminal. Streaming restates the final delta (the last chunk's ids),
+    otherwise all the ids. A primary-EOS stop names no ``matched_stop`` (vLLM's scheduler sets
+    no stop_reason for it); other stop tokens and EOS ids report ``matched_token_id``."""
+    n_last = len(ch.all_ids) - _last_chunk_start(ch, chunk_tokens) if stream else len(ch.all_ids)
+    ids, lps = ch.all_ids[-n_last:] if n_last else [], ch.all_lps[-n_last:] if n_last else []
+    done = pb.GenerateComplete(
+        output_ids=ids,
+        finish_reason=fin.reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(ids),
+        cached_tokens=cached,
+        output_logprobs=output_logprobs(lps, sampling.logprobs),
+        input_logprobs=in_lp,
+        index=ch.gen.index,
+    )
+    is_primary_eos = fin.is_eos and not sampling.ignore_eos and fin.matched_token_id == primary_eos
+    if fin.matched_stop_str is not None:
+        done.matched_stop_str = fin.matched_stop_str
+    elif fin.matched_token_id is not None and not is_primary_eos:
+        done.matched_token_id = fin.matched_token_id
+    if handoff is not None:
+        done.kv_transfer_params_json = json.dumps(handoff)
+        done.kv_transfer_params.remote_host = str(handoff["remote_host"])
+        done.kv_transfer_params.remote_port = int(handoff["remote_port"])
+    return pb.GenerateResponse(complete=done)
+
+
+def from_abort(ch: Choice, prompt_tokens: int, cached: int) -> list[pb.GenerateResponse]:
+    """vLLM's final abort output for one choice: an empty chunk, then complete("abort")."""
+    i = ch.gen.index
+    return [
+        pb.GenerateResponse(
+            chunk=pb.GenerateStreamChunk(prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
+        ),
+        pb.GenerateResponse(
+            complete=pb.GenerateComplete(
+                finish_reason="abort", prompt_tokens=prompt_tokens, cached_tokens=cached, index=i
+            )
+        ),
+    ]
+
+
+def handoff(
+    prompt_tokens: int, block_size: int, first_block: int, engine_id: str, host: str, port: int
+) -> dict[str, Any]:
+    """A prefill's NIXL-shaped kv_transfer_params: the blocks holding the prompt's KV."""
+    nblocks = -(-prompt_tokens // block_size)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(range(first_block, first_block + nblocks)),
+        "remote_engine_id": engine_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+    }
+
+
+def malform(msg: pb.GenerateResponse, variant: str) -> pb.GenerateResponse:
+    """A copy of a ``complete`` bent the way a malformed-terminal fault asks."""
+    bad = pb.GenerateResponse()
+    bad.CopyFrom(msg)
+    done = bad.complete
+    if variant == "missing_finish_reason":
+        done.finish_reason = ""
+    elif variant == "unknown_finish_reason":
+        done.finish_reason = "exploded"
+    elif variant == "count_mismatch":
+        done.completion_tokens = len(done.output_ids) + 7
+    elif variant == "negative_id":
+        done.output_ids.append(NEGATIVE_ONE_AS_UINT32)
+    return bad
