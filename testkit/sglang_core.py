@@ -13,7 +13,6 @@ Behaviour copied in spirit (not code) from SGLang 0.5.23.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,14 +38,11 @@ __all__ = [
     "abort_out",
     "bad_request_reason",
     "sampling_spec",
-    "verify_sampling",
 ]
 
 SGLANG_VERSION = "0.5.23"
 # SGLang's SamplingParams default when a request names no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
-# SamplingParams: a temperature below this samples greedily (top_k forced to 1 first).
-_SAMPLING_EPS = 1e-6
 
 
 class Bootstrap(NamedTuple):
@@ -152,57 +148,6 @@ class Now:
 
     wall: float
     mono: float
-
-
-# -- SamplingParams.verify, as SGLang's tokenizer manager runs it ------------------------------
-def _range_error(name: str, value: float, low: float, high: float, low_in: bool, high_in: bool) -> str | None:
-    above = value >= low if low_in else value > low
-    below = value <= high if high_in else value < high
-    if above and below:  # NaN fails both
-        return None
-    span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-    return f"{name} must be in {span}, got {value}."
-
-
-def verify_sampling(req: NativeRequest, max_new_tokens: int | None) -> None:
-    """RequestRejected with SGLang's message for what its SamplingParams.verify refuses.
-    ``max_new_tokens`` None skips the min/max check (the prefill half drops min_new_tokens)."""
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not math.isfinite(temperature) or temperature < 0.0:
-        raise RequestRejected(f"temperature must be a non-negative finite number, got {temperature}.")
-    checks = (
-        ("top_p", req.top_p, 0.0, 1.0, False, True),
-        ("min_p", req.min_p, 0.0, 1.0, True, True),
-    )
-    for name, value, low, high, low_in, high_in in checks:
-        error = None if value is None else _range_error(name, value, low, high, low_in, high_in)
-        if error:
-            raise RequestRejected(error)
-    top_k = -1 if req.top_k is None else req.top_k
-    if temperature < _SAMPLING_EPS:
-        top_k = 1  # greedy: SamplingParams replaces top_k before verify sees it
-    if top_k != -1 and top_k < 1:
-        raise RequestRejected(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    penalties = (
-        ("frequency_penalty", req.frequency_penalty, -2.0, 2.0, True, True),
-        ("presence_penalty", req.presence_penalty, -2.0, 2.0, True, True),
-    )
-    for name, value, low, high, low_in, high_in in penalties:
-        error = None if value is None else _range_error(name, value, low, high, low_in, high_in)
-        if error:
-            raise RequestRejected(error)
-    rep = req.repetition_penalty
-    if rep is not None and not 0.0 < rep <= 2.0:
-        raise RequestRejected(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}.")
-    if req.min_new_tokens < 0:
-        raise RequestRejected(f"min_new_tokens must be in [0, max_new_tokens], got {req.min_new_tokens}.")
-    if max_new_tokens is not None:
-        if max_new_tokens < 0:
-            raise RequestRejected(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
-        if req.min_new_tokens > max_new_tokens:
-            raise RequestRejected(
-                f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {req.min_new_tokens}."
-            )
 
 
 def sampling_spec(req: NativeRequest) -> SamplingSpec:

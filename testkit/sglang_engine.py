@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from testkit.book import Book, Outcome
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec
+from testkit.sglang_checks import check_request
 
 # The console entry lives in sglang_cli (which imports this module lazily); re-exported here.
 from testkit.sglang_cli import add_arguments, config_from_args, run
@@ -49,7 +50,6 @@ from testkit.sglang_core import (
     abort_out,
     bad_request_reason,
     sampling_spec,
-    verify_sampling,
 )
 from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig, loads, model_info, server_info
 
@@ -265,7 +265,7 @@ class SglangTestEngine:
             )
         if req.rid in self._live:
             raise RequestRejected(f"Duplicate request ID detected: {req.rid}")
-        req, refusal = self._validate(req)
+        req, refusal = check_request(self.config, req)
         stream = RequestStream(req)
         if refusal is not None:
             if not req.stream:
@@ -282,73 +282,6 @@ class SglangTestEngine:
             self.bootstraps[req.rid] = req.bootstrap
         self.spawn(self._produce(live))
         return stream
-
-    def _validate(self, req: NativeRequest) -> tuple[NativeRequest, str | None]:
-        """SGLang's checks in its order. The tokenizer manager's raise (RequestRejected: gRPC
-        INTERNAL, HTTP 400); the scheduler's are returned as a message: the request is
-        accepted and ends at once with an ``abort`` finish of status 400."""
-        cfg = self.config
-        ctx = cfg.context_length
-        n_in = len(req.input_ids)
-        if n_in == 0:
-            raise RequestRejected("The input_ids is empty; at least one token is required.")
-        bad = [t for t in req.input_ids if t < 0 or t >= cfg.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"The input_ids {bad[:4]} are outside the vocabulary [0, {cfg.vocab_size})."
-            )
-        dp = cfg.dp_size
-        rank = req.routed_dp_rank
-        if rank is not None and not (dp <= 1 and rank == 0) and not 0 <= rank < dp:
-            raise RequestRejected(f"routed_dp_rank={rank} out of range [0, {dp})")
-        if n_in >= ctx:
-            raise RequestRejected(
-                f"The input ({n_in} tokens) is longer than the model's context length ({ctx} tokens)."
-            )
-        max_new = DEFAULT_MAX_NEW_TOKENS if req.max_new_tokens is None else req.max_new_tokens
-        if n_in + max_new > ctx and cfg.disaggregation_mode != "prefill":
-            raise RequestRejected(
-                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-                f"You requested a total of {n_in + max_new} tokens: {n_in} tokens from the input "
-                f"messages and {max_new} tokens for the completion. Please reduce the number of tokens "
-                "in the input messages or the completion to fit within the limit."
-            )
-        verify_sampling(req, None if cfg.disaggregation_mode == "prefill" else max_new)
-        if req.n != 1:
-            raise RequestRejected("The testkit SGLang engine serves n=1 only.")
-        if req.return_logprob and not 0 <= req.top_logprobs_num <= cfg.vocab_size:
-            # SGLang has no check (its top-k over the vocabulary fails inside the scheduler);
-            # the testkit refuses rather than compute an impossible top-N.
-            raise RequestRejected(
-                f"top_logprobs_num={req.top_logprobs_num} out of range [0, {cfg.vocab_size}] (testkit)"
-            )
-        if cfg.disaggregation_mode == "prefill":
-            # The prefill server computes the KV cache and the first token only.
-            req = replace(req, max_new_tokens=1, min_new_tokens=0)
-        else:
-            req = replace(req, max_new_tokens=max_new)
-        return req, self._scheduler_refusal(req)
-
-    def _scheduler_refusal(self, req: NativeRequest) -> str | None:
-        cfg = self.config
-        n_in = len(req.input_ids)
-        if cfg.disaggregation_mode != "null" and req.bootstrap is None:
-            return (
-                "Invalid request: Disaggregated request received without bootstrap room id. "
-                f"req.rid={req.rid!r}"
-            )
-        max_input = min(cfg.context_length, cfg.kv_capacity_tokens) - 1
-        if n_in >= max_input:
-            return (
-                f"Input length ({n_in} tokens) exceeds the maximum allowed length ({max_input} tokens). "
-                "Use a shorter input or enable --allow-auto-truncate."
-            )
-        if req.return_logprob and req.logprob_start_len > n_in:
-            return (
-                f"req.logprob_start_len={req.logprob_start_len} is higher than the number of input tokens "
-                f"len(req.origin_input_ids)={n_in}. Please use a smaller logprob_start_len."
-            )
-        return None
 
     def abort(self, rid: str, abort_all: bool = False, *, source: str) -> list[str]:
         """The scheduler's abort: every live rid starting with ``rid`` (or all). Returns them."""
