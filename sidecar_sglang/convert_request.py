@@ -80,6 +80,9 @@ class RequestSettings:
     low_priority_values_first: bool = False
     # The engine's data-parallel size (server info ``dp_size``); None: unknown, not checked.
     dp_size: int | None = None
+    # The model's context length (the model card's max_model_len) when the engine does not
+    # truncate (server info ``allow_auto_truncate`` false); None: not checked here.
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,21 @@ def _check_dp_rank(rank: int, settings: RequestSettings, prefill_rank: bool) -> 
     raise invalid_argument(name, f"{rank} is out of range (the engine has {max(size, 1)} dp ranks)")
 
 
+def _check_context(prompt: int, max_new: int | None, context: int | None) -> None:
+    # SGLang's tokenizer manager refuses both (over gRPC as INTERNAL): refuse them by name.
+    if not context:
+        return
+    if prompt >= context:
+        raise invalid_argument(
+            "token_ids", f"the prompt ({prompt} tokens) must be shorter than the context ({context})"
+        )
+    if max_new is not None and prompt + max_new > context:
+        raise invalid_argument(
+            "stop_conditions.max_tokens",
+            f"{prompt} prompt tokens + {max_new} exceed the context length ({context})",
+        )
+
+
 def _priority(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> int | None:
     if not request.routing.HasField("priority"):
         return None
@@ -390,10 +408,12 @@ def build_native(
     if dp_rank is not None:
         _check_dp_rank(dp_rank, settings, prefill and routing.HasField("prefill_dp_rank"))
     top = max(logprobs or 0, prompt_logprobs or 0)
+    sampling = _sampling(request, prefill)
+    _check_context(len(request.token_ids), sampling.max_new_tokens, settings.context_length)
     return NativeRequest(
         rid=private_id,
         input_ids=tuple(request.token_ids),
-        sampling=_sampling(request, prefill),
+        sampling=sampling,
         return_logprob=want,
         top_logprobs_num=_int32(top, "output_options.logprobs") if want else None,
         logprob_start_len=(0 if prompt_logprobs is not None else -1) if want else None,

@@ -492,3 +492,37 @@ def test_dp_rank_beyond_the_discovered_dp_size_is_refused_by_name(
 )
 def test_dp_rank_within_the_dp_size_passes(rank: int, settings: RequestSettings) -> None:
     assert grpc_of(req(routing={"dpRank": rank}), settings).routed_dp_rank == rank
+
+
+@pytest.mark.parametrize(
+    ("tokens", "stop", "named"),
+    [
+        (8, {}, "token_ids"),
+        (9, {"maxTokens": 1}, "token_ids"),
+        (5, {"maxTokens": 4}, "stop_conditions.max_tokens"),
+        (7, {"maxTokens": 2**31 - 1}, "stop_conditions.max_tokens"),
+    ],
+)
+def test_past_the_context_length_is_refused_by_name(tokens: int, stop: dict[str, Any], named: str) -> None:
+    r = req(tokenIds=list(range(1, tokens + 1)), stopConditions=stop)
+    assert refused(r, RequestSettings(context_length=8)).startswith(named)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "stop", "settings"),
+    [
+        (7, {}, RequestSettings(context_length=8)),  # no max_tokens: SGLang checks no total
+        (5, {"maxTokens": 3}, RequestSettings(context_length=8)),
+        (9, {"maxTokens": 100}, RequestSettings()),  # context unknown (or truncating): not checked
+        (
+            7,
+            {"maxTokens": 100},  # the prefill half makes one token
+            RequestSettings(mode="prefill", bootstrap_host="h", bootstrap_port=1, context_length=8),
+        ),
+    ],
+)
+def test_within_the_context_length_passes(
+    tokens: int, stop: dict[str, Any], settings: RequestSettings
+) -> None:
+    r = req(tokenIds=list(range(1, tokens + 1)), stopConditions=stop)
+    assert len(grpc_of(r, settings).input_ids) == tokens
