@@ -106,7 +106,18 @@ CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (
     ("grpc.keepalive_time_ms", 300_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 0),
+    # BDP probing grows each stream's receive window without bound, so an engine streaming
+    # to a frontend that reads slowly would pile the generation up in this process. With it
+    # off the window stays at HTTP/2's default and the relay's bounded buffer paces the engine.
+    ("grpc.http2.bdp_probe", 0),
+    # After an engine restart, grpc's reconnect backoff grows to 120 s by default: a channel
+    # could stay dark for minutes after health is back. Cap it at a second.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 )
+
+_DARK: Final = frozenset({grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN})
 
 # (target "host:port", attempt timeout in seconds) -> a channel that is READY.
 Connector = Callable[[str, float], Awaitable[grpc.aio.Channel]]
@@ -338,14 +349,23 @@ class ChannelPool:
         self._next = 0
 
     def channel(self) -> grpc.aio.Channel:
-        """The next channel, round-robin."""
+        """The next channel, round-robin, passing over channels whose connection has failed
+        (still in reconnect backoff) while another one is usable: after an engine restart the
+        first reconnected channel serves every call until the others are back."""
         channels = self._channels
         if not channels:
             state = "closed" if self._closed else "not connected"
             raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, f"the engine connection pool is {state}")
-        index = self._next
-        self._next = (index + 1) % len(channels)
-        return channels[index]
+        count = len(channels)
+        first = self._next
+        for step in range(count):
+            index = (first + step) % count
+            if channels[index].get_state(try_to_connect=False) not in _DARK:
+                self._next = (index + 1) % count
+                return channels[index]
+        # Every connection is down: the call fails fast with the engine's UNAVAILABLE.
+        self._next = (first + 1) % count
+        return channels[first]
 
     async def close(self) -> None:
         """Close every channel (in-flight calls are cancelled); later calls do nothing."""

@@ -37,6 +37,10 @@ class FakeChannel:
     def __init__(self, number: int) -> None:
         self.number = number
         self.closed = 0
+        self.state = grpc.ChannelConnectivity.READY
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.state
 
     async def close(self, grace: float | None = None) -> None:
         self.closed += 1

@@ -222,11 +222,6 @@ async def test_a_sigkilled_engine_process_and_its_restart_on_the_same_port() -> 
             await adapter.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: health turns SERVING when one pool channel reconnects while the others are still "
-    "in grpc's reconnect backoff; requests routed to them fail CANNOT_CONNECT",
-)
 async def test_serving_means_requests_succeed() -> None:
     """Once health says SERVING after an outage, requests on every pool connection succeed."""
     config = ServerConfig(listen="127.0.0.1:0", health_watch_interval=WATCH, health_probe_timeout=1.0)

@@ -111,11 +111,6 @@ async def test_the_relay_reads_the_engine_only_as_fast_as_a_slow_client_drains(k
     await slow_reader(kind)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the pool's engine channels keep gRPC BDP probing on (sidecar_common/pool.py "
-    "CHANNEL_OPTIONS), so their receive window grows and the engine is not paced by the client",
-)
 async def test_a_slow_client_paces_the_vllm_engine() -> None:
     await slow_reader("vllm", engine_side=True)
 

@@ -233,6 +233,24 @@ async def test_channels_are_handed_out_round_robin_and_close_is_idempotent() -> 
     assert "closed" in info.value.message
 
 
+async def test_channels_whose_connection_failed_are_passed_over_while_another_is_usable() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    pool = make_pool(clock, connector, 3, RetryPolicy())
+    await pool.connect(Deadline.start(clock, 1.0))
+    dark = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+    connector.channels[1].state = dark
+
+    picked = [pool.channel() for _ in range(4)]
+    assert [channel.number for channel in picked] == [0, 2, 0, 2]  # type: ignore[attr-defined]
+
+    # Every connection down: still round-robin (the call fails fast with UNAVAILABLE).
+    for channel in connector.channels:
+        channel.state = dark
+    assert [pool.channel().number for _ in range(3)] == [0, 1, 2]  # type: ignore[attr-defined]
+    await pool.close()
+
+
 def test_a_pool_needs_at_least_one_connection() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ChannelPool(PoolConfig(ENDPOINT, connections=0))
