@@ -88,8 +88,12 @@ def _as_int(value: object) -> int | None:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        digits = text[1:] if text.startswith("-") else text
+        # isdecimal, not isdigit: int() refuses superscripts and other non-decimal digits.
+        if digits.isdecimal():
+            return int(text)
     return None
 
 

@@ -33,11 +33,14 @@ from sidecar_common.structs import JSON, json_from_struct, struct_from_json
 __all__ = [
     "KNOWN_EXTRA_ARGS",
     "LOGPROB_FLOOR",
+    "MAX_CHOICES",
     "ResponseState",
     "to_generate_request",
 ]
 
 KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
+# Choices per request; far beyond what any sampling use needs (OpenAI's API allows 128).
+MAX_CHOICES: Final = 1024
 # Non-finite and absurdly small logprobs are clamped: JSON clients cannot carry NaN/inf.
 LOGPROB_FLOOR: Final = -9999.0
 
@@ -194,6 +197,10 @@ def _n(s: sidecar_pb2.SamplingOptions) -> int:
         return 1
     if s.n == 0:
         raise invalid_argument("sampling_options.n", "must be at least 1")
+    if s.n > MAX_CHOICES:
+        # Each choice costs the sidecar state per request; an unbounded uint32 would let one
+        # request stall the event loop for every other stream.
+        raise invalid_argument("sampling_options.n", f"at most {MAX_CHOICES} choices (got {s.n})")
     return s.n
 
 

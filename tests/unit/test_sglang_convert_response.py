@@ -279,6 +279,22 @@ def test_grpc_meta_is_json_in_strings_and_bad_values_are_absent() -> None:
     assert not out.completion_usage.HasField("cached_tokens")
 
 
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("400", ErrorReason.INVALID_ARGUMENT),
+        (" 503 ", ErrorReason.CANNOT_CONNECT),
+        ("²", ErrorReason.UNKNOWN),  # a digit int() refuses: no code, so the default 500
+        ("--400", ErrorReason.UNKNOWN),
+        ("", ErrorReason.UNKNOWN),
+    ],
+)
+def test_http_error_codes_given_as_text(code: str, reason: ErrorReason) -> None:
+    with pytest.raises(SidecarError) as info:
+        event_from_http({"error": {"message": "boom", "code": code}})
+    assert info.value.reason is reason
+
+
 def test_http_events() -> None:
     event = event_from_http({"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}})
     assert (event.finished, event.text, list(event.output_ids)) == (False, "a", [1])

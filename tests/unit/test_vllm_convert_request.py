@@ -126,12 +126,20 @@ def test_sampling_option_is_carried(field: str, value: Any, wire_field: str | No
         ("top_p", 0.0, "sampling_options.top_p"),
         ("repetition_penalty", 0.0, "sampling_options.repetition_penalty"),
         ("n", 0, "sampling_options.n"),
+        ("n", 1025, "sampling_options.n"),
+        ("n", 2**32 - 1, "sampling_options.n"),
     ],
 )
 def test_sampling_option_is_refused(field: str, value: Any, name: str) -> None:
     req = make()
     setattr(req.sampling_options, field, value)
     refused(req, name)
+
+
+def test_n_up_to_the_bound_is_carried() -> None:
+    req = make()
+    req.sampling_options.n = 1024
+    assert convert(req).sampling_params.n == 1024
 
 
 def test_logit_bias_is_carried_and_keys_beyond_int32_refused() -> None:
