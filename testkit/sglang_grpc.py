@@ -4,7 +4,11 @@ Framing follows SGLang 0.5.23's Rust server: every meta_info value is JSON text;
 channel is keyed by its exact rid; ``Abort`` closes that channel (the stream ends CANCELLED
 with no terminal message) and forwards the rid to the scheduler, which aborts by prefix; an
 ``Abort`` for a rid with no open channel is ignored; a stream the client cancels is aborted
-at once; submit errors and scheduler errors end the stream with INTERNAL.
+at once; submit errors and the tokenizer manager's refusals (``RequestRejected``) and any
+error inside a request's scheduler task end the stream with INTERNAL (the Rust server maps
+every bridge error so). A refusal of SGLang's scheduler is not an error on this wire: the
+stream carries one terminal with an ``abort`` finish of status_code 400 and ends OK
+(see ``sglang_checks``).
 """
 
 from __future__ import annotations
