@@ -735,7 +735,8 @@ async def test_info_endpoints(
 async def test_startup_delay(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
 ) -> None:
-    engine = await make_engine(startup_delay_secs=0.5)
+    # Long enough that the not-ready checks finish first on a loaded 2-core machine.
+    engine = await make_engine(startup_delay_secs=2.0)
     stub = grpc_client(engine).stub
     assert not (await stub.HealthCheck(sglang_pb2.HealthCheckRequest())).healthy
     async with http.get(f"http://127.0.0.1:{engine.http_port}/health") as r:
@@ -743,7 +744,7 @@ async def test_startup_delay(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await grpc_all(grpc_client(engine), greq("early"))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    await engine.wait_ready(5)
+    await engine.wait_ready(10)
     assert (await stub.HealthCheck(sglang_pb2.HealthCheckRequest())).healthy
     async with http.get(f"http://127.0.0.1:{engine.http_port}/health") as r:
         assert r.status == 200
