@@ -113,7 +113,6 @@ CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (
     # After an engine restart, grpc's reconnect backoff grows to 120 s by default: a channel
     # could stay dark for minutes after health is back. Cap it at a second.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 )
 
