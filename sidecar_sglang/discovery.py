@@ -155,6 +155,11 @@ def discover(
         bootstrap_host=host if mode != "agg" else None,
         bootstrap_port=bootstrap_port if mode != "agg" else None,
         low_priority_values_first=_bool(server.get("schedule_low_priority_values_first", False)),
+        # Refused by name here what SGLang would refuse with a bare INTERNAL over gRPC.
+        dp_size=_nonneg(_int(server.get("dp_size"))) or None,
+        context_length=(
+            None if _bool(server.get("allow_auto_truncate", False)) else info.max_context_length or None
+        ),
     )
     return Discovered(info, settings, _bool(server.get("incremental_streaming_output", False)))
 

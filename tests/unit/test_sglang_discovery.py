@@ -143,6 +143,20 @@ def test_low_priority_first_flag() -> None:
     assert run({**SERVER, "schedule_low_priority_values_first": True}).settings.low_priority_values_first
 
 
+def test_request_checks_learn_dp_size_and_context_length() -> None:
+    settings = run().settings
+    assert (settings.dp_size, settings.context_length) == (2, 8192)
+
+
+def test_unknown_figures_leave_request_checks_off() -> None:
+    settings = run({"disaggregation_mode": "null"}, cards=[]).settings
+    assert (settings.dp_size, settings.context_length) == (None, None)
+
+
+def test_an_engine_that_truncates_prompts_gets_no_context_check() -> None:
+    assert run({**SERVER, "allow_auto_truncate": True}).settings.context_length is None
+
+
 def test_loads_http_and_grpc_shapes() -> None:
     http = {
         "loads": [
