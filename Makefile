@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint typecheck protos protos-check bench soak clean
+.PHONY: setup run test lint typecheck protos protos-check bench bench-full soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,8 +35,12 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py --check
 
+# Quick results go to bench/results/quick/ so they never overwrite the committed --full run.
 bench: $(STAMP)
-	$(BIN)/python -m bench --quick
+	$(BIN)/python -m bench --quick --out bench/results/quick
+
+bench-full: $(STAMP)
+	$(BIN)/python -m bench --full
 
 soak: $(STAMP)
 	SIDECAR_SOAK_SCALE=10 $(BIN)/python -m pytest -q tests/reliability -k soak -s
