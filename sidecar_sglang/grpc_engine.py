@@ -11,7 +11,6 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final, TypeVar
 
-import anyio
 import grpc
 import structlog
 
@@ -20,6 +19,7 @@ from sidecar_common.config import SidecarConfig
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error, protocol_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
+from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
 from sidecar_sglang.convert_request import RequestSettings, build_native, to_grpc
 from sidecar_sglang.convert_response import ResponseState, event_from_grpc
 from sidecar_sglang.discovery import Discovered, discover, loads_from_json
@@ -32,8 +32,6 @@ T = TypeVar("T")
 ABORT_TIMEOUT: Final = 2.0
 HEALTH_TIMEOUT: Final = 1.5
 LOAD_TIMEOUT: Final = 2.0
-# The grpc timeout is the real bound; this margin only catches a call that ignores it.
-_GRACE: Final = 0.5
 
 
 def random_room() -> int:
@@ -54,10 +52,6 @@ def _object(rpc: str, value: object) -> dict[str, object]:
     return value
 
 
-class _NotHealthy(Exception):
-    """The engine answered HealthCheck but is not ready: retried within the deadline."""
-
-
 class SglangGrpcEngine:
     """One SGLang engine started with ``--grpc-port``, behind ``config.pool``."""
 
@@ -72,7 +66,9 @@ class SglangGrpcEngine:
         self._config = config
         self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
         self._room = room
-        self._stubs: dict[int, sglang_pb2_grpc.SglangServiceAsyncStub] = {}
+        self._stubs: StubCache[sglang_pb2_grpc.SglangServiceAsyncStub] = StubCache(
+            self._pool, sglang_pb2_grpc.SglangServiceStub
+        )
         self._found: Discovered | None = None
         self._settings = RequestSettings(mode=config.disaggregation_mode, transport="grpc")
         # private id -> "the sidecar asked the engine to abort it", for live generations only.
@@ -81,13 +77,6 @@ class SglangGrpcEngine:
     @property
     def name(self) -> str:
         return "sglang"
-
-    def _stub(self) -> sglang_pb2_grpc.SglangServiceAsyncStub:
-        channel = self._pool.channel()
-        stub = self._stubs.get(id(channel))
-        if stub is None:
-            stub = self._stubs[id(channel)] = sglang_pb2_grpc.SglangServiceStub(channel)
-        return stub
 
     # ------------------------------------------------------------------- start-up
 
@@ -139,9 +128,9 @@ class SglangGrpcEngine:
         )
 
     async def _health_attempt(self, timeout: float) -> None:
-        reply = await self._stub().HealthCheck(sglang_pb2.HealthCheckRequest(), timeout=timeout)
+        reply = await self._stubs.next().HealthCheck(sglang_pb2.HealthCheckRequest(), timeout=timeout)
         if not reply.healthy:
-            raise _NotHealthy("engine reports not healthy")
+            raise NotHealthy("engine reports not healthy")
 
     async def _unary(
         self,
@@ -149,15 +138,7 @@ class SglangGrpcEngine:
         deadline: Deadline,
         call: Callable[[sglang_pb2_grpc.SglangServiceAsyncStub, float], Awaitable[T]],
     ) -> T:
-        # Not retried: the engine is healthy by now, and a server that is not SGLang must fail
-        # fast rather than spin until the start-up deadline.
-        timeout = min(self._config.pool.retry.attempt_timeout, deadline.remaining())
-        if timeout <= 0:
-            raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT,
-                f"{rpc}: the startup deadline ({deadline.seconds:g}s) ran out before discovery",
-            )
-        return await self._bounded(rpc, timeout, call)
+        return await self._bounded(rpc, discovery_timeout(rpc, deadline, self._config.pool.retry), call)
 
     async def _bounded(
         self,
@@ -165,16 +146,8 @@ class SglangGrpcEngine:
         timeout: float,
         call: Callable[[sglang_pb2_grpc.SglangServiceAsyncStub, float], Awaitable[T]],
     ) -> T:
-        stub = self._stub()
-        try:
-            with anyio.fail_after(timeout + _GRACE):
-                return await call(stub, timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(rpc, err) from None
-        except TimeoutError:
-            raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s"
-            ) from None
+        stub = self._stubs.next()
+        return await bounded_call(rpc, timeout, lambda t: call(stub, t))
 
     def model_info(self) -> sidecar_pb2.ModelInfo:
         if self._found is None:
@@ -192,7 +165,7 @@ class SglangGrpcEngine:
         incremental = self._found.incremental if self._found is not None else False
         state = ResponseState(native, cumulative=not incremental)
         self._live[pid] = False
-        stream = self._stub().Generate(to_grpc(native))
+        stream = self._stubs.next().Generate(to_grpc(native))
         try:
             async for message in stream:
                 for out in state.feed(event_from_grpc(message), aborted_by_us=self._live.get(pid, False)):
@@ -230,13 +203,7 @@ class SglangGrpcEngine:
         return EngineLoad(ranks=loads_from_json(_json("GetLoad", reply.json_info)))
 
     async def healthy(self) -> bool:
-        try:
-            with anyio.move_on_after(HEALTH_TIMEOUT + _GRACE):
-                await self._health_attempt(HEALTH_TIMEOUT)
-                return True
-        except (grpc.RpcError, _NotHealthy, SidecarError):
-            pass
-        return False
+        return await probe(self._health_attempt, HEALTH_TIMEOUT)
 
     async def close(self) -> None:
         self._stubs.clear()

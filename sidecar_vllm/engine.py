@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final, Protocol, TypeVar, cast
 
-import anyio
 import grpc
 import structlog
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -20,6 +19,7 @@ from sidecar_common.config import DisaggregationMode, SidecarConfig
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
+from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
 from sidecar_vllm.convert import ResponseState, to_generate_request
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "KV_ROLES", "LOAD_TIMEOUT", "VllmEngine"]
@@ -30,8 +30,6 @@ T = TypeVar("T")
 ABORT_TIMEOUT: Final = 2.0
 HEALTH_TIMEOUT: Final = 1.5
 LOAD_TIMEOUT: Final = 2.0
-# The grpc timeout is the real bound; this margin only catches a call that ignores it.
-_GRACE: Final = 0.5
 
 # The engine kv_role each disaggregation half needs.
 KV_ROLES: Final[dict[DisaggregationMode, frozenset[str]]] = {
@@ -72,10 +70,6 @@ class _Stub(Protocol):
     def Generate(self, request: vllm_engine_pb2.GenerateRequest) -> _GenerateCall: ...
 
 
-class _NotHealthy(Exception):
-    """The engine answered HealthCheck but is not ready yet: retried within the deadline."""
-
-
 class VllmEngine:
     """One vLLM engine (``vllm serve --grpc``) behind ``config.pool``."""
 
@@ -89,20 +83,14 @@ class VllmEngine:
         self._config = config
         self._mode: DisaggregationMode = config.disaggregation_mode
         self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
-        # One stub per pool channel, made once, not per call.
-        self._stubs: dict[grpc.aio.Channel, _Stub] = {}
+        self._stubs: StubCache[_Stub] = StubCache(
+            self._pool, lambda channel: cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
+        )
         self._info: sidecar_pb2.ModelInfo | None = None
 
     @property
     def name(self) -> str:
         return "vllm"
-
-    def _stub(self) -> _Stub:
-        channel = self._pool.channel()
-        stub = self._stubs.get(channel)
-        if stub is None:
-            stub = self._stubs[channel] = cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
-        return stub
 
     # ------------------------------------------------------------------- start-up
 
@@ -149,31 +137,16 @@ class VllmEngine:
         )
 
     async def _health_attempt(self, timeout: float) -> None:
-        reply = await self._stub().HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout)
+        reply = await self._stubs.next().HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout)
         if not reply.healthy:
-            raise _NotHealthy(f"engine reports not healthy: {reply.message or 'no message'}")
+            raise NotHealthy(f"engine reports not healthy: {reply.message or 'no message'}")
 
     async def _discover(
         self, rpc: str, deadline: Deadline, call: Callable[[_Stub, float], Awaitable[T]]
     ) -> T:
-        # Not retried: the engine is healthy by now, and a non-vLLM server answering
-        # UNIMPLEMENTED must fail fast rather than spin until a 30-minute deadline.
-        timeout = min(self._config.pool.retry.attempt_timeout, deadline.remaining())
-        if timeout <= 0:
-            raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT,
-                f"{rpc}: the startup deadline ({deadline.seconds:g}s) ran out before discovery",
-            )
-        stub = self._stub()
-        try:
-            with anyio.fail_after(timeout + _GRACE):
-                return await call(stub, timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(rpc, err) from None
-        except TimeoutError:
-            raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s"
-            ) from None
+        timeout = discovery_timeout(rpc, deadline, self._config.pool.retry)
+        stub = self._stubs.next()
+        return await bounded_call(rpc, timeout, lambda t: call(stub, t))
 
     async def _discover_capacity(self, deadline: Deadline, info: sidecar_pb2.ModelInfo) -> None:
         """KV capacity and engine version, which only GetLoads reports. Best effort: an
@@ -231,7 +204,7 @@ class VllmEngine:
     async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
         native = self._convert(call.request, call.private_id)
         state = ResponseState(call.request, self._mode)
-        stream = self._stub().Generate(native)
+        stream = self._stubs.next().Generate(native)
         try:
             async for message in stream:
                 for out in state.feed(message):
@@ -248,27 +221,17 @@ class VllmEngine:
     async def abort(self, private_id: str) -> None:
         request = vllm_engine_pb2.AbortRequest(request_ids=[private_id])
         try:
-            with anyio.move_on_after(ABORT_TIMEOUT + _GRACE):
-                await self._stub().Abort(request, timeout=ABORT_TIMEOUT)
-                return
-            _log.warning("vllm abort timed out", private_id=private_id)
-        except grpc.RpcError as err:
-            _log.warning(
-                "vllm abort failed", private_id=private_id, error=from_rpc_error("Abort", err).message
-            )
+            await bounded_call("Abort", ABORT_TIMEOUT, lambda t: self._stubs.next().Abort(request, timeout=t))
         except SidecarError as err:
-            _log.warning("vllm abort not sent", private_id=private_id, error=err.message)
+            # Best effort: the request may be gone already (its stream was closed too).
+            _log.warning("vllm abort failed", private_id=private_id, error=err.message)
 
     async def load(self) -> EngineLoad:
-        try:
-            with anyio.fail_after(LOAD_TIMEOUT + _GRACE):
-                reply = await self._stub().GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=LOAD_TIMEOUT)
-        except grpc.RpcError as err:
-            raise from_rpc_error("GetLoads", err) from None
-        except TimeoutError:
-            raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT, f"GetLoads: no answer in {LOAD_TIMEOUT}s"
-            ) from None
+        reply = await bounded_call(
+            "GetLoads",
+            LOAD_TIMEOUT,
+            lambda t: self._stubs.next().GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=t),
+        )
         return EngineLoad(
             ranks=tuple(
                 sidecar_pb2.RankLoad(
@@ -282,13 +245,7 @@ class VllmEngine:
         )
 
     async def healthy(self) -> bool:
-        try:
-            with anyio.move_on_after(HEALTH_TIMEOUT + _GRACE):
-                await self._health_attempt(HEALTH_TIMEOUT)
-                return True
-        except (grpc.RpcError, _NotHealthy, SidecarError):
-            pass
-        return False
+        return await probe(self._health_attempt, HEALTH_TIMEOUT)
 
     async def close(self) -> None:
         self._stubs.clear()

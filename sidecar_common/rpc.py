@@ -1,0 +1,84 @@
+"""Bounded unary calls to an engine over the channel pool, shared by the gRPC adapters.
+
+The grpc timeout is the real bound on each call; an outer anyio bound a little later only
+catches a call that ignores it. Failures come out as typed errors, named after the RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Final, Generic, TypeVar
+
+import anyio
+import grpc
+
+from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.pool import ChannelPool, Deadline, RetryPolicy
+
+__all__ = ["GRACE", "NotHealthy", "StubCache", "bounded_call", "discovery_timeout", "probe"]
+
+GRACE: Final = 0.5
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+class NotHealthy(Exception):
+    """The engine answered its health check but is not ready: retried within the deadline."""
+
+
+class StubCache(Generic[S]):
+    """One stub per pool channel, made once rather than per call; ``next()`` follows the
+    pool's round-robin."""
+
+    def __init__(self, pool: ChannelPool, make: Callable[[grpc.aio.Channel], S]) -> None:
+        self._pool = pool
+        self._make = make
+        self._stubs: dict[int, S] = {}
+
+    def next(self) -> S:
+        channel = self._pool.channel()
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = self._make(channel)
+        return stub
+
+    def clear(self) -> None:
+        self._stubs.clear()
+
+
+async def bounded_call(rpc: str, timeout: float, call: Callable[[float], Awaitable[T]]) -> T:
+    """``call(timeout)``; an RpcError becomes the typed error of the status table, no answer
+    in time CONNECTION_TIMEOUT."""
+    try:
+        with anyio.fail_after(timeout + GRACE):
+            return await call(timeout)
+    except grpc.RpcError as err:
+        raise from_rpc_error(rpc, err) from None
+    except TimeoutError:
+        raise SidecarError(ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s") from None
+
+
+def discovery_timeout(rpc: str, deadline: Deadline, policy: RetryPolicy) -> float:
+    """A discovery call's bound: one attempt's timeout, never past the start-up deadline.
+    Discovery is not retried: the engine is healthy by then, and a server of another kind
+    (answering UNIMPLEMENTED) must fail at once rather than spin until the deadline."""
+    timeout = min(policy.attempt_timeout, deadline.remaining())
+    if timeout <= 0:
+        raise SidecarError(
+            ErrorReason.CONNECTION_TIMEOUT,
+            f"{rpc}: the startup deadline ({deadline.seconds:g}s) ran out before discovery",
+        )
+    return timeout
+
+
+async def probe(attempt: Callable[[float], Awaitable[object]], timeout: float) -> bool:
+    """One health probe: True when ``attempt(timeout)`` returns in time; False when it fails
+    as an unreachable or unready engine does (the health watch only needs the verdict)."""
+    with anyio.move_on_after(timeout + GRACE):
+        try:
+            await attempt(timeout)
+        except (grpc.RpcError, SidecarError, NotHealthy):
+            return False
+        return True
+    return False
