@@ -14,26 +14,13 @@ from types import ModuleType
 from aiohttp import web
 
 from testkit.book import Book
-from testkit.faults import FaultBook, FaultPlan, parse_directive, parse_fault_flag
+from testkit.cli_args import fault_arg, listen_arg
+from testkit.faults import FaultBook, FaultPlan, parse_directive
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
 __all__ = ["add_vllm_arguments", "control_app", "main", "run_vllm", "vllm_config_from_args"]
 
 _log = logging.getLogger("testkit.vllm")
-
-
-def _listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def _fault(text: str) -> tuple[str, FaultPlan]:
-    try:
-        return parse_fault_flag(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def control_app(book: Book, faults: FaultBook) -> web.Application:
@@ -80,7 +67,7 @@ def control_app(book: Book, faults: FaultBook) -> web.Application:
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     d = VllmEngineConfig()
     a = parser.add_argument
-    a("--listen", type=_listen, default=(d.host, 50051), help="HOST:PORT (default 127.0.0.1:50051)")
+    a("--listen", type=listen_arg, default=(d.host, 50051), help="HOST:PORT (default 127.0.0.1:50051)")
     a("--served-model-name", default=d.served_model_name)
     a("--model-path", default=d.model_path)
     a("--context-length", type=int, default=d.context_length)
@@ -98,9 +85,9 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
     a("--startup-delay-secs", type=float, default=d.startup_delay_secs, help="refuse connections until then")
     a("--supports-vision", action="store_true")
-    a("--fault", type=_fault, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
+    a("--fault", type=fault_arg, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
       help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
-    a("--control-listen", type=_listen, default=None, help="HOST:PORT of the HTTP control endpoint (off)")
+    a("--control-listen", type=listen_arg, default=None, help="HOST:PORT of the HTTP control endpoint (off)")
 
 
 def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:

@@ -9,34 +9,19 @@ import logging
 import signal
 import sys
 
-from testkit.faults import FaultPlan, parse_fault_flag
+from testkit.cli_args import fault_arg, optional_listen_arg
+from testkit.faults import FaultPlan
 from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig
 
 __all__ = ["add_arguments", "config_from_args", "run"]
-
-
-def _listen(text: str) -> tuple[str, int] | None:
-    if text.lower() in ("off", "none", ""):
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def _fault(text: str) -> tuple[str, FaultPlan]:
-    try:
-        return parse_fault_flag(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``testkit-engine sglang``."""
     d = SglangEngineConfig()
     a = parser.add_argument
-    a("--grpc-listen", type=_listen, default=("127.0.0.1", 30001), help="HOST:PORT or 'off'")
-    a("--http-listen", type=_listen, default=("127.0.0.1", 30000), help="HOST:PORT or 'off'")
+    a("--grpc-listen", type=optional_listen_arg, default=("127.0.0.1", 30001), help="HOST:PORT or 'off'")
+    a("--http-listen", type=optional_listen_arg, default=("127.0.0.1", 30000), help="HOST:PORT or 'off'")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--incremental", dest="incremental", action="store_true", default=False,
                       help="stream deltas (SGLang's --incremental-streaming-output)")  # fmt: skip
@@ -60,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       default=d.bootstrap_port)  # fmt: skip
     a("--disconnect-abort-delay-secs", type=float, default=d.disconnect_abort_delay_secs)
     a("--tokenizer-workers", type=int, default=d.tokenizer_workers)
-    a("--fault", type=_fault, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
+    a("--fault", type=fault_arg, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
       help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
 
 
