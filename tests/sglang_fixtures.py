@@ -8,7 +8,7 @@ non-root conftest cannot register fixture plugins.)
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,7 +16,7 @@ from typing import Any, Literal
 import anyio
 import grpc
 
-from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.api import sidecar_pb2_grpc
 from sidecar_common.config import DisaggregationMode, SidecarConfig
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.engine import Engine
@@ -25,6 +25,7 @@ from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
 from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+from tests.e2e_helpers import public_request
 
 __all__ = [
     "Stack",
@@ -111,15 +112,3 @@ async def sglang_stack(
         await server.stop()
         await adapter.close()
         await engine.stop()
-
-
-def public_request(
-    request_id: str = "req", token_ids: Sequence[int] = (101, 202, 303, 404), **stop: Any
-) -> sidecar_pb2.PreprocessedRequest:
-    req = sidecar_pb2.PreprocessedRequest(request_id=request_id, token_ids=token_ids)
-    for key, value in stop.items():
-        if isinstance(value, list):
-            getattr(req.stop_conditions, key).extend(value)
-        else:
-            setattr(req.stop_conditions, key, value)
-    return req

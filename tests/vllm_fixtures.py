@@ -19,13 +19,14 @@ from typing import Any, TypeAlias
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.api import sidecar_pb2_grpc
 from sidecar_common.config import DisaggregationMode, SidecarConfig
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_vllm.engine import VllmEngine
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+from tests.e2e_helpers import public_request
 
 __all__ = [
     "Stack",
@@ -162,15 +163,3 @@ async def vllm_stack(
         await server.stop()
         await adapter.close()
         await engine.stop(0)
-
-
-def public_request(
-    request_id: str = "req", token_ids: Sequence[int] = (101, 202, 303, 404), **stop: Any
-) -> sidecar_pb2.PreprocessedRequest:
-    req = sidecar_pb2.PreprocessedRequest(request_id=request_id, token_ids=token_ids)
-    for key, value in stop.items():
-        if isinstance(value, list):
-            getattr(req.stop_conditions, key).extend(value)
-        else:
-            setattr(req.stop_conditions, key, value)
-    return req

@@ -8,82 +8,35 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 import grpc
 import pytest
 from google.protobuf import json_format
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
 from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
-from tests.sglang_fixtures import Stack, Transport, adapter_for, public_request, sglang_stack
+from tests.e2e_helpers import (
+    PROMPT,
+    collect,
+    collect_until_error,
+    private_ids,
+    public_request,
+    reason_of,
+    terminal,
+    tokens,
+    until,
+)
+from tests.sglang_fixtures import Stack, Transport, adapter_for, sglang_stack
 
 pytestmark = pytest.mark.timeout(60)
 
-Out = sidecar_pb2.LLMEngineOutput
-PROMPT = [101, 202, 303, 404]
 TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "http"])
-
-
-async def collect(call: Any) -> list[Out]:
-    return [out async for out in call]
-
-
-async def read_all(call: Any) -> list[Out]:
-    """The rest of a stream already read with ``read()`` (the two APIs may not be mixed)."""
-    outs: list[Out] = []
-    while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
-        outs.append(out)
-    return outs
-
-
-async def collect_until_error(call: Any) -> tuple[list[Out], grpc.aio.AioRpcError]:
-    outs: list[Out] = []
-    try:
-        async for out in call:
-            outs.append(out)
-    except grpc.aio.AioRpcError as err:
-        return outs, err
-    raise AssertionError("the stream ended OK")
-
-
-def reason_of(err: grpc.aio.AioRpcError) -> tuple[str, str]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    assert status.details[0].Unpack(info)
-    return info.reason, info.metadata["migratable"]
-
-
-def tokens(outs: list[Out]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
 
 
 def expected(stack: Stack, prompt: list[int] = PROMPT, **sampling: Any) -> list[int]:
     return [t.token_id for t in generate(stack.engine.model, prompt, SamplingSpec(**sampling), 0)]
-
-
-def terminal(outs: list[Out]) -> Out:
-    ends = [o for o in outs if o.finish_reason != sidecar_pb2.UNSPECIFIED]
-    assert len(ends) == 1
-    assert ends[0] is outs[-1]
-    return ends[0]
-
-
-async def until(cond: Callable[[], bool], what: str, secs: float = 10.0) -> None:
-    # The engine's book has no events to wait on; poll it, bounded.
-    with anyio.fail_after(secs):
-        while not cond():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-    assert cond(), what
-
-
-def private_ids(stack: Stack) -> list[str]:
-    return [rid for rid, _ in stack.engine.book.received]
 
 
 async def idle(stack: Stack) -> None:
@@ -144,7 +97,7 @@ async def test_streaming_with_usage(transport: Transport, incremental: bool) -> 
     async with sglang_stack(transport, incremental=incremental, chunk_tokens=2) as s:
         outs = await collect(s.stub.Generate(public_request(max_tokens=7), timeout=10))
         assert tokens(outs) == expected(s, max_tokens=7)
-        end = terminal(outs)
+        end = terminal(outs, last=True)
         assert end.finish_reason == sidecar_pb2.LENGTH
         usage = end.completion_usage
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 7, 11)
@@ -160,7 +113,7 @@ async def test_eos_stops_without_a_stop_reason(transport: Transport) -> None:
         req = public_request(token_ids=prompt, stop_token_ids_hidden=[2], max_tokens=20)
         outs = await collect(s.stub.Generate(req, timeout=10))
         assert tokens(outs)[-1] == 2
-        end = terminal(outs)
+        end = terminal(outs, last=True)
         assert end.finish_reason == sidecar_pb2.STOP
         assert end.WhichOneof("stop_reason") is None
         sent = s.engine.book.requests()[0]
@@ -181,10 +134,10 @@ async def test_user_stop_token_and_stop_string_are_reported(transport: Transport
             s.stub.Generate(public_request(max_tokens=12, stop_token_ids=[stop]), timeout=10)
         )
         assert tokens(outs) == free_run[: free_run.index(stop) + 1]
-        assert terminal(outs).stop_token_id == stop
+        assert terminal(outs, last=True).stop_token_id == stop
         word = next(detokenize(t) for t in free_run[3:] if len(detokenize(t)) > 1)
         outs = await collect(s.stub.Generate(public_request(max_tokens=12, stop=[word]), timeout=10))
-        end = terminal(outs)
+        end = terminal(outs, last=True)
         assert (end.finish_reason, end.stop_string) == (sidecar_pb2.STOP, word)
         assert tokens(outs) == free_run[: len(tokens(outs))]
 
@@ -204,7 +157,7 @@ async def test_logprobs_and_prompt_logprobs(transport: Transport, incremental: b
                 assert top.entries[0].token_id == tok
                 assert top.entries[0].logprob == pytest.approx(lp)
                 assert len(top.entries) <= 3
-        rows = json_format.MessageToDict(terminal(outs).engine_data)["prompt_logprobs"]
+        rows = json_format.MessageToDict(terminal(outs, last=True).engine_data)["prompt_logprobs"]
         assert len(rows) == len(PROMPT)
         assert rows[0] is None
         assert [row[0]["token_id"] for row in rows[1:]] == PROMPT[1:]
@@ -220,7 +173,7 @@ async def test_prefill_then_decode_reproduces_the_bootstrap_triple(transport: Tr
         sglang_stack(transport, mode="decode") as d,
     ):
         pre = await collect(p.stub.Generate(public_request("pd", max_tokens=8), timeout=10))
-        end = terminal(pre)
+        end = terminal(pre, last=True)
         assert tokens(pre) == []
         assert (end.completion_usage.prompt_tokens, end.completion_usage.completion_tokens) == (4, 0)
         params = json_format.MessageToDict(end.disaggregated_params)
@@ -317,7 +270,7 @@ async def test_repeat_after_terminal_is_not_a_second_terminal(transport: Transpo
         s.engine.faults.add("-rep", FaultPlan(FaultKind.REPEAT_AFTER_TERMINAL))
         outs = await collect(s.stub.Generate(public_request("rep", max_tokens=4), timeout=10))
         assert tokens(outs) == expected(s, max_tokens=4)
-        terminal(outs)
+        terminal(outs, last=True)
 
 
 @TRANSPORTS
@@ -355,7 +308,7 @@ async def test_client_cancel_aborts_only_that_request(transport: Transport, when
             await until(lambda: len(private_ids(s)) == 2, "victim reached the engine")
         call.cancel()
         victim = next(pid for pid in private_ids(s) if pid.endswith("-victim"))
-        outs = [first, *await read_all(other)]
+        outs = [first, *await collect(other)]
         assert tokens(outs) == expected(s, max_tokens=30)
         await _only_target_aborted(s, victim)
 
@@ -397,7 +350,7 @@ async def test_cancel_while_queued_behind_a_full_scheduler(transport: Transport)
         await until(lambda: s.engine.book.waiting_count == 1, "second request waits for a slot")
         queued.cancel()
         victim = next(pid for pid in private_ids(s) if pid.endswith("-queued"))
-        outs = [first, *await read_all(busy)]
+        outs = [first, *await collect(busy)]
         assert tokens(outs) == expected(s, max_tokens=20)
         await _only_target_aborted(s, victim)
 

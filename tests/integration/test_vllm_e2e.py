@@ -13,8 +13,6 @@ import anyio
 import grpc
 import pytest
 from google.protobuf import json_format
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from sidecar_common.api import sidecar_pb2
@@ -23,65 +21,25 @@ from sidecar_vllm.engine import VllmEngine
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
-from tests.vllm_fixtures import Stack, public_request, sidecar_config, vllm_stack
+from tests.e2e_helpers import (
+    PROMPT,
+    collect,
+    collect_until_error,
+    private_ids,
+    public_request,
+    reason_of,
+    terminal,
+    tokens,
+    until,
+)
+from tests.vllm_fixtures import Stack, sidecar_config, vllm_stack
 
 pytestmark = pytest.mark.timeout(60)
-
-Out = sidecar_pb2.LLMEngineOutput
-PROMPT = [101, 202, 303, 404]
-
-
-async def collect(call: Any) -> list[Out]:
-    """The rest of the stream (read() based, so it mixes with earlier read() calls)."""
-    outs: list[Out] = []
-    while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
-        outs.append(out)
-    return outs
-
-
-async def collect_until_error(call: Any) -> tuple[list[Out], grpc.aio.AioRpcError]:
-    outs: list[Out] = []
-    try:
-        while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
-            outs.append(out)
-    except grpc.aio.AioRpcError as err:
-        return outs, err
-    raise AssertionError("the stream ended OK")
-
-
-def reason_of(err: grpc.aio.AioRpcError) -> tuple[str, str]:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None
-    info = error_details_pb2.ErrorInfo()
-    assert status.details[0].Unpack(info)
-    return info.reason, info.metadata["migratable"]
-
-
-def tokens(outs: list[Out], index: int = 0) -> list[int]:
-    return [t for o in outs if o.index == index for t in o.token_ids]
 
 
 def expected(stack: Stack, prompt: list[int] = PROMPT, index: int = 0, **sampling: Any) -> list[int]:
     spec = SamplingSpec(**sampling)
     return [t.token_id for t in generate(stack.engine.config.model, prompt, spec, index)]
-
-
-def terminal(outs: list[Out], index: int = 0) -> Out:
-    mine = [o for o in outs if o.index == index and o.finish_reason != sidecar_pb2.UNSPECIFIED]
-    assert len(mine) == 1
-    return mine[0]
-
-
-async def until(cond: Callable[[], bool], what: str, secs: float = 10.0) -> None:
-    # The engine's book has no events to wait on; poll it, bounded.
-    with anyio.fail_after(secs):
-        while not cond():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-    assert cond(), what
-
-
-def private_ids(stack: Stack) -> list[str]:
-    return [rid for rid, _ in stack.engine.book.received]
 
 
 # ---------------------------------------------------------------------------- discovery

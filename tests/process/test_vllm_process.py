@@ -3,66 +3,19 @@ processes through their console scripts, talking over loopback."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from tests.e2e_helpers import ROOT, WAIT, free_port, generate_six, log_lines, process, script, serving_port
 
 pytestmark = pytest.mark.timeout(90)
-
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-# Bound on every wait for a child: far above what any of these needs, never hit when green.
-WAIT = 30.0
-
-
-def script(name: str) -> str:
-    path = BIN / name
-    found = str(path) if path.exists() else shutil.which(name)
-    assert found, f"console script {name} is not installed"
-    return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def process(argv: Sequence[str]) -> Iterator[subprocess.Popen[str]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_") and k != "NOTIFY_SOCKET"}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen(
-        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=WAIT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=WAIT)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 def engine_argv(port: int) -> list[str]:
@@ -85,30 +38,6 @@ def sidecar_argv(engine_port: int, deadline: float) -> list[str]:
         "--log-format",
         "json",
     ]
-
-
-def log_lines(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("{"):
-            yield json.loads(line)
-
-
-def serving_port(proc: subprocess.Popen[str]) -> int:
-    seen = []
-    for entry in log_lines(proc):
-        seen.append(entry)
-        if entry.get("event") == "serving":
-            return int(entry["port"])
-    raise AssertionError(f"the sidecar never served; exit {proc.poll()}; log: {seen}")
-
-
-def generate_six(port: int) -> list[sidecar_pb2.LLMEngineOutput]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = sidecar_pb2_grpc.WorkerStub(channel)
-        request = sidecar_pb2.PreprocessedRequest(request_id="proc", token_ids=[101, 202, 303, 404])
-        request.stop_conditions.max_tokens = 6
-        return list(stub.Generate(request, timeout=WAIT))
 
 
 def test_streaming_generation_through_the_console_scripts() -> None:
