@@ -7,7 +7,6 @@ I/O only: every protocol rule lives in :mod:`sidecar_sglang.convert_request`,
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final, TypeVar
 
@@ -17,12 +16,13 @@ import structlog
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc, sidecar_pb2
 from sidecar_common.config import SidecarConfig
 from sidecar_common.engine import EngineLoad, GenerateCall
-from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error, protocol_error
+from sidecar_common.errors import SidecarError, from_rpc_error, protocol_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
-from sidecar_sglang.convert_request import RequestSettings, build_native, to_grpc
-from sidecar_sglang.convert_response import ResponseState, event_from_grpc
-from sidecar_sglang.discovery import Discovered, discover, loads_from_json
+from sidecar_sglang.adapter import SglangAdapterBase, random_room
+from sidecar_sglang.convert_request import to_grpc
+from sidecar_sglang.convert_response import event_from_grpc
+from sidecar_sglang.discovery import discover, loads_from_json
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangGrpcEngine", "random_room"]
 
@@ -32,11 +32,6 @@ T = TypeVar("T")
 ABORT_TIMEOUT: Final = 2.0
 HEALTH_TIMEOUT: Final = 1.5
 LOAD_TIMEOUT: Final = 2.0
-
-
-def random_room() -> int:
-    """A bootstrap room in [0, 2^63), for a prefill request that names none."""
-    return secrets.randbelow(2**63)
 
 
 def _json(rpc: str, text: str) -> object:
@@ -52,7 +47,7 @@ def _object(rpc: str, value: object) -> dict[str, object]:
     return value
 
 
-class SglangGrpcEngine:
+class SglangGrpcEngine(SglangAdapterBase):
     """One SGLang engine started with ``--grpc-port``, behind ``config.pool``."""
 
     def __init__(
@@ -63,20 +58,11 @@ class SglangGrpcEngine:
         connector: Connector | None = None,
         room: Callable[[], int] = random_room,
     ) -> None:
-        self._config = config
+        super().__init__(config, "grpc", room)
         self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
-        self._room = room
         self._stubs: StubCache[sglang_pb2_grpc.SglangServiceAsyncStub] = StubCache(
             self._pool, sglang_pb2_grpc.SglangServiceStub
         )
-        self._found: Discovered | None = None
-        self._settings = RequestSettings(mode=config.disaggregation_mode, transport="grpc")
-        # private id -> "the sidecar asked the engine to abort it", for live generations only.
-        self._live: dict[str, bool] = {}
-
-    @property
-    def name(self) -> str:
-        return "sglang"
 
     # ------------------------------------------------------------------- start-up
 
@@ -149,22 +135,11 @@ class SglangGrpcEngine:
         stub = self._stubs.next()
         return await bounded_call(rpc, timeout, lambda t: call(stub, t))
 
-    def model_info(self) -> sidecar_pb2.ModelInfo:
-        if self._found is None:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the sglang engine is not discovered yet")
-        return self._found.model_info
-
     # ------------------------------------------------------------------- requests
-
-    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
-        build_native(request, "validate", self._settings, room=0)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
         pid = call.private_id
-        native = build_native(call.request, pid, self._settings, room=self._room())
-        incremental = self._found.incremental if self._found is not None else False
-        state = ResponseState(native, cumulative=not incremental)
-        self._live[pid] = False
+        native, state = self._open(call)
         stream = self._stubs.next().Generate(to_grpc(native))
         try:
             async for message in stream:

@@ -21,10 +21,10 @@ from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.pool import Clock, Deadline, SystemClock, retry_until_deadline
-from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
-from sidecar_sglang.convert_response import ResponseState, error_from_http_status, event_from_http
-from sidecar_sglang.discovery import Discovered, discover, loads_from_json
-from sidecar_sglang.grpc_engine import random_room
+from sidecar_sglang.adapter import SglangAdapterBase, random_room
+from sidecar_sglang.convert_request import to_http_json
+from sidecar_sglang.convert_response import error_from_http_status, event_from_http
+from sidecar_sglang.discovery import discover, loads_from_json
 from sidecar_sglang.sse import SseParser
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangHttpEngine"]
@@ -63,7 +63,7 @@ class _NotHealthy(Exception):
     """``/health`` answered but not 200: retried within the start-up deadline."""
 
 
-class SglangHttpEngine:
+class SglangHttpEngine(SglangAdapterBase):
     """One SGLang engine's HTTP server (``--port``), through one aiohttp session for the
     generations and a small one for control calls."""
 
@@ -75,20 +75,12 @@ class SglangHttpEngine:
         clock: Clock | None = None,
         room: Callable[[], int] = random_room,
     ) -> None:
-        self._config = config
+        super().__init__(config, "http", room)
         self._endpoint = endpoint
         self._base = endpoint.http_base_url
         self._clock: Clock = clock or SystemClock()
-        self._room = room
         self._session: aiohttp.ClientSession | None = None
         self._control_session: aiohttp.ClientSession | None = None
-        self._found: Discovered | None = None
-        self._settings = RequestSettings(mode=config.disaggregation_mode, transport="http")
-        self._live: dict[str, bool] = {}
-
-    @property
-    def name(self) -> str:
-        return "sglang"
 
     def _new_session(self, limit: int) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
@@ -187,22 +179,11 @@ class SglangHttpEngine:
         except ValueError:
             raise protocol_error("sglang", f"GET {path} is not JSON") from None
 
-    def model_info(self) -> sidecar_pb2.ModelInfo:
-        if self._found is None:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the sglang engine is not discovered yet")
-        return self._found.model_info
-
     # ------------------------------------------------------------------- requests
-
-    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
-        build_native(request, "validate", self._settings, room=0)
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
         pid = call.private_id
-        native = build_native(call.request, pid, self._settings, room=self._room())
-        incremental = self._found.incremental if self._found is not None else False
-        state = ResponseState(native, cumulative=not incremental)
-        self._live[pid] = False
+        native, state = self._open(call)
         resp: aiohttp.ClientResponse | None = None
         reusable = False
         try:
