@@ -1,0 +1,173 @@
+"""The contract between the format-agnostic HTTP handler and a format plugin.
+
+A plugin is pure (no I/O, no clock, no globals, no logging): the handler passes in everything
+that varies (the body bytes, the headers, what the workers serve, the time, fresh ids) and
+gets back plain values: sub-requests to run, bytes to write, a reply to send. That is why a
+plugin can be tested exhaustively, and why a third format touches no handler code.
+
+Life of one generate call, as the handler drives it:
+
+1. ``fmt.parse_generate(route, body, headers, ctx)`` returns a :class:`GenerateCall` (the
+   ``sidecar.v1`` sub-requests to run, in the format's response order, plus the plugin's own
+   response options) or an :class:`HttpReply` (a refusal in the format's error shape; nothing
+   reaches a worker).
+2. The handler runs every sub-request on a worker and creates one encoder with
+   ``fmt.new_encoder(call, started_at)``.
+3. For each ``LLMEngineOutput`` of sub-request ``i`` the handler calls
+   ``encoder.on_output(i, output, now)``; for a sub-request that failed, ``encoder.on_failure(i,
+   failure, now)``. In streaming mode both return the bytes to write now (possibly ``b""``);
+   in unary mode they return ``b""`` and the encoder accumulates.
+4. Streaming: once every sub-request has ended, the handler writes ``encoder.close()``.
+   Unary: the handler sends ``encoder.reply()``.
+
+The encoder decides whether a failure ends the whole HTTP response: after ``on_failure``
+returns, the handler asks ``encoder.aborted``; when true it cancels the other sub-requests and
+finishes (streaming: writes ``close()``; unary: sends ``reply()``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar_common.api import sidecar_pb2
+
+__all__ = [
+    "AbortCall",
+    "Encoder",
+    "Format",
+    "FormatContext",
+    "GenerateCall",
+    "HttpReply",
+    "Route",
+    "RouteKind",
+    "WorkerFailure",
+]
+
+JSON_CONTENT_TYPE = "application/json"
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+
+class RouteKind(enum.Enum):
+    GENERATE = "generate"
+    ABORT = "abort"
+    INFO = "info"  # answered from FormatContext alone by Format.info
+
+
+@dataclass(frozen=True)
+class Route:
+    methods: tuple[str, ...]
+    path: str
+    kind: RouteKind
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """A complete HTTP answer (a refusal, an info endpoint, a unary response)."""
+
+    status: int
+    body: bytes
+    content_type: str = JSON_CONTENT_TYPE
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class FormatContext:
+    """What the handler knows when a request arrives; everything a pure plugin may consult.
+
+    ``new_id`` returns a fresh random id (32 lowercase hex characters) each call: the one
+    source of randomness, injected so that tests can make it deterministic.
+    """
+
+    model_info: sidecar_pb2.ModelInfo
+    new_id: Callable[[], str]
+    # SGLang streams cumulative output unless the server runs --incremental-streaming-output.
+    sglang_incremental_streaming_output: bool = False
+    # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid).
+    inflight_ids: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """A parsed generate request: what to run and how to answer.
+
+    ``requests`` are the ``sidecar.v1`` sub-requests, in the format's response order (an
+    SGLang batch of P prompts with n samples gives P*n of them, prompt-major). Each has its
+    ``request_id`` set to the id the client will see and can abort by.
+    ``options`` is the plugin's own response state (opaque to the handler).
+    """
+
+    requests: Sequence[sidecar_pb2.PreprocessedRequest]
+    stream: bool
+    options: object = None
+    # Extra response headers (e.g. vLLM echoes X-Request-Id).
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """Why a sub-request ended without its terminal(s): the sidecar's typed error.
+
+    ``reason`` is the ErrorInfo reason (INVALID_ARGUMENT, CANNOT_CONNECT, ENGINE_SHUTDOWN,
+    CONNECTION_TIMEOUT, CANCELLED, OVERLOADED, PROTOCOL_ERROR, UNKNOWN) or, for failures the
+    frontend itself decides, NO_WORKER (no serving worker) and DEADLINE (the frontend's
+    --request-timeout-secs ran out). ``message`` is the status detail text.
+    """
+
+    reason: str
+    message: str
+    migratable: bool = False
+
+
+@dataclass(frozen=True)
+class AbortCall:
+    """The ids an abort request names (``all_requests``: abort everything in flight)."""
+
+    request_ids: tuple[str, ...] = ()
+    all_requests: bool = False
+
+
+class Encoder(Protocol):
+    """The response state machine for one generate call (see the module docstring)."""
+
+    @property
+    def aborted(self) -> bool:
+        """True once a failure ended the whole response (the handler stops the rest)."""
+        ...
+
+    def on_output(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes: ...
+
+    def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes: ...
+
+    def close(self) -> bytes:
+        """Streaming: the bytes that end the stream (e.g. ``data: [DONE]\\n\\n``)."""
+        ...
+
+    def reply(self) -> HttpReply:
+        """Unary: the whole response, once every sub-request ended (or one aborted it)."""
+        ...
+
+
+class Format(Protocol):
+    """One HTTP format. Module-level singletons; no state of their own."""
+
+    name: str
+    routes: Sequence[Route]
+
+    def parse_generate(
+        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
+    ) -> GenerateCall | HttpReply: ...
+
+    def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder: ...
+
+    def parse_abort(self, route: Route, body: bytes, headers: Mapping[str, str]) -> AbortCall | HttpReply: ...
+
+    def abort_reply(self, route: Route, call: AbortCall, aborted: int) -> HttpReply: ...
+
+    def info(self, route: Route, ctx: FormatContext) -> HttpReply: ...
+
+    def error_reply(self, status: int, message: str) -> HttpReply:
+        """A handler-level refusal (no worker, overload, bad method) in this format's shape."""
+        ...
