@@ -126,7 +126,7 @@ def package_version() -> str:
 
 
 def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:
-    """The common flags of spec/COMMON.md, then the engine's own."""
+    """The common flags of docs/common.md, then the engine's own."""
     parser = argparse.ArgumentParser(
         prog=prog or f"sidecar-{spec.name}",
         description=(

@@ -1,6 +1,6 @@
 """Merging stream chunks into fewer, fuller messages (pure).
 
-One gRPC message costs the same CPU whatever it carries (DESIGN.md, "The hot path"), so the
+One gRPC message costs the same CPU whatever it carries (docs/architecture.md, "The hot path"), so the
 relay sends whatever the engine produced while the frontend was busy as one message per
 choice. Merging must never change what a frontend reconstructs from the stream: the same
 tokens, logprobs and text in the same order, and the same single terminal per choice.

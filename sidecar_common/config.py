@@ -18,7 +18,7 @@ DisaggregationMode = Literal["agg", "prefill", "decode"]
 
 @dataclass(frozen=True)
 class SidecarConfig:
-    """The common flags (spec/COMMON.md), parsed and validated."""
+    """The common flags (docs/common.md), parsed and validated."""
 
     pool: PoolConfig  # --grpc-endpoint, --grpc-connections, timeouts, startup deadline
     listen: str = "0.0.0.0:50061"

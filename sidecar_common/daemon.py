@@ -1,6 +1,6 @@
 """The sidecar process: start-up in a fixed order, serve, drain on a signal, exit.
 
-Start-up order (spec/COMMON.md "Daemon"): logging -> build the engine adapter (no I/O) ->
+Start-up order (docs/common.md "Daemon"): logging -> build the engine adapter (no I/O) ->
 metrics endpoint -> gRPC server with health NOT_SERVING -> engine.start() (pool connect and
 discovery within the one startup deadline) -> health SERVING -> systemd READY=1.
 

@@ -268,6 +268,8 @@ class Generation:
         self.error: SidecarError | None = None
         self._abort_timeout = abort_timeout
         self._aborted = False
+        # How the engine abort ended ("ok", "failed", "timed_out"); None: not sent.
+        self.abort_outcome: str | None = None
         self._stream: AsyncIterator[sidecar_pb2.LLMEngineOutput] | None = None
         self._log = _log.bind(private_id=call.private_id, public_id=call.request.request_id)
 
@@ -308,10 +310,13 @@ class Generation:
         with anyio.CancelScope(shield=True), anyio.move_on_after(self._abort_timeout) as scope:
             try:
                 await self.engine.abort(self.private_id)
+                self.abort_outcome = "ok"
             except Exception as exc:
                 # The abort is best effort: the generation is already over for the client.
+                self.abort_outcome = "failed"
                 self._log.warning("engine abort failed", error=repr(exc))
         if scope.cancelled_caught:
+            self.abort_outcome = "timed_out"
             self._log.warning("engine abort timed out", timeout=self._abort_timeout)
 
     async def close_stream(self) -> None:

@@ -1,4 +1,4 @@
-"""Engine endpoint parsing (spec/COMMON.md "Engine endpoint").
+"""Engine endpoint parsing (docs/common.md "Engine endpoint").
 
 Accepted: ``host:port``, ``grpc://host:port``, ``http://host:port`` (all plaintext), with an
 IPv6 host in brackets (``[::1]:50051``). A lone trailing ``/`` is accepted and ignored, because

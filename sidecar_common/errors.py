@@ -3,9 +3,9 @@
 Every module raises :class:`SidecarError` (with an :class:`ErrorReason`); nothing invents its
 own exception or status code. Two tables live here and nowhere else:
 
-* engine gRPC status -> typed error (:func:`from_engine_status`), spec/COMMON.md;
+* engine gRPC status -> typed error (:func:`from_engine_status`), docs/common.md;
 * typed error -> frontend gRPC status, with a ``google.rpc.ErrorInfo`` detail and the
-  ``migratable`` flag (:data:`FRONTEND_STATUS`, :func:`to_rpc_status`), spec/API.md.
+  ``migratable`` flag (:data:`FRONTEND_STATUS`, :func:`to_rpc_status`), docs/api.md.
 """
 
 from __future__ import annotations

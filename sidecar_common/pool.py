@@ -1,5 +1,5 @@
 """Channel pool to the engine: N independent HTTP/2 connections, one shared startup
-deadline, per-attempt timeouts and capped exponential backoff (spec/COMMON.md).
+deadline, per-attempt timeouts and capped exponential backoff (docs/common.md).
 
 The clock and the connector are injectable so the deadline arithmetic is testable without
 sockets and without real sleeping: backoff sleeps go through ``Deadline.clock``. Each attempt

@@ -265,5 +265,5 @@ async def _abort(gen: Generation, metrics: Metrics | None) -> None:
     if gen.aborted or gen.complete:
         return
     await gen.abort_once()
-    if metrics is not None:
-        metrics.aborted()
+    if metrics is not None and gen.abort_outcome is not None:
+        metrics.aborted(gen.abort_outcome)

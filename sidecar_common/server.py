@@ -315,6 +315,9 @@ class SidecarServer:
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:
         started_at = time.monotonic()
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.arrived()
         # A bad request is refused as such whatever the engine's state (it would fail on
         # any worker, so it must not look migratable); validation needs the discovered
         # engine, hence after the not-serving check.
@@ -331,9 +334,14 @@ class SidecarServer:
         if refusal is None:
             refusal = self._refusal()
         if refusal is not None:
-            if self._metrics is not None:
-                self._metrics.failed(refusal.reason.value)
-            _log.debug("generate refused", public_id=request.request_id, reason=refusal.reason.value)
+            if metrics is not None:
+                metrics.refused(refusal.reason.value)
+            _log.info(
+                "generate refused",
+                public_id=request.request_id,
+                reason=refusal.reason.value,
+                error=refusal.message,
+            )
             await _fail(context, refusal)
         if not request.request_id:
             named = sidecar_pb2.PreprocessedRequest()
@@ -345,10 +353,11 @@ class SidecarServer:
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels)
         gen = Generation(self._engine, call, abort_timeout=self._config.abort_timeout)
         delivery = Delivery(choice_count(request))
-        metrics = self._metrics
         if metrics is not None:
             metrics.started()
         log.debug("generate started", choices=delivery.n, prompt_tokens=len(request.token_ids))
+        # What the one "generate finished" line says about how it ended.
+        outcome: dict[str, str] = {}
         try:
             with entry.scope:
                 await relay(
@@ -363,30 +372,47 @@ class SidecarServer:
             if entry.scope.cancelled_caught and entry.cause is CancelCause.DRAIN:
                 raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
             if entry.scope.cancelled_caught:
+                outcome["cancelled_by"] = "abort_rpc"
                 for terminal in delivery.cancelled_terminals(len(request.token_ids)):
                     delivery.observe(terminal)
                     await context.write(terminal)
-                log.info("generate aborted by request", engine_aborted=gen.aborted)
+            outcome["finish_reason"] = delivery.last_finish_reason()
             if metrics is not None:
-                metrics.finished(delivery.last_finish_reason())
-            log.debug("generate finished", finish_reason=delivery.last_finish_reason())
+                metrics.finished(outcome["finish_reason"])
         except SidecarError as err:
+            outcome.update(error_reason=err.reason.value, error=err.message)
             if metrics is not None:
                 metrics.failed(err.reason.value)
-            log.info(
-                "generate failed", reason=err.reason.value, error=err.message, engine_aborted=gen.aborted
-            )
             await _fail(context, err)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
+                # The client went away (cancel, deadline, connection lost).
+                outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
                 if metrics is not None:
                     metrics.failed(ErrorReason.CANCELLED.value)
-                log.info("generate cancelled by the client", engine_aborted=gen.aborted)
+            else:
+                # Not a typed error (a write that failed under us): still counted, so that
+                # every started request ends once in the metrics.
+                outcome.update(error_reason=ErrorReason.UNKNOWN.value, error=repr(exc))
+                if metrics is not None:
+                    metrics.failed(ErrorReason.UNKNOWN.value)
             raise
         finally:
             self._registry.unregister(entry)
+            duration = time.monotonic() - started_at
+            completion_tokens = sum(delivery.tokens.values())
             if metrics is not None:
-                metrics.ended()
+                metrics.ended(duration, len(request.token_ids), completion_tokens)
+            # One line per request at INFO (never per chunk): what an operator greps for.
+            log.info(
+                "generate finished",
+                duration_secs=round(duration, 6),
+                prompt_tokens=len(request.token_ids),
+                completion_tokens=completion_tokens,
+                engine_aborted=gen.aborted,
+                abort_outcome=gen.abort_outcome,
+                **outcome,
+            )
 
     def _abort(self, request: sidecar_pb2.AbortRequest) -> sidecar_pb2.AbortResponse:
         count = self._registry.abort_public(request.request_id)

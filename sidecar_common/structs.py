@@ -1,4 +1,4 @@
-"""JSON <-> ``google.protobuf.Struct`` with exact numbers (spec/COMMON.md).
+"""JSON <-> ``google.protobuf.Struct`` with exact numbers (docs/common.md).
 
 Struct numbers are doubles. Encoding refuses integers that a double cannot hold exactly
 (beyond ±2^53) rather than silently rounding them, and refuses NaN/±infinity, which JSON

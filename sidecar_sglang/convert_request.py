@@ -1,7 +1,7 @@
 """Request conversion for SGLang (pure): PreprocessedRequest -> one native intermediate,
 then the gRPC ``GenerateRequest`` or the HTTP ``/generate`` JSON body from it.
 
-Every rule of spec/SGLANG.md "Request conversion" is applied once, in :func:`build_native`;
+Every rule of docs/sglang.md "Request conversion" is applied once, in :func:`build_native`;
 the two wire renderings only spell the same fields. No I/O, no clock, no globals: the
 prefill bootstrap room is drawn by the caller and passed in.
 
@@ -14,7 +14,6 @@ negated when discovery reports the low-values-first flag.
 from __future__ import annotations
 
 import math
-import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from google.protobuf import struct_pb2
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.errors import invalid_argument
+from sidecar_common.limits import check_media, check_sampling_limits, exact_integer
 
 __all__ = [
     "INT32_MAX",
@@ -42,11 +42,8 @@ __all__ = [
 INT32_MAX: Final = 2**31 - 1
 INT32_MIN: Final = -(2**31)
 ROOM_MAX: Final = 2**63 - 1
-# SGLang's SamplingParams: max_new_tokens when the request names none, and the temperature
-# below which it samples greedily (forcing top_k to 1, so any top_k is then accepted).
+# SGLang's SamplingParams: max_new_tokens when the request names none.
 SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
-_SAMPLING_EPS: Final = 1e-6
-_DECIMAL: Final = re.compile(r"[0-9]{1,20}")
 
 Mode = Literal["agg", "prefill", "decode"]
 Transport = Literal["grpc", "http"]
@@ -164,6 +161,7 @@ def _opt_float(msg: sidecar_pb2.SamplingOptions, name: str) -> float | None:
 def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> None:
     if not request.token_ids:
         raise invalid_argument("token_ids", "the prompt must not be empty")
+    check_sampling_limits(request, "sglang")
     s = request.sampling_options
     if s.HasField("n") and s.n != 1:
         raise invalid_argument("sampling_options.n", f"only n = 1 is supported by SGLang (got {s.n})")
@@ -179,7 +177,8 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         )
     if s.logit_bias:
         raise invalid_argument("sampling_options.logit_bias", "not supported by SGLang's native API")
-    if request.routing.HasField("cache_namespace"):
+    # One rule for both sidecars: an empty namespace is no namespace.
+    if request.routing.HasField("cache_namespace") and request.routing.cache_namespace:
         raise invalid_argument("routing.cache_namespace", "SGLang has no cache namespaces")
     guided = s.guided_decoding
     for name in ("backend", "whitespace_pattern"):
@@ -189,49 +188,13 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
             )
     if request.multi_modal_data and settings.transport == "grpc":
         raise invalid_argument("multi_modal_data", "media is not supported over SGLang's native gRPC")
+    check_media(request.multi_modal_data)
     unknown = sorted(set(request.extra_args.fields) - _KNOWN_EXTRA_ARGS)
     if unknown:
         raise invalid_argument(f"extra_args.{unknown[0]}", "unknown key for SGLang")
     bad = next((t for t in request.token_ids if t > INT32_MAX), None)
     if bad is not None:
         raise invalid_argument("token_ids", f"token ids must fit in int32 (got {bad})")
-
-
-# SGLang's SamplingParams.verify ranges: the engine refuses anything outside them (over gRPC
-# as INTERNAL, which would reach the frontend as UNKNOWN), so the sidecar refuses by name first.
-# (low, high, low inclusive, high inclusive); NaN fails every comparison, so it is refused too.
-_FLOAT_RANGES: Final[Mapping[str, tuple[float, float, bool, bool]]] = {
-    "temperature": (0.0, math.inf, True, False),
-    "top_p": (0.0, 1.0, False, True),
-    "min_p": (0.0, 1.0, True, True),
-    "frequency_penalty": (-2.0, 2.0, True, True),
-    "presence_penalty": (-2.0, 2.0, True, True),
-    "repetition_penalty": (0.0, 2.0, False, True),
-}
-
-
-def _check_floats(sampling: NativeSampling) -> None:
-    for name, (low, high, low_in, high_in) in _FLOAT_RANGES.items():
-        value = getattr(sampling, name)
-        if value is None:
-            continue
-        where = f"sampling_options.{name}"
-        if not math.isfinite(value):
-            raise invalid_argument(where, f"must be a finite number (got {value})")
-        above = value >= low if low_in else value > low
-        below = value <= high if high_in else value < high
-        if not (above and below):
-            span = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-            raise invalid_argument(where, f"must be in {span} for SGLang (got {value:g})")
-
-
-def _check_top_k(sampling: NativeSampling) -> None:
-    top_k, temperature = sampling.top_k, sampling.temperature
-    if top_k is None or top_k == -1 or top_k >= 1:
-        return
-    if temperature is not None and 0.0 <= temperature < _SAMPLING_EPS:
-        return  # greedy: SGLang replaces top_k with 1 before it checks it
-    raise invalid_argument("sampling_options.top_k", f"must be -1 (all) or at least 1 (got {top_k})")
 
 
 def _guided(s: sidecar_pb2.SamplingOptions) -> tuple[str | None, str | None]:
@@ -284,24 +247,20 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
         regex=regex,
         seed=s.seed if s.HasField("seed") else None,
     )
-    _check_floats(native)
-    _check_top_k(native)
     return native
 
 
 def _struct_int(value: struct_pb2.Value, name: str, maximum: int) -> int:
     kind = value.WhichOneof("kind")
-    if kind == "number_value":
-        number = value.number_value
-        if number != number or number in (float("inf"), float("-inf")) or not number.is_integer():
-            raise invalid_argument(name, "must be an integer")
-        result = int(number)
-    elif kind == "string_value":
-        text = value.string_value.strip()
-        if not _DECIMAL.fullmatch(text):
-            raise invalid_argument(name, "must be a non-negative integer")
-        result = int(text)
-    else:
+    given = (
+        value.number_value
+        if kind == "number_value"
+        else value.string_value
+        if kind == "string_value"
+        else None
+    )
+    result = exact_integer(given)
+    if result is None:
         raise invalid_argument(name, "must be an integer")
     if not 0 <= result <= maximum:
         raise invalid_argument(name, f"{result} is out of range (0..{maximum})")
@@ -421,7 +380,7 @@ def build_native(
         routed_dp_rank=dp_rank,
         priority=_priority(request, settings),
         bootstrap=_bootstrap(request, settings, room),
-        media=tuple((_MEDIA_FIELDS.get(m.kind, "image_data"), m.url) for m in request.multi_modal_data),
+        media=tuple((_MEDIA_FIELDS[m.kind], m.url) for m in request.multi_modal_data),
         user_stop_token_ids=frozenset(request.stop_conditions.stop_token_ids),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,

@@ -68,7 +68,7 @@ def event_from_grpc(message: sglang_pb2.GenerateResponse) -> NativeEvent:
 
 
 def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:
-    """SGLang HTTP status -> typed error (spec/SGLANG.md, "The native HTTP wire")."""
+    """SGLang HTTP status -> typed error (docs/sglang.md, "The native HTTP wire")."""
     words = f"{rpc}: {message} (HTTP {status})"
     if status in (401, 403):
         # Auth is not configured on the sidecar's side: not the request's fault.

@@ -67,7 +67,7 @@ class SglangGrpcEngine(SglangAdapterBase):
     # ------------------------------------------------------------------- start-up
 
     async def start(self) -> None:
-        # One deadline for the pool, the health wait and discovery (spec/COMMON.md).
+        # One deadline for the pool, the health wait and discovery (docs/common.md).
         deadline = Deadline.start(self._pool.clock, self._config.pool.startup_deadline)
         await self._pool.connect(deadline)
         target = self._config.pool.endpoint.target

@@ -1,4 +1,4 @@
-"""Pure conversion between the public API and vLLM's native gRPC wire (spec/VLLM.md).
+"""Pure conversion between the public API and vLLM's native gRPC wire (docs/vllm.md).
 
 Two halves, both free of I/O, clocks, logging and globals:
 
@@ -28,6 +28,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.config import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
+from sidecar_common.limits import check_media, check_sampling_limits
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
 
 __all__ = [
@@ -79,6 +80,7 @@ def to_generate_request(
     if not request.token_ids:
         raise invalid_argument("token_ids", "the prompt is empty")
     _refuse_uncarried(request, mode)
+    check_sampling_limits(request, "vllm")
     native = vllm_engine_pb2.GenerateRequest(
         request_id=private_id,
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=request.token_ids),
@@ -151,12 +153,6 @@ def _sampling_params(
             s.include_stop_str_in_output if s.HasField("include_stop_str_in_output") else False
         ),
     )
-    # The servicer reads 0 as "unset" for these two, so an explicit 0 would silently
-    # become 1.0; vLLM refuses both values anyway.
-    if s.HasField("top_p") and s.top_p == 0.0:
-        raise invalid_argument("sampling_options.top_p", "must be > 0")
-    if s.HasField("repetition_penalty") and s.repetition_penalty == 0.0:
-        raise invalid_argument("sampling_options.repetition_penalty", "must be > 0")
     if s.HasField("temperature"):
         p.temperature = s.temperature
     if s.HasField("seed"):
@@ -185,11 +181,8 @@ def _int32(name: str, value: int) -> int:
 
 
 def _top_k(s: sidecar_pb2.SamplingOptions) -> int:
-    if not s.HasField("top_k"):
-        return 0
-    if s.top_k < -1:
-        raise invalid_argument("sampling_options.top_k", f"must be -1, 0 or positive, got {s.top_k}")
-    return max(s.top_k, 0)
+    # The wire's 0 is "all"; the limits table has refused anything below -1.
+    return max(s.top_k, 0) if s.HasField("top_k") else 0
 
 
 def _n(s: sidecar_pb2.SamplingOptions) -> int:
@@ -245,14 +238,13 @@ def _media_refs(
         return None
     if not supports_vision:
         raise invalid_argument("multi_modal_data", "the served model does not support vision")
+    check_media(items)
     refs = vllm_engine_pb2.MediaRefs()
     for i, item in enumerate(items):
         modality = _MEDIA_MODALITY.get(item.kind)
         if modality is None:
             kind = sidecar_pb2.MultimodalItem.Kind.Name(item.kind)
             raise invalid_argument(f"multi_modal_data[{i}].kind", f"{kind} is not supported by vLLM")
-        if not item.url:
-            raise invalid_argument(f"multi_modal_data[{i}].url", "empty")
         refs.items.add(modality=modality, url=item.url)
     return refs
 

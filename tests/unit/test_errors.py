@@ -1,5 +1,5 @@
-"""Both status tables, row by row: engine status -> typed error (spec/COMMON.md), and typed
-error -> frontend status with its ErrorInfo (spec/API.md)."""
+"""Both status tables, row by row: engine status -> typed error (docs/common.md), and typed
+error -> frontend status with its ErrorInfo (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SGLang request conversion: the table of spec/SGLANG.md "Request conversion", on both wires."""
+"""SGLang request conversion: the table of docs/sglang.md "Request conversion", on both wires."""
 
 from __future__ import annotations
 

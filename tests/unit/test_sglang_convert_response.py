@@ -1,4 +1,4 @@
-"""SGLang response conversion: one state machine for both wires (spec/SGLANG.md "Response
+"""SGLang response conversion: one state machine for both wires (docs/sglang.md "Response
 conversion"), in cumulative and incremental modes."""
 
 from __future__ import annotations

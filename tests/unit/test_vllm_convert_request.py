@@ -1,4 +1,4 @@
-"""PreprocessedRequest -> vLLM GenerateRequest: every field, every refusal (spec/VLLM.md)."""
+"""PreprocessedRequest -> vLLM GenerateRequest: every field, every refusal (docs/vllm.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vLLM engine stream -> LLMEngineOutput deltas: ResponseState, table by table (spec/VLLM.md)."""
+"""vLLM engine stream -> LLMEngineOutput deltas: ResponseState, table by table (docs/vllm.md)."""
 
 from __future__ import annotations
 
