@@ -143,10 +143,6 @@ class SglangTestEngine:
         await self.stop()
 
     @property
-    def grpc_target(self) -> str:
-        return f"{self.config.grpc_host}:{self.grpc_port}"
-
-    @property
     def http_url(self) -> str:
         return f"http://{self.config.http_host}:{self.http_port}"
 

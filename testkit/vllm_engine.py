@@ -195,10 +195,6 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         """Engine-wide fault: the server goes away now, mid-stream (streams end without status)."""
         await self.stop(0)
 
-    async def refuse_connections(self) -> None:
-        """Engine-wide fault: stop listening (new connections are refused) until ``restart``."""
-        await self.stop(0)
-
     async def restart(self) -> int:
         """Stop, then serve again on the same port; the book and faults are kept."""
         await self.stop(0)

@@ -43,7 +43,6 @@ IN_FLIGHT = 200
 WARMUP = 200
 SEED = 20261130
 MALFORMED = ("missing_finish_reason", "unknown_finish_reason", "count_mismatch", "negative_id")
-KNOWN_ABORT_RACE = False
 ERROR_CODES = ("INTERNAL", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "ABORTED")
 
 
@@ -153,10 +152,6 @@ class Tally:
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     faults: collections.Counter[str] = field(default_factory=collections.Counter)
     problems: list[str] = field(default_factory=list)
-    # test_abort_race.py's defect (a client cancel landing while the cleanup abort of an engine
-    # failure is in flight interrupted that abort), fixed in 5ad398d: with KNOWN_ABORT_RACE
-    # False (now) it is a failure like any other; True would count it apart.
-    abort_race: int = 0
 
     def bad(self, plan: Plan, what: str) -> None:
         if len(self.problems) < 20:
@@ -177,9 +172,6 @@ def check_one(res: Result, tally: Tally, engine_aborts: int, engine_outcome: Out
         tally.outcomes["cancelled" if res.cancelled else "deadline"] += 1
         # Unless the engine sent every terminal before the client left, it must be aborted.
         if engine_outcome is not None and engine_outcome is not Outcome.FINISHED and engine_aborts != 1:
-            if KNOWN_ABORT_RACE and engine_outcome is Outcome.FAULTED and engine_aborts == 0:
-                tally.abort_race += 1
-                return
             tally.bad(plan, f"left early (engine: {engine_outcome}) but aborted {engine_aborts} times")
         return
     if ended.error is None:
@@ -282,7 +274,6 @@ async def test_soak_with_faults_ends_every_request_one_way_and_leaks_nothing(kin
             f" engine_aborts={engine_aborts} rss_growth_mb={(rss - rss0) / 2**20:.1f}"
             f" (second half {(rss_marks[1] - rss_marks[0]) / 2**20:.1f})"
             f" tasks={tasks0}->{tasks} fds={fds0}->{fds} leaks={sum(leaks.values())}"
-            f" known_abort_race={tally.abort_race}"
         )
         assert done == REQUESTS
         assert not tally.problems, "\n".join(tally.problems)
