@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import signal
 import sys
-from types import ModuleType
 
 from aiohttp import web
 
 from testkit.book import Book
 from testkit.cli_args import fault_arg, listen_arg
 from testkit.faults import FaultBook, FaultPlan, parse_directive
+from testkit.sglang_cli import add_arguments as add_sglang_arguments
+from testkit.sglang_cli import run as run_sglang
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
 __all__ = ["add_vllm_arguments", "control_app", "main", "run_vllm", "vllm_config_from_args"]
@@ -169,15 +169,6 @@ def run_vllm(args: argparse.Namespace) -> int:
         return 1
 
 
-def _sglang_module() -> ModuleType | None:
-    try:
-        return importlib.import_module("testkit.sglang_engine")
-    except ModuleNotFoundError as e:
-        if e.name != "testkit.sglang_engine":
-            raise
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
@@ -186,14 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="engine", metavar="{vllm,sglang}")
     add_vllm_arguments(sub.add_parser("vllm", help="vllm.grpc.engine.VllmEngine + gRPC health"))
-    sglang = _sglang_module()
-    if sglang is not None:
-        sglang.add_arguments(sub.add_parser("sglang", help="SGLang native gRPC and HTTP"))
+    add_sglang_arguments(sub.add_parser("sglang", help="SGLang native gRPC and HTTP"))
     args = parser.parse_args(argv)
     if args.engine == "vllm":
         return run_vllm(args)
-    if args.engine == "sglang" and sglang is not None:
-        return int(sglang.run(args))
+    if args.engine == "sglang":
+        return run_sglang(args)
     parser.print_usage(sys.stderr)
     return 2
 

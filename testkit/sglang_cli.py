@@ -11,6 +11,7 @@ import sys
 
 from testkit.cli_args import fault_arg, optional_listen_arg
 from testkit.faults import FaultPlan
+from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig
 
 __all__ = ["add_arguments", "config_from_args", "run"]
@@ -85,9 +86,6 @@ async def _serve(config: SglangEngineConfig, faults: list[tuple[str, FaultPlan]]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # Imported here: sglang_engine re-exports this module's entry points.
-    from testkit.sglang_engine import SglangTestEngine
-
     engine = SglangTestEngine(config)
     for match, plan in faults:
         engine.faults.add(match, plan)

@@ -6,8 +6,7 @@ in their order, aborts by rid prefix, and one scheduler task per request that dr
 deterministic ``generator`` and the test's fault plan. Rendering each request as SGLang's
 tokenizer manager does lives in ``sglang_core`` (shared by both wires, pure), the info JSON and
 the configuration in ``sglang_info``, the console entry in ``sglang_cli``; the wire modules
-(``sglang_grpc``, ``sglang_http``) only frame. Every name this module exported before the split
-is still importable from here.
+(``sglang_grpc``, ``sglang_http``) only frame.
 
 Behaviour copied in spirit (not code) from SGLang 0.5.23, with the choices the spec leaves
 open noted where they are made.
@@ -29,16 +28,10 @@ from testkit.book import Book, Outcome
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec
 from testkit.sglang_checks import check_request
-
-# The console entry lives in sglang_cli (which imports this module lazily); re-exported here.
-from testkit.sglang_cli import add_arguments, config_from_args, run
 from testkit.sglang_core import (
-    DEFAULT_MAX_NEW_TOKENS,
-    SGLANG_VERSION,
     AbortRecord,
     Bootstrap,
     Chunk,
-    Closed,
     Cut,
     Fail,
     NativeRequest,
@@ -46,34 +39,13 @@ from testkit.sglang_core import (
     RequestRejected,
     RequestState,
     RequestStream,
-    StreamEvent,
     abort_out,
     bad_request_reason,
     sampling_spec,
 )
-from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig, loads, model_info, server_info
+from testkit.sglang_info import SglangEngineConfig, loads, model_info, server_info
 
-# The wire-neutral names are re-exported: the wires and the tests import them from here.
-__all__ = [
-    "DEFAULT_MAX_NEW_TOKENS",
-    "DISAGG_MODES",
-    "SGLANG_VERSION",
-    "AbortRecord",
-    "Bootstrap",
-    "Chunk",
-    "Closed",
-    "Cut",
-    "Fail",
-    "NativeRequest",
-    "RequestRejected",
-    "RequestStream",
-    "SglangEngineConfig",
-    "SglangTestEngine",
-    "StreamEvent",
-    "add_arguments",
-    "config_from_args",
-    "run",
-]
+__all__ = ["SglangTestEngine"]
 
 log = logging.getLogger("testkit.sglang")
 

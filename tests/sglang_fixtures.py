@@ -24,7 +24,8 @@ from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
-from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_info import SglangEngineConfig
 from tests.e2e_helpers import public_request
 
 __all__ = [

@@ -16,7 +16,8 @@ from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
-from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_info import SglangEngineConfig
 from tests.e2e_helpers import (
     PROMPT,
     collect,

@@ -21,7 +21,9 @@ from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN
-from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine, add_arguments, config_from_args
+from testkit.sglang_cli import add_arguments, config_from_args
+from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_info import SglangEngineConfig
 
 pytestmark = pytest.mark.timeout(30)
 

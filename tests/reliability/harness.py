@@ -28,7 +28,8 @@ from sidecar_vllm.engine import VllmEngine
 from testkit.book import Book, Outcome
 from testkit.faults import FaultBook
 from testkit.generator import ModelSpec, SamplingSpec, generate
-from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_info import SglangEngineConfig
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from tests import sglang_fixtures, vllm_fixtures
 
