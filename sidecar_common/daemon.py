@@ -30,13 +30,13 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common import systemd
-from sidecar_common.cli import package_version
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine
 from sidecar_common.errors import SidecarError
 from sidecar_common.logs import configure_logging
 from sidecar_common.metrics import Metrics
 from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_common.version import package_version
 
 __all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
 
@@ -243,7 +243,7 @@ async def _start(
 ) -> SidecarServer:
     metrics: Metrics | None = None
     if config.metrics_port is not None:
-        metrics = Metrics(spec.name)
+        metrics = Metrics(spec.name, version=package_version())
         stop_metrics = _start_metrics_http(config.metrics_port, metrics)
         closing.push_async_callback(_bounded, "metrics stop", stop_metrics, _CLOSE_TIMEOUT)
     server = SidecarServer(engine, _server_config(config), metrics=metrics)

@@ -52,7 +52,7 @@ class Metrics:
     ) -> None:
         # The `_created` series double the exposition and no dashboard reads them. The switch
         # is process-wide and applies to children created after it, hence before any below.
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine = engine
         labels = ["engine"]

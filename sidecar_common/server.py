@@ -298,17 +298,22 @@ class SidecarServer:
         while True:
             await anyio.sleep(self._config.health_watch_interval)
             ok = False
+            why = "the health check answered not serving"
             try:
                 with anyio.fail_after(self._config.health_probe_timeout):
                     ok = await self._engine.healthy()
+            except TimeoutError:
+                why = f"no health check answer within {self._config.health_probe_timeout:g}s"
+            except SidecarError as err:
+                why = f"health check failed: {err.message}"
             except Exception as exc:
-                _log.debug("engine health probe failed", error=repr(exc))
+                why = f"health check failed: {exc!r}"
             if ok != self._engine_ok:
                 self._engine_ok = ok
                 if ok:
                     _log.info("engine healthy again")
                 else:
-                    _log.warning("engine unhealthy: refusing new requests")
+                    _log.warning("engine unhealthy: refusing new requests", reason=why)
                 if self._metrics is not None:
                     self._metrics.set_engine_connected(ok)
                 self._update_health()
