@@ -87,6 +87,10 @@ class FormatContext:
     sglang_incremental_streaming_output: bool = False
     # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid).
     inflight_ids: frozenset[str] = frozenset()
+    # Unix seconds (time.time()) when the request arrived: for wall-clock values a body
+    # carries (SGLang's response_sent_to_client_ts, a model card's created). The encoder's
+    # ``now``/``started_at`` stay on the handler's monotonic clock; 0.0: not given.
+    wall_time: float = 0.0
 
 
 @dataclass(frozen=True)
