@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NoReturn, cast
 
-from sidecar_common.config import DisaggregationMode, EngineSpec, SidecarConfig
+from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
 from sidecar_common.pool import PoolConfig, RetryPolicy
@@ -29,7 +29,6 @@ __all__ = [
     "env_var_for",
     "load_spec",
     "main",
-    "package_version",
     "parse_config",
     "parse_listen",
     "run_engine",
@@ -116,13 +115,6 @@ def _endpoint(text: str) -> Endpoint:
         return parse_endpoint(text)
     except EndpointError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("llm-sidecars")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:

@@ -7,13 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import Engine
 from sidecar_common.pool import PoolConfig
 
-__all__ = ["DisaggregationMode", "EngineSpec", "SidecarConfig"]
-
-DisaggregationMode = Literal["agg", "prefill", "decode"]
+__all__ = ["EngineSpec", "SidecarConfig"]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import DisaggregationMode
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
 from sidecar_common.limits import check_media, check_sampling_limits
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json

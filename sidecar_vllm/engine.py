@@ -15,7 +15,8 @@ import structlog
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import DisaggregationMode, SidecarConfig
+from sidecar_common.config import SidecarConfig
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline

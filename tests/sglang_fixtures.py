@@ -17,7 +17,8 @@ import anyio
 import grpc
 
 from sidecar_common.api import sidecar_pb2_grpc
-from sidecar_common.config import DisaggregationMode, SidecarConfig
+from sidecar_common.config import SidecarConfig
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.engine import Engine
 from sidecar_common.pool import PoolConfig, RetryPolicy

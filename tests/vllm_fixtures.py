@@ -20,7 +20,8 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2_grpc
-from sidecar_common.config import DisaggregationMode, SidecarConfig
+from sidecar_common.config import SidecarConfig
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_common.server import ServerConfig, SidecarServer

@@ -11,7 +11,7 @@ from google.protobuf import struct_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import DisaggregationMode
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_vllm.convert import to_generate_request
 

@@ -12,7 +12,7 @@ from google.protobuf import json_format
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import DisaggregationMode
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_vllm.convert import LOGPROB_FLOOR, ResponseState
 from tests.vllm_fixtures import chunk, complete, output_logprobs, servicer_stream

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import DisaggregationMode
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_vllm.convert import ResponseState, to_generate_request
 from tests.vllm_fixtures import chunk, complete, servicer_stream
