@@ -454,12 +454,25 @@ def test_min_tokens_up_to_the_limit_pass() -> None:
     assert (s.max_new_tokens, s.min_new_tokens) == (5, 5)
 
 
-def test_prefill_drops_min_tokens_so_no_min_max_refusal() -> None:
+def test_prefill_sends_one_token_and_no_minimum() -> None:
+    r = req(
+        stopConditions={"maxTokens": 40, "minTokens": 30},
+        bootstrapInfo={"bootstrapHost": "h", "bootstrapPort": 1},
+    )
+    params = grpc_of(r, PREFILL).sampling_params
+    assert params.max_new_tokens == 1
+    assert not params.HasField("min_new_tokens")
+
+
+def test_prefill_refuses_min_above_max_as_its_decode_half_would() -> None:
+    # The same request goes to the decode half, which refuses it: refuse before the prefill work.
     r = req(
         stopConditions={"maxTokens": 4, "minTokens": 500},
         bootstrapInfo={"bootstrapHost": "h", "bootstrapPort": 1},
     )
-    assert grpc_of(r, PREFILL).sampling_params.max_new_tokens == 1
+    with pytest.raises(SidecarError) as caught:
+        grpc_of(r, PREFILL)
+    assert caught.value.message.startswith("stop_conditions.min_tokens:")
 
 
 @pytest.mark.parametrize(

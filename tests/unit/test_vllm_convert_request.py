@@ -156,11 +156,11 @@ def test_logit_bias_is_carried_and_keys_beyond_int32_refused() -> None:
 
 def test_max_and_min_tokens() -> None:
     req = make()
-    req.stop_conditions.max_tokens = 0
+    req.stop_conditions.max_tokens = 4
     req.stop_conditions.min_tokens = 4
     p = convert(req).sampling_params
     assert p.HasField("max_tokens")
-    assert p.max_tokens == 0
+    assert p.max_tokens == 4
     assert p.min_tokens == 4
 
 

@@ -93,7 +93,7 @@ def test_messages_after_every_terminal_change_nothing(
 OPTIONAL_FIELDS: list[tuple[str, str, Any, str, Any]] = [
     ("sampling_options", "temperature", 0.0, "temperature", None),
     ("sampling_options", "seed", 0, "seed", None),
-    ("stop_conditions", "max_tokens", 0, "max_tokens", None),
+    ("stop_conditions", "max_tokens", 3, "max_tokens", None),
     ("output_options", "logprobs", 0, "logprobs", None),
     ("output_options", "prompt_logprobs", 0, "prompt_logprobs", None),
     ("sampling_options", "min_p", 0.5, "min_p", 0.0),
