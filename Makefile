@@ -4,8 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ENGINE ?= vllm
 STAMP := $(VENV)/.installed
+BUF_DIR := tools/buf
+BUF := $(BUF_DIR)/node_modules/.bin/buf
 
-.PHONY: setup run test lint typecheck protos protos-check bench bench-full soak clean
+.PHONY: setup run test lint typecheck protos protos-check buf bench bench-full soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +21,7 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m testkit.demo --engine $(ENGINE)
 
-test: $(STAMP)
+test: $(STAMP) $(BUF)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -34,6 +36,16 @@ protos: $(STAMP)
 
 protos-check: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py --check
+
+# buf from npm into tools/buf/node_modules (pinned by its package-lock.json; never global).
+$(BUF): $(BUF_DIR)/package.json $(BUF_DIR)/package-lock.json
+	cd $(BUF_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(BUF)
+
+# Lint the protos, and fail on any change to sidecar.v1 that breaks the released 0.1.0 API.
+buf: $(BUF)
+	$(BUF) lint
+	$(BUF) breaking --against tests/data/released
 
 # Quick results go to bench/results/quick/ so they never overwrite the committed --full run.
 bench: $(STAMP)
