@@ -32,6 +32,7 @@ from sidecar_common.engine import Engine, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, to_rpc_status
 from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, relay
+from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 
 __all__ = ["HEALTH_SERVICES", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
 
@@ -62,6 +63,11 @@ class ServerConfig:
     # From this many generations in flight, writers let the loop turn before each message
     # so that chunks that arrived meanwhile go out merged (fewer, fuller messages).
     coalesce_min_inflight: int = 16
+    tls: TlsFiles | None = None  # None: plaintext
+    reflection: bool = True
+    # Larger request messages are refused by grpc itself (RESOURCE_EXHAUSTED) before any
+    # handler runs: the bound on what one client can make the sidecar hold.
+    max_request_bytes: int = _MAX_MESSAGE
 
 
 class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -183,28 +189,44 @@ class SidecarServer:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", self._config.max_request_bytes),
             ]
         )
         sidecar_pb2_grpc.add_WorkerServicer_to_server(_Worker(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (
-                WORKER_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        if self._config.reflection:
+            reflection.enable_server_reflection(
+                (
+                    WORKER_SERVICE,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                server,
+            )
+        tls = self._config.tls
         try:
-            self._port = server.add_insecure_port(self._config.listen)
+            if tls is None:
+                self._port = server.add_insecure_port(self._config.listen)
+            else:
+                self._port = server.add_secure_port(self._config.listen, server_credentials(tls))
+        except TlsSettingsError as exc:
+            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"cannot serve TLS: {exc}") from exc
         except RuntimeError as exc:
+            # With TLS, grpc reports a certificate and key that do not match as a bind failure.
+            hint = " (or the TLS certificate and key were refused)" if tls is not None else ""
             raise SidecarError(
-                ErrorReason.CANNOT_CONNECT, f"cannot listen on {self._config.listen}: {exc}"
+                ErrorReason.CANNOT_CONNECT, f"cannot listen on {self._config.listen}{hint}: {exc}"
             ) from exc
         await server.start()
         self._server = server
-        _log.info("sidecar listening", listen=self._config.listen, port=self._port)
+        _log.info(
+            "sidecar listening",
+            listen=self._config.listen,
+            port=self._port,
+            tls="mutual" if tls is not None and tls.mutual else "on" if tls is not None else "off",
+            reflection=self._config.reflection,
+            max_request_bytes=self._config.max_request_bytes,
+        )
 
     def set_serving(self) -> None:
         """The engine is connected and discovered: accept requests and watch its health."""
