@@ -25,13 +25,18 @@ from sidecar_common.pool import PoolConfig, RetryPolicy
 __all__ = [
     "ENGINES",
     "ENV_PREFIX",
+    "annotate_env_help",
     "build_parser",
     "env_var_for",
     "load_spec",
     "main",
     "parse_config",
     "parse_listen",
+    "parse_with_env",
+    "port_arg",
+    "positive_int_arg",
     "run_engine",
+    "seconds_arg",
 ]
 
 ENV_PREFIX: Final = "SIDECAR_"
@@ -43,13 +48,16 @@ ENGINES: Final[Mapping[str, str]] = {
     "sglang": "sidecar_sglang.__main__",
 }
 
+# `sidecar frontend ...` runs the HTTP frontend (sidecar_frontend) instead of a sidecar.
+FRONTEND: Final = "frontend"
+
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"0", "false", "no", "off", ""})
 
 
-def env_var_for(option: str) -> str:
+def env_var_for(option: str, prefix: str = ENV_PREFIX) -> str:
     """``--grpc-endpoint`` -> ``SIDECAR_GRPC_ENDPOINT``."""
-    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+    return prefix + option.lstrip("-").replace("-", "_").upper()
 
 
 def _positive_int(text: str) -> int:
@@ -201,10 +209,15 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     )
     ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     spec.add_arguments(parser)
-    for action, var in _env_actions(parser):
+    annotate_env_help(parser)
+    return parser
+
+
+def annotate_env_help(parser: argparse.ArgumentParser, prefix: str = ENV_PREFIX) -> None:
+    """Add each flag's environment variable to its --help line."""
+    for action, var in _env_actions(parser, prefix):
         if action.help != argparse.SUPPRESS:
             action.help = f"{action.help or ''} [env {var}]".lstrip()
-    return parser
 
 
 class _FromEnv:
@@ -217,14 +230,16 @@ class _FromEnv:
         return f"${self.var}"
 
 
-def _env_actions(parser: argparse.ArgumentParser) -> list[tuple[argparse.Action, str]]:
+def _env_actions(
+    parser: argparse.ArgumentParser, prefix: str = ENV_PREFIX
+) -> list[tuple[argparse.Action, str]]:
     found: list[tuple[argparse.Action, str]] = []
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction | argparse._VersionAction):
             continue
         longs = [o for o in action.option_strings if o.startswith("--")]
         if longs:
-            found.append((action, env_var_for(longs[0])))
+            found.append((action, env_var_for(longs[0], prefix)))
     return found
 
 
@@ -263,15 +278,19 @@ def _from_env(
     return values if action.nargs in ("*", "+") or isinstance(action.nargs, int) else values[0]
 
 
-def _parse_with_env(
-    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
+def parse_with_env(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    prefix: str = ENV_PREFIX,
 ) -> argparse.Namespace:
+    """Parse ``argv``; a flag no argument set takes its ``<prefix>FLAG_NAME`` variable."""
     # Destinations backed by a set variable get a marker default and lose `required`, so
     # argparse itself tells us (marker still there) which ones no flag has set.
     pending: dict[str, list[tuple[argparse.Action, str, str]]] = {}
     originals: dict[str, Any] = {}
     markers: dict[str, object] = {}
-    for action, var in _env_actions(parser):
+    for action, var in _env_actions(parser, prefix):
         raw = environ.get(var)
         if raw is not None:
             pending.setdefault(action.dest, []).append((action, var, raw))
@@ -306,7 +325,7 @@ def parse_config(
     """Flags and environment -> the validated common config, and the namespace (for the
     engine's own flags). Usage errors exit 2 through argparse; nothing here does I/O."""
     parser = build_parser(spec, prog=prog)
-    ns = _parse_with_env(parser, argv, environ)
+    ns = parse_with_env(parser, argv, environ)
     endpoint: Endpoint | None = ns.grpc_endpoint
     if endpoint is None and spec.endpoint_when_unset is not None:
         try:
@@ -351,12 +370,14 @@ def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sidecar",
-        usage="sidecar {%s} [flags...]" % ",".join(ENGINES),  # noqa: UP031
+        usage="sidecar {%s} [flags...]" % ",".join((*ENGINES, FRONTEND)),  # noqa: UP031
         description="gRPC sidecar between an LLM serving frontend and an inference engine.",
         epilog="Run `sidecar ENGINE --help` for the flags of one engine.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    parser.add_argument("engine", choices=tuple(ENGINES), help="the inference engine to serve")
+    parser.add_argument(
+        "engine", choices=(*ENGINES, FRONTEND), help="the inference engine to serve, or the HTTP frontend"
+    )
     return parser
 
 
@@ -378,6 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args(args[:1])
         top.error("an engine name is required")
     name = args[0]
+    if name == FRONTEND:
+        # Imported on demand, like an engine: the frontend pulls in aiohttp's server.
+        from sidecar_frontend.__main__ import main as frontend_main
+
+        return frontend_main(args[1:], prog="sidecar frontend")
     if name not in ENGINES:
         top.error(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
     try:
@@ -385,3 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as err:
         top.exit(2, f"sidecar: engine {name!r} is not available: {err}\n")
     return run_engine(spec, args[1:], prog=f"sidecar {name}")
+
+
+# Flag types the frontend's command line shares.
+positive_int_arg = _positive_int
+seconds_arg = _seconds
+port_arg = _port

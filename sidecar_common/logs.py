@@ -22,7 +22,14 @@ LogFormat = Literal["json", "console"]
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 
 # Loggers that follow --log-level; everything else stays at WARNING or above.
-OUR_LOGGERS: Final = ("sidecar_common", "sidecar_vllm", "sidecar_sglang", "testkit", "sidecar")
+OUR_LOGGERS: Final = (
+    "sidecar_common",
+    "sidecar_vllm",
+    "sidecar_sglang",
+    "sidecar_frontend",
+    "testkit",
+    "sidecar",
+)
 
 _HANDLER_NAME: Final = "sidecar-logs"
 

@@ -1,0 +1,23 @@
+"""``sidecar-frontend`` (also ``sidecar frontend`` and ``python -m sidecar_frontend``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from sidecar_frontend.cli import parse_config
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    config = parse_config(sys.argv[1:] if argv is None else argv, os.environ, prog=prog)
+    # Imported late: --help and usage errors need neither aiohttp's server nor grpc.
+    from sidecar_frontend.server import run
+
+    return run(config)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The frontend's command line: flags, their ``SIDECAR_FRONTEND_*`` mirrors, the config.
+
+Same conventions as the sidecars (sidecar_common/cli.py): a flag beats its variable, a
+variable beats the default, a bad value is a usage error (exit 2) naming the flag or the
+variable, and nothing here does network I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from sidecar_common.cli import (
+    annotate_env_help,
+    parse_listen,
+    parse_with_env,
+    port_arg,
+    positive_int_arg,
+    seconds_arg,
+)
+from sidecar_common.endpoint import EndpointError, parse_endpoint
+from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
+from sidecar_common.version import package_version
+from sidecar_frontend.handler import DEFAULT_MAX_BODY_BYTES, HandlerConfig
+from sidecar_frontend.workers import WorkerSetConfig
+
+__all__ = ["ENV_PREFIX", "FORMATS", "FrontendConfig", "build_parser", "parse_config"]
+
+ENV_PREFIX: Final = "SIDECAR_FRONTEND_"
+
+# Format name -> module defining ``FORMAT``, imported when chosen.
+FORMATS: Final[Mapping[str, str]] = {
+    "sglang": "sidecar_frontend.formats.sglang",
+    "vllm": "sidecar_frontend.formats.vllm",
+}
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    listen: str
+    workers: tuple[str, ...]
+    formats: tuple[str, ...]
+    handler: HandlerConfig
+    worker_set: WorkerSetConfig
+    metrics_port: int | None
+    drain_timeout: float
+    log_format: LogFormat
+    log_level: str
+
+
+def _workers(text: str) -> tuple[str, ...]:
+    """One address, or several separated by commas or spaces (handy in the variable)."""
+    targets = []
+    for word in text.replace(",", " ").split():
+        try:
+            targets.append(parse_endpoint(word).target)
+        except EndpointError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    if not targets:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return tuple(targets)
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(FORMATS)}, got {text!r}"
+        )
+    return names
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or "sidecar-frontend",
+        description=(
+            "HTTP frontend serving SGLang's /generate and vLLM's /inference/v1/generate "
+            "(token in, token out) over sidecars reached by gRPC. Every --flag-name may also be "
+            f"set as {ENV_PREFIX}FLAG_NAME; the flag wins."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    serve = parser.add_argument_group("serving")
+    serve.add_argument(
+        "--listen", type=parse_listen, default="0.0.0.0:8000", metavar="HOST:PORT", help="HTTP listen address"
+    )
+    serve.add_argument(
+        "--format",
+        dest="formats",
+        type=_formats,
+        default=tuple(FORMATS),
+        metavar="NAMES",
+        help="the HTTP formats to serve, comma-separated (sglang, vllm)",
+    )
+    serve.add_argument(
+        "--sglang-incremental-streaming-output",
+        action="store_true",
+        help="SGLang streams send only the new tokens (as SGLang's server flag of that name); "
+        "without it every event repeats the output so far",
+    )
+    serve.add_argument(
+        "--request-timeout-secs",
+        type=seconds_arg(allow_zero=True),
+        default=3600.0,
+        metavar="SECS",
+        help="a generation still running after this long is ended (0: no limit)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=positive_int_arg,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="larger request bodies are refused (413)",
+    )
+    serve.add_argument(
+        "--drain-timeout-secs",
+        type=seconds_arg(allow_zero=True),
+        default=30.0,
+        metavar="SECS",
+        help="on SIGTERM, how long in-flight requests may finish before they are ended",
+    )
+    workers = parser.add_argument_group("workers")
+    workers.add_argument(
+        "--worker",
+        dest="workers",
+        type=_workers,
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="a sidecar's gRPC address; repeatable, or a comma-separated list",
+    )
+    workers.add_argument(
+        "--worker-connections",
+        type=positive_int_arg,
+        default=2,
+        metavar="N",
+        help="gRPC connections to each worker",
+    )
+    ops = parser.add_argument_group("operations")
+    ops.add_argument(
+        "--metrics-port",
+        type=port_arg,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (off when unset)",
+    )
+    ops.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        default=None,
+        help="json lines, or human-readable; default: console on a terminal, else json",
+    )
+    ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
+    annotate_env_help(parser, ENV_PREFIX)
+    return parser
+
+
+def parse_config(
+    argv: Sequence[str], environ: Mapping[str, str], *, prog: str | None = None
+) -> FrontendConfig:
+    parser = build_parser(prog)
+    ns = parse_with_env(parser, argv, environ, ENV_PREFIX)
+    workers = [target for group in ns.workers or () for target in group]
+    if not workers:
+        parser.error(f"at least one --worker (or {ENV_PREFIX}WORKER) is required")
+    timeout: float = ns.request_timeout_secs
+    return FrontendConfig(
+        listen=ns.listen,
+        workers=tuple(dict.fromkeys(workers)),
+        formats=ns.formats,
+        handler=HandlerConfig(
+            request_timeout=timeout if timeout > 0 else None,
+            max_body_bytes=ns.max_body_bytes,
+            sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
+        ),
+        worker_set=WorkerSetConfig(connections=ns.worker_connections),
+        metrics_port=ns.metrics_port,
+        drain_timeout=ns.drain_timeout_secs,
+        log_format=ns.log_format or default_log_format(),
+        log_level=ns.log_level,
+    )

@@ -1,0 +1,491 @@
+"""The one HTTP handler, whatever the format: routing, cancellation, delivery, metrics.
+
+Formats are pure plugins (``formats/base.py``); this module does their I/O. For a generate
+route it parses with the plugin, runs every sub-request on a worker concurrently (one task
+group per HTTP request), feeds each ``LLMEngineOutput`` to the plugin's encoder and writes
+what it returns (SSE: chunked, one write per event; unary: the encoder's reply at the end).
+
+Cancellation, owned here:
+- the client goes away: aiohttp cancels the handler; the task group cancels each gRPC call,
+  and the sidecar aborts the engine request (exactly once: that is the sidecar's rule);
+- ``request_timeout``: the same cancellation, then ``encoder.on_failure(DEADLINE)`` for each
+  sub-request still running;
+- abort by id: every sub-request in flight under that public id (whichever client and
+  worker) has its call cancelled, then ``encoder.on_failure(CANCELLED)``. Cancelling the call
+  is enough: the sidecar aborts on cancel, so no ``Abort`` RPC is sent.
+
+A worker failure is given to :func:`attempts.next_attempt`, which decides whether the
+sub-request runs again (today: once, on another worker, when nothing was delivered yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import grpc
+import structlog
+from aiohttp import web
+from anyio.abc import TaskGroup
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_frontend.attempts import Attempt, Progress, failure_from_rpc_error, next_attempt
+from sidecar_frontend.formats.base import (
+    SSE_CONTENT_TYPE,
+    AbortCall,
+    Encoder,
+    Format,
+    FormatContext,
+    GenerateCall,
+    HttpReply,
+    Route,
+    RouteKind,
+    WorkerFailure,
+)
+from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.workers import Worker, WorkerSet
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
+
+DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+# A gRPC deadline a little past our own: only a backstop, our deadline speaks first.
+_GRPC_DEADLINE_SLACK: Final = 5.0
+
+log = structlog.get_logger("sidecar_frontend.handler")
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    request_timeout: float | None = 3600.0  # None: no deadline
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    sglang_incremental_streaming_output: bool = False
+
+
+@dataclass(eq=False)
+class _SubCall:
+    """One sub-request in flight: what abort by id reaches."""
+
+    public_id: str
+    exchange: _Exchange
+    index: int
+    scope: anyio.CancelScope | None = None
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+class Frontend:
+    """The handler's state: formats, workers, the abort registry, in-flight exchanges."""
+
+    def __init__(
+        self,
+        formats: Sequence[Format],
+        workers: WorkerSet,
+        config: HandlerConfig | None = None,
+        *,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        new_id: Callable[[], str] = _new_id,
+    ) -> None:
+        if not formats:
+            raise ValueError("at least one format is needed")
+        self.formats = tuple(formats)
+        self.workers = workers
+        self.config = config if config is not None else HandlerConfig()
+        self.metrics = metrics
+        self.clock = clock
+        self.new_id = new_id
+        self._by_id: dict[str, set[_SubCall]] = {}
+        self._exchanges: set[_Exchange] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---------------------------------------------------------------- the app
+
+    def build_app(self) -> web.Application:
+        """One route per (method, path); the first format to declare one owns it."""
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        taken: dict[tuple[str, str], str] = {}
+        paths: dict[str, Format] = {}
+        for fmt in self.formats:
+            for route in fmt.routes:
+                for method in route.methods:
+                    key = (method.upper(), route.path)
+                    if key in taken:
+                        continue
+                    taken[key] = fmt.name
+                    app.router.add_route(key[0], route.path, self._endpoint(fmt, route))
+                paths.setdefault(route.path, fmt)
+        for path, fmt in paths.items():
+            # Registered last, so it only answers the methods no format declared.
+            app.router.add_route("*", path, self._wrong_method(fmt))
+        return app
+
+    @property
+    def inflight(self) -> int:
+        """HTTP generate requests being served."""
+        return len(self._exchanges)
+
+    def inflight_ids(self) -> frozenset[str]:
+        return frozenset(self._by_id)
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def stop_all(self, failure: WorkerFailure) -> None:
+        """End every exchange now, reporting ``failure`` for what was still running."""
+        for exchange in list(self._exchanges):
+            exchange.stop(failure, "shutdown")
+
+    def abort(self, call: AbortCall) -> int:
+        """Cancel every sub-request in flight under the ids ``call`` names; how many."""
+        if call.all_requests:
+            targets = [sub for subs in self._by_id.values() for sub in subs]
+        else:
+            targets = [sub for rid in call.request_ids for sub in self._by_id.get(rid, ())]
+        for sub in targets:
+            sub.abort()
+        return len(targets)
+
+    def context(self) -> FormatContext:
+        return FormatContext(
+            wall_time=time.time(),
+            model_info=self.workers.model or sidecar_pb2.ModelInfo(),
+            new_id=self.new_id,
+            sglang_incremental_streaming_output=self.config.sglang_incremental_streaming_output,
+            inflight_ids=self.inflight_ids(),
+        )
+
+    # ---------------------------------------------------------------- endpoints
+
+    def _endpoint(self, fmt: Format, route: Route) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                if route.kind is RouteKind.INFO:
+                    return self._info(fmt, route)
+                body = await _read_body(request)
+                if body is None:
+                    limit = self.config.max_body_bytes
+                    return _response(fmt.error_reply(413, f"request body larger than {limit} bytes"))
+                if route.kind is RouteKind.ABORT:
+                    return self._abort(fmt, route, body, request.headers)
+                return await self._generate(fmt, route, body, request)
+            except (asyncio.CancelledError, ConnectionError):
+                raise
+            except Exception:
+                log.exception("handler failed", format=fmt.name, path=route.path)
+                return _response(fmt.error_reply(500, "internal error in the frontend"))
+
+        return handle
+
+    def _wrong_method(self, fmt: Format) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return _response(fmt.error_reply(405, f"method {request.method} is not allowed"))
+
+        return handle
+
+    def _info(self, fmt: Format, route: Route) -> web.StreamResponse:
+        # Nothing about the model is known before a worker serves it.
+        if self.workers.model is None or not self.workers.serving():
+            return _response(fmt.error_reply(503, "no worker is serving"))
+        return _response(fmt.info(route, self.context()))
+
+    def _abort(self, fmt: Format, route: Route, body: bytes, headers: Mapping[str, str]) -> web.Response:
+        parsed = fmt.parse_abort(route, body, headers)
+        if isinstance(parsed, HttpReply):
+            return _response(parsed)
+        count = self.abort(parsed)
+        log.info(
+            "abort", format=fmt.name, ids=list(parsed.request_ids), all=parsed.all_requests, aborted=count
+        )
+        return _response(fmt.abort_reply(route, parsed, count))
+
+    async def _generate(
+        self, fmt: Format, route: Route, body: bytes, request: web.Request
+    ) -> web.StreamResponse:
+        started_at = self.clock()
+        parsed = fmt.parse_generate(route, body, request.headers, self.context())
+        if isinstance(parsed, HttpReply):
+            self._record(fmt, "invalid", started_at, status=parsed.status)
+            return _response(parsed)
+        if not self.workers.serving():
+            self._record(fmt, "unavailable", started_at, status=503)
+            return _response(fmt.error_reply(503, "no worker is serving"))
+        exchange = _Exchange(self, fmt, parsed, fmt.new_encoder(parsed, started_at), started_at)
+        self._exchanges.add(exchange)
+        self._idle.clear()
+        try:
+            return await exchange.serve(request)
+        finally:
+            self._exchanges.discard(exchange)
+            if not self._exchanges:
+                self._idle.set()
+
+    def _record(self, fmt: Format, outcome: str, started_at: float, *, status: int) -> None:
+        duration = self.clock() - started_at
+        if self.metrics is not None:
+            self.metrics.request(
+                fmt.name, outcome, prompt_tokens=0, completion_tokens=0, ttft=None, duration=duration
+            )
+        log.info("request", format=fmt.name, outcome=outcome, status=status, duration_ms=_ms(duration))
+
+    # ---------------------------------------------------------------- registry
+
+    def _register(self, sub: _SubCall) -> None:
+        self._by_id.setdefault(sub.public_id, set()).add(sub)
+
+    def _unregister(self, sub: _SubCall) -> None:
+        subs = self._by_id.get(sub.public_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._by_id[sub.public_id]
+
+    def _lease_changed(self, worker: Worker) -> None:
+        if self.metrics is not None:
+            self.metrics.set_worker_inflight(worker.address, worker.inflight)
+
+
+@dataclass(eq=False)
+class _Exchange:
+    """One HTTP generate request: its sub-requests, its encoder, its response."""
+
+    frontend: Frontend
+    fmt: Format
+    call: GenerateCall
+    encoder: Encoder
+    started_at: float
+    response: web.StreamResponse | None = None
+    ended: list[bool] = field(default_factory=list)
+    progress: list[Progress] = field(default_factory=list)
+    workers_used: list[str] = field(default_factory=list)
+    retries: int = 0
+    first_output_at: float | None = None
+    outcome: str = "ok"
+    client_gone: bool = False
+    _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    _stop_failure: WorkerFailure | None = None
+    _write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _group: TaskGroup | None = None
+
+    def stop(self, failure: WorkerFailure, outcome: str) -> None:
+        """End the exchange: cancel what runs, report ``failure`` for it."""
+        if self._stop_failure is None:
+            self._stop_failure = failure
+            self.outcome = outcome
+        self._scope.cancel()
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        call = self.call
+        count = len(call.requests)
+        self.ended = [False] * count
+        self.progress = [Progress() for _ in range(count)]
+        status = 200
+        try:
+            if call.stream:
+                response = web.StreamResponse(
+                    status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
+                )
+                for name, value in call.headers:
+                    response.headers[name] = value
+                response.enable_chunked_encoding()
+                await response.prepare(request)
+                self.response = response
+            await self._run_all()
+            if call.stream:
+                assert self.response is not None
+                if not self.client_gone:
+                    await self._write(self.encoder.close())
+                    await self.response.write_eof()
+                return self.response
+            reply = self.encoder.reply()
+            status = reply.status
+            return _response(reply, call.headers)
+        except (asyncio.CancelledError, ConnectionError):
+            self.client_gone = True
+            self.outcome = "disconnected"
+            raise
+        finally:
+            self._log(status)
+
+    async def _run_all(self) -> None:
+        timeout = self.frontend.config.request_timeout
+        with self._scope:
+            if timeout is not None:
+                self._scope.deadline = anyio.current_time() + timeout
+            async with anyio.create_task_group() as group:
+                self._group = group
+                for index, sub_request in enumerate(self.call.requests):
+                    group.start_soon(self._run_one, index, sub_request)
+        if self._scope.cancelled_caught and not self.client_gone:
+            failure = self._stop_failure
+            if failure is None:
+                failure = WorkerFailure("DEADLINE", f"request timed out after {timeout:g}s")
+                self.outcome = "timeout"
+            for index, ended in enumerate(self.ended):
+                if not ended and not self.encoder.aborted:
+                    self.ended[index] = True
+                    await self._write(self.encoder.on_failure(index, failure, self.frontend.clock()))
+
+    async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
+        frontend = self.frontend
+        sub = _SubCall(request.request_id, self, index)
+        frontend._register(sub)
+        progress = self.progress[index]
+        tried: list[str] = []
+        attempt: Attempt | None = Attempt(request)
+        failure: WorkerFailure | None = None
+        try:
+            while attempt is not None:
+                if sub.aborted:
+                    failure = WorkerFailure("CANCELLED", "aborted by request id")
+                    break
+                worker = frontend.workers.pick(exclude=attempt.exclude)
+                if worker is None:
+                    failure = failure or WorkerFailure("NO_WORKER", "no worker is serving")
+                    break
+                tried.append(worker.address)
+                self.workers_used.append(worker.address)
+                failure = await self._stream(worker, attempt.request, index, progress, sub)
+                if failure is None:
+                    break
+                attempt = next_attempt(request, progress, failure, tried)
+                if attempt is not None:
+                    self.retries += 1
+                    if frontend.metrics is not None:
+                        frontend.metrics.retried(self.fmt.name)
+                    log.info(
+                        "retrying on another worker",
+                        request_id=request.request_id,
+                        worker=worker.address,
+                        reason=failure.reason,
+                        error=failure.message,
+                    )
+        finally:
+            frontend._unregister(sub)
+        self.ended[index] = True
+        if failure is not None:
+            if failure.reason == "CANCELLED" and sub.aborted and self.outcome == "ok":
+                self.outcome = "aborted"
+            elif self.outcome == "ok":
+                self.outcome = "unavailable" if failure.reason == "NO_WORKER" else "error"
+            if not self.encoder.aborted:
+                await self._write(self.encoder.on_failure(index, failure, frontend.clock()))
+            if self.encoder.aborted and self._group is not None:
+                self._group.cancel_scope.cancel()
+
+    async def _stream(
+        self,
+        worker: Worker,
+        request: sidecar_pb2.PreprocessedRequest,
+        index: int,
+        progress: Progress,
+        sub: _SubCall,
+    ) -> WorkerFailure | None:
+        """One attempt on one worker; None when every choice's terminal arrived."""
+        frontend = self.frontend
+        clock = frontend.clock
+        encoder = self.encoder
+        timeout = frontend.config.request_timeout
+        grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
+        with anyio.CancelScope() as scope, worker.lease(frontend._lease_changed):
+            sub.scope = scope
+            call = worker.stub().Generate(request, timeout=grpc_timeout)
+            try:
+                async for output in call:
+                    progress.observe(output)
+                    now = clock()
+                    if self.first_output_at is None:
+                        self.first_output_at = now
+                    data = encoder.on_output(index, output, now)
+                    if data:
+                        await self._write(data)
+            except grpc.RpcError as err:
+                return failure_from_rpc_error(err)
+            finally:
+                # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
+                call.cancel()
+                sub.scope = None
+        if scope.cancelled_caught:
+            return WorkerFailure("CANCELLED", "aborted by request id")
+        choices = request.sampling_options.n if request.sampling_options.HasField("n") else 1
+        if len(progress.finished) < max(choices, 1):
+            return WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
+        return None
+
+    async def _write(self, data: bytes) -> None:
+        if not data or self.response is None or self.client_gone:
+            return
+        try:
+            async with self._write_lock:
+                await self.response.write(data)
+        except ConnectionError:
+            # The client is gone: stop every sub-request (their calls are cancelled).
+            self.client_gone = True
+            self.outcome = "disconnected"
+            self._scope.cancel()
+
+    def _log(self, status: int) -> None:
+        frontend = self.frontend
+        duration = frontend.clock() - self.started_at
+        prompt = sum(len(r.token_ids) for r in self.call.requests)
+        completion = sum(p.completion_tokens() for p in self.progress)
+        ttft = None if self.first_output_at is None else self.first_output_at - self.started_at
+        if frontend.metrics is not None:
+            frontend.metrics.request(
+                self.fmt.name,
+                self.outcome,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                ttft=ttft,
+                duration=duration,
+            )
+        ids = sorted({r.request_id for r in self.call.requests})
+        log.info(
+            "request",
+            format=self.fmt.name,
+            request_id=ids[0] if len(ids) == 1 else ids,
+            stream=self.call.stream,
+            sub_requests=len(self.call.requests),
+            outcome=self.outcome,
+            status=status,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            ttft_ms=None if ttft is None else _ms(ttft),
+            duration_ms=_ms(duration),
+            workers=sorted(set(self.workers_used)),
+            retries=self.retries,
+        )
+
+
+async def _read_body(request: web.Request) -> bytes | None:
+    """The body, or None when it is larger than the app's ``client_max_size``."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return None
+
+
+def _response(reply: HttpReply, extra: tuple[tuple[str, str], ...] = ()) -> web.Response:
+    response = web.Response(status=reply.status, body=reply.body)
+    if reply.body or reply.content_type:
+        response.headers["Content-Type"] = reply.content_type
+    for name, value in (*reply.headers, *extra):
+        response.headers[name] = value
+    return response
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)

@@ -1,0 +1,177 @@
+"""The frontend process: start, serve, drain on a signal, exit.
+
+Start-up: logging -> formats -> the worker set (each ``--worker`` added; they connect in the
+background, and a request that arrives before one serves gets 503) -> metrics endpoint ->
+HTTP listener -> the ``serving`` log line (with the bound port). A listener that cannot bind
+is one log line and exit 1.
+
+The first SIGTERM/SIGINT stops accepting connections at once, lets in-flight requests finish
+within ``--drain-timeout-secs``, then ends what is left (each running sub-request is cancelled,
+so its sidecar aborts it; the client gets the format's error for ENGINE_SHUTDOWN). A second
+signal skips the wait. Exit 0: it stopped as asked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import signal
+from collections.abc import AsyncIterator, Sequence
+from typing import Final
+
+import anyio
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sidecar_common.logs import configure_logging
+from sidecar_common.version import package_version
+from sidecar_frontend.cli import FORMATS, FrontendConfig
+from sidecar_frontend.formats.base import Format, WorkerFailure
+from sidecar_frontend.handler import Frontend
+from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.workers import Worker, WorkerSet
+
+__all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "load_formats", "run", "split_listen"]
+
+EXIT_OK: Final = 0
+EXIT_STARTUP_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+# After the drain, how long the cancelled requests get to write their last bytes.
+_STOP_GRACE: Final = 5.0
+
+log = structlog.get_logger("sidecar_frontend.server")
+
+
+def load_formats(names: Sequence[str]) -> list[Format]:
+    formats: list[Format] = []
+    for name in names:
+        module = importlib.import_module(FORMATS[name])
+        formats.append(module.FORMAT)
+    return formats
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def _metrics_runner(metrics: Metrics, port: int) -> web.AppRunner:
+    async def scrape(_: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", scrape)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+async def serve(config: FrontendConfig) -> int:
+    configure_logging(config.log_format, config.log_level)
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        return await _serve(config, signals)
+
+
+async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals]) -> int:
+    try:
+        formats = load_formats(config.formats)
+    except (ImportError, AttributeError) as err:
+        log.error("format not available", formats=list(config.formats), error=str(err))
+        return EXIT_STARTUP_FAILED
+    metrics = Metrics()
+
+    def on_inflight(worker: Worker) -> None:
+        metrics.set_worker_inflight(worker.address, worker.inflight)
+
+    log.info(
+        "starting",
+        version=package_version(),
+        listen=config.listen,
+        workers=list(config.workers),
+        formats=list(config.formats),
+        request_timeout_secs=config.handler.request_timeout,
+        drain_timeout_secs=config.drain_timeout,
+        metrics_port=config.metrics_port,
+        sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
+    )
+    async with WorkerSet(config.worker_set, on_inflight=on_inflight) as workers:
+        for address in config.workers:
+            workers.add_worker(address)
+        frontend = Frontend(formats, workers, config.handler, metrics=metrics)
+        runner = web.AppRunner(
+            frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
+        )
+        await runner.setup()
+        metrics_runner: web.AppRunner | None = None
+        try:
+            host, port = split_listen(config.listen)
+            site = web.TCPSite(runner, host, port)
+            try:
+                if config.metrics_port is not None:
+                    metrics_runner = await _metrics_runner(metrics, config.metrics_port)
+                await site.start()
+            except OSError as err:
+                log.error("start-up failed", error=f"cannot listen: {err}")
+                return EXIT_STARTUP_FAILED
+            bound = _bound_port(runner, port)
+            log.info("serving", port=bound, formats=list(config.formats))
+            code = await _until_stopped(frontend, site, config.drain_timeout, signals)
+        finally:
+            await runner.cleanup()
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
+    log.info("stopped")
+    return code
+
+
+def _bound_port(runner: web.AppRunner, asked: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return asked
+
+
+async def _until_stopped(
+    frontend: Frontend, site: web.TCPSite, drain_timeout: float, signals: AsyncIterator[signal.Signals]
+) -> int:
+    first = await signals.__anext__()
+    log.info("stop requested", signal=first.name, inflight=frontend.inflight)
+    await site.stop()  # no new connections
+    async with anyio.create_task_group() as group:
+
+        async def second_signal() -> None:
+            async for signum in signals:
+                log.warning("second stop signal: ending in-flight requests now", signal=signum.name)
+                group.cancel_scope.cancel()
+
+        group.start_soon(second_signal)
+        with anyio.move_on_after(drain_timeout) as drain:
+            await frontend.wait_idle()
+        if drain.cancelled_caught:
+            log.warning(
+                "drain did not finish in time", timeout_secs=drain_timeout, inflight=frontend.inflight
+            )
+        group.cancel_scope.cancel()
+    frontend.stop_all(WorkerFailure("ENGINE_SHUTDOWN", "the frontend is shutting down"))
+    with anyio.move_on_after(_STOP_GRACE):
+        await frontend.wait_idle()
+    return EXIT_OK
+
+
+def run(config: FrontendConfig) -> int:
+    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
+    options: dict[str, object] = {}
+    try:
+        import uvloop
+
+        options["loop_factory"] = uvloop.new_event_loop
+    except ImportError:
+        pass
+    try:
+        return anyio.run(serve, config, backend="asyncio", backend_options=options)
+    except KeyboardInterrupt:
+        return EXIT_OK

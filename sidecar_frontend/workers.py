@@ -1,0 +1,333 @@
+"""The worker set: the sidecars this frontend sends generations to.
+
+One :class:`Worker` per sidecar address: its own channel pool, a ``grpc.health.v1`` Watch on
+``sidecar.v1.Worker`` (a worker is eligible only while that says SERVING), its model checked
+against the set's (the first worker to answer ``GetModelInfo`` fixes the model; a worker that
+serves another one is refused with one log line), and its ``GetLoad`` polled on a bounded
+interval. Choice is the power of two choices over a load score (see :meth:`Worker.score`).
+
+The set is also the sink of worker discovery: ``add_worker`` / ``drain_worker`` /
+``addresses`` are all a discovery source (static ``--worker`` flags, etcd, DNS) needs.
+Every per-worker task lives in the set's task group: ``async with WorkerSet(...)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import anyio
+import grpc
+import structlog
+from anyio.abc import TaskGroup
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.errors import SidecarError
+from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, RetryPolicy
+from sidecar_common.rpc import StubCache, bounded_call
+
+__all__ = ["HEALTH_SERVICE", "Role", "Worker", "WorkerSet", "WorkerSetConfig", "WorkerState"]
+
+HEALTH_SERVICE: Final = "sidecar.v1.Worker"
+
+Role = Literal["agg", "prefill", "decode"]
+ROLES: Final = ("agg", "prefill", "decode")
+
+log = structlog.get_logger("sidecar_frontend.workers")
+
+
+@dataclass(frozen=True)
+class WorkerSetConfig:
+    connections: int = 2  # gRPC channels (TCP connections) per sidecar
+    rpc_timeout: float = 5.0  # GetModelInfo, GetLoad, Abort
+    load_poll_interval: float = 1.0
+    # One connection round; an unreachable worker is retried round after round until drained.
+    connect_round_secs: float = 30.0
+    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(attempt_timeout=5.0, max_interval=1.0))
+    # Pause before watching health again after the Watch stream broke.
+    rewatch_interval: float = 0.2
+
+
+class WorkerState(enum.Enum):
+    CONNECTING = "connecting"
+    NOT_SERVING = "not_serving"
+    SERVING = "serving"
+    REFUSED = "refused"  # serves another model
+    DRAINING = "draining"
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    role: Role
+    pool: ChannelPool
+    stubs: StubCache[Any]
+    state: WorkerState = WorkerState.CONNECTING
+    model: sidecar_pb2.ModelInfo | None = None
+    # The frontend's own generations on this worker (exact, updated per call).
+    inflight: int = 0
+    # The worker's last GetLoad (every frontend's generations) and our own count at that time.
+    reported_inflight: int = 0
+    own_at_report: int = 0
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    idle: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def eligible(self) -> bool:
+        return self.state is WorkerState.SERVING
+
+    def score(self) -> int:
+        """Our exact in-flight count plus what other frontends had there at the last poll
+        (the report includes ours as they were then, so those are taken off)."""
+        others = max(0, self.reported_inflight - self.own_at_report)
+        return self.inflight + others
+
+    def stub(self) -> Any:
+        """A ``sidecar.v1.Worker`` stub on the pool's next channel."""
+        return self.stubs.next()
+
+    @contextmanager
+    def lease(self, on_change: Callable[[Worker], None] | None = None) -> Iterator[None]:
+        """Counts one generation as in flight on this worker for the ``with`` block."""
+        if self.inflight == 0:
+            self.idle = anyio.Event()
+        self.inflight += 1
+        if on_change is not None:
+            on_change(self)
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if on_change is not None:
+                on_change(self)
+            if self.inflight == 0:
+                self.idle.set()
+
+
+class WorkerSet:
+    """``async with WorkerSet(config) as workers:`` owns every worker's tasks."""
+
+    def __init__(
+        self,
+        config: WorkerSetConfig | None = None,
+        *,
+        rand: random.Random | None = None,
+        on_inflight: Callable[[Worker], None] | None = None,
+    ) -> None:
+        self._config = config if config is not None else WorkerSetConfig()
+        self._rand = rand if rand is not None else random.Random()
+        self._on_inflight = on_inflight
+        self._workers: dict[str, Worker] = {}
+        self._model: sidecar_pb2.ModelInfo | None = None
+        self._group: TaskGroup | None = None
+        self._stack: AsyncExitStack | None = None
+        self._changed = anyio.Event()
+
+    async def __aenter__(self) -> WorkerSet:
+        stack = AsyncExitStack()
+        self._group = await stack.enter_async_context(anyio.create_task_group())
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        group, stack = self._group, self._stack
+        self._group = self._stack = None
+        if group is not None:
+            group.cancel_scope.cancel()
+        if stack is not None:
+            await stack.aclose()
+        for worker in list(self._workers.values()):
+            await worker.pool.close()
+        self._workers.clear()
+
+    # ---------------------------------------------------------------- the discovery sink
+
+    def add_worker(self, address: str, role: str = "agg") -> None:
+        """Start using the sidecar at ``address`` (host:port). Idempotent; a worker being
+        drained stays drained (it is forgotten once idle, and may be added again then)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if address in self._workers:
+            return
+        if self._group is None:
+            raise RuntimeError("WorkerSet is not running (use `async with`)")
+        endpoint = parse_endpoint(address)
+        pool = ChannelPool(
+            PoolConfig(endpoint, connections=self._config.connections, retry=self._config.retry)
+        )
+        worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))  # type: ignore[arg-type]
+        worker.idle.set()
+        self._workers[address] = worker
+        self._group.start_soon(self._run, worker)
+        log.info("worker added", worker=address, role=role)
+
+    def drain_worker(self, address: str) -> None:
+        """No new generations on ``address``; those in flight finish; then its channels are
+        closed and it is forgotten."""
+        worker = self._workers.get(address)
+        if worker is None or worker.state is WorkerState.DRAINING or self._group is None:
+            return
+        worker.state = WorkerState.DRAINING
+        self._group.start_soon(self._forget_when_idle, worker)
+        log.info("worker draining", worker=address, inflight=worker.inflight)
+        self._notify()
+
+    def addresses(self) -> frozenset[str]:
+        return frozenset(self._workers)
+
+    # ---------------------------------------------------------------- choice
+
+    @property
+    def model(self) -> sidecar_pb2.ModelInfo | None:
+        """What the workers serve (None until the first one answered GetModelInfo)."""
+        return self._model
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def serving(self, role: str = "agg") -> list[Worker]:
+        return [w for w in self._workers.values() if w.eligible and w.role == role]
+
+    def get(self, address: str) -> Worker | None:
+        return self._workers.get(address)
+
+    def pick(self, role: str = "agg", exclude: frozenset[str] = frozenset()) -> Worker | None:
+        """The less loaded of two serving workers drawn at random (power of two choices);
+        never one that is not SERVING, never one in ``exclude``."""
+        candidates = [w for w in self._workers.values() if w.eligible and w.role == role]
+        if exclude:
+            candidates = [w for w in candidates if w.address not in exclude]
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        first, second = self._rand.sample(candidates, 2)
+        return second if second.score() < first.score() else first
+
+    async def wait_serving(self, count: int = 1, role: str = "agg") -> None:
+        """Until at least ``count`` workers of ``role`` are SERVING (callers bound it)."""
+        while len(self.serving(role)) < count:
+            await self._changed.wait()
+
+    # ---------------------------------------------------------------- per-worker tasks
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+
+    def _set_state(self, worker: Worker, state: WorkerState) -> None:
+        if worker.state in (WorkerState.DRAINING, WorkerState.REFUSED) or worker.state is state:
+            return
+        log.info("worker state", worker=worker.address, state=state.value, was=worker.state.value)
+        worker.state = state
+        self._notify()
+
+    async def _run(self, worker: Worker) -> None:
+        with worker.scope:
+            await self._connect(worker)
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._poll_load, worker)
+                await self._watch_health(worker, group)
+
+    async def _connect(self, worker: Worker) -> None:
+        round_secs = self._config.connect_round_secs
+        while True:
+            try:
+                await worker.pool.connect(Deadline.start(worker.pool.clock, round_secs))
+                return
+            except SidecarError as err:
+                log.warning("worker unreachable, retrying", worker=worker.address, error=err.message)
+
+    async def _watch_health(self, worker: Worker, group: TaskGroup) -> None:
+        request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
+        while worker.state is not WorkerState.REFUSED:
+            try:
+                stub = health_pb2_grpc.HealthStub(worker.pool.channel())
+                call = stub.Watch(request)
+                try:
+                    async for reply in _responses(call):
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            if await self._model_matches(worker):
+                                self._set_state(worker, WorkerState.SERVING)
+                            else:
+                                group.cancel_scope.cancel()
+                                return
+                        else:
+                            self._set_state(worker, WorkerState.NOT_SERVING)
+                finally:
+                    call.cancel()
+            except (grpc.RpcError, SidecarError) as err:
+                log.debug("health watch ended", worker=worker.address, error=repr(err))
+            # Checked again once it serves: a restarted worker may serve another model.
+            worker.model = None
+            self._set_state(worker, WorkerState.NOT_SERVING)
+            await anyio.sleep(self._config.rewatch_interval)
+
+    async def _model_matches(self, worker: Worker) -> bool:
+        """Fetch the worker's ModelInfo once; refuse it when it serves another model."""
+        model = worker.model
+        if model is None:
+            try:
+                fetched: sidecar_pb2.ModelInfo = await bounded_call(
+                    "GetModelInfo",
+                    self._config.rpc_timeout,
+                    lambda t: worker.stub().GetModelInfo(sidecar_pb2.GetModelInfoRequest(), timeout=t),
+                )
+            except SidecarError as err:
+                log.warning("worker model info failed", worker=worker.address, error=err.message)
+                return False
+            model = worker.model = fetched
+        if self._model is None:
+            self._model = model
+            log.info(
+                "model",
+                model=model.served_model_name,
+                engine=model.engine,
+                worker=worker.address,
+            )
+        if model.served_model_name != self._model.served_model_name:
+            worker.state = WorkerState.REFUSED
+            log.error(
+                "worker refused: it serves another model",
+                worker=worker.address,
+                serves=model.served_model_name,
+                expected=self._model.served_model_name,
+            )
+            self._notify()
+            return False
+        return True
+
+    async def _poll_load(self, worker: Worker) -> None:
+        while True:
+            own = worker.inflight
+            try:
+                report = await bounded_call(
+                    "GetLoad",
+                    self._config.rpc_timeout,
+                    lambda t: worker.stub().GetLoad(sidecar_pb2.GetLoadRequest(), timeout=t),
+                )
+                worker.reported_inflight = report.inflight_requests
+                worker.own_at_report = own
+            except SidecarError as err:
+                log.debug("worker load poll failed", worker=worker.address, error=err.message)
+            await anyio.sleep(self._config.load_poll_interval)
+
+    async def _forget_when_idle(self, worker: Worker) -> None:
+        while worker.inflight:
+            await worker.idle.wait()
+        worker.scope.cancel()
+        await worker.pool.close()
+        if self._workers.get(worker.address) is worker:
+            del self._workers[worker.address]
+        log.info("worker drained", worker=worker.address)
+        self._notify()
+
+
+async def _responses(call: Any) -> AsyncIterator[Any]:
+    # grpc.aio's stream calls are async iterables, but the stubs are not typed as such.
+    async for reply in call:
+        yield reply
