@@ -1,0 +1,167 @@
+"""A serving sidecar announces itself in etcd, and withdraws before it drains.
+
+Once the sidecar is SERVING, :func:`registered` keeps one key ``<prefix><address>`` (value:
+:func:`~sidecar_common.registration_record.encode_record`) attached to a lease it refreshes
+every third of the TTL. On a stop signal the daemon calls :meth:`Registration.withdraw`
+*before* the drain: the key is deleted first (frontends watching the prefix stop routing
+here), then the lease is revoked, and only then does the server refuse work. A sidecar that
+dies without withdrawing disappears when its lease expires.
+
+etcd is not on the request path: a sidecar that cannot reach it still serves gRPC, logs the
+failure and keeps trying (capped exponential backoff over the endpoints in turn). Every etcd
+call is bounded by ``call_timeout``; the withdrawal as a whole by :attr:`Registration.withdraw_bound`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import anyio
+import structlog
+
+from sidecar_common.registration_etcd import EtcdError, EtcdSession, backoff_delays, open_session
+from sidecar_common.registration_record import (
+    RegistrationConfig,
+    WorkerRecord,
+    encode_record,
+    record_key,
+)
+
+__all__ = ["Registration", "registered"]
+
+log = structlog.get_logger("sidecar_common.registration")
+
+_FIRST_RETRY_SECS = 0.2
+_MIN_REFRESH_SECS = 0.5
+
+
+class Registration:
+    """Keeps one worker key alive in etcd until :meth:`withdraw`. :meth:`run` is the task."""
+
+    def __init__(self, config: RegistrationConfig, record: WorkerRecord) -> None:
+        self._config = config
+        self.record = record
+        self.key = record_key(config.prefix, record.address)
+        self._value = encode_record(record)
+        self._stop = anyio.Event()
+        self._done = anyio.Event()
+        # Set by the first successful registration.
+        self.registered = anyio.Event()
+        self._lease: int | None = None
+        self._withdrawn = False
+
+    @property
+    def withdraw_bound(self) -> float:
+        """Longest :meth:`withdraw` waits: a delete and a revoke, plus a fresh connection."""
+        return 3 * self._config.call_timeout + 1.0
+
+    async def run(self) -> None:
+        """Register, keep the lease alive, re-register after any failure; until withdrawn."""
+        endpoints = self._config.endpoints
+        delays: Iterator[float] | None = None
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                endpoint = endpoints[attempt % len(endpoints)]
+                attempt += 1
+                try:
+                    async with open_session(endpoint, self._config.call_timeout) as session:
+                        await self._register(session)
+                        delays = None
+                        await self._keep_alive(session)
+                        return
+                except EtcdError as err:
+                    failure = str(err)
+                except Exception as err:  # a bug here must not take the serving sidecar down
+                    log.exception("etcd registration failed unexpectedly")
+                    failure = repr(err)
+                if delays is None:
+                    delays = backoff_delays(_FIRST_RETRY_SECS, self._config.retry_max_interval)
+                delay = next(delays)
+                log.warning(
+                    "etcd registration failed; still serving, will retry",
+                    error=failure,
+                    key=self.key.decode(),
+                    retry_in_secs=round(delay, 2),
+                )
+                with anyio.move_on_after(delay):
+                    await self._stop.wait()
+            # Stopped while not connected: the key may still be there from an earlier lease.
+            if self._lease is not None:
+                await self._withdraw_with_fresh_session()
+        finally:
+            self._done.set()
+
+    async def withdraw(self) -> None:
+        """Delete the key (first), revoke the lease, stop refreshing. Bounded; idempotent.
+        A failure is logged: the lease expiry removes the key in the end anyway."""
+        self._stop.set()
+        with anyio.move_on_after(self.withdraw_bound, shield=True) as scope:
+            await self._done.wait()
+        if scope.cancelled_caught:
+            log.warning("etcd withdrawal did not finish in time", key=self.key.decode())
+
+    async def _register(self, session: EtcdSession) -> None:
+        lease = await session.grant(self._config.lease_ttl)
+        self._lease = lease
+        await session.put(self.key, self._value, lease)
+        self.registered.set()
+        log.info(
+            "registered in etcd",
+            key=self.key.decode(),
+            etcd=session.endpoint,
+            lease_ttl_secs=self._config.lease_ttl,
+            role=self.record.role,
+        )
+
+    async def _keep_alive(self, session: EtcdSession) -> None:
+        assert self._lease is not None
+        interval = max(self._config.lease_ttl / 3, _MIN_REFRESH_SECS)
+        while True:
+            with anyio.move_on_after(interval):
+                await self._stop.wait()
+            if self._stop.is_set():
+                await self._delete(session)
+                return
+            ttl = await session.keepalive(self._lease)
+            if ttl <= 0:
+                # etcd was unreachable past the TTL, or lost its data: the key is gone.
+                raise EtcdError(f"etcd {session.endpoint}: lease expired; registering again")
+
+    async def _delete(self, session: EtcdSession) -> None:
+        lease, self._lease = self._lease, None
+        # Deleting the key is the step frontends see; revoking only tidies the lease.
+        existed = await session.delete(self.key)
+        self._withdrawn = True
+        log.info("withdrawn from etcd", key=self.key.decode(), existed=existed)
+        if lease is not None:
+            try:
+                await session.revoke(lease)
+            except EtcdError as err:
+                log.info("etcd lease revoke failed; it will expire", error=str(err))
+
+    async def _withdraw_with_fresh_session(self) -> None:
+        failure = ""
+        for endpoint in self._config.endpoints:
+            try:
+                async with open_session(endpoint, self._config.call_timeout) as session:
+                    await self._delete(session)
+                    return
+            except EtcdError as err:
+                failure = str(err)
+        log.warning("etcd withdrawal failed; the key expires with its lease", error=failure)
+
+
+@asynccontextmanager
+async def registered(config: RegistrationConfig, record: WorkerRecord) -> AsyncIterator[Registration]:
+    """Keep ``record`` registered while the context is open. Leaving the context withdraws
+    (if the caller has not already) and stops the task."""
+    registration = Registration(config, record)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(registration.run)
+        try:
+            yield registration
+        finally:
+            await registration.withdraw()
+            tg.cancel_scope.cancel()

@@ -1,0 +1,337 @@
+"""How the frontend finds its workers: a static list, Kubernetes DNS, or etcd.
+
+:func:`run_discovery` feeds a :class:`DiscoverySink` (the worker set) until cancelled:
+
+- ``static``: the ``--worker`` list, added once (then it returns).
+- ``dns``: every ``--dns-refresh-secs`` each ``--dns-name [ROLE=]NAME:PORT`` is resolved; each
+  address is a worker on PORT (a Kubernetes headless Service has one A/AAAA record per ready
+  Pod). An address no longer listed is drained; a failed lookup keeps the last answer.
+- ``etcd``: the prefix is listed, then watched from the next revision: a key coming adds its
+  worker (role from the value), a key going (deleted by a draining sidecar, or its lease
+  expired) drains it. When etcd is out of reach the last view stays in force and, once back,
+  a fresh listing catches up with whatever changed meanwhile, then the watch resumes.
+
+The decisions are pure (:mod:`sidecar_frontend.discovery_records`); this module does the
+lookups, the etcd calls and the waiting, each bounded: a DNS lookup by ``dns_timeout``, an etcd
+call by ``etcd_call_timeout``, a silent etcd connection by gRPC keepalive.
+
+Both dynamic modes also re-add, every ``reconcile_interval``, a worker of the view that the sink
+does not hold: a worker set ignores an add while it still drains the same address (a sidecar
+that restarted quickly) and forgets it only once idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol, cast
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from sidecar_common.registration_etcd import EtcdError, backoff_delays, open_session
+from sidecar_common.registration_record import (
+    DEFAULT_PREFIX,
+    ROLES,
+    RecordError,
+    Role,
+    normalize_prefix,
+    parse_etcd_endpoints,
+)
+from sidecar_frontend.discovery_records import (
+    AddWorker,
+    Change,
+    DnsTarget,
+    DnsView,
+    DrainWorker,
+    EtcdView,
+    Rejected,
+    missing_workers,
+    parse_dns_target,
+    parse_worker,
+)
+
+__all__ = [
+    "DISCOVERY_MODES",
+    "DiscoveryConfig",
+    "DiscoveryMode",
+    "DiscoverySink",
+    "Resolver",
+    "add_discovery_arguments",
+    "discovery_config_from_args",
+    "run_discovery",
+    "system_resolver",
+]
+
+log = structlog.get_logger("sidecar_frontend.discovery")
+
+DiscoveryMode = Literal["static", "dns", "etcd"]
+DISCOVERY_MODES: Final[tuple[DiscoveryMode, ...]] = ("static", "dns", "etcd")
+_FIRST_RETRY_SECS: Final = 0.2
+
+# (host, port) -> the IP addresses it resolves to. Raises OSError when it cannot resolve.
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+
+class DiscoverySink(Protocol):
+    """What discovery drives: the frontend's worker set."""
+
+    def add_worker(self, address: str, role: str = "agg") -> None:
+        """Start using ``address`` in ``role``; idempotent."""
+
+    def drain_worker(self, address: str) -> None:
+        """No new requests to ``address``; in-flight ones finish; then it is forgotten."""
+
+    def addresses(self) -> frozenset[str]:
+        """Every address the set holds, draining ones included."""
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    mode: DiscoveryMode = "static"
+    static_workers: tuple[tuple[str, Role], ...] = ()
+    dns_targets: tuple[DnsTarget, ...] = ()
+    dns_refresh: float = 5.0
+    dns_timeout: float = 5.0
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = DEFAULT_PREFIX
+    etcd_call_timeout: float = 3.0
+    etcd_retry_max_interval: float = 5.0
+    reconcile_interval: float = 1.0
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The host's resolver (/etc/resolv.conf, /etc/hosts): every address, A and AAAA."""
+    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def _apply(sink: DiscoverySink, changes: Iterable[Change], source: str) -> None:
+    for change in changes:
+        if isinstance(change, AddWorker):
+            try:
+                sink.add_worker(change.address, change.role)
+            except ValueError as err:  # an address the worker set cannot dial
+                log.error("discovered worker refused", source=source, worker=change.address, error=str(err))
+                continue
+            log.info("worker discovered", source=source, worker=change.address, role=change.role)
+        elif isinstance(change, DrainWorker):
+            sink.drain_worker(change.address)
+            log.info("worker gone from discovery: draining", source=source, worker=change.address)
+        elif isinstance(change, Rejected):
+            log.warning(
+                "ignoring a registration that is not a worker record", key=change.key, reason=change.reason
+            )
+
+
+async def run_discovery(
+    config: DiscoveryConfig,
+    sink: DiscoverySink,
+    *,
+    resolver: Resolver = system_resolver,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Feed ``sink`` from the configured source until cancelled (``static`` returns once its
+    workers are added). ``task_status.started()`` comes after the first view was applied, or
+    after the first attempt failed: the frontend serves with what it has while discovery
+    keeps trying."""
+    if config.mode == "static":
+        _apply(sink, (AddWorker(a, r) for a, r in config.static_workers), "static")
+        task_status.started()
+        return
+    if config.mode == "dns":
+        await _run_dns(config, sink, resolver, task_status)
+    else:
+        await _run_etcd(config, sink, task_status)
+
+
+async def _run_dns(
+    config: DiscoveryConfig, sink: DiscoverySink, resolver: Resolver, task_status: TaskStatus[None]
+) -> None:
+    view = DnsView(config.dns_targets)
+    failing: set[DnsTarget] = set()
+    started = False
+    while True:
+        for target in config.dns_targets:
+            try:
+                with anyio.fail_after(config.dns_timeout):
+                    hosts = await resolver(target.host, target.port)
+            except (OSError, TimeoutError) as err:
+                # Logged when it starts failing, not on every refresh while it keeps failing.
+                level = log.debug if target in failing else log.warning
+                failing.add(target)
+                level("dns lookup failed; keeping the last answer", name=str(target), error=repr(err))
+                continue
+            if target in failing:
+                failing.discard(target)
+                log.info("dns lookup works again", name=str(target))
+            _apply(sink, view.resolved(target, hosts), "dns")
+        _apply(sink, missing_workers(view.workers(), sink.addresses()), "dns")
+        if not started:
+            started = True
+            task_status.started()
+        await anyio.sleep(config.dns_refresh)
+
+
+async def _reconcile(view: EtcdView, sink: DiscoverySink, interval: float) -> None:
+    while True:
+        await anyio.sleep(interval)
+        _apply(sink, missing_workers(view.workers(), sink.addresses()), "etcd")
+
+
+async def _run_etcd(config: DiscoveryConfig, sink: DiscoverySink, task_status: TaskStatus[None]) -> None:
+    view = EtcdView()
+    prefix = config.etcd_prefix.encode()
+    endpoints = config.etcd_endpoints
+    delays: Iterator[float] | None = None
+    attempt = 0
+    started = False
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_reconcile, view, sink, config.reconcile_interval)
+        while True:
+            endpoint = endpoints[attempt % len(endpoints)]
+            attempt += 1
+            failure = "the watch ended"
+            try:
+                async with open_session(endpoint, config.etcd_call_timeout) as session:
+                    snapshot = await session.get_prefix(prefix)
+                    _apply(sink, view.resync(snapshot.items), "etcd")
+                    log.info(
+                        "etcd discovery in sync",
+                        etcd=endpoint,
+                        prefix=config.etcd_prefix,
+                        workers=len(view.workers()),
+                        revision=snapshot.revision,
+                    )
+                    delays = None
+                    if not started:
+                        started = True
+                        task_status.started()
+                    async with session.watch_prefix(prefix, snapshot.revision + 1) as events:
+                        async for event in events:
+                            if event.kind == "put":
+                                _apply(sink, view.put(event.key, event.value), "etcd")
+                            else:
+                                _apply(sink, view.delete(event.key), "etcd")
+            except EtcdError as err:
+                failure = str(err)
+            if delays is None:
+                delays = backoff_delays(_FIRST_RETRY_SECS, config.etcd_retry_max_interval)
+            delay = next(delays)
+            log.warning(
+                "etcd discovery lost etcd; keeping the last view",
+                error=failure,
+                workers=len(view.workers()),
+                retry_in_secs=round(delay, 2),
+            )
+            if not started:
+                started = True
+                task_status.started()
+            await anyio.sleep(delay)
+
+
+# ------------------------------------------------------------------------------ flags
+
+
+def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except RecordError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--discovery``, ``--dns-name``, ``--dns-refresh-secs``, ``--etcd-endpoints``,
+    ``--etcd-prefix`` (the CLI's environment mirrors apply to them like to any flag)."""
+    group = parser.add_argument_group("discovery")
+    group.add_argument(
+        "--discovery",
+        choices=DISCOVERY_MODES,
+        default="static",
+        help="where the workers come from: the --worker list, DNS (--dns-name) or etcd (--etcd-endpoints)",
+    )
+    group.add_argument(
+        "--dns-name",
+        dest="dns_names",
+        type=_typed(parse_dns_target),
+        action="append",
+        default=None,
+        metavar="[ROLE=]NAME:PORT",
+        help="with --discovery dns: every address NAME resolves to is a worker on PORT "
+        "(e.g. a Kubernetes headless Service); ROLE is agg (default), prefill or decode; repeatable",
+    )
+    group.add_argument(
+        "--dns-refresh-secs",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECS",
+        help="with --discovery dns: how often the names are resolved again",
+    )
+    group.add_argument(
+        "--etcd-endpoints",
+        type=_typed(parse_etcd_endpoints),
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="with --discovery etcd: the etcd members to ask, in turn",
+    )
+    group.add_argument(
+        "--etcd-prefix",
+        type=_typed(normalize_prefix),
+        default=DEFAULT_PREFIX,
+        metavar="PREFIX",
+        help="with --discovery etcd: the key prefix the sidecars register under",
+    )
+
+
+def discovery_config_from_args(
+    namespace: argparse.Namespace, static_workers: Iterable[str | tuple[str, str]] = ()
+) -> DiscoveryConfig:
+    """The parsed flags (and the CLI's ``--worker`` list, as addresses or (address, role))
+    -> DiscoveryConfig. Raises ValueError with a usage message for a contradiction."""
+    mode = cast(DiscoveryMode, namespace.discovery)
+    workers: list[tuple[str, Role]] = []
+    for item in static_workers:
+        if isinstance(item, str):
+            workers.append(parse_worker(item))
+        else:
+            address, role = item
+            if role not in ROLES:
+                raise ValueError(f"worker {address}: role must be one of {', '.join(ROLES)}, got {role!r}")
+            workers.append((parse_worker(address)[0], cast(Role, role)))
+    dns_targets = tuple(dict.fromkeys(namespace.dns_names or ()))
+    endpoints: tuple[str, ...] = namespace.etcd_endpoints or ()
+    if mode == "static" and not workers:
+        raise ValueError("--discovery static needs at least one --worker")
+    if mode != "static" and workers:
+        raise ValueError(f"--worker is the static list: it cannot be combined with --discovery {mode}")
+    if mode == "dns" and not dns_targets:
+        raise ValueError("--discovery dns needs at least one --dns-name NAME:PORT")
+    if mode == "etcd" and not endpoints:
+        raise ValueError("--discovery etcd needs --etcd-endpoints HOST:PORT[,...]")
+    if mode != "dns" and dns_targets:
+        raise ValueError("--dns-name is only used with --discovery dns")
+    return DiscoveryConfig(
+        mode=mode,
+        static_workers=tuple(dict(workers).items()),
+        dns_targets=dns_targets,
+        dns_refresh=namespace.dns_refresh_secs,
+        etcd_endpoints=endpoints,
+        etcd_prefix=namespace.etcd_prefix,
+    )
