@@ -12,6 +12,7 @@ from typing import Final
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import Mode, RequestSettings, Transport
 
 __all__ = ["Discovered", "discover", "loads_from_json"]
@@ -27,23 +28,8 @@ class Discovered:
 
 
 def _int(value: object) -> int | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            return int(text)
-        except ValueError:
-            try:
-                number = float(text)
-            except ValueError:
-                return None
-            return int(number) if number.is_integer() else None
-    return None
+    # The one rule for integers in JSON, shared with the prefill handoff's.
+    return exact_integer(value)
 
 
 def _bool(value: object) -> bool:
