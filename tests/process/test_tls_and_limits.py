@@ -1,0 +1,349 @@
+"""What protects the public port, as an operator turns it on: TLS, mutual TLS, reflection off,
+request size limits. Real ``sidecar-vllm`` processes in front of a real ``testkit-engine vllm``,
+certificates made by the test (nothing committed), loopback only."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, log_lines, process, script, serving_port
+
+pytestmark = pytest.mark.timeout(120)
+
+CONTEXT_LENGTH = 64
+
+
+# --- certificates -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pem:
+    cert: bytes
+    key: bytes
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def make_ca(common_name: str) -> tuple[Pem, x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return Pem(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)), cert, key
+
+
+def make_leaf(
+    common_name: str, ca: tuple[Pem, x509.Certificate, ec.EllipticCurvePrivateKey], *, server: bool
+) -> Pem:
+    _, ca_cert, ca_key = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [
+                    x509.oid.ExtendedKeyUsageOID.SERVER_AUTH
+                    if server
+                    else x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
+                ]
+            ),
+            critical=False,
+        )
+    )
+    if server:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return Pem(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path  # the CA that signs the server's and the good client's certificates
+    server_cert: Path
+    server_key: Path
+    ca_pem: bytes
+    client: Pem  # signed by the CA
+    stranger: Pem  # a client certificate from another CA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    where = tmp_path_factory.mktemp("pki")
+    ca = make_ca("sidecar test CA")
+    other_ca = make_ca("some other CA")
+    server = make_leaf("sidecar", ca, server=True)
+    paths = {"ca.pem": ca[0].cert, "server.pem": server.cert, "server.key": server.key}
+    for name, data in paths.items():
+        (where / name).write_bytes(data)
+    return Pki(
+        ca=where / "ca.pem",
+        server_cert=where / "server.pem",
+        server_key=where / "server.key",
+        ca_pem=ca[0].cert,
+        client=make_leaf("frontend", ca, server=False),
+        stranger=make_leaf("intruder", other_ca, server=False),
+    )
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    """One testkit vLLM engine for the module, with a small context; yields its address."""
+    port = free_port()
+    argv = [script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{port}"]
+    with process([*argv, "--context-length", str(CONTEXT_LENGTH)]) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "ready on " in line:
+                break
+        else:
+            raise AssertionError(f"the testkit engine did not come up (exit {proc.poll()})")
+        yield f"127.0.0.1:{port}"
+
+
+def sidecar_argv(engine: str, *flags: str) -> list[str]:
+    return [
+        script("sidecar-vllm"),
+        *("--grpc-endpoint", engine, "--listen", "127.0.0.1:0", "--log-format", "json"),
+        *("--grpc-connections", "1", "--grpc-startup-deadline-secs", str(WAIT)),
+        *flags,
+    ]
+
+
+def _request(request_id: str, prompt_tokens: int = 4) -> sidecar_pb2.PreprocessedRequest:
+    request = sidecar_pb2.PreprocessedRequest(
+        request_id=request_id, token_ids=list(range(11, 11 + prompt_tokens))
+    )
+    request.stop_conditions.max_tokens = 3
+    return request
+
+
+def _generate(
+    channel: grpc.Channel, request: sidecar_pb2.PreprocessedRequest
+) -> list[sidecar_pb2.LLMEngineOutput]:
+    return list(sidecar_pb2_grpc.WorkerStub(channel).Generate(request, timeout=WAIT))
+
+
+def _refusal(channel: grpc.Channel, request: sidecar_pb2.PreprocessedRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        _generate(channel, request)
+    return refused.value
+
+
+def _tls_channel(port: int, pki: Pki, client: Pem | None) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=pki.ca_pem,
+        private_key=client.key if client is not None else None,
+        certificate_chain=client.cert if client is not None else None,
+    )
+    return grpc.secure_channel(f"127.0.0.1:{port}", credentials)
+
+
+def _health(channel: grpc.Channel) -> int:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=WAIT)
+    status: int = reply.status
+    return status
+
+
+# --- TLS --------------------------------------------------------------------------------------
+
+
+def test_tls_serves_a_client_that_trusts_the_ca_and_refuses_plaintext(engine: str, pki: Pki) -> None:
+    flags = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    with process(sidecar_argv(engine, *flags)) as sidecar:
+        port = serving_port(sidecar)
+        with _tls_channel(port, pki, client=None) as channel:
+            outs = _generate(channel, _request("over-tls"))
+            assert outs[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+            assert sum(len(o.token_ids) for o in outs) == 3
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:
+            refused = _refusal(plain, _request("plaintext"))
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_of_the_ca(engine: str, pki: Pki) -> None:
+    # Set through the environment mirrors, as a Kubernetes Secret mounted as files would be.
+    env = {
+        "SIDECAR_TLS_CERT": str(pki.server_cert),
+        "SIDECAR_TLS_KEY": str(pki.server_key),
+        "SIDECAR_TLS_CLIENT_CA": str(pki.ca),
+    }
+    proc = subprocess.Popen(
+        sidecar_argv(engine),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**child_env(), **env},
+    )
+    try:
+        port = serving_port(proc)
+        with _tls_channel(port, pki, pki.client) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            outs = _generate(channel, _request("with-client-cert"))
+            assert outs[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+        for who in (None, pki.stranger):
+            with _tls_channel(port, pki, who) as channel:
+                refused = _refusal(channel, _request("no-valid-client-cert"))
+                assert refused.code() == grpc.StatusCode.UNAVAILABLE
+                with pytest.raises(grpc.RpcError):
+                    _health(channel)
+        # Neither refused client reached the Worker: no request but the first was served.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT) == 0
+        finished = [e for e in log_lines(proc) if e.get("event") == "generate finished"]
+        assert [e["public_id"] for e in finished] == ["with-client-cert"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+
+
+def _usage_error(*argv: str) -> str:
+    result = subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=WAIT, cwd=ROOT, env=child_env(), check=False
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    return result.stderr
+
+
+def test_tls_flags_that_cannot_work_are_usage_errors_naming_the_flag(pki: Pki) -> None:
+    # Never dialled: a usage error exits before any network I/O.
+    base = sidecar_argv("127.0.0.1:1")
+    assert "--tls-cert" in _usage_error(*base, "--tls-key", str(pki.server_key))
+    assert "--tls-key" in _usage_error(*base, "--tls-cert", str(pki.server_cert))
+    assert "--tls-client-ca" in _usage_error(*base, "--tls-client-ca", str(pki.ca))
+    swapped = _usage_error(*base, "--tls-cert", str(pki.server_key), "--tls-key", str(pki.server_cert))
+    assert str(pki.server_key) in swapped
+    assert "certificate" in swapped
+    assert "--tls-cert" in _usage_error(
+        *base, "--tls-cert", "/nonexistent.pem", "--tls-key", str(pki.server_key)
+    )
+
+
+# --- reflection and size limits ---------------------------------------------------------------
+
+
+def _list_services(channel: grpc.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=WAIT
+    )
+    return [s.name for reply in replies for s in reply.list_services_response.service]
+
+
+def test_reflection_is_served_by_default_and_off_with_no_reflection(engine: str) -> None:
+    with process(sidecar_argv(engine)) as sidecar:
+        port = serving_port(sidecar)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert "sidecar.v1.Worker" in _list_services(channel)
+    with process(sidecar_argv(engine, "--no-reflection")) as sidecar:
+        port = serving_port(sidecar)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as off:
+                _list_services(channel)
+            assert off.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            # Everything else is still served.
+            assert _generate(channel, _request("still-served"))[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+
+
+def test_a_request_larger_than_max_request_bytes_is_refused_before_the_sidecar_reads_it(engine: str) -> None:
+    with process(sidecar_argv(engine, "--max-request-bytes", "1024")) as sidecar:
+        port = serving_port(sidecar)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            small = _request("small")
+            assert small.ByteSize() < 1024
+            assert _generate(channel, small)[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+            big = _request("big")
+            big.multi_modal_data.add(url="data:," + "x" * 2000)
+            assert big.ByteSize() > 1024
+            refused = _refusal(channel, big)
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in (refused.details() or "")
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        sidecar.send_signal(signal.SIGTERM)
+        assert sidecar.wait(timeout=WAIT) == 0
+        events = [
+            e for e in log_lines(sidecar) if e.get("event") in ("generate finished", "generate refused")
+        ]
+        # The oversized request never reached the Worker: only the small one was served.
+        assert [e["public_id"] for e in events] == ["small"]
+
+
+def test_a_prompt_that_does_not_fit_the_discovered_context_is_refused_as_invalid_argument(
+    engine: str,
+) -> None:
+    with process(sidecar_argv(engine)) as sidecar:
+        port = serving_port(sidecar)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = sidecar_pb2_grpc.WorkerStub(channel).GetModelInfo(
+                sidecar_pb2.GetModelInfoRequest(), timeout=WAIT
+            )
+            assert info.max_context_length == CONTEXT_LENGTH
+            fits = _request("fits", prompt_tokens=CONTEXT_LENGTH - 4)
+            assert _generate(channel, fits)[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+            refused = _refusal(channel, _request("too-long", prompt_tokens=CONTEXT_LENGTH))
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(CONTEXT_LENGTH) in (refused.details() or "")
