@@ -1,0 +1,169 @@
+"""vLLM's error bodies, as the vLLM 0.33 HTTP server writes them (pure).
+
+Three shapes reach a vLLM client:
+
+* ``{"error":{"message","type","param","code"}}``, compact, as a whole JSON response; ``type``
+  is ``"BadRequestError"``-style for vLLM's own checks and the HTTP phrase (``"Bad Request"``)
+  for body-validation failures, which also list every problem in the message;
+* the same object written with ``json.dumps`` defaults (spaces after ``:`` and ``,``) as one
+  SSE event inside a stream that already answered 200;
+* ``{"detail": ...}`` for the web framework's own 404 and 405.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Final
+
+from sidecar_frontend.formats.base import HttpReply
+
+__all__ = [
+    "DEAD_ENGINE_MESSAGE",
+    "OVERLOADED_MESSAGE",
+    "Refused",
+    "ValidationIssue",
+    "VllmError",
+    "bad_request",
+    "detail_reply",
+    "error_reply",
+    "uncarried",
+    "validation_reply",
+]
+
+# What vLLM tells a client when its engine process is gone (EngineDeadError.CLIENT_MESSAGE).
+DEAD_ENGINE_MESSAGE: Final = "The server had an error while processing your request."
+# vLLM's admission-control refusal (QueueOverflowError), answered 503 so callers retry elsewhere.
+OVERLOADED_MESSAGE: Final = (
+    "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
+
+_MAX_REPORTED: Final = 10
+_MAX_INPUT_CHARS: Final = 200
+_MAX_ERROR_CHARS: Final = 1000
+
+
+@dataclass(frozen=True)
+class VllmError:
+    """One error as vLLM reports it; ``code`` is also the HTTP status."""
+
+    message: str
+    type: str
+    code: int
+    param: str | None = None
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": int(self.code)}
+        }
+
+    def reply(self) -> HttpReply:
+        return HttpReply(int(self.code), _compact(self.body()))
+
+    def sse_event(self) -> bytes:
+        # vLLM writes this one event with json.dumps defaults: spaces, ASCII escapes.
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None, value: object = None) -> VllmError:
+    """A vLLM validation error: the message gets `` (parameter=…, value=…)`` when they are known."""
+    extras = []
+    if param is not None:
+        extras.append(f"parameter={param}")
+    if value is not None:
+        extras.append(f"value={value}")
+    text = f"{message} ({', '.join(extras)})" if extras else message
+    return VllmError(text, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
+
+
+class Refused(Exception):
+    """Raised while parsing: the request is refused with ``reply``; nothing reaches a worker."""
+
+    def __init__(self, error: VllmError | HttpReply) -> None:
+        self.reply = error.reply() if isinstance(error, VllmError) else error
+        super().__init__(self.reply.status)
+
+
+def uncarried(name: str, why: str) -> Refused:
+    """A field vLLM accepts but this frontend cannot carry to a vLLM sidecar, refused by name."""
+    return Refused(bad_request(f"{name} is not supported by this server: {why}.", name))
+
+
+def error_reply(status: int, message: str) -> HttpReply:
+    """A refusal the handler decides (no worker, overload, bad method) in vLLM's shapes."""
+    if status in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED):
+        return detail_reply(status, message)
+    return VllmError(message, _error_type(status), status).reply()
+
+
+def detail_reply(status: int, detail: str) -> HttpReply:
+    return HttpReply(status, _compact({"detail": detail}))
+
+
+def _error_type(status: int) -> str:
+    named = {
+        HTTPStatus.BAD_REQUEST: "BadRequestError",
+        HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+        HTTPStatus.NOT_IMPLEMENTED: "NotImplementedError",
+    }
+    if status in named:
+        return named[HTTPStatus(status)]
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+@dataclass(frozen=True)
+class ValidationIssue:
+    """One body-validation problem, in the fields pydantic reports (``loc`` already dotted)."""
+
+    type: str
+    loc: str
+    msg: str
+    input: object
+    ctx: dict[str, object] | None = field(default=None)
+
+    def text(self) -> str:
+        entry: dict[str, object] = {
+            "type": self.type,
+            "loc": self.loc,
+            "msg": self.msg,
+            "input": _summarise(self.input),
+        }
+        if self.ctx is not None:
+            entry["ctx"] = self.ctx
+        text = str(entry)
+        return text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text
+
+
+def validation_reply(issues: Sequence[ValidationIssue]) -> HttpReply:
+    """vLLM's answer to a body that fails validation: every problem listed, the first one's place."""
+    count = len(issues)
+    label = "error" if count == 1 else "errors"
+    lines = "".join(f"  {issue.text()}\n" for issue in issues[:_MAX_REPORTED])
+    if count > _MAX_REPORTED:
+        lines += f"  ...and {count - _MAX_REPORTED} more {label}\n"
+    message = f"{count} validation {label}:\n{lines}".rstrip()
+    param = issues[0].loc if issues else None
+    return VllmError(message, HTTPStatus.BAD_REQUEST.phrase, HTTPStatus.BAD_REQUEST, param).reply()
+
+
+def _summarise(value: object) -> object:
+    """The bounded stand-in vLLM reports for an offending value (containers are only counted)."""
+    if isinstance(value, str):
+        return value[:_MAX_INPUT_CHARS] + "...[truncated]" if len(value) > _MAX_INPUT_CHARS else value
+    if isinstance(value, list | tuple | dict | set | frozenset):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except ValueError:  # an int past the interpreter's digit limit
+        return f"<{type(value).__name__}>"
+    return text[:_MAX_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_INPUT_CHARS else text
+
+
+def _compact(obj: object) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()

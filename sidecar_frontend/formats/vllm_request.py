@@ -1,0 +1,456 @@
+"""vLLM's ``/inference/v1/generate`` request: body -> one ``sidecar.v1`` sub-request (pure).
+
+Validation runs in vLLM's order, so that the first problem a client hears about is the one
+the real server would name: transport (content type, JSON), the cache-salt pre-check, field
+types (every problem listed, pydantic-style), the sampling-parameter checks (the first one
+raises), the whole-body checks, the handler's checks (model name, ``n``, stop strings,
+output mode, integer ranges), then the engine's input checks we can make here (vocabulary,
+context length, data-parallel rank). Last come our own refusals: every field this frontend
+cannot carry to a vLLM sidecar is refused by name, so nothing is dropped silently.
+
+Explicit keys are tracked: a sampling parameter the caller did not send stays absent on the
+``PreprocessedRequest`` (its proto3 ``optional`` field is not set), so the engine applies its
+own default, exactly as vLLM distinguishes "the client said 16" from "the client said nothing".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Final, TypeVar, cast
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.structs import JSON, StructError, struct_from_json
+from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
+from sidecar_frontend.formats.vllm_errors import (
+    Refused,
+    ValidationIssue,
+    VllmError,
+    bad_request,
+    uncarried,
+    validation_reply,
+)
+from sidecar_frontend.formats.vllm_lax import (
+    Fields,
+    Invalid,
+    as_bool,
+    as_dict,
+    as_int,
+    as_int_list,
+    as_str,
+    literal,
+    nullable,
+)
+from sidecar_frontend.formats.vllm_sampling import UINT32_MAX, SamplingParams
+
+__all__ = ["REQUEST_ID_PREFIX", "VllmOptions", "header", "parse_generate"]
+
+T = TypeVar("T")
+
+REQUEST_ID_PREFIX: Final = "generate-tokens-"
+_INT32: Final = (-(2**31), 2**31 - 1)
+_INT64: Final = (-(2**63), 2**63 - 1)
+_CACHE_SALT_MAX: Final = 128
+_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
+_OUTPUT_MODES: Final = ("tokens", "text", "derender")
+_MSGPACK_RANGE: Final = "can't serialize ints < -2**63 or > 2**64 - 1"
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """What the response encoder needs to know about the request."""
+
+    request_id: str  # the client-visible id: generate-tokens-<base>
+    model: str
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    logprobs: bool
+    prompt_logprobs: bool
+    prompt_tokens: int
+    # The prompt echoed back (return_token_ids), else None.
+    prompt_token_ids: tuple[int, ...] | None
+
+
+def header(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value, whatever the case of its name (a plain dict in tests, a multidict live)."""
+    value = headers.get(name)
+    if value is not None:
+        return value
+    lowered = name.lower()
+    for key, item in headers.items():
+        if key.lower() == lowered:
+            return item
+    return None
+
+
+def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
+    try:
+        return _parse(body, headers, ctx)
+    except Refused as refused:
+        return refused.reply
+    except Invalid as invalid:
+        return validation_reply(invalid.issues)
+
+
+def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall:
+    data = _json_object(body, headers)
+    _check_cache_salt(data.get("cache_salt"))
+    fields = Fields(data)
+    request_id = fields.get("request_id", as_str)
+    token_ids = fields.required("token_ids", _token_ids)
+    sampling = fields.required("sampling_params", _sampling_object)
+    params = SamplingParams(sampling, fields) if sampling is not None else None
+    model = fields.get("model", nullable(as_str))
+    fields.get("reasoning_ended", nullable(as_bool))
+    fields.get("reasoning_parser_kwargs", nullable(as_dict))
+    return_token_ids = fields.get("return_token_ids", nullable(as_bool))
+    output_mode = fields.get("output_mode", lambda v, loc: literal(v, loc, _OUTPUT_MODES))
+    stream = fields.get("stream", nullable(as_bool))
+    stream_options = fields.get("stream_options", nullable(_stream_options))
+    fields.get("cache_salt", nullable(as_str))
+    priority = fields.get("priority", _priority)
+    kv_transfer_params = fields.get("kv_transfer_params", nullable(as_dict))
+    ec_transfer_params = fields.get("ec_transfer_params", nullable(as_dict))
+    fields.get("features", nullable(as_dict))
+    content_parts = fields.get("content_parts", nullable(_list_of_dicts))
+    if fields.issues:
+        raise Invalid(*fields.issues)
+    # Both are required: with no issue collected, they are set.
+    assert token_ids is not None
+    assert params is not None
+
+    # Whole-body checks (pydantic model validators: a ValueError at the body's root).
+    if output_mode not in (None, "tokens") and not params.detokenize:
+        _root_value_error(data, f"output_mode={output_mode!r} requires sampling_params.detokenize to be true")
+
+    # The handler's checks, in vLLM's order.
+    served = ctx.model_info.served_model_name
+    if model and model != served:
+        raise Refused(
+            VllmError(
+                f"The model `{model}` does not exist. Valid aliases: {served}.",
+                "NotFoundError",
+                HTTPStatus.NOT_FOUND,
+                "model",
+            )
+        )
+    max_num_seqs = ctx.model_info.max_num_seqs
+    if max_num_seqs and params.n > max_num_seqs:
+        raise Refused(
+            bad_request(
+                "sampling_params.n must be at most the server's max_num_seqs "
+                f"({max_num_seqs}), got {params.n}."
+            )
+        )
+    if stream and params.present("prompt_logprob_token_ids"):
+        raise Refused(bad_request("prompt_logprob_token_ids are not available when stream=true."))
+    if params.stop:
+        raise Refused(
+            bad_request(
+                "stop strings are not supported on a --tokens-only server because detokenization "
+                "is disabled. Check stop strings on the coordinator, or use stop_token_ids."
+            )
+        )
+    if output_mode not in (None, "tokens"):
+        raise Refused(
+            bad_request(
+                f"output_mode={output_mode!r} requires a tokenizer, but this server does not load one "
+                "(--tokens-only or --skip-tokenizer-init). Send the request to a server that loads "
+                "a tokenizer, or use output_mode='tokens'."
+            )
+        )
+    _check_msgpack(params.seed, kv_transfer_params)
+
+    # The engine's input checks that what the workers serve lets us make here.
+    _check_prompt(token_ids, ctx.model_info)
+    params.check_vocabulary(ctx.model_info.vocab_size)
+    dp_rank = _dp_rank(header(headers, "X-data-parallel-rank"), ctx.model_info.data_parallel_size)
+    if params.present("structured_outputs") and params.raw("structured_outputs") is not None:
+        raise Refused(
+            bad_request(
+                "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+            )
+        )
+
+    # What this frontend cannot carry to a vLLM sidecar.
+    if ec_transfer_params is not None:
+        raise uncarried("ec_transfer_params", "encoder-cache transfer is not carried to the engine")
+    if fields.raw("features") is not None:
+        raise uncarried("features", "multimodal features are not carried to the engine")
+    if content_parts:
+        raise uncarried("content_parts", "multimodal content is not carried to the engine")
+    params.refuse_uncarried()
+
+    base = header(headers, "X-Request-Id")
+    if base is None:
+        base = request_id if request_id is not None else ctx.new_id()[:16]
+    public_id = REQUEST_ID_PREFIX + base
+    request = sidecar_pb2.PreprocessedRequest(
+        request_id=public_id,
+        model=served,
+        token_ids=token_ids,
+        eos_token_ids=ctx.model_info.eos_token_ids,
+    )
+    params.fill(request, len(token_ids), ctx.model_info.max_context_length)
+    _fill_routing(request, fields, priority, dp_rank)
+    if kv_transfer_params is not None:
+        _fill_kv_transfer(request, kv_transfer_params, ctx.model_info.disaggregation_mode)
+
+    include_usage = bool(stream_options and stream_options[0])
+    options = VllmOptions(
+        request_id=public_id,
+        model=served,
+        n=params.n,
+        stream=bool(stream),
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(stream_options and stream_options[1]),
+        logprobs=request.output_options.HasField("logprobs"),
+        prompt_logprobs=request.output_options.HasField("prompt_logprobs"),
+        prompt_tokens=len(token_ids),
+        prompt_token_ids=tuple(token_ids) if return_token_ids else None,
+    )
+    return GenerateCall(requests=(request,), stream=bool(stream), options=options)
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+def _json_object(body: bytes, headers: Mapping[str, str]) -> dict[str, object]:
+    media_type = (header(headers, "content-type") or "").lower().split(";", 1)[0]
+    if media_type != "application/json":
+        raise Refused(
+            VllmError(
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                HTTPStatus.BAD_REQUEST.phrase,
+                HTTPStatus.BAD_REQUEST,
+            )
+        )
+    if not body:
+        raise Invalid(ValidationIssue("missing", "body", "Field required", None))
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as err:
+        raise Invalid(
+            ValidationIssue("json_invalid", f"body.{err.pos}", "JSON decode error", {}, {"error": err.msg})
+        ) from None
+    except (ValueError, RecursionError):  # not UTF-8 text, or nested beyond the parser
+        raise Refused(
+            VllmError(
+                "There was an error parsing the body", HTTPStatus.BAD_REQUEST.phrase, HTTPStatus.BAD_REQUEST
+            )
+        ) from None
+    if not isinstance(data, dict):
+        raise Invalid(
+            ValidationIssue(
+                "model_attributes_type",
+                "body",
+                "Input should be a valid dictionary or object to extract fields from",
+                data,
+            )
+        )
+    return data
+
+
+def _check_cache_salt(salt: object) -> None:
+    # vLLM checks the salt before anything else, and answers in its own error form.
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise Refused(
+            bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        )
+    if len(salt) > _CACHE_SALT_MAX or any(char in _CACHE_SALT_FORBIDDEN for char in salt):
+        raise Refused(
+            bad_request(
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                "'@', '/', '\\\\', or NUL.",
+                "cache_salt",
+            )
+        )
+
+
+def _root_value_error(data: dict[str, object], message: str) -> None:
+    raise Invalid(
+        ValidationIssue(
+            "value_error", "body", f"Value error, {message}", data, {"error": ValueError(message)}
+        )
+    )
+
+
+# --------------------------------------------------------------------------------- fields
+
+
+def _token_ids(value: object, loc: str) -> list[int]:
+    ids = as_int_list(value, loc)
+    if not ids:
+        raise Invalid(
+            ValidationIssue(
+                "too_short",
+                loc,
+                "List should have at least 1 item after validation, not 0",
+                value,
+                {"field_type": "List", "min_length": 1, "actual_length": 0},
+            )
+        )
+    if any(t < 0 for t in ids):
+        message = "token_ids must not contain negative values"
+        raise Invalid(
+            ValidationIssue(
+                "value_error", loc, f"Value error, {message}", value, {"error": ValueError(message)}
+            )
+        )
+    return ids
+
+
+def _sampling_object(value: object, loc: str) -> dict[str, object]:
+    if isinstance(value, dict):
+        return value
+    raise Invalid(
+        ValidationIssue(
+            "is_instance_of",
+            loc,
+            "Input should be an instance of SamplingParams",
+            value,
+            {"class": "SamplingParams"},
+        ),
+        ValidationIssue("dict_type", loc, "Input should be a valid dictionary", value),
+    )
+
+
+def _stream_options(value: object, loc: str) -> tuple[bool, bool]:
+    if not isinstance(value, dict):
+        raise Invalid(
+            ValidationIssue(
+                "model_type",
+                loc,
+                "Input should be a valid dictionary or instance of StreamOptions",
+                value,
+                {"class_name": "StreamOptions"},
+            )
+        )
+    options = Fields(value, loc)
+    include = options.get("include_usage", nullable(as_bool))
+    continuous = options.get("continuous_usage_stats", nullable(as_bool))
+    if options.issues:
+        raise Invalid(*options.issues)
+    return bool(include), bool(continuous)
+
+
+def _priority(value: object, loc: str) -> int:
+    number = as_int(value, loc)
+    low, high = _INT64
+    if number > high:
+        raise Invalid(
+            ValidationIssue(
+                "less_than_equal", loc, f"Input should be less than or equal to {high}", value, {"le": high}
+            )
+        )
+    if number < low:
+        raise Invalid(
+            ValidationIssue(
+                "greater_than_equal",
+                loc,
+                f"Input should be greater than or equal to {low}",
+                value,
+                {"ge": low},
+            )
+        )
+    return number
+
+
+def _list_of_dicts(value: object, loc: str) -> list[object]:
+    if not isinstance(value, list):
+        raise Invalid(ValidationIssue("list_type", loc, "Input should be a valid list", value))
+    issues = [
+        ValidationIssue("dict_type", f"{loc}.{i}", "Input should be a valid dictionary", item)
+        for i, item in enumerate(value)
+        if not isinstance(item, dict)
+    ]
+    if issues:
+        raise Invalid(*issues)
+    return value
+
+
+def _check_msgpack(seed: int | None, kv_transfer_params: dict[str, object] | None) -> None:
+    # vLLM msgpack-encodes the request for its engine; integers beyond 64 bits cannot travel.
+    pending: list[object] = [seed, kv_transfer_params]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value <= 2**64 - 1:
+            raise Refused(bad_request(_MSGPACK_RANGE))
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+
+
+def _check_prompt(token_ids: list[int], info: sidecar_pb2.ModelInfo) -> None:
+    if info.vocab_size:
+        highest = max(token_ids)
+        if highest >= info.vocab_size:
+            raise Refused(bad_request(f"Token id {highest} is out of vocabulary"))
+    elif max(token_ids) > UINT32_MAX:
+        raise Refused(bad_request(f"Token id {max(token_ids)} is out of vocabulary"))
+    limit = info.max_context_length
+    length = len(token_ids)
+    if limit and length > limit:
+        raise Refused(
+            bad_request(
+                f"The decoder prompt (length {length}) is longer than the maximum model length of {limit}. "
+                "Make sure that `max_model_len` is no smaller than the number of text tokens."
+            )
+        )
+    if limit and length == limit:
+        raise Refused(
+            bad_request(
+                f"The decoder prompt (length {length}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {limit}. Make sure that "
+                "`max_model_len` is no smaller than the number of text tokens "
+                "(prompt + requested output tokens)."
+            )
+        )
+
+
+def _dp_rank(text: str | None, dp_size: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        rank = int(text)
+    except ValueError:
+        return None  # vLLM ignores a rank that is not an integer
+    if rank < 0 or (dp_size and rank >= dp_size) or rank > UINT32_MAX:
+        size = dp_size or 1
+        raise Refused(bad_request(f"data_parallel_rank {rank} is out of range [0, {size})."))
+    return rank
+
+
+def _fill_routing(
+    request: sidecar_pb2.PreprocessedRequest, fields: Fields, priority: int | None, dp_rank: int | None
+) -> None:
+    if dp_rank is not None:
+        request.routing.dp_rank = dp_rank
+    salt = fields.raw("cache_salt")
+    if isinstance(salt, str):
+        request.routing.cache_namespace = salt
+    if fields.present("priority") and priority is not None:
+        # vLLM: lower runs earlier; sidecar.v1: higher is more urgent.
+        urgency = -priority
+        if not _INT32[0] <= urgency <= _INT32[1]:
+            raise uncarried("priority", "it must lie within a 32-bit signed integer")
+        request.routing.priority = urgency
+
+
+def _fill_kv_transfer(request: sidecar_pb2.PreprocessedRequest, params: dict[str, object], mode: str) -> None:
+    # A decode sidecar takes the prefill's handoff as prefill_result; the others as extra_args.
+    try:
+        struct = struct_from_json(cast("dict[str, JSON]", params))
+    except (StructError, RecursionError) as err:
+        raise uncarried("kv_transfer_params", f"it cannot be carried exactly ({err})") from None
+    if mode == "decode":
+        request.prefill_result.disaggregated_params.CopyFrom(struct)
+    else:
+        request.extra_args.fields["kv_transfer_params"].struct_value.CopyFrom(struct)

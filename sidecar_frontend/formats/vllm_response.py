@@ -1,0 +1,325 @@
+"""vLLM's ``/inference/v1/generate`` responses from ``LLMEngineOutput``s (pure).
+
+Unary: one ``GenerateTokensResponse`` (every key present, nulls included, in vLLM's order).
+Streaming: ``GenerateTokensStreamResponse`` chunks, one choice per chunk, as vLLM frames them:
+``data: <compact json>\\n\\n`` per event, a usage chunk when ``include_usage`` asked for it, and
+``data: [DONE]\\n\\n`` at the end (after an error event too).
+
+A failure is answered as vLLM answers the matching engine condition: a cancelled request
+(an abort, or our request deadline) finishes its open choices with ``finish_reason:"abort"``
+and keeps the tokens so far; a refused request is a 400; an overloaded engine a 503; a dead
+or unreachable engine vLLM's 500. In a stream that already answered 200 the error is one
+SSE event (``{"error": …}`` with spaces, as vLLM writes it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Final
+
+from google.protobuf import struct_pb2
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.structs import JSON, StructError, json_from_struct, json_from_value
+from sidecar_frontend.formats.base import HttpReply, WorkerFailure
+from sidecar_frontend.formats.vllm_errors import (
+    DEAD_ENGINE_MESSAGE,
+    OVERLOADED_MESSAGE,
+    VllmError,
+    bad_request,
+)
+from sidecar_frontend.formats.vllm_request import VllmOptions
+
+__all__ = ["DONE", "VllmEncoder", "failure_error"]
+
+DONE: Final = b"data: [DONE]\n\n"
+LOGPROB_FLOOR: Final = -9999.0
+
+_FINISH: Final = {
+    sidecar_pb2.LENGTH: "length",
+    sidecar_pb2.STOP: "stop",
+    sidecar_pb2.EOS: "stop",
+    sidecar_pb2.CANCELLED: "abort",
+    # vLLM has no content filter; the nearest of its reasons is an ordinary stop.
+    sidecar_pb2.CONTENT_FILTER: "stop",
+}
+# Reasons that end a request the way an abort does: the tokens so far stand.
+_ABORTING: Final = frozenset({"CANCELLED", "DEADLINE"})
+_ENGINE_GONE: Final = frozenset({"CANNOT_CONNECT", "ENGINE_SHUTDOWN", "CONNECTION_TIMEOUT", "NO_WORKER"})
+
+
+def failure_error(failure: WorkerFailure) -> VllmError | None:
+    """The vLLM error a failure reads as, or None when it reads as an abort."""
+    if failure.reason in _ABORTING:
+        return None
+    if failure.reason == "INVALID_ARGUMENT":
+        return bad_request(failure.message)
+    if failure.reason == "OVERLOADED":
+        return VllmError(
+            OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
+        )
+    if failure.reason in _ENGINE_GONE:
+        return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    # vLLM reports a failed generation with an empty message (EngineGenerateError).
+    return VllmError("", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+@dataclass
+class _Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, object]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class VllmEncoder:
+    """One generate call's response state (see :mod:`sidecar_frontend.formats.base`)."""
+
+    def __init__(self, options: VllmOptions, started_at: float) -> None:
+        self._o = options
+        self._created = int(started_at)
+        self._choices = {i: _Choice(i) for i in range(options.n)}
+        self._first_chunk = True
+        self._error: VllmError | None = None
+        self._aborted = False
+        self._prompt_logprobs: JSON = None
+        self._kv_transfer_params: JSON = None
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def on_output(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
+        del index, now  # one sub-request; choices are told apart by output.index
+        if self._aborted:
+            return b""
+        choice = self._choice(output.index)
+        if choice.finish_reason is not None:
+            return b""
+        ids = list(output.token_ids)
+        logprobs = _logprobs(output, ids) if self._o.logprobs else []
+        choice.token_ids.extend(ids)
+        choice.logprobs.extend(logprobs)
+        finish: str | None = None
+        stop_reason: int | str | None = None
+        if output.finish_reason != sidecar_pb2.UNSPECIFIED:
+            finish = _FINISH.get(output.finish_reason, "stop")
+            kind = output.WhichOneof("stop_reason")
+            if finish == "stop" and kind == "stop_token_id":
+                stop_reason = output.stop_token_id
+            elif finish == "stop" and kind == "stop_string":
+                stop_reason = output.stop_string
+            choice.finish_reason, choice.stop_reason = finish, stop_reason
+            self._observe_terminal(output)
+        if not self._o.stream or not (ids or finish):
+            return b""
+        return self._chunk(choice, ids, logprobs, finish, stop_reason)
+
+    def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:
+        del index, now
+        if self._aborted:
+            return b""
+        self._aborted = True
+        error = failure_error(failure)
+        if error is not None:
+            self._error = error
+            return error.sse_event() if self._o.stream else b""
+        events = []
+        for choice in self._choices.values():
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                if self._o.stream:
+                    events.append(self._chunk(choice, [], [], "abort", None))
+        return b"".join(events)
+
+    def close(self) -> bytes:
+        if self._o.include_usage and self._error is None:
+            usage = self._usage(self._completion_tokens())
+            chunk = {"request_id": self._o.request_id, "usage": usage, "output_mode": "tokens", "choices": []}
+            return _event(chunk) + DONE
+        return DONE
+
+    def reply(self) -> HttpReply:
+        if self._error is not None:
+            return self._error.reply()
+        choices = [self._unary_choice(self._choices[i]) for i in sorted(self._choices)]
+        usage = self._usage(self._completion_tokens())
+        usage["prompt_tokens_details"] = None
+        usage["completion_tokens_details"] = None
+        body = {
+            "request_id": self._o.request_id,
+            "model": self._o.model,
+            "created": self._created,
+            "usage": usage,
+            "prompt_logprobs": self._prompt_logprobs,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": _list_or_none(self._o.prompt_token_ids),
+            "mm_placeholders": None,
+            "metrics": None,
+            "kv_transfer_params": self._kv_transfer_params,
+            "ec_transfer_params": None,
+            "output_mode": "tokens",
+            "choices": choices,
+        }
+        return HttpReply(HTTPStatus.OK, _compact(body))
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice(index)
+        return choice
+
+    def _observe_terminal(self, output: sidecar_pb2.LLMEngineOutput) -> None:
+        if self._kv_transfer_params is None and output.HasField("disaggregated_params"):
+            self._kv_transfer_params = _struct_json(output.disaggregated_params)
+        if self._prompt_logprobs is None and self._o.prompt_logprobs and output.HasField("engine_data"):
+            value = output.engine_data.fields.get("prompt_logprobs")
+            if value is not None:
+                self._prompt_logprobs = _prompt_logprobs(value)
+
+    def _completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self._choices.values())
+
+    def _usage(self, completion: int) -> dict[str, JSON]:
+        prompt = self._o.prompt_tokens
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+    def _chunk(
+        self,
+        choice: _Choice,
+        ids: list[int],
+        logprobs: list[dict[str, object]],
+        finish: str | None,
+        stop_reason: int | str | None,
+    ) -> bytes:
+        usage: JSON = None
+        if self._o.continuous_usage:
+            # vLLM counts only this chunk's choice so far, not the whole request.
+            continuous = self._usage(len(choice.token_ids))
+            continuous["prompt_tokens_details"] = None
+            continuous["completion_tokens_details"] = None
+            usage = continuous
+        chunk: dict[str, object] = {"request_id": self._o.request_id, "usage": usage}
+        if self._first_chunk and self._o.prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = list(self._o.prompt_token_ids)
+        self._first_chunk = False
+        chunk["output_mode"] = "tokens"
+        chunk["choices"] = [
+            {
+                "index": choice.index,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "token_ids": ids,
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": None,
+                "logprobs": {"content": logprobs} if self._o.logprobs else None,
+            }
+        ]
+        return _event(chunk)
+
+    def _unary_choice(self, choice: _Choice) -> dict[str, object]:
+        return {
+            "index": choice.index,
+            # vLLM's default when a choice ends without a reason.
+            "finish_reason": choice.finish_reason or "stop",
+            "stop_reason": choice.stop_reason,
+            "token_ids": choice.token_ids,
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": None,
+            "logprobs": {"content": choice.logprobs} if self._o.logprobs else None,
+        }
+
+
+def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[dict[str, object]]:
+    """vLLM's per-token entries: the sampled token, then every candidate the engine returned."""
+    entries: list[dict[str, object]] = []
+    for i, token in enumerate(ids):
+        tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
+        if i < len(output.log_probs):
+            value = _clamp(output.log_probs[i])
+        elif tops and tops[0].token_id == token:
+            value = _clamp(tops[0].logprob)
+        else:
+            # vLLM's sentinel for a position the engine gave no logprob for.
+            entries.append({"token_id": token, "logprob": LOGPROB_FLOOR, "rank": None, "top_logprobs": []})
+            continue
+        rank = next((_rank(t) for t in tops if t.token_id == token), None)
+        entries.append(
+            {
+                "token_id": token,
+                "logprob": value,
+                "rank": rank,
+                "top_logprobs": [
+                    {"token_id": t.token_id, "logprob": _clamp(t.logprob), "rank": _rank(t)} for t in tops
+                ],
+            }
+        )
+    return entries
+
+
+def _rank(entry: sidecar_pb2.TopLogprob) -> int | None:
+    # vLLM reports rank 0 (a NaN logprob) as null; so is a rank the engine did not send.
+    return entry.rank if entry.HasField("rank") and entry.rank else None
+
+
+def _clamp(value: float) -> float:
+    return LOGPROB_FLOOR if value != value or value < LOGPROB_FLOOR else value
+
+
+def _prompt_logprobs(value: struct_pb2.Value) -> JSON:
+    """The terminal's prompt logprobs as vLLM shapes them.
+
+    One entry per prompt position: null, or ``{token id as text: {logprob, rank, decoded_token}}``.
+    """
+    try:
+        positions = json_from_value(value, "prompt_logprobs")
+    except StructError:
+        return None
+    if not isinstance(positions, list):
+        return None
+    result: list[JSON] = []
+    for position in positions:
+        if not isinstance(position, dict):
+            result.append(None)
+            continue
+        entry: dict[str, JSON] = {}
+        for token, candidate in position.items():
+            logprob = candidate.get("logprob") if isinstance(candidate, dict) else None
+            rank = candidate.get("rank") if isinstance(candidate, dict) else None
+            number = (
+                float(logprob) if isinstance(logprob, int | float) and not isinstance(logprob, bool) else None
+            )
+            entry[token] = {
+                "logprob": LOGPROB_FLOOR if number is None else _clamp(number),
+                "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+                "decoded_token": None,
+            }
+        result.append(entry)
+    return result
+
+
+def _struct_json(struct: struct_pb2.Struct) -> JSON:
+    try:
+        return json_from_struct(struct)
+    except StructError:
+        return None
+
+
+def _list_or_none(ids: tuple[int, ...] | None) -> JSON:
+    return None if ids is None else list(ids)
+
+
+def _compact(obj: object) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _event(obj: object) -> bytes:
+    return b"data: " + _compact(obj) + b"\n\n"
