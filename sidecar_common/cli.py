@@ -14,13 +14,24 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, NoReturn, cast
 
-from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.config import DEFAULT_MAX_REQUEST_BYTES, EngineSpec, SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
 from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_common.registration_record import (
+    DEFAULT_PREFIX,
+    RecordError,
+    RegistrationConfig,
+    advertise_address,
+    normalize_prefix,
+    parse_etcd_endpoints,
+)
+from sidecar_common.tls import TlsFiles, TlsSettingsError, check_pem, tls_files
+from sidecar_common.version import package_version
 
 __all__ = [
     "ENGINES",
@@ -50,6 +61,9 @@ ENGINES: Final[Mapping[str, str]] = {
 
 # `sidecar frontend ...` runs the HTTP frontend (sidecar_frontend) instead of a sidecar.
 FRONTEND: Final = "frontend"
+
+# grpc's message length option is a C int.
+_GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
 
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"0", "false", "no", "off", ""})
@@ -125,6 +139,110 @@ def _endpoint(text: str) -> Endpoint:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _etcd_endpoints(text: str) -> tuple[str, ...]:
+    try:
+        return parse_etcd_endpoints(text)
+    except RecordError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _etcd_prefix(text: str) -> str:
+    try:
+        return normalize_prefix(text)
+    except RecordError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _lease_ttl(text: str) -> int:
+    # etcd grants whole seconds; below 2 s a keepalive every third of it is a busy loop.
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 seconds, got {value}")
+    return value
+
+
+def _tls_config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> TlsFiles | None:
+    try:
+        files = tls_files(ns.tls_cert, ns.tls_key, ns.tls_client_ca)
+        if files is not None:
+            # The contents too: a key given as the certificate is a usage error, named here,
+            # where grpc would only fail to bind the port.
+            check_pem(files.cert, "certificate")
+            check_pem(files.key, "private key")
+            if files.client_ca is not None:
+                check_pem(files.client_ca, "certificate")
+    except TlsSettingsError as err:
+        parser.error(str(err))
+    return files
+
+
+def _registration_config(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, listen: str
+) -> RegistrationConfig | None:
+    if ns.etcd_endpoints is None:
+        return None
+    try:
+        # Port 0 is only known once bound; the check here is that the host is dialable.
+        advertise_address(listen, ns.advertise, bound_port=1)
+    except RecordError as err:
+        parser.error(str(err))
+    return RegistrationConfig(
+        endpoints=ns.etcd_endpoints,
+        prefix=ns.etcd_prefix,
+        advertise=ns.advertise,
+        lease_ttl=ns.etcd_lease_ttl_secs,
+    )
+
+
+def _pem_file(text: str) -> Path:
+    # Checked as the flag's type, so that a missing or unreadable file is a usage error
+    # naming the flag; the server reads it again when it starts.
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return path
+
+
+def _byte_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > _GRPC_MAX_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {_GRPC_MAX_MESSAGE_BYTES} (gRPC's limit), got {value}"
+        )
+    return value
+
+
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    security = parser.add_argument_group("security of the --listen port")
+    security.add_argument(
+        "--tls-cert",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="serve TLS with this certificate (chain); needs --tls-key (plaintext when unset)",
+    )
+    security.add_argument("--tls-key", type=_pem_file, default=None, metavar="PEM", help="its private key")
+    security.add_argument(
+        "--tls-client-ca",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="mutual TLS: refuse clients without a certificate signed by this CA",
+    )
+    security.add_argument(
+        "--no-reflection",
+        action="store_true",
+        help="do not serve gRPC server reflection (grpcurl then needs the .proto files)",
+    )
+    security.add_argument(
+        "--max-request-bytes",
+        type=_byte_count,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="BYTES",
+        help="largest request message accepted; larger ones are refused with RESOURCE_EXHAUSTED",
+    )
+
+
 def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:
     """The common flags of docs/common.md, then the engine's own."""
     parser = argparse.ArgumentParser(
@@ -192,6 +310,35 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         default=30.0,
         metavar="SECS",
         help="on SIGTERM, how long in-flight generations may finish before they are cancelled",
+    )
+    _add_security_arguments(parser)
+    fleet = parser.add_argument_group("fleet registration (etcd)")
+    fleet.add_argument(
+        "--etcd-endpoints",
+        type=_etcd_endpoints,
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="register this worker in etcd once serving (off when unset)",
+    )
+    fleet.add_argument(
+        "--etcd-prefix",
+        type=_etcd_prefix,
+        default=DEFAULT_PREFIX,
+        metavar="PREFIX",
+        help="key prefix of the worker registrations",
+    )
+    fleet.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST:PORT",
+        help="address frontends dial, written into etcd; default: --listen (refused if a wildcard)",
+    )
+    fleet.add_argument(
+        "--etcd-lease-ttl-secs",
+        type=_lease_ttl,
+        default=10,
+        metavar="SECS",
+        help="how long the registration outlives a sidecar that died without withdrawing",
     )
     ops = parser.add_argument_group("operations")
     ops.add_argument(
@@ -352,6 +499,10 @@ def parse_config(
         log_format=log_format,
         log_level=ns.log_level,
         drain_timeout=ns.drain_timeout_secs,
+        registration=_registration_config(parser, ns, ns.listen),
+        tls=_tls_config(parser, ns),
+        reflection=not ns.no_reflection,
+        max_request_bytes=ns.max_request_bytes,
     )
     return config, ns
 

@@ -5,14 +5,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import Engine
 from sidecar_common.pool import PoolConfig
+from sidecar_common.registration_record import RegistrationConfig
+from sidecar_common.tls import TlsFiles
 
-__all__ = ["EngineSpec", "SidecarConfig"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
+
+# The largest request message the public port accepts (--max-request-bytes): room for a
+# prompt of millions of token ids and media URLs, far below what would strain memory.
+DEFAULT_MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
+
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,10 @@ class SidecarConfig:
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     drain_timeout: float = 30.0
+    registration: RegistrationConfig | None = None  # --etcd-endpoints & co; None: off
+    tls: TlsFiles | None = None  # --tls-cert, --tls-key, --tls-client-ca; None: plaintext
+    reflection: bool = True  # --no-reflection switches it off
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,14 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common import systemd
+from sidecar_common.api import sidecar_pb2
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine
 from sidecar_common.errors import SidecarError
 from sidecar_common.logs import configure_logging
 from sidecar_common.metrics import Metrics
+from sidecar_common.registration import Registration, registered
+from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_common.version import package_version
 
@@ -94,6 +97,9 @@ def _server_config(config: SidecarConfig) -> ServerConfig:
         listen=config.listen,
         drain_timeout=config.drain_timeout,
         hold_decode_cancels=config.disaggregation_mode == "decode",
+        tls=config.tls,
+        reflection=config.reflection,
+        max_request_bytes=config.max_request_bytes,
     )
 
 
@@ -221,8 +227,13 @@ async def _serve(
         status = f"serving {info.served_model_name or spec.name} on port {server.port}"
         systemd.notify(f"READY=1\nSTATUS={status}")
         log.info("serving", engine=spec.name, model=info.served_model_name, port=server.port)
+        registration = await _register(spec, config, server, info, closing)
 
         await stopper.requested.wait()
+        if registration is not None:
+            # The key goes first: frontends watching etcd stop routing here before the
+            # drain below starts refusing work.
+            await registration.withdraw()
         systemd.notify("STOPPING=1\nSTATUS=draining")
         drain_bound = config.drain_timeout + _cleanup_allowance(_server_config(config))
         with stopper.drain, anyio.move_on_after(drain_bound) as drain_scope:
@@ -236,6 +247,32 @@ async def _serve(
         # Leaving the exit stack: server.stop() (cancels what is left), engine.close(), metrics.
     log.info("stopped", engine=spec.name)
     return EXIT_OK
+
+
+async def _register(
+    spec: EngineSpec,
+    config: SidecarConfig,
+    server: SidecarServer,
+    info: sidecar_pb2.ModelInfo,
+    closing: AsyncExitStack,
+) -> Registration | None:
+    """Start keeping this worker's key in etcd (when configured); withdrawn on exit."""
+    if config.registration is None:
+        return None
+    try:
+        address = advertise_address(config.listen, config.registration.advertise, server.port)
+    except RecordError as err:  # the CLI refuses these; a config built in code may not
+        log.error("cannot register in etcd", error=str(err))
+        return None
+    record = WorkerRecord(
+        address=address,
+        engine=spec.name,
+        model=info.served_model_name,
+        role=config.disaggregation_mode,
+        data_parallel_size=max(1, info.data_parallel_size),
+        version=package_version(),
+    )
+    return await closing.enter_async_context(registered(config.registration, record))
 
 
 async def _start(
