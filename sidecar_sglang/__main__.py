@@ -33,6 +33,7 @@ def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
     """The engine for the chosen transport. A bad flag raises ValueError (a usage error)."""
     transport = getattr(namespace, "transport", "grpc")
     if transport == "grpc":
+        _refuse_http_endpoint_on_grpc(namespace)
         return SglangGrpcEngine(config)
     if transport != "http":
         raise ValueError(f"--transport must be grpc or http, not {transport!r}")
@@ -52,12 +53,26 @@ def _http_endpoint(namespace: argparse.Namespace) -> Endpoint | None:
         raise ValueError(f"--http-endpoint: {error}") from error
 
 
+def _refuse_http_endpoint_on_grpc(namespace: argparse.Namespace) -> None:
+    # An operator who gave only the HTTP address most likely forgot --transport http; serving
+    # gRPC while ignoring the flag would dial an engine nobody named.
+    if getattr(namespace, "http_endpoint", None):
+        raise ValueError(
+            "--http-endpoint is used only with --transport http (the transport is grpc, "
+            "which dials --grpc-endpoint)"
+        )
+
+
 def _endpoint_when_unset(namespace: argparse.Namespace) -> Endpoint | None:
     """Over HTTP the gRPC endpoint is not used: the HTTP one stands in (so logs and the
     start-up deadline name the address really dialled)."""
     if getattr(namespace, "transport", "grpc") != "http":
+        _refuse_http_endpoint_on_grpc(namespace)
         return None
-    return _http_endpoint(namespace)
+    endpoint = _http_endpoint(namespace)
+    if endpoint is None:
+        raise ValueError("--transport http needs --http-endpoint (SGLang's HTTP server, host:port)")
+    return endpoint
 
 
 SPEC = EngineSpec(

@@ -353,9 +353,39 @@ def test_sglang_over_grpc_still_requires_the_grpc_endpoint(capsys: pytest.Captur
     from sidecar_sglang.__main__ import SPEC as SGLANG
 
     with pytest.raises(SystemExit) as exc:
-        parse_config(SGLANG, ["--http-endpoint", "127.0.0.1:30000"], {}, log_format_default="json")
+        parse_config(SGLANG, [], {}, log_format_default="json")
     assert exc.value.code == 2
     assert "--grpc-endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--transport", "http"], "--transport http needs --http-endpoint"),
+        (["--http-endpoint", "127.0.0.1:30000"], "--http-endpoint is used only with --transport http"),
+    ],
+)
+def test_sglang_transport_and_http_endpoint_mismatches_say_what_is_wrong(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    from sidecar_sglang.__main__ import SPEC as SGLANG
+
+    with pytest.raises(SystemExit) as exc:
+        parse_config(SGLANG, argv, {}, log_format_default="json")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err
+    assert "--grpc-endpoint (or" not in err
+
+
+def test_sglang_http_endpoint_beside_a_grpc_endpoint_needs_transport_http() -> None:
+    from sidecar_sglang.__main__ import SPEC as SGLANG
+    from sidecar_sglang.__main__ import build
+
+    argv = ["--http-endpoint", "127.0.0.1:30000", "--grpc-endpoint", "127.0.0.1:30001"]
+    config, ns = parse_config(SGLANG, argv, {}, log_format_default="json")
+    with pytest.raises(ValueError, match="--http-endpoint is used only with --transport http"):
+        build(config, ns)
 
 
 def test_sglang_bad_http_endpoint_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
