@@ -34,12 +34,16 @@ from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, relay
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 
-__all__ = ["HEALTH_SERVICES", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
+__all__ = ["HEALTH_SERVICES", "LIVENESS_SERVICE", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
 
 _log = structlog.get_logger(__name__)
 
 WORKER_SERVICE = sidecar_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-HEALTH_SERVICES = ("", WORKER_SERVICE)
+# Answers SERVING whenever it answers at all: the reply is written by the sidecar's own event
+# loop, so it proves that loop turns and nothing about the engine. A liveness probe on it
+# restarts a wedged sidecar, never one that waits out an engine outage.
+LIVENESS_SERVICE = "liveness"
+HEALTH_SERVICES = ("", WORKER_SERVICE, LIVENESS_SERVICE)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _MAX_MESSAGE = 64 * 1024 * 1024
@@ -88,7 +92,10 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
     async def Check(self, request: Any, context: _Context) -> Any:
         if request.service not in HEALTH_SERVICES:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=self.status)
+        return health_pb2.HealthCheckResponse(status=self._status_of(request.service))
+
+    def _status_of(self, service: str) -> int:
+        return _SERVING if service == LIVENESS_SERVICE else self.status
 
     async def Watch(self, request: Any, context: _Context) -> None:
         known = request.service in HEALTH_SERVICES
@@ -98,7 +105,9 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             # wakes this loop instead of being missed.
             event = anyio.Event()
             self._waiters.append(event)
-            status = self.status if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            status = (
+                self._status_of(request.service) if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            )
             if status != last:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
