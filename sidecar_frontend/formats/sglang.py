@@ -1,0 +1,170 @@
+"""SGLang's native HTTP API (0.5.23, a server without a tokenizer) as a pure format plugin.
+
+``FORMAT`` implements :class:`~sidecar_frontend.formats.base.Format`: ``/generate`` (POST and
+PUT), ``/abort_request``, and the informational routes a ``/generate`` client reads. Request
+parsing lives in ``sglang_request`` (with its type gates in ``sglang_checks``), response
+encoding in ``sglang_response``, SGLang's bytes and error bodies in ``sglang_wire``. What we
+serve and where we deliberately differ from the real server: docs/frontend-sglang.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from http import HTTPStatus
+from typing import Final
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_frontend.formats.base import (
+    AbortCall,
+    Encoder,
+    FormatContext,
+    GenerateCall,
+    HttpReply,
+    Route,
+    RouteKind,
+)
+from sidecar_frontend.formats.sglang_request import (
+    DEFAULT_MAX_NEW_TOKENS,
+    SglangOptions,
+)
+from sidecar_frontend.formats.sglang_request import (
+    parse_generate as _parse_generate,
+)
+from sidecar_frontend.formats.sglang_response import SglangEncoder
+from sidecar_frontend.formats.sglang_wire import ParseError, dumps, parse_error, status_error
+
+__all__ = ["FORMAT", "SglangFormat"]
+
+# The SGLang release whose HTTP behaviour this plugin reproduces (reported by /server_info).
+SGLANG_API_VERSION: Final = "0.5.23"
+
+GENERATE: Final = Route(("POST", "PUT"), "/generate", RouteKind.GENERATE)
+ABORT: Final = Route(("POST",), "/abort_request", RouteKind.ABORT)
+_INFO_PATHS: Final = (
+    "/health",
+    "/health_generate",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/v1/models",
+)
+_EMPTY: Final = HttpReply(200, b"", content_type="")
+
+
+def _model_info(info: sidecar_pb2.ModelInfo) -> dict[str, object]:
+    return {
+        "model_path": info.model_path,
+        "served_model_name": info.served_model_name,
+        "tokenizer_path": info.tokenizer_path or None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        # The frontend is one aggregated server to its clients, whatever the sidecars run.
+        "disaggregation_mode": "null",
+        "has_image_understanding": info.supports_vision,
+        "has_audio_understanding": False,
+    }
+
+
+def _server_info(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
+    context = info.max_context_length or None
+    tokens = info.kv_block_size * info.total_kv_blocks
+    return {
+        "model_path": info.model_path,
+        "served_model_name": info.served_model_name,
+        "tokenizer_path": info.tokenizer_path or None,
+        "skip_tokenizer_init": True,
+        "context_length": context,
+        "stream_interval": 1,
+        "incremental_streaming_output": ctx.sglang_incremental_streaming_output,
+        "dp_size": max(info.data_parallel_size, 1),
+        "disaggregation_mode": "null",
+        "max_req_input_len": context - 6 if context else None,
+        "max_total_num_tokens": tokens or None,
+        "default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+        "weight_version": "default",
+        "version": SGLANG_API_VERSION,
+        "frontend": "sidecar",
+    }
+
+
+def _models(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
+    card = {
+        "id": info.served_model_name,
+        "object": "model",
+        "created": int(ctx.wall_time),
+        "owned_by": "sglang",
+        "root": info.served_model_name,
+        "parent": None,
+        "max_model_len": info.max_context_length or None,
+    }
+    return {"object": "list", "data": [card]}
+
+
+class SglangFormat:
+    """SGLang ``/generate`` and friends; a module-level singleton with no state."""
+
+    name = "sglang"
+    routes: Sequence[Route] = (
+        GENERATE,
+        ABORT,
+        *(Route(("GET",), path, RouteKind.INFO) for path in _INFO_PATHS),
+    )
+
+    def parse_generate(
+        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
+    ) -> GenerateCall | HttpReply:
+        return _parse_generate(body, ctx)
+
+    def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
+        assert isinstance(call.options, SglangOptions)
+        return SglangEncoder(call.options, stream=call.stream, started_at=started_at)
+
+    def parse_abort(self, route: Route, body: bytes, headers: Mapping[str, str]) -> AbortCall | HttpReply:
+        try:
+            data = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            return parse_error(ParseError("body", "json_invalid", f"JSON decode error: {err}", None))
+        if not isinstance(data, dict):
+            return parse_error(ParseError("body", "model_type", "Input should be an object", data))
+        rid, abort_all = data.get("rid"), data.get("abort_all", False)
+        if rid is not None and not isinstance(rid, str):
+            return parse_error(ParseError("rid", "string_type", "Input should be a valid string", rid))
+        if not isinstance(abort_all, bool):
+            return parse_error(
+                ParseError("abort_all", "bool_type", "Input should be a valid boolean", abort_all)
+            )
+        if abort_all:
+            return AbortCall(all_requests=True)
+        # SGLang drops an abort with an empty rid (it would prefix-match every request).
+        return AbortCall(request_ids=(rid,) if rid else ())
+
+    def abort_reply(self, route: Route, call: AbortCall, aborted: int) -> HttpReply:
+        # 200 with an empty body whatever was (or was not) aborted, as SGLang answers.
+        return _EMPTY
+
+    def info(self, route: Route, ctx: FormatContext) -> HttpReply:
+        info = ctx.model_info
+        if route.path in ("/health", "/health_generate"):
+            # Before any worker has served the model, SGLang's answer while starting: 503.
+            return _EMPTY if info.served_model_name else HttpReply(503, b"", content_type="")
+        if route.path in ("/model_info", "/get_model_info"):
+            return HttpReply(200, dumps(_model_info(info)))
+        if route.path in ("/server_info", "/get_server_info"):
+            return HttpReply(200, dumps(_server_info(info, ctx)))
+        if route.path == "/v1/models":
+            return HttpReply(200, dumps(_models(info, ctx)))
+        return self.error_reply(404, "Not Found")
+
+    def error_reply(self, status: int, message: str) -> HttpReply:
+        if status in (404, 405):
+            # FastAPI's own answers for an unknown path or a wrong method.
+            return HttpReply(status, dumps({"detail": HTTPStatus(status).phrase}))
+        return status_error(status, message)
+
+
+FORMAT: Final = SglangFormat()

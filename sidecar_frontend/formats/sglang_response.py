@@ -1,0 +1,307 @@
+"""``LLMEngineOutput`` -> SGLang ``/generate`` responses (pure): the streaming encoder and the
+unary assembler are one state machine, so a unary reply is by construction the fold of the
+events a stream would have carried.
+
+One item per sub-request (see :class:`~sidecar_frontend.formats.sglang_request.ItemPlan`).
+Outputs are deltas; an item keeps everything it has produced and renders either all of it
+(cumulative streams, unary) or what is new since its last event (incremental streams).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.structs import StructError, json_from_struct
+from sidecar_frontend.formats.base import HttpReply, WorkerFailure
+from sidecar_frontend.formats.sglang_request import ItemPlan, SglangOptions
+from sidecar_frontend.formats.sglang_wire import (
+    DONE_EVENT,
+    dumps,
+    event,
+    status_error,
+    stream_error_event,
+)
+
+__all__ = ["SglangEncoder", "failure_status"]
+
+Triple = list[object]  # [logprob | None, token_id, text (always None: no tokenizer)]
+
+_ABORTED: Final[Mapping[str, object]] = {
+    "type": "abort",
+    "message": "Aborted",
+    "status_code": None,
+    "err_type": None,
+}
+# Worker failures, by the sidecar's ErrorInfo reason (or the frontend's own NO_WORKER and
+# DEADLINE): the HTTP status SGLang would use for the same cause.
+_UNAVAILABLE: Final = frozenset(
+    {"CANNOT_CONNECT", "ENGINE_SHUTDOWN", "CONNECTION_TIMEOUT", "NO_WORKER", "DEADLINE", "OVERLOADED"}
+)
+
+
+def failure_status(reason: str) -> int:
+    """INVALID_ARGUMENT 400; capacity, reachability and time 503; anything else 500."""
+    if reason == "INVALID_ARGUMENT":
+        return 400
+    if reason in _UNAVAILABLE:
+        return 503
+    return 500
+
+
+def _abort_reason(status: int, message: str) -> dict[str, object]:
+    return {
+        "type": "abort",
+        "message": message,
+        "status_code": status,
+        "err_type": "InternalServerError" if status == 500 else None,
+    }
+
+
+def _float_or_none(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _top_row(candidates: Sequence[tuple[int, float | None, int | None]], limit: int) -> list[Triple]:
+    """SGLang's top-k row from (token, logprob, rank) candidates: by rank where the worker
+    gave ranks, else by logprob; the sampled token drops out when it was not in the top k."""
+    ranked = [c for c in candidates if c[2] is not None]
+    if ranked:
+        ordered = sorted(ranked, key=lambda c: c[2] or 0)
+    else:
+        ordered = sorted(candidates, key=lambda c: -(c[1] if c[1] is not None else float("-inf")))
+    return [[lp, token, None] for token, lp, _ in ordered[:limit]]
+
+
+def _output_top(entries: sidecar_pb2.TopLogprobs, limit: int) -> list[Triple]:
+    candidates = [(e.token_id, e.logprob, e.rank if e.HasField("rank") else None) for e in entries.entries]
+    return _top_row(candidates, limit)
+
+
+def _position(entry: object, token: int) -> tuple[float | None, list[tuple[int, float | None, int | None]]]:
+    """One prompt position of ``engine_data.prompt_logprobs``: the prompt token's logprob and
+    the candidates. Two shapes arrive: ``[{"token_id", "logprob"}, ...]`` (SGLang sidecars)
+    and ``{"<token_id>": {"logprob"}}`` (vLLM sidecars)."""
+    pairs: list[tuple[int, float | None]] = []
+    if isinstance(entry, list):
+        for item in entry:
+            if isinstance(item, dict) and isinstance(item.get("token_id"), int):
+                pairs.append((int(item["token_id"]), _float_or_none(item.get("logprob"))))
+    elif isinstance(entry, dict):
+        for key, item in entry.items():
+            if key.lstrip("-").isdecimal() and isinstance(item, dict):
+                pairs.append((int(key), _float_or_none(item.get("logprob"))))
+    own = next((lp for tid, lp in pairs if tid == token), None)
+    return own, [(tid, lp, None) for tid, lp in pairs]
+
+
+@dataclass
+class _Item:
+    plan: ItemPlan
+    index: int
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[Triple] = field(default_factory=list)
+    top_logprobs: list[list[Triple]] = field(default_factory=list)
+    input_token_logprobs: list[Triple] = field(default_factory=list)
+    input_top_logprobs: list[list[Triple] | None] = field(default_factory=list)
+    finish: Mapping[str, object] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # Tokens already carried by an event (incremental streams render from here).
+    sent: int = 0
+    events: int = 0
+    finished_at: float | None = None
+    first_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = len(self.plan.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def add(self, output: sidecar_pb2.LLMEngineOutput) -> None:
+        plan = self.plan
+        new = list(output.token_ids)
+        self.output_ids.extend(new)
+        if plan.return_logprob:
+            for k, token in enumerate(new):
+                lp = output.log_probs[k] if k < len(output.log_probs) else None
+                self.token_logprobs.append([lp, token, None])
+                if plan.top_logprobs_num > 0:
+                    tops = output.top_logprobs
+                    row = _output_top(tops[k], plan.top_logprobs_num) if k < len(tops) else []
+                    self.top_logprobs.append(row)
+
+    def end(self, output: sidecar_pb2.LLMEngineOutput) -> None:
+        usage = output.completion_usage
+        if output.HasField("completion_usage"):
+            self.prompt_tokens = usage.prompt_tokens or self.prompt_tokens
+            self.cached_tokens = usage.cached_tokens if usage.HasField("cached_tokens") else 0
+        if self.plan.return_logprob:
+            self._input_logprobs(output)
+        self.finish = self._finish(output)
+
+    def _finish(self, output: sidecar_pb2.LLMEngineOutput) -> Mapping[str, object]:
+        reason = output.finish_reason
+        if reason == sidecar_pb2.LENGTH:
+            cap = self.plan.max_new_tokens
+            return {"type": "length", "length": cap if cap is not None else len(self.output_ids)}
+        if reason in (sidecar_pb2.STOP, sidecar_pb2.EOS):
+            which = output.WhichOneof("stop_reason")
+            if which == "stop_token_id":
+                return {"type": "stop", "matched": output.stop_token_id}
+            if which == "stop_string":
+                return {"type": "stop", "matched": output.stop_string}
+            # EOS and other hidden stops name no token on our wire; SGLang reports the
+            # matched id, and the stop token is the last output token.
+            return {"type": "stop", "matched": self.output_ids[-1] if self.output_ids else None}
+        if reason == sidecar_pb2.CONTENT_FILTER:
+            return {"type": "abort", "message": "Content filtered", "status_code": None, "err_type": None}
+        return _ABORTED
+
+    def _input_logprobs(self, output: sidecar_pb2.LLMEngineOutput) -> None:
+        plan = self.plan
+        start, prompt = plan.logprob_start_len, plan.prompt
+        if not 0 <= start < len(prompt):
+            return
+        rows: object = None
+        if output.HasField("engine_data"):
+            try:
+                rows = json_from_struct(output.engine_data).get("prompt_logprobs")
+            except StructError:
+                rows = None
+        table = rows if isinstance(rows, list) else []
+        for position in range(start, len(prompt)):
+            entry = table[position] if position < len(table) else None
+            own, candidates = _position(entry, prompt[position])
+            first = position == start
+            # SGLang's first input entry never has a logprob, whatever the start.
+            self.input_token_logprobs.append([None if first else own, prompt[position], None])
+            if plan.top_logprobs_num > 0:
+                row = None if first or entry is None else _top_row(candidates, plan.top_logprobs_num)
+                self.input_top_logprobs.append(row)
+
+    def body(
+        self, *, incremental: bool, started_at: float, wall_time: float, unary: bool
+    ) -> dict[str, object]:
+        """The item's next event (or, ``unary``, its response) rendered from its state."""
+        plan = self.plan
+        offset = self.sent if incremental else 0
+        meta: dict[str, object] = {
+            "id": plan.rid,
+            "finish_reason": dict(self.finish) if self.finish is not None else None,
+            "prompt_tokens": self.prompt_tokens,
+            "weight_version": "default",
+            "num_retractions": 0,
+        }
+        if plan.return_logprob:
+            meta["input_token_logprobs"] = self.input_token_logprobs
+            meta["output_token_logprobs"] = self.token_logprobs[offset:]
+            meta["output_token_logprobs_length"] = len(self.token_logprobs)
+            if plan.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = self.input_top_logprobs
+                meta["output_top_logprobs"] = self.top_logprobs[offset:]
+        meta["reasoning_tokens"] = 0
+        meta["completion_tokens"] = len(self.output_ids)
+        meta["cached_tokens"] = self.cached_tokens
+        meta["cached_tokens_details"] = (
+            {"device": self.cached_tokens, "host": 0} if self.cached_tokens else None
+        )
+        meta["dp_rank"] = None
+        if self.finished_at is not None:
+            meta["e2e_latency"] = self.finished_at - started_at
+        if unary or self.events == 0:
+            sent_at = self.finished_at if unary else self.first_at
+            meta["response_sent_to_client_ts"] = wall_time + ((sent_at or started_at) - started_at)
+        body: dict[str, object] = {"output_ids": self.output_ids[offset:], "meta_info": meta}
+        if plan.return_prompt_token_ids:
+            body["prompt_token_ids"] = list(plan.prompt)
+        return body
+
+
+class SglangEncoder:
+    """One generate call's response (``base.Encoder``)."""
+
+    def __init__(self, options: SglangOptions, *, stream: bool, started_at: float) -> None:
+        self._options = options
+        self._stream = stream
+        self._started_at = started_at
+        self._items = [_Item(plan, index) for index, plan in enumerate(options.items)]
+        self._aborted = False
+        self._error: HttpReply | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def on_output(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
+        item = self._items[index]
+        if self._aborted or item.done:
+            return b""
+        before = len(item.output_ids)
+        item.add(output)
+        if output.finish_reason != sidecar_pb2.UNSPECIFIED:
+            item.end(output)
+            item.finished_at = now
+        elif len(item.output_ids) == before:
+            return b""
+        return self._emit(item, now)
+
+    def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:
+        item = self._items[index]
+        if self._aborted or item.done:
+            return b""
+        reason, message = failure.reason, failure.message
+        if reason == "CANCELLED":
+            # An abort by rid: SGLang ends the request with the abort finish reason and the
+            # output so far, on HTTP 200; the other items go on.
+            item.finish = _ABORTED
+            item.finished_at = now
+            return self._emit(item, now)
+        status = failure_status(reason)
+        if self._stream and status == 400:
+            # A refused value: SGLang's SSE error event (no index), then [DONE].
+            self._aborted = True
+            return stream_error_event(message)
+        if self._stream:
+            # Any other failure ends that item with an abort chunk carrying the status.
+            item.finish = _abort_reason(status, message)
+            item.finished_at = now
+            return self._emit(item, now)
+        self._aborted = True
+        self._error = status_error(status, message)
+        return b""
+
+    def close(self) -> bytes:
+        return DONE_EVENT
+
+    def reply(self) -> HttpReply:
+        if self._error is not None:
+            return self._error
+        bodies = [
+            item.body(
+                incremental=False, started_at=self._started_at, wall_time=self._options.wall_time, unary=True
+            )
+            for item in self._items
+        ]
+        return HttpReply(200, dumps(bodies if self._options.batch else bodies[0]))
+
+    def _emit(self, item: _Item, now: float) -> bytes:
+        if not self._stream:
+            return b""
+        if item.events == 0:
+            item.first_at = now
+        body = item.body(
+            incremental=self._options.incremental,
+            started_at=self._started_at,
+            wall_time=self._options.wall_time,
+            unary=False,
+        )
+        if self._options.batch:
+            body["index"] = item.index
+        item.events += 1
+        item.sent = len(item.output_ids)
+        return event(body)

@@ -1,0 +1,115 @@
+"""SGLang's bytes on the wire (pure): compact JSON, SSE events and its error bodies.
+
+SGLang answers a bad ``/generate`` with a different body depending on which of its gates
+refused it (see docs/frontend-sglang.md, "Errors"); each gate has one constructor here:
+
+* :func:`parse_error` - the request-model parse (a pydantic-style body, always HTTP 400);
+* :func:`contract_error` - the JSON schema gate (``{"error": "<serde text>"}``, always 400);
+* :func:`value_error` - a value check (unary 400 ``{"error": {"message"}}``; a stream gets
+  HTTP 200, one SSE error event and ``data: [DONE]``);
+* :func:`status_error` - any other status (``{"object": "error", "type": "<code>", ...}``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Final
+
+from sidecar_frontend.formats.base import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, HttpReply
+
+__all__ = [
+    "DONE_EVENT",
+    "ContractError",
+    "ParseError",
+    "ValueRefusal",
+    "contract_error",
+    "dumps",
+    "event",
+    "parse_error",
+    "status_error",
+    "stream_error_event",
+    "value_error",
+]
+
+DONE_EVENT: Final = b"data: [DONE]\n\n"
+
+
+class ParseError(Exception):
+    """Gate 1: the body does not fit the request model (type, shape)."""
+
+    def __init__(self, field: str, kind: str, message: str, value: object) -> None:
+        super().__init__(message)
+        self.field = field
+        self.kind = kind
+        self.message = message
+        self.value = value
+
+
+class ContractError(Exception):
+    """Gate 2: the JSON schema's serde-style text."""
+
+
+class ValueRefusal(Exception):
+    """Gate 3: a value the server refuses (SGLang's ValueError text, or ours naming the field)."""
+
+
+def _finite(value: object) -> object:
+    # orjson (SGLang's encoder) writes NaN and infinities as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    return value
+
+
+def dumps(value: object) -> bytes:
+    """Compact UTF-8 JSON as SGLang's orjson writes it (non-finite floats become null)."""
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode()
+
+
+def event(value: object) -> bytes:
+    return b"data: " + dumps(value) + b"\n\n"
+
+
+def parse_error(err: ParseError) -> HttpReply:
+    loc = ("body",) if err.field == "body" else ("body", err.field)
+    detail = {"type": err.kind, "loc": loc, "msg": err.message, "input": err.value}
+    body = {
+        "object": "error",
+        "message": f"1 validation error:\n  {detail!r}",
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
+    return HttpReply(400, dumps(body))
+
+
+def contract_error(err: ContractError) -> HttpReply:
+    return HttpReply(400, dumps({"error": str(err)}))
+
+
+def stream_error_event(message: str, code: int = 400) -> bytes:
+    return event(
+        {"error": {"message": message, "type": "invalid_request_error", "code": code, "retryable": False}}
+    )
+
+
+def value_error(message: str, *, stream: bool) -> HttpReply:
+    if stream:
+        return HttpReply(200, stream_error_event(message) + DONE_EVENT, SSE_CONTENT_TYPE)
+    return HttpReply(400, dumps({"error": {"message": message}}))
+
+
+def status_error(status: int, message: str) -> HttpReply:
+    """A non-400 refusal: SGLang's ErrorResponse with the status code as the type."""
+    if status == 400:
+        return HttpReply(400, dumps({"error": {"message": message}}))
+    body = {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
+    return HttpReply(status, dumps(body), JSON_CONTENT_TYPE)
