@@ -395,3 +395,11 @@ def test_sglang_bad_http_endpoint_is_a_usage_error(capsys: pytest.CaptureFixture
         parse_config(SGLANG, ["--transport", "http", "--http-endpoint", "https://x:1"], {})
     assert exc.value.code == 2
     assert "--http-endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mode", "holds"), [("decode", True), ("prefill", False), ("agg", False)])
+def test_decode_mode_turns_on_the_decode_hold_of_the_server(mode: str, holds: bool) -> None:
+    from sidecar_common.daemon import _server_config
+
+    config, _ = parse(["--grpc-endpoint", "h:1", "--disaggregation-mode", mode])
+    assert _server_config(config).hold_decode_cancels is holds
