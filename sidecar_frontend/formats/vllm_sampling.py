@@ -242,7 +242,8 @@ class SamplingParams:
             stop.max_tokens = context - prompt_len
         if self.min_tokens is not None:
             stop.min_tokens = _fits("min_tokens", self.min_tokens, 0, UINT32_MAX)
-        stop.stop_token_ids.extend(dict.fromkeys(self.stop_token_ids or []))
+        if self.stop_token_ids:
+            stop.stop_token_ids.extend(dict.fromkeys(self.stop_token_ids))
         if self.ignore_eos is not None:
             stop.ignore_eos = self.ignore_eos
         if self.logprobs is not None:
