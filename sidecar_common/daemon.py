@@ -156,6 +156,10 @@ async def run_daemon(spec: EngineSpec, config: SidecarConfig, namespace: argpars
     configure_logging(config.log_format, config.log_level)
     stopper = _Stopper(anyio.CancelScope(), anyio.CancelScope(), anyio.Event())
     async with anyio.create_task_group() as tg, _signal_watch(tg, stopper):
+        watchdog = systemd.watchdog_period()
+        if watchdog is not None:
+            # From the first moment: systemd's clock may run while the engine loads.
+            tg.start_soon(systemd.feed_watchdog, watchdog)
         code = await _serve(spec, config, namespace, stopper)
         tg.cancel_scope.cancel()
     return code
@@ -275,6 +279,19 @@ async def _register(
     return await closing.enter_async_context(registered(config.registration, record))
 
 
+def _engine_status(spec: EngineSpec, config: SidecarConfig) -> Callable[[bool, str], None]:
+    """What `systemctl status` says when the engine's health changes while serving."""
+    where = f"{spec.name} engine at {config.pool.endpoint}"
+
+    def report(healthy: bool, why: str) -> None:
+        if healthy:
+            systemd.notify(f"STATUS=serving: {where} is healthy again")
+        else:
+            systemd.notify(f"STATUS=engine down: {where}: {why}; refusing new requests")
+
+    return report
+
+
 async def _start(
     spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack
 ) -> SidecarServer:
@@ -283,7 +300,9 @@ async def _start(
         metrics = Metrics(spec.name, version=package_version())
         stop_metrics = _start_metrics_http(config.metrics_port, metrics)
         closing.push_async_callback(_bounded, "metrics stop", stop_metrics, _CLOSE_TIMEOUT)
-    server = SidecarServer(engine, _server_config(config), metrics=metrics)
+    server = SidecarServer(
+        engine, _server_config(config), metrics=metrics, engine_health_listener=_engine_status(spec, config)
+    )
     try:
         await server.start()
     except SidecarError:

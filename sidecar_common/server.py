@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -159,10 +160,19 @@ class SidecarServer:
     """One sidecar's gRPC server: ``start`` (health NOT_SERVING), ``set_serving`` once the
     engine is discovered, ``drain`` on a stop signal, then ``stop``."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        *,
+        metrics: Metrics | None = None,
+        engine_health_listener: Callable[[bool, str], None] | None = None,
+    ) -> None:
         self._engine = engine
         self._config = config
         self._metrics = metrics
+        # Told (healthy, why not) when the background health watch changes its verdict.
+        self._engine_health_listener = engine_health_listener
         self._registry = Registry()
         self._health = _Health()
         self._relay_config = RelayConfig(
@@ -348,12 +358,14 @@ class SidecarServer:
                 if self._metrics is not None:
                     self._metrics.set_engine_connected(ok)
                 self._update_health()
+                if self._engine_health_listener is not None:
+                    self._engine_health_listener(ok, why)
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:
         started_at = time.monotonic()
         metrics = self._metrics
         if metrics is not None:
-            metrics.arrived()
+            pass  # MUT1
         # A bad request is refused as such whatever the engine's state (it would fail on
         # any worker, so it must not look migratable); validation needs the discovered
         # engine, hence after the not-serving check.

@@ -4,6 +4,11 @@ A ``Type=notify`` unit is "started" only once the service sends ``READY=1``; for
 that means after the engine is connected and discovered, which can take many minutes while
 the engine loads its weights. The protocol is one AF_UNIX datagram of ``KEY=VALUE`` lines to
 the socket named by ``$NOTIFY_SOCKET``.
+
+With ``WatchdogSec=`` in the unit, systemd passes ``$WATCHDOG_USEC`` and restarts the service
+when no ``WATCHDOG=1`` arrives within it. :func:`feed_watchdog` sends them from the event loop
+itself, at half that interval (what sd_watchdog_enabled(3) advises), so they stop exactly
+when the loop is wedged, which is what the restart is for.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import os
 import socket
 from collections.abc import Mapping
 
-__all__ = ["notify", "notify_socket_address"]
+import anyio
+
+__all__ = ["feed_watchdog", "notify", "notify_socket_address", "watchdog_period"]
 
 
 def notify_socket_address(environ: Mapping[str, str] | None = None) -> str | bytes | None:
@@ -44,3 +51,30 @@ def notify(message: str, *, environ: Mapping[str, str] | None = None) -> bool:
     except OSError:
         return False
     return True
+
+
+def watchdog_period(environ: Mapping[str, str] | None = None, *, pid: int | None = None) -> float | None:
+    """Seconds between ``WATCHDOG=1`` pings: half of ``$WATCHDOG_USEC``, or None when no
+    watchdog is asked of this process.
+
+    ``$WATCHDOG_PID``, when set, names the process the watchdog is for: a child that
+    inherited the variables must not ping for its parent. Unusable values mean no watchdog,
+    as in sd_watchdog_enabled(3).
+    """
+    env = os.environ if environ is None else environ
+    usec_text = env.get("WATCHDOG_USEC", "")
+    if not usec_text.isdigit() or int(usec_text) == 0:
+        return None
+    pid_text = env.get("WATCHDOG_PID", "")
+    own_pid = os.getpid() if pid is None else pid
+    if pid_text and (not pid_text.isdigit() or int(pid_text) != own_pid):
+        return None
+    return int(usec_text) / 1_000_000 / 2
+
+
+async def feed_watchdog(period: float, *, environ: Mapping[str, str] | None = None) -> None:
+    """Send ``WATCHDOG=1`` now and every ``period`` seconds, until cancelled. Runs on the
+    event loop on purpose: a loop that stops turning stops the pings."""
+    while True:
+        notify("WATCHDOG=1", environ=environ)
+        await anyio.sleep(period)
