@@ -1,0 +1,102 @@
+"""A frontend over real sidecars on loopback, in-process: testkit engines, their sidecars
+(tests/vllm_fixtures, tests/sglang_fixtures), a WorkerSet and the aiohttp app on a free port.
+(Plain async context managers, as the other suites' stacks.)"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import anyio
+from aiohttp import web
+
+from sidecar_frontend.formats.base import Format
+from sidecar_frontend.handler import Frontend, HandlerConfig
+from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.workers import WorkerSet, WorkerSetConfig
+from tests.integration.frontend.plugin import FORMAT as PROBE
+from tests.vllm_fixtures import Stack, vllm_stack
+
+__all__ = ["FAST_WORKERS", "FrontendStack", "frontend_over", "frontend_stack", "sse_events"]
+
+FAST_WORKERS = WorkerSetConfig(connections=1, rpc_timeout=2.0, load_poll_interval=0.1, rewatch_interval=0.05)
+
+
+@dataclass
+class FrontendStack:
+    frontend: Frontend
+    workers: WorkerSet
+    metrics: Metrics
+    url: str
+    http: aiohttp.ClientSession
+    sidecars: list[Any]  # the sidecar stacks (vllm_fixtures.Stack / sglang_fixtures.Stack)
+
+    def address(self, index: int) -> str:
+        return f"127.0.0.1:{self.sidecars[index].server.port}"
+
+
+@asynccontextmanager
+async def frontend_over(
+    addresses: Sequence[str],
+    sidecars: list[Any],
+    *,
+    formats: Sequence[Format] = (PROBE,),
+    config: HandlerConfig | None = None,
+    serving: int | None = None,
+    seed: int = 7,
+) -> AsyncIterator[FrontendStack]:
+    """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve."""
+    metrics = Metrics()
+    async with WorkerSet(
+        FAST_WORKERS,
+        rand=random.Random(seed),
+        on_inflight=lambda w: metrics.set_worker_inflight(w.address, w.inflight),
+    ) as workers:
+        for address in addresses:
+            workers.add_worker(address)
+        with anyio.fail_after(20):
+            await workers.wait_serving(len(addresses) if serving is None else serving)
+        frontend = Frontend(formats, workers, config or HandlerConfig(), metrics=metrics)
+        runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                yield FrontendStack(frontend, workers, metrics, f"http://127.0.0.1:{port}", http, sidecars)
+        finally:
+            await runner.cleanup()
+
+
+@asynccontextmanager
+async def frontend_stack(
+    count: int = 1,
+    *,
+    config: HandlerConfig | None = None,
+    engines: Sequence[dict[str, Any]] = (),
+    **kwargs: Any,
+) -> AsyncIterator[FrontendStack]:
+    """``count`` vLLM sidecars (each over its own testkit engine) behind one frontend."""
+    async with AsyncExitStack() as stack:
+        sidecars: list[Stack] = []
+        for index in range(count):
+            engine_config = engines[index] if index < len(engines) else {}
+            sidecars.append(await stack.enter_async_context(vllm_stack(**engine_config)))
+        addresses = [f"127.0.0.1:{s.server.port}" for s in sidecars]
+        async with frontend_over(addresses, list(sidecars), config=config, **kwargs) as fe:
+            yield fe
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> list[str]:
+    """Every ``data:`` payload of an SSE response, in order."""
+    events = []
+    async for line in response.content:
+        text = line.decode().rstrip("\r\n")
+        if text.startswith("data: "):
+            events.append(text[len("data: ") :])
+    return events
