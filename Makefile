@@ -15,7 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
+# The fleet tests run a real etcd server: installed (Debian's etcd-server) when missing.
 setup: $(STAMP)
+	scripts/ensure_etcd.sh
 
 # The sidecar beside a testkit engine on loopback, streaming one real generation.
 run: $(STAMP)
