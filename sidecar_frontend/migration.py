@@ -1,0 +1,159 @@
+"""Continuing a generation on another worker after its worker failed (pure).
+
+When a sidecar ends a stream with a ``migratable`` error (CANNOT_CONNECT, ENGINE_SHUTDOWN, a
+CONNECTION_TIMEOUT so marked) the frontend can run the rest of the request elsewhere: the new
+prompt is the original prompt followed by every token already delivered, and the token budgets
+shrink by what was delivered. The client must see one uninterrupted stream, so the outputs of the
+continuation are rewritten as if they came from the first worker: usage counts the original prompt
+and the whole completion, prompt logprobs cover the original prompt only, the cumulative logprob
+goes on from where it stopped.
+
+:class:`Migration` is the whole state of one sub-request across its attempts, fed every output the
+client was given (``delivered``) and asked, when an attempt fails, what to run next
+(``after_failure``). No I/O, no clock: the handler owns those.
+
+What is never migrated, and why:
+
+* guided decoding: the grammar's state after the delivered tokens cannot be rebuilt from a prompt;
+* ``n > 1``: the choices share one engine request, and their streams cannot be resumed one by one;
+* a request whose every terminal was delivered: it finished, and must never run twice;
+* a failure the sidecar did not mark migratable (a bad request fails the same way everywhere);
+* more attempts than the migration limit (a request that kills workers must not kill the fleet).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from sidecar_common.api import sidecar_pb2
+
+__all__ = ["DEFAULT_MIGRATION_LIMIT", "Finish", "Migration", "Refusal", "RefusalReason"]
+
+DEFAULT_MIGRATION_LIMIT = 3
+
+
+class RefusalReason(enum.Enum):
+    NOT_MIGRATABLE = "the worker's error is not migratable"
+    GUIDED_DECODING = "guided decoding cannot resume from a prompt"
+    MULTIPLE_CHOICES = "n > 1 cannot resume choice by choice"
+    FINISHED = "every terminal was delivered"
+    LIMIT = "the migration limit was reached"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: RefusalReason
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Nothing is left to generate: the failure came after the last token of the budget but
+    before its terminal. ``terminal`` is the chunk to give the client (finish LENGTH, usage)."""
+
+    terminal: sidecar_pb2.LLMEngineOutput
+
+
+class Migration:
+    """One sub-request across its attempts (the first one included)."""
+
+    def __init__(
+        self, request: sidecar_pb2.PreprocessedRequest, limit: int = DEFAULT_MIGRATION_LIMIT
+    ) -> None:
+        self._original = request
+        self._limit = limit
+        self._migrations = 0
+        self._delivered: list[int] = []
+        self._finished = False
+        # Where the current attempt's accounting starts.
+        self._base_tokens = 0
+        self._base_cum_logprob = 0.0
+        self._last_cum_logprob: float | None = None
+
+    @property
+    def migrations(self) -> int:
+        """How many times the request moved to another worker so far."""
+        return self._migrations
+
+    @property
+    def delivered_tokens(self) -> tuple[int, ...]:
+        return tuple(self._delivered)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def delivered(self, output: sidecar_pb2.LLMEngineOutput) -> sidecar_pb2.LLMEngineOutput:
+        """Record an output of the current attempt; return it as the client must see it."""
+        out = output
+        if self._migrations:
+            out = self._rewrite(output)
+        self._delivered.extend(out.token_ids)
+        if out.HasField("cum_log_probs"):
+            self._last_cum_logprob = out.cum_log_probs
+        if out.finish_reason != sidecar_pb2.UNSPECIFIED:
+            self._finished = True
+        return out
+
+    def after_failure(self, migratable: bool) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
+        """The current attempt failed: the request to run next, or why there is none."""
+        original = self._original
+        if self._finished:
+            return Refusal(RefusalReason.FINISHED)
+        if not migratable:
+            return Refusal(RefusalReason.NOT_MIGRATABLE)
+        if original.sampling_options.HasField("guided_decoding"):
+            return Refusal(RefusalReason.GUIDED_DECODING)
+        if original.sampling_options.n > 1:
+            return Refusal(RefusalReason.MULTIPLE_CHOICES)
+        if self._migrations >= self._limit:
+            return Refusal(RefusalReason.LIMIT)
+        stop = original.stop_conditions
+        done = len(self._delivered)
+        if stop.HasField("max_tokens") and done >= stop.max_tokens:
+            self._finished = True
+            return Finish(self._length_terminal())
+        nxt = sidecar_pb2.PreprocessedRequest()
+        nxt.CopyFrom(original)
+        nxt.token_ids.extend(self._delivered)
+        if stop.HasField("max_tokens"):
+            nxt.stop_conditions.max_tokens = stop.max_tokens - done
+        if stop.HasField("min_tokens"):
+            nxt.stop_conditions.min_tokens = max(0, stop.min_tokens - done)
+        # A handoff belongs to the attempt it was made for; the next attempt gets its own.
+        nxt.ClearField("prefill_result")
+        nxt.ClearField("bootstrap_info")
+        self._migrations += 1
+        self._base_tokens = done
+        self._base_cum_logprob = self._last_cum_logprob or 0.0
+        return nxt
+
+    def _rewrite(self, output: sidecar_pb2.LLMEngineOutput) -> sidecar_pb2.LLMEngineOutput:
+        out = sidecar_pb2.LLMEngineOutput()
+        out.CopyFrom(output)
+        prompt = len(self._original.token_ids)
+        if out.HasField("completion_usage"):
+            usage = out.completion_usage
+            usage.prompt_tokens = prompt
+            usage.completion_tokens += self._base_tokens
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            if usage.HasField("cached_tokens"):
+                usage.cached_tokens = min(usage.cached_tokens, prompt)
+        if out.HasField("cum_log_probs"):
+            out.cum_log_probs += self._base_cum_logprob
+        if out.HasField("engine_data") and "prompt_logprobs" in out.engine_data.fields:
+            entries = out.engine_data.fields["prompt_logprobs"].list_value.values
+            # The continuation's prompt is the original one plus the delivered tokens; the
+            # client asked about the original prompt only.
+            del entries[prompt:]
+        return out
+
+    def _length_terminal(self) -> sidecar_pb2.LLMEngineOutput:
+        prompt = len(self._original.token_ids)
+        done = len(self._delivered)
+        return sidecar_pb2.LLMEngineOutput(
+            finish_reason=sidecar_pb2.LENGTH,
+            completion_usage=sidecar_pb2.CompletionUsage(
+                prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done
+            ),
+        )
