@@ -28,6 +28,7 @@ from sidecar_common.registration_record import (
     RegistrationConfig,
     advertise_address,
     normalize_prefix,
+    parse_advertise,
     parse_etcd_endpoints,
 )
 from sidecar_common.tls import TlsFiles, TlsSettingsError, check_pem, tls_files
@@ -149,6 +150,13 @@ def _etcd_endpoints(text: str) -> tuple[str, ...]:
 def _etcd_prefix(text: str) -> str:
     try:
         return normalize_prefix(text)
+    except RecordError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _advertise(text: str) -> str:
+    try:
+        return parse_advertise(text)
     except RecordError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -329,6 +337,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     )
     fleet.add_argument(
         "--advertise",
+        type=_advertise,
         default=None,
         metavar="HOST:PORT",
         help="address frontends dial, written into etcd; default: --listen (refused if a wildcard)",

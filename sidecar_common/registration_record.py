@@ -30,6 +30,7 @@ __all__ = [
     "encode_record",
     "is_wildcard_host",
     "normalize_prefix",
+    "parse_advertise",
     "parse_etcd_endpoints",
     "record_key",
 ]
@@ -99,10 +100,7 @@ def advertise_address(listen: str, advertise: str | None, bound_port: int) -> st
     listen host without ``advertise`` is refused: another machine cannot dial 0.0.0.0.
     """
     if advertise is not None:
-        host, port = _split_host_port(advertise, "--advertise")
-        if is_wildcard_host(host):
-            raise RecordError(f"--advertise must name an address others can dial, got {advertise!r}")
-        return f"{host}:{port}"
+        return parse_advertise(advertise)
     host, _, _ = listen.rpartition(":")
     if is_wildcard_host(host):
         raise RecordError(
@@ -112,6 +110,14 @@ def advertise_address(listen: str, advertise: str | None, bound_port: int) -> st
     if not 0 < bound_port <= 65535:
         raise RecordError(f"no port to advertise (listening on port {bound_port})")
     return f"{host}:{bound_port}"
+
+
+def parse_advertise(text: str) -> str:
+    """``--advertise HOST:PORT``: a dialable host (not a wildcard) and a port in 1..65535."""
+    host, port = _split_host_port(text.strip(), "--advertise")
+    if is_wildcard_host(host):
+        raise RecordError(f"--advertise must name an address others can dial, got {text!r}")
+    return f"{host}:{port}"
 
 
 def normalize_prefix(prefix: str) -> str:
