@@ -8,6 +8,7 @@ and :data:`HANG` waits until the stream is closed. Without a script the request 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +61,8 @@ class FakeEngine:
     closed: bool = False
     abort_hangs: bool = False  # an engine whose abort call never answers
     abort_latency: float = 0.0  # a real abort is a network call: it is recorded when it lands
+    # The server's handler task of each call, in arrival order (validate runs in it).
+    handlers: list[asyncio.Task[object]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -72,6 +75,9 @@ class FakeEngine:
         return sidecar_pb2.ModelInfo(engine="fake", served_model_name="fake-model", max_context_length=4096)
 
     def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self.handlers.append(task)
         if not request.token_ids:
             raise invalid_argument("token_ids", "must not be empty")
 
@@ -133,6 +139,17 @@ class FakeEngine:
                 if self._changed is None:
                     self._changed = anyio.Event()
                 await self._changed.wait()
+
+    async def wait_handler_cancelled(self, call: int = 0, timeout: float = 5.0) -> None:
+        """Wait until the client's cancel reached the server's handler of that call, then let
+        the loop turn until the handler has reacted (it is ready at once; anything it starts,
+        such as an abort, runs within those turns). Turns, not time: a slow machine waits
+        longer for the cancel but cannot skip the reaction."""
+        with anyio.fail_after(timeout):
+            while not self.handlers or self.handlers[call].cancelling() == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
 
     def _record(self, kind: str, private_id: str) -> None:
         self.events.append((kind, private_id))

@@ -69,8 +69,10 @@ async def servicer_running(
     finally:
         await channel.close(None)
         await server.stop()
-        # Nothing left running on the engine after the sidecar stopped.
+        # Nothing left running on the engine after the sidecar stopped, and no engine request
+        # aborted twice (a second abort can come after "closed": only the stop bounds it).
         assert not engine.running
+        assert len(engine.aborts) == len(set(engine.aborts)), f"aborted more than once: {engine.aborts}"
 
 
 def request(request_id: str = "req", n: int | None = None, **kw: Any) -> sidecar_pb2.PreprocessedRequest:
@@ -204,11 +206,12 @@ async def test_client_cancel_reaches_the_engine_as_one_abort() -> None:
         assert list(first.token_ids) == [1]
         call.cancel()
         await engine.wait_for("closed")
+        # The handler is done with the call: nothing can abort it any more.
+        assert await h.server.wait_idle(5)
         pid = engine.calls[0].private_id
         assert engine.aborts == [pid]
         # Abort first, then the stream is closed.
         assert [e for e in engine.events if e[0] in ("abort", "closed")] == [("abort", pid), ("closed", pid)]
-        assert await h.server.wait_idle(5)
 
 
 async def test_client_deadline_reaches_the_engine_as_one_abort() -> None:
@@ -218,6 +221,7 @@ async def test_client_deadline_reaches_the_engine_as_one_abort() -> None:
             await collect(h.stub.Generate(request("r"), timeout=0.3))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await engine.wait_for("closed")
+        assert await h.server.wait_idle(5)
         assert engine.aborts == [engine.calls[0].private_id]
 
 
@@ -361,7 +365,7 @@ async def test_decode_hold_aborts_only_after_the_first_token() -> None:
         await engine.wait_for("generate")
         assert engine.calls[0].hold_cancel_until_first_token
         call.cancel()
-        await anyio.sleep(0.1)  # give a wrong implementation the time to abort early
+        await engine.wait_handler_cancelled()
         assert engine.aborts == []
         gate.set()
         await engine.wait_for("abort")
@@ -387,7 +391,7 @@ async def test_decode_hold_ends_on_an_engine_error_and_still_aborts() -> None:
         call = h.stub.Generate(request("r"))
         await engine.wait_for("generate")
         call.cancel()
-        await anyio.sleep(0.1)  # let the cancel reach the sidecar: it is now holding
+        await engine.wait_handler_cancelled()  # the sidecar is now holding
         assert engine.aborts == []
         gate.set()
         await engine.wait_for("abort")
