@@ -49,7 +49,7 @@ async def test_a_client_cancel_during_the_cleanup_abort_does_not_interrupt_it() 
             assert list(first.token_ids) == [7]
             await engine.wait_for("abort")  # the engine failed; the sidecar's abort is in flight
             assert call.cancel()
-            await anyio.sleep(0.2)  # the cancel reaches the sidecar's handler
+            await engine.wait_handler_cancelled()  # the cancel reached the sidecar's handler
             engine.release.set()
             assert await server.wait_idle(5.0)
             [pid] = engine.aborts
