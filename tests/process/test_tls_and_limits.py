@@ -347,3 +347,50 @@ def test_a_prompt_that_does_not_fit_the_discovered_context_is_refused_as_invalid
             refused = _refusal(channel, _request("too-long", prompt_tokens=CONTEXT_LENGTH))
             assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert str(CONTEXT_LENGTH) in (refused.details() or "")
+
+
+# --- grpc's own log lines -----------------------------------------------------------------------
+
+
+def _refused_client_then_stop(engine: str, pki: Pki, **env: str) -> tuple[str, str]:
+    """A mutual-TLS sidecar refuses one client without a certificate; its stdout and stderr."""
+    flags = (
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(pki.ca),
+    )
+    proc = subprocess.Popen(
+        sidecar_argv(engine, *flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**child_env(), **env},
+    )
+    try:
+        port = serving_port(proc)
+        with _tls_channel(port, pki, client=None) as channel, pytest.raises(grpc.RpcError):
+            _health(channel)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=WAIT)
+        assert proc.returncode == 0
+        return out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+
+
+def test_grpc_core_lines_go_to_stderr_as_plain_text_and_grpc_verbosity_silences_them(
+    engine: str, pki: Pki
+) -> None:
+    # What deploy/README.md tells operators: the C core's own lines (here the refused handshake)
+    # are plain text on stderr, never mixed into the JSON lines on stdout.
+    out, err = _refused_client_then_stop(engine, pki)
+    assert "Handshake failed" in err
+    assert all(line.startswith("{") for line in out.splitlines() if line.strip())
+    _, quiet = _refused_client_then_stop(engine, pki, GRPC_VERBOSITY="ERROR")
+    assert "Handshake failed" not in quiet
