@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BUF_DIR := tools/buf
 BUF := $(BUF_DIR)/node_modules/.bin/buf
 
-.PHONY: setup run test lint typecheck protos protos-check buf bench bench-full soak clean
+.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check bench bench-full soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,31 @@ $(BUF): $(BUF_DIR)/package.json $(BUF_DIR)/package-lock.json
 buf: $(BUF)
 	$(BUF) lint
 	$(BUF) breaking --against tests/data/released
+
+# A venv in PREFIX with this checkout's wheel, and the systemd unit whose ExecStart runs it.
+# Run as root for the defaults; enabling the unit is left to the operator (deploy/README.md).
+PREFIX ?= /opt/llm-sidecars
+UNIT_DIR ?= /etc/systemd/system
+install-systemd:
+	$(PY) -m venv $(PREFIX)
+	$(PREFIX)/bin/python -m pip install --quiet --upgrade pip
+	$(PREFIX)/bin/python -m pip install --quiet .
+	mkdir -p $(UNIT_DIR)
+	sed 's|/opt/llm-sidecars|$(PREFIX)|g' deploy/sidecar-vllm.service > $(UNIT_DIR)/sidecar-vllm.service
+	chmod 0644 $(UNIT_DIR)/sidecar-vllm.service
+	@echo "installed $(PREFIX)/bin/sidecar and $(UNIT_DIR)/sidecar-vllm.service; next:"
+	@echo "  settings in /etc/sidecar/vllm.env, then: systemctl daemon-reload && systemctl enable --now sidecar-vllm"
+
+# The deployment files as their own tools judge them: hadolint on the Dockerfile, every
+# manifest in deploy/kubernetes against the named Kubernetes version's schemas, and the
+# systemd unit's hardening (exposure at most 3.0). `systemd-analyze verify` needs the
+# installed ExecStart, so tests/deploy runs it on a unit `make install-systemd` produced.
+# The oldest version the manifests claim (native sidecars are on by default from 1.29).
+K8S_VERSION ?= 1.29.0
+deploy-check: $(STAMP)
+	$(BIN)/hadolint Dockerfile
+	$(BIN)/kubernetes-validate --kubernetes-version $(K8S_VERSION) --strict deploy/kubernetes/*.yaml
+	systemd-analyze security --offline=true --threshold=30 deploy/sidecar-vllm.service
 
 # Quick results go to bench/results/quick/ so they never overwrite the committed --full run.
 bench: $(STAMP)
