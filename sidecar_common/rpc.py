@@ -72,13 +72,25 @@ def discovery_timeout(rpc: str, deadline: Deadline, policy: RetryPolicy) -> floa
     return timeout
 
 
-async def probe(attempt: Callable[[float], Awaitable[object]], timeout: float) -> bool:
+async def probe(
+    attempt: Callable[[float], Awaitable[object]],
+    timeout: float,
+    on_failure: Callable[[str], object] | None = None,
+) -> bool:
     """One health probe: True when ``attempt(timeout)`` returns in time; False when it fails
-    as an unreachable or unready engine does (the health watch only needs the verdict)."""
+    as an unreachable or unready engine does. ``on_failure`` is told why, in words for the
+    operator's "engine unhealthy" line."""
+    why = f"no health check answer within {timeout + GRACE:g}s"
     with anyio.move_on_after(timeout + GRACE):
         try:
             await attempt(timeout)
-        except (grpc.RpcError, SidecarError, NotHealthy):
-            return False
-        return True
+            return True
+        except grpc.RpcError as err:
+            why = from_rpc_error("HealthCheck", err).message
+        except SidecarError as err:
+            why = err.message
+        except NotHealthy as err:
+            why = str(err)
+    if on_failure is not None:
+        on_failure(why)
     return False

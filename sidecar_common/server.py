@@ -343,6 +343,8 @@ class SidecarServer:
             try:
                 with anyio.fail_after(self._config.health_probe_timeout):
                     ok = await self._engine.healthy()
+                # Optional on an Engine: the adapters say why their last probe failed.
+                why = getattr(self._engine, "health_problem", None) or why
             except TimeoutError:
                 why = f"no health check answer within {self._config.health_probe_timeout:g}s"
             except SidecarError as err:

@@ -63,6 +63,7 @@ class SglangGrpcEngine(SglangAdapterBase):
         self._stubs: StubCache[sglang_pb2_grpc.SglangServiceAsyncStub] = StubCache(
             self._pool, sglang_pb2_grpc.SglangServiceStub
         )
+        self.health_problem: str | None = None  # why the last health probe failed
 
     # ------------------------------------------------------------------- start-up
 
@@ -178,7 +179,11 @@ class SglangGrpcEngine(SglangAdapterBase):
         return EngineLoad(ranks=loads_from_json(_json("GetLoad", reply.json_info)))
 
     async def healthy(self) -> bool:
-        return await probe(self._health_attempt, HEALTH_TIMEOUT)
+        return await probe(self._health_attempt, HEALTH_TIMEOUT, self._note_health_problem)
+
+    def _note_health_problem(self, why: str) -> None:
+        # Read by the server's health watch for its "engine unhealthy" line.
+        self.health_problem = why
 
     async def close(self) -> None:
         self._stubs.clear()

@@ -81,6 +81,7 @@ class SglangHttpEngine(SglangAdapterBase):
         self._clock: Clock = clock or SystemClock()
         self._session: aiohttp.ClientSession | None = None
         self._control_session: aiohttp.ClientSession | None = None
+        self.health_problem: str | None = None  # why the last health probe failed
 
     def _new_session(self, limit: int) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
@@ -268,7 +269,12 @@ class SglangHttpEngine(SglangAdapterBase):
     async def healthy(self) -> bool:
         try:
             await self._health_attempt(HEALTH_TIMEOUT)
-        except (TimeoutError, aiohttp.ClientError, _NotHealthy):
+        except TimeoutError:
+            # Read by the server's health watch for its "engine unhealthy" line.
+            self.health_problem = f"GET /health: no answer within {HEALTH_TIMEOUT:g}s"
+            return False
+        except (aiohttp.ClientError, _NotHealthy) as err:
+            self.health_problem = f"GET /health: {err}"
             return False
         return True
 

@@ -88,6 +88,7 @@ class VllmEngine:
             self._pool, lambda channel: cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
         )
         self._info: sidecar_pb2.ModelInfo | None = None
+        self.health_problem: str | None = None  # why the last health probe failed
 
     @property
     def name(self) -> str:
@@ -246,7 +247,11 @@ class VllmEngine:
         )
 
     async def healthy(self) -> bool:
-        return await probe(self._health_attempt, HEALTH_TIMEOUT)
+        return await probe(self._health_attempt, HEALTH_TIMEOUT, self._note_health_problem)
+
+    def _note_health_problem(self, why: str) -> None:
+        # Read by the server's health watch for its "engine unhealthy" line.
+        self.health_problem = why
 
     async def close(self) -> None:
         self._stubs.clear()

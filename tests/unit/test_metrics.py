@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import ABORT_OUTCOMES, Metrics
+from sidecar_common.rpc import NotHealthy, probe
 from sidecar_common.server import ServerConfig, SidecarServer
 from tests.fake_engine import HANG, FakeEngine, terminal, tokens
 
@@ -290,3 +291,28 @@ async def test_engine_unhealthy_says_why() -> None:
     assert line["log_level"] == "warning"
     assert "connection refused" in line["reason"]
     assert metrics.registry.get_sample_value("sidecar_engine_connected", ENGINE) == 0
+
+
+async def test_a_failed_probe_tells_why() -> None:
+    reasons: list[str] = []
+
+    async def not_ready(timeout: float) -> None:
+        raise NotHealthy("engine reports not healthy: loading weights")
+
+    async def unreachable(timeout: float) -> None:
+        raise SidecarError(ErrorReason.CANNOT_CONNECT, "HealthCheck: connection refused (UNAVAILABLE)")
+
+    async def silent(timeout: float) -> None:
+        await anyio.sleep_forever()
+
+    async def fine(timeout: float) -> None:
+        return None
+
+    assert not await probe(not_ready, 1.0, reasons.append)
+    assert not await probe(unreachable, 1.0, reasons.append)
+    assert not await probe(silent, 0.01, reasons.append)
+    assert await probe(fine, 1.0, reasons.append)
+    assert reasons[0] == "engine reports not healthy: loading weights"
+    assert "connection refused" in reasons[1]
+    assert "no health check answer within" in reasons[2]
+    assert len(reasons) == 3
