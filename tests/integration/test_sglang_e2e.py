@@ -3,7 +3,6 @@ adapter <- SidecarServer <- a real gRPC client of the public API, on 127.0.0.1 i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -194,6 +193,51 @@ async def test_prefill_then_decode_reproduces_the_bootstrap_triple(transport: Tr
         assert (triple.host, triple.port, str(triple.room)) == ("127.0.0.1", 8998, params["bootstrap_room"])
 
 
+async def _read_all(call: Any) -> tuple[list[sidecar_pb2.LLMEngineOutput], grpc.aio.AioRpcError | None]:
+    outs: list[sidecar_pb2.LLMEngineOutput] = []
+    try:
+        while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            outs.append(out)
+    except grpc.aio.AioRpcError as err:
+        return outs, err
+    return outs, None
+
+
+@TRANSPORTS
+async def test_a_prefill_aborted_at_our_request_ends_cancelled_without_a_handoff(
+    transport: Transport,
+) -> None:
+    async with sglang_stack(transport, mode="prefill", bootstrap_port=8998, token_latency_ms=3000) as p:
+        call = p.stub.Generate(public_request("pre", max_tokens=8), timeout=20)
+        await until(lambda: p.engine.book.running_count == 1, "prefill running")
+        reply = await p.stub.Abort(sidecar_pb2.AbortRequest(request_id="pre"), timeout=5)
+        assert reply.aborted == 1
+        outs, err = await _read_all(call)
+        assert err is None, err
+        finals = [o for o in outs if o.finish_reason != sidecar_pb2.UNSPECIFIED]
+        assert [o.finish_reason for o in finals] == [sidecar_pb2.CANCELLED]
+        assert not finals[0].HasField("disaggregated_params"), "an aborted prefill hands nothing off"
+        assert outs[-1] is finals[0]
+        [pid] = private_ids(p)
+        await _only_target_aborted(p, pid)
+
+
+@TRANSPORTS
+async def test_a_prefill_the_engine_aborts_on_its_own_keeps_the_engines_error(transport: Transport) -> None:
+    async with sglang_stack(transport, mode="prefill", bootstrap_port=8998, token_latency_ms=3000) as p:
+        call = p.stub.Generate(public_request("pre", max_tokens=8), timeout=20)
+        await until(lambda: p.engine.book.running_count == 1, "prefill running")
+        [pid] = private_ids(p)
+        # SGLang aborting on its own (its own shutdown, an operator's abort, a scheduler limit).
+        assert p.engine.abort(pid, source="operator") == [pid]
+        outs, err = await _read_all(call)
+        assert err is not None, "an abort nobody asked for is an error, not a finished prefill"
+        assert all(o.finish_reason == sidecar_pb2.UNSPECIFIED for o in outs)
+        assert err.code() == grpc.StatusCode.UNKNOWN, err.details()
+        assert reason_of(err) == ("UNKNOWN", "false")
+        assert "engine aborted the request" in (err.details() or "")
+
+
 # ---------------------------------------------------------------------------- failures
 
 
@@ -260,6 +304,11 @@ async def test_engine_failure_gives_the_exact_prefix_then_a_typed_status(
         assert all(o.finish_reason == sidecar_pb2.UNSPECIFIED for o in outs)
         assert err.code() == code, err.details()
         assert reason_of(err) == (reason, migratable)
+        # Whatever broke (a malformed terminal included), a generation that ends without its
+        # terminal delivered is aborted on the engine exactly once, before the call ends.
+        assert await s.server.wait_idle(5)
+        [bad] = private_ids(s)
+        assert s.engine.book.aborts == [bad]
         again = await collect(s.stub.Generate(public_request("good", max_tokens=5), timeout=10))
         assert tokens(again) == full
         await idle(s)
@@ -379,21 +428,46 @@ async def test_public_abort_stops_the_engine_request(transport: Transport) -> No
         await _only_target_aborted(s, pid)
 
 
+class TokensAtAbortEngine(SglangTestEngine):
+    """Records, for every abort that reaches the engine, how many tokens the request had
+    produced by then."""
+
+    def __init__(self, config: SglangEngineConfig) -> None:
+        super().__init__(config)
+        self.tokens_at_abort: list[int] = []
+
+    def abort(self, rid: str, abort_all: bool = False, *, source: str) -> list[str]:
+        live = self._live.get(rid)
+        self.tokens_at_abort.append(len(live.state.ids) if live is not None else -1)
+        return super().abort(rid, abort_all, source=source)
+
+
 @TRANSPORTS
-async def test_decode_holds_a_cancel_until_the_first_token(transport: Transport) -> None:
-    async with sglang_stack(transport, mode="decode", token_latency_ms=5) as s:
-        s.engine.faults.add("-held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=0.5))
+@pytest.mark.parametrize(("mode", "holds"), [("decode", True), ("agg", False)])
+async def test_decode_holds_a_cancel_until_the_first_token(
+    transport: Transport, mode: Any, holds: bool
+) -> None:
+    engine = TokensAtAbortEngine(
+        SglangEngineConfig(disaggregation_mode="decode" if holds else "null", token_latency_ms=5)
+    )
+    async with sglang_stack(transport, engine, mode=mode) as s:
+        s.engine.faults.add("-held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=1.5))
         req = public_request("held", max_tokens=1000)
-        req.bootstrap_info.bootstrap_host = "127.0.0.1"
-        req.bootstrap_info.bootstrap_port = 8998
-        req.bootstrap_info.bootstrap_room = 12345
+        if holds:
+            req.bootstrap_info.bootstrap_host = "127.0.0.1"
+            req.bootstrap_info.bootstrap_port = 8998
+            req.bootstrap_info.bootstrap_room = 12345
         call = s.stub.Generate(req, timeout=20)
         await until(lambda: s.engine.book.running_count == 1, "request running")
         call.cancel()
-        await asyncio.sleep(0.2)
-        assert s.engine.book.aborts == [], "no abort before the KV transfer (first token) is done"
         [pid] = private_ids(s)
         await _only_target_aborted(s, pid)
+        assert await s.server.wait_idle(5)
+        [produced] = engine.tokens_at_abort
+        if holds:
+            assert produced >= 1, "the abort waited for the first token (the KV transfer is done)"
+        else:
+            assert produced == 0, "without the hold the abort cuts the stalled first token short"
 
 
 @TRANSPORTS

@@ -448,3 +448,60 @@ def test_arbitrary_top_alternatives_raise_only_sidecar_errors(
         return
     assert [top.entries[0].token_id for top in out.top_logprobs] == ids
     assert all(len(top.entries) <= limit + 1 for top in out.top_logprobs)
+
+
+# ------------------------------------------------- aborted prefill, long cumulative streams
+
+PREFILL_BOOTSTRAP = Bootstrap("10.1.1.1", 8998, 77)
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_a_prefill_aborted_at_our_request_is_cancelled_and_hands_nothing_off(cumulative: bool) -> None:
+    state = ResponseState(native(prefill=True, bootstrap=PREFILL_BOOTSTRAP), cumulative=cumulative)
+    assert run(state, [ev([5])]) == []
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([5], {"type": "abort", "message": "Abort"}), aborted_by_us=True)
+    assert info.value.reason is ErrorReason.CANCELLED
+    assert state.done, "nothing after the abort may produce a terminal (with its handoff)"
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [(None, ErrorReason.UNKNOWN), (503, ErrorReason.UNKNOWN), (400, ErrorReason.INVALID_ARGUMENT)],
+)
+def test_a_prefill_the_engine_aborted_on_its_own_keeps_the_engines_error(
+    status: int | None, reason: ErrorReason
+) -> None:
+    state = ResponseState(native(prefill=True, bootstrap=PREFILL_BOOTSTRAP), cumulative=True)
+    finish = {"type": "abort", "message": "scheduler is shutting down", "status_code": status}
+    with pytest.raises(SidecarError) as info:
+        state.feed(ev([5], finish), aborted_by_us=False)
+    assert info.value.reason is reason
+    assert "scheduler is shutting down" in info.value.message
+
+
+def test_cumulative_text_and_ids_over_many_events_give_exact_deltas() -> None:
+    state = ResponseState(native(), cumulative=True)
+    texts = ["he", "hello", "hello wor", "hello world", "hello world!"]
+    ids = [[5], [5, 6], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8, 9]]
+    events = [NativeEvent(i, {}, False, t) for i, t in zip(ids[:-1], texts[:-1], strict=True)]
+    events.append(NativeEvent(ids[-1], {"finish_reason": "length"}, True, texts[-1]))
+    outs = run(state, events)
+    assert [o.text for o in outs] == ["he", "llo", " wor", "ld", "!"]
+    assert [list(o.token_ids) for o in outs] == [[5], [6], [7, 8], [], [9]]
+    assert "".join(o.text for o in outs) == texts[-1]
+    assert outs[-1].completion_usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_sglangs_own_prompt_tokens_are_reported_when_they_differ_from_the_request(cumulative: bool) -> None:
+    # The request carried 4 ids; the engine counted 7 (e.g. a multimodal prompt expanded).
+    state = ResponseState(native(), cumulative=cumulative)
+    (out,) = run(state, [ev([5], "length", prompt_tokens=7, cached_tokens=3)])
+    usage = out.completion_usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, usage.cached_tokens) == (
+        7,
+        1,
+        8,
+        3,
+    )
