@@ -95,7 +95,8 @@ def uncarried(name: str, why: str) -> Refused:
 def error_reply(status: int, message: str) -> HttpReply:
     """A refusal the handler decides (no worker, overload, bad method) in vLLM's shapes."""
     if status in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED):
-        return detail_reply(status, message)
+        # The web framework's own answer: the status phrase, whatever the handler's words.
+        return detail_reply(status, HTTPStatus(status).phrase)
     return VllmError(message, _error_type(status), status).reply()
 
 

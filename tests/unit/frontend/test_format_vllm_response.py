@@ -404,8 +404,9 @@ def test_health_and_models() -> None:
 @pytest.mark.parametrize(
     ("status", "message", "body"),
     [
-        (405, "Method Not Allowed", {"detail": "Method Not Allowed"}),
-        (404, "Not Found", {"detail": "Not Found"}),
+        (405, "method GET is not allowed", {"detail": "Method Not Allowed"}),
+        (404, "no such route", {"detail": "Not Found"}),
+        (413, "too big", {"error": {"message": "too big", "type": "Request Entity Too Large", "param": None, "code": 413}}),
         (
             503,
             "busy",
