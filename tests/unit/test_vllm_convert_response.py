@@ -158,6 +158,26 @@ def test_eos_or_hidden_stop_token_is_not_reported() -> None:
     assert outs[-1].WhichOneof("stop_reason") is None
 
 
+def test_a_hidden_stop_id_other_than_the_primary_eos_is_not_reported() -> None:
+    # The frontend hides the model's extra EOS ids (e.g. <|eot_id|> beside </s>) in
+    # stop_token_ids_hidden: matching one is an EOS-like stop, never the user's stop token.
+    req = request(stops=[9])
+    req.eos_token_ids.append(2)
+    req.stop_conditions.stop_token_ids_hidden.extend([2, 7])
+    for matched, reported in ((7, None), (2, None), (9, 9)):
+        state = ResponseState(req, "agg")
+        outs = [
+            o
+            for m in (chunk([1, matched]), complete([1, matched], "stop", matched_token=matched))
+            for o in state.feed(m)
+        ]
+        assert outs[-1].finish_reason == sidecar_pb2.STOP
+        if reported is None:
+            assert outs[-1].WhichOneof("stop_reason") is None, matched
+        else:
+            assert outs[-1].stop_token_id == reported
+
+
 def test_stop_without_a_match_has_no_stop_reason() -> None:
     outs, _ = run(servicer_stream([[1]], "stop"))
     assert outs[-1].WhichOneof("stop_reason") is None
