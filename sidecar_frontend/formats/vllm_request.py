@@ -43,7 +43,7 @@ from sidecar_frontend.formats.vllm_lax import (
     literal,
     nullable,
 )
-from sidecar_frontend.formats.vllm_sampling import UINT32_MAX, SamplingParams
+from sidecar_frontend.formats.vllm_sampling import UINT32_MAX, SamplingParams, not_an_instance
 
 __all__ = ["REQUEST_ID_PREFIX", "VllmOptions", "header", "parse_generate"]
 
@@ -310,13 +310,7 @@ def _sampling_object(value: object, loc: str) -> dict[str, object]:
     if isinstance(value, dict):
         return value
     raise Invalid(
-        ValidationIssue(
-            "is_instance_of",
-            loc,
-            "Input should be an instance of SamplingParams",
-            value,
-            {"class": "SamplingParams"},
-        ),
+        not_an_instance(value, loc),
         ValidationIssue("dict_type", loc, "Input should be a valid dictionary", value),
     )
 

@@ -24,7 +24,7 @@ from sidecar_frontend.formats.vllm_lax import (
     nullable,
 )
 
-__all__ = ["UINT32_MAX", "SamplingParams"]
+__all__ = ["UINT32_MAX", "SamplingParams", "not_an_instance"]
 
 T = TypeVar("T")
 
@@ -84,8 +84,11 @@ class SamplingParams:
         f.get("allowed_token_ids", nullable(as_int_list))
         self.extra_args = f.get("extra_args", nullable(as_dict))
         self.bad_words = f.get("bad_words", nullable(as_str_list))
-        parent.issues.extend(f.issues)
-        if not f.issues:
+        if f.issues:
+            # vLLM's schema is "a SamplingParams instance, or an object": both branches report.
+            parent.issues.append(not_an_instance(data, f.loc))
+            parent.issues.extend(f.issues)
+        else:
             self._verify()
 
     def present(self, name: str) -> bool:
@@ -259,6 +262,16 @@ def _logprob_count(name: str, value: int) -> int:
         # -1 asks for the whole vocabulary; the engine's own limit (20 by default) refuses it anyway.
         raise uncarried(name, "-1 (the whole vocabulary) is not carried to the engine; ask for a count")
     return _fits(name, value, 0, UINT32_MAX)
+
+
+def not_an_instance(value: object, loc: str) -> ValidationIssue:
+    return ValidationIssue(
+        "is_instance_of",
+        loc,
+        "Input should be an instance of SamplingParams",
+        value,
+        {"class": "SamplingParams"},
+    )
 
 
 def _stop(value: object, loc: str) -> list[str]:

@@ -375,9 +375,11 @@ REFUSALS: list[tuple[str, Any, dict[str, Any]]] = [
         "temperature not a number",
         {"token_ids": [1], "sampling_params": {"temperature": "hot"}},
         _pyd(
+            "{'type': 'is_instance_of', 'loc': 'body.sampling_params', 'msg': 'Input should be an instance of "
+            "SamplingParams', 'input': '<dict of 1 items>', 'ctx': {'class': 'SamplingParams'}}",
             "{'type': 'float_parsing', 'loc': 'body.sampling_params.temperature', 'msg': 'Input should be a valid "
             "number, unable to parse string as a number', 'input': 'hot'}",
-            param="body.sampling_params.temperature",
+            param="body.sampling_params",
         ),
     ),
     (
@@ -606,7 +608,7 @@ def test_the_first_sampling_check_wins_over_earlier_type_errors() -> None:
 def test_every_type_problem_is_listed() -> None:
     reply = refused({"token_ids": "x", "sampling_params": {"n": None, "top_k": "a"}, "stream": "maybe"})
     message = error_of(reply)["message"]
-    assert message.startswith("4 validation errors:\n")
+    assert message.startswith("5 validation errors:\n")  # the 4, and sampling_params not an instance
     for loc in ("body.token_ids", "body.sampling_params.n", "body.sampling_params.top_k", "body.stream"):
         assert f"'loc': '{loc}'" in message
 
