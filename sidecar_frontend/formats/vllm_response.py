@@ -88,6 +88,7 @@ class VllmEncoder:
         self._aborted = False
         self._prompt_logprobs: JSON = None
         self._kv_transfer_params: JSON = None
+        self._chunk_head = b'data: {"request_id":' + _compact(options.request_id) + b',"usage":'
 
     @property
     def aborted(self) -> bool:
@@ -198,31 +199,37 @@ class VllmEncoder:
         finish: str | None,
         stop_reason: int | str | None,
     ) -> bytes:
-        usage: JSON = None
+        """One token chunk, written out directly: it is the per-token hot path.
+
+        The bytes are exactly the compact JSON of vLLM's chunk (keys in its order); the
+        tests re-serialise every chunk to check it.
+        """
+        usage = b"null"
         if self._o.continuous_usage:
             # vLLM counts only this chunk's choice so far, not the whole request.
-            continuous = self._usage(len(choice.token_ids))
-            continuous["prompt_tokens_details"] = None
-            continuous["completion_tokens_details"] = None
-            usage = continuous
-        chunk: dict[str, object] = {"request_id": self._o.request_id, "usage": usage}
+            usage = _continuous_usage(self._o.prompt_tokens, len(choice.token_ids))
+        prompt_ids = b""
         if self._first_chunk and self._o.prompt_token_ids is not None:
-            chunk["prompt_token_ids"] = list(self._o.prompt_token_ids)
+            prompt_ids = b',"prompt_token_ids":[' + _ints(self._o.prompt_token_ids) + b"]"
         self._first_chunk = False
-        chunk["output_mode"] = "tokens"
-        chunk["choices"] = [
-            {
-                "index": choice.index,
-                "finish_reason": finish,
-                "stop_reason": stop_reason,
-                "token_ids": ids,
-                "routed_experts": None,
-                "sampling_mask": None,
-                "weight_versions": None,
-                "logprobs": {"content": logprobs} if self._o.logprobs else None,
-            }
-        ]
-        return _event(chunk)
+        return b"".join(
+            (
+                self._chunk_head,
+                usage,
+                prompt_ids,
+                b',"output_mode":"tokens","choices":[{"index":',
+                str(choice.index).encode(),
+                b',"finish_reason":',
+                b"null" if finish is None else _compact(finish),
+                b',"stop_reason":',
+                b"null" if stop_reason is None else _compact(stop_reason),
+                b',"token_ids":[',
+                _ints(ids),
+                b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
+                _compact({"content": logprobs}) if self._o.logprobs else b"null",
+                b"}]}\n\n",
+            )
+        )
 
     def _unary_choice(self, choice: _Choice) -> dict[str, object]:
         return {
@@ -311,6 +318,18 @@ def _struct_json(struct: struct_pb2.Struct) -> JSON:
         return json_from_struct(struct)
     except StructError:
         return None
+
+
+def _ints(ids: Sequence[int]) -> bytes:
+    return ",".join(map(str, ids)).encode()
+
+
+def _continuous_usage(prompt: int, completion: int) -> bytes:
+    return (
+        b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,'
+        b'"prompt_tokens_details":null,"completion_tokens_details":null}'
+        % (prompt, prompt + completion, completion)
+    )
 
 
 def _list_or_none(ids: tuple[int, ...] | None) -> JSON:

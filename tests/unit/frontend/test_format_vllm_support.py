@@ -75,11 +75,22 @@ def error_of(reply: HttpReply) -> dict[str, Any]:
 
 
 def sse_events(data: bytes) -> list[Any]:
-    """The stream's events in order; ``[DONE]`` as the string ``"[DONE]"``. Checks the framing."""
+    """The stream's events in order; ``[DONE]`` as the string ``"[DONE]"``. Checks framing and bytes."""
     assert data.endswith(b"\n\n"), data
     events: list[Any] = []
     for block in data.split(b"\n\n")[:-1]:
         assert block.startswith(b"data: "), block
         payload = block[len(b"data: ") :]
-        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+        if payload == b"[DONE]":
+            events.append("[DONE]")
+            continue
+        event = json.loads(payload)
+        # Byte-exact: chunks are compact JSON; vLLM writes its error event with json.dumps defaults.
+        canonical = (
+            json.dumps(event)
+            if "error" in event
+            else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        )
+        assert payload == canonical.encode(), payload
+        events.append(event)
     return events
