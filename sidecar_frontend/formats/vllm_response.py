@@ -29,7 +29,6 @@ from sidecar_frontend.formats.vllm_errors import (
     DEAD_ENGINE_MESSAGE,
     OVERLOADED_MESSAGE,
     VllmError,
-    bad_request,
 )
 from sidecar_frontend.formats.vllm_request import VllmOptions
 
@@ -56,7 +55,9 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
     if failure.reason in _ABORTING:
         return None
     if failure.reason == "INVALID_ARGUMENT":
-        return bad_request(failure.message)
+        return VllmError(
+            failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, _vllm_param(failure.message)
+        )
     if failure.reason == "OVERLOADED":
         return VllmError(
             OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
@@ -65,6 +66,43 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
         return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
     # vLLM reports a failed generation with an empty message (EngineGenerateError).
     return VllmError("", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+# The sidecars' refusals start with the sidecar.v1 field ("stop_conditions.max_tokens: ...");
+# a vLLM client knows the field by its vLLM name.
+_VLLM_PARAM: Final = {
+    **{
+        f"sampling_options.{name}": name
+        for name in (
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+            "logit_bias",
+            "include_stop_str_in_output",
+        )
+    },
+    **{
+        f"stop_conditions.{name}": name
+        for name in ("max_tokens", "min_tokens", "stop_token_ids", "ignore_eos")
+    },
+    **{f"output_options.{name}": name for name in ("logprobs", "prompt_logprobs", "skip_special_tokens")},
+    "token_ids": "token_ids",
+    "routing.cache_namespace": "cache_salt",
+    "routing.priority": "priority",
+    "extra_args.kv_transfer_params": "kv_transfer_params",
+    "prefill_result.disaggregated_params": "kv_transfer_params",
+}
+
+
+def _vllm_param(message: str) -> str | None:
+    field_name = message.split(":", 1)[0].split("[", 1)[0]
+    return _VLLM_PARAM.get(field_name)
 
 
 @dataclass

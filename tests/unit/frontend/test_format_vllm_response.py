@@ -262,7 +262,7 @@ def test_continuous_usage_counts_the_chunks_choice_so_far() -> None:
 # -------------------------------------------------------------------------------- failures
 
 FAILURES: list[tuple[str, int, str, str]] = [
-    ("INVALID_ARGUMENT", 400, "BadRequestError", "sampling_options.n: at most 1024 choices"),
+    ("INVALID_ARGUMENT", 400, "BadRequestError", "Token id 99 is out of vocabulary"),
     (
         "OVERLOADED",
         503,
@@ -285,7 +285,7 @@ FAILURES: list[tuple[str, int, str, str]] = [
 
 @pytest.mark.parametrize(("reason", "status", "kind", "message"), FAILURES)
 def test_failures_read_as_vllms_errors(reason: str, status: int, kind: str, message: str) -> None:
-    failure = WorkerFailure(reason, "sampling_options.n: at most 1024 choices")
+    failure = WorkerFailure(reason, "Token id 99 is out of vocabulary")
     unary = _encoder()
     unary.on_output(0, _out([8]), 0.0)
     assert unary.on_failure(0, failure, 0.0) == b""
@@ -301,6 +301,30 @@ def test_failures_read_as_vllms_errors(reason: str, status: int, kind: str, mess
     assert event == b"data: " + json.dumps(expected).encode() + b"\n\n"  # json.dumps spacing, as vLLM
     assert stream.aborted
     assert stream.close() == b"data: [DONE]\n\n"  # no usage chunk after an error
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ("routing.cache_namespace: the vLLM wire cannot carry a cache salt", "cache_salt"),
+        ("routing.priority: the vLLM wire cannot carry a priority", "priority"),
+        ("sampling_options.n: at most 1024 choices (got 2000)", "n"),
+        ("stop_conditions.max_tokens: too many", "max_tokens"),
+        ("output_options.logprobs: 30 does not fit", "logprobs"),
+        ("extra_args.kv_transfer_params: must be an object", "kv_transfer_params"),
+        ("multi_modal_data[0].kind: AUDIO is not supported by vLLM", None),
+        ("Requested sample logprobs of 21, which is greater than max allowed: 20", None),
+    ],
+)
+def test_a_workers_refusal_names_the_vllm_field(message: str, param: str | None) -> None:
+    enc = _encoder()
+    enc.on_failure(0, WorkerFailure("INVALID_ARGUMENT", message), 0.0)
+    assert error_of(enc.reply()) == {
+        "message": message,
+        "type": "BadRequestError",
+        "param": param,
+        "code": 400,
+    }
 
 
 @pytest.mark.parametrize("reason", ["CANCELLED", "DEADLINE"])
@@ -406,7 +430,11 @@ def test_health_and_models() -> None:
     [
         (405, "method GET is not allowed", {"detail": "Method Not Allowed"}),
         (404, "no such route", {"detail": "Not Found"}),
-        (413, "too big", {"error": {"message": "too big", "type": "Request Entity Too Large", "param": None, "code": 413}}),
+        (
+            413,
+            "too big",
+            {"error": {"message": "too big", "type": "Request Entity Too Large", "param": None, "code": 413}},
+        ),
         (
             503,
             "busy",
