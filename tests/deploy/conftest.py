@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,24 +22,31 @@ _SOURCES = (
     "sidecar_frontend",
     "testkit",
 )
-# Building takes a while on a loaded machine; far above what it needs, never hit when green.
+# Building and installing take a while on a loaded machine (the install fetches the
+# dependencies); far above what they need, never hit when green.
 BUILD_WAIT = 300.0
+INSTALL_WAIT = 900.0
+
+
+def _copy_tree(destination: Path, *extra: str) -> Path:
+    """The files a build reads, copied: a build in the checkout would write build/ beside
+    other people's work."""
+    destination.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".mypy_cache", "node_modules")
+    for name in (*_SOURCES, *extra):
+        origin = ROOT / name
+        if origin.is_dir():
+            shutil.copytree(origin, destination / name, ignore=ignore)
+        else:
+            shutil.copy2(origin, destination / name)
+    return destination
 
 
 @pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's wheel, built from a copy of the tree (a build in the checkout would
-    write build/ beside other people's work), offline with the venv's own setuptools."""
+    """The project's wheel, built offline with the venv's own setuptools."""
     work = tmp_path_factory.mktemp("wheel")
-    source = work / "src"
-    source.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".mypy_cache")
-    for name in _SOURCES:
-        origin = ROOT / name
-        if origin.is_dir():
-            shutil.copytree(origin, source / name, ignore=ignore)
-        else:
-            shutil.copy2(origin, source / name)
+    source = _copy_tree(work / "src")
     out = work / "dist"
     subprocess.run(
         [
@@ -61,3 +69,28 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheels = sorted(out.glob("llm_sidecars-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
+
+
+@dataclass(frozen=True)
+class Installed:
+    prefix: Path  # the venv `make install-systemd` created
+    unit: Path  # the unit file it wrote
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """`make install-systemd` as an operator runs it, into a temporary PREFIX and unit
+    directory: a fresh venv, the wheel and its dependencies, the unit."""
+    work = tmp_path_factory.mktemp("install")
+    source = _copy_tree(work / "src", "Makefile", "deploy")
+    prefix = work / "prefix"
+    units = work / "units"
+    result = subprocess.run(
+        ["make", "-C", str(source), "install-systemd", f"PREFIX={prefix}", f"UNIT_DIR={units}"],
+        timeout=INSTALL_WAIT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return Installed(prefix=prefix, unit=units / "sidecar-vllm.service")

@@ -42,12 +42,12 @@ def pod(manifest: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _sidecar(pod: dict[str, Any]) -> dict[str, Any]:
     (sidecar,) = [c for c in pod.get("initContainers", []) if c["name"] == "sidecar"]
-    return sidecar
+    return dict(sidecar)
 
 
 def _engine(pod: dict[str, Any]) -> dict[str, Any]:
     (engine,) = [c for c in pod["containers"] if c["name"] == "engine"]
-    return engine
+    return dict(engine)
 
 
 def _sidecar_config(pod: dict[str, Any]) -> SidecarConfig:
