@@ -1,0 +1,60 @@
+"""The frontend's command line: flags, SIDECAR_FRONTEND_* mirrors, usage errors (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar_frontend.cli import parse_config
+
+
+def test_defaults() -> None:
+    config = parse_config(["--worker", "127.0.0.1:50061"], {})
+    assert config.listen == "0.0.0.0:8000"
+    assert config.workers == ("127.0.0.1:50061",)
+    assert config.formats == ("sglang", "vllm")
+    assert config.handler.request_timeout == 3600.0
+    assert config.handler.sglang_incremental_streaming_output is False
+    assert config.metrics_port is None
+
+
+def test_workers_repeat_or_list_and_duplicates_collapse() -> None:
+    config = parse_config(["--worker", "a:1,b:2", "--worker", "c:3", "--worker", "a:1"], {})
+    assert config.workers == ("a:1", "b:2", "c:3")
+
+
+def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
+    env = {
+        "SIDECAR_FRONTEND_WORKER": "a:1 b:2",
+        "SIDECAR_FRONTEND_LISTEN": "127.0.0.1:9000",
+        "SIDECAR_FRONTEND_FORMAT": "vllm",
+        "SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "true",
+        "SIDECAR_FRONTEND_REQUEST_TIMEOUT_SECS": "0",
+        "SIDECAR_FRONTEND_METRICS_PORT": "9100",
+    }
+    config = parse_config([], env)
+    assert config.workers == ("a:1", "b:2")
+    assert config.listen == "127.0.0.1:9000"
+    assert config.formats == ("vllm",)
+    assert config.handler.sglang_incremental_streaming_output is True
+    assert config.handler.request_timeout is None, "0 turns the deadline off"
+    assert config.metrics_port == 9100
+    assert parse_config(["--listen", "127.0.0.1:1"], env).listen == "127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        ([], {}, "--worker"),
+        (["--worker", "https://a:1"], {}, "--worker"),
+        (["--worker", "a:1", "--format", "sglang,openai"], {}, "--format"),
+        (["--worker", "a:1", "--request-timeout-secs", "-1"], {}, "--request-timeout-secs"),
+        (["--worker", "a:1"], {"SIDECAR_FRONTEND_LISTEN": "nowhere"}, "SIDECAR_FRONTEND_LISTEN"),
+    ],
+)
+def test_usage_errors_exit_2_naming_the_flag_or_variable(
+    argv: list[str], env: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(argv, env)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
