@@ -4,6 +4,9 @@ Starts ``testkit-engine`` and ``sidecar-vllm`` (or ``sidecar-sglang``) as separa
 exactly as a user would run them, waits for the sidecar's health to say SERVING, streams one
 generation through the public API, prints the tokens, the finish reason and the usage, and
 shuts both processes down with SIGTERM (the sidecar drains, then exits 0).
+
+``--engine frontend`` (``make run ENGINE=frontend``) adds ``sidecar-frontend`` in front of the
+vLLM sidecar, prints one ``curl`` line against SGLang's ``/generate`` and runs it.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +43,12 @@ def _script(name: str) -> list[str]:
     beside = Path(sys.executable).parent / name
     if beside.exists():
         return [str(beside)]
-    module = {"testkit-engine": "testkit", "sidecar-vllm": "sidecar_vllm", "sidecar-sglang": "sidecar_sglang"}
+    module = {
+        "testkit-engine": "testkit",
+        "sidecar-vllm": "sidecar_vllm",
+        "sidecar-sglang": "sidecar_sglang",
+        "sidecar-frontend": "sidecar_frontend",
+    }
     return [sys.executable, "-m", module[name]]
 
 
@@ -85,11 +97,52 @@ def _commands(
     return engine_cmd, sidecar_cmd
 
 
+def _wait_http_ready(url: str, timeout: float) -> None:
+    """Until ``url`` answers 200 (the frontend has a serving worker), bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
+
+
+def _frontend_demo(max_tokens: int) -> int:
+    engine_port, sidecar_port, frontend_port = _free_port(), _free_port(), _free_port()
+    engine_cmd, sidecar_cmd = _commands("vllm", engine_port, 0, sidecar_port)
+    frontend_cmd = [
+        *_script("sidecar-frontend"),
+        "--listen",
+        f"127.0.0.1:{frontend_port}",
+        "--worker",
+        f"127.0.0.1:{sidecar_port}",
+        "--log-format",
+        "console",
+    ]
+    url = f"http://127.0.0.1:{frontend_port}"
+    body = json.dumps(
+        {"input_ids": [101, 7, 42, 9, 13], "sampling_params": {"max_new_tokens": max_tokens}, "stream": True}
+    )
+    curl = ["curl", "-sN", f"{url}/generate", "-H", "Content-Type: application/json", "-d", body]
+    with _process(engine_cmd, "engine"), _process(sidecar_cmd, "sidecar"), _process(frontend_cmd, "frontend"):
+        _wait_http_ready(f"{url}/health", timeout=60)
+        print(f"frontend ready at {url}; one SGLang /generate call:", flush=True)
+        print(f"$ {shlex.join(curl)}", flush=True)
+        run = subprocess.run(curl, check=False)
+    return run.returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testkit.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--engine", choices=["vllm", "sglang", "frontend"], default="vllm")
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args(argv)
+    if args.engine == "frontend":
+        return _frontend_demo(args.max_tokens)
 
     engine_port, http_port, sidecar_port = _free_port(), _free_port(), _free_port()
     engine_cmd, sidecar_cmd = _commands(args.engine, engine_port, http_port, sidecar_port)
