@@ -72,6 +72,8 @@ class ItemPlan:
     # -1: output logprobs only; k >= 0: prompt logprobs for positions k..end.
     logprob_start_len: int = -1
     return_prompt_token_ids: bool = False
+    # Streams: the first tokens at once, then an event once this many are unsent, and the end.
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -437,6 +439,11 @@ def _stop_conditions(
         out.stop_token_ids.extend(dict.fromkeys(stops))
 
 
+def _stream_interval(params: Mapping[str, object]) -> int:
+    interval = params.get("stream_interval")
+    return interval if isinstance(interval, int) and interval > 1 else 1
+
+
 def _effective_cap(wanted: int | None, prompt_len: int, context: int) -> int | None:
     if not context:
         if wanted is not None and wanted > _UINT32_MAX:
@@ -548,6 +555,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
                     top_logprobs_num=top_n,
                     logprob_start_len=start_len,
                     return_prompt_token_ids=data.get("return_prompt_token_ids") is True,
+                    stream_interval=_stream_interval(params),
                 )
             )
     options = SglangOptions(

@@ -248,6 +248,8 @@ class SglangEncoder:
             item.finished_at = now
         elif len(item.output_ids) == before:
             return b""
+        elif item.events and len(item.output_ids) - item.sent < item.plan.stream_interval:
+            return b""  # held back until stream_interval tokens are unsent (or the end)
         return self._emit(item, now)
 
     def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:

@@ -52,7 +52,13 @@ def requests(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         fields["return_prompt_token_ids"] = True
     params = draw(
-        st.fixed_dictionaries({}, optional={"max_new_tokens": st.one_of(st.none(), st.integers(0, 64))})
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "max_new_tokens": st.one_of(st.none(), st.integers(0, 64)),
+                "stream_interval": st.integers(1, 4),
+            },
+        )
     )
     fields["sampling_params"] = params
     return fields

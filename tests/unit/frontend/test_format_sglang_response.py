@@ -530,3 +530,22 @@ def test_handler_level_errors_use_sglangs_shapes(status: int, expected: Any) -> 
     reply = FORMAT.error_reply(status, "nope")
     assert reply.status == status
     assert json.loads(reply.body) == expected
+
+
+@pytest.mark.parametrize(
+    ("incremental", "expected"),
+    [(False, [[101], [101, 102, 103], [101, 102, 103, 104, 105]]), (True, [[101], [102, 103], [104, 105]])],
+)
+def test_stream_interval_sends_the_first_token_then_every_n_and_the_end(
+    incremental: bool, expected: list[list[int]]
+) -> None:
+    events = streamed(
+        {"sampling_params": {"stream_interval": 2}},
+        out([101]),
+        out([102]),
+        out([103]),
+        out([104]),
+        out([105], sidecar_pb2.LENGTH),
+        ctx=context(incremental=incremental),
+    )
+    assert [e["output_ids"] for e in events[:-1]] == expected
