@@ -118,7 +118,7 @@ class SglangFormat:
     def parse_generate(
         self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
     ) -> GenerateCall | HttpReply:
-        return _parse_generate(body, ctx)
+        return _parse_generate(body, headers, ctx)
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
         assert isinstance(call.options, SglangOptions)

@@ -107,8 +107,27 @@ def _load(body: bytes) -> dict[str, object]:
     return data
 
 
-def parse_generate(body: bytes, ctx: FormatContext) -> GenerateCall | HttpReply:
+def _json_content(headers: Mapping[str, str]) -> bool:
+    """FastAPI parses the body as JSON when there is no content type or a JSON one."""
+    value = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+    media = value.split(";", 1)[0].strip().lower()
+    return (
+        not media
+        or media == "application/json"
+        or (media.startswith("application/") and media.endswith("+json"))
+    )
+
+
+def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
     try:
+        if not _json_content(headers):
+            text = body[:100].decode(errors="replace")
+            raise ParseError(
+                "body",
+                "dataclass_type",
+                "Input should be a dictionary or an instance of GenerateReqInput",
+                text,
+            )
         data = _load(body)
         check_model(data)
         check_contract(data)

@@ -10,7 +10,8 @@ import pytest
 from google.protobuf import json_format
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.base import SSE_CONTENT_TYPE
+from sidecar_frontend.formats.base import SSE_CONTENT_TYPE, HttpReply
+from sidecar_frontend.formats.sglang import FORMAT, GENERATE
 from tests.unit.frontend.test_format_sglang_support import (
     accepted,
     body,
@@ -587,3 +588,24 @@ def test_malformed_bodies_get_the_parse_gates_error_object(raw: bytes, field: st
     assert error["message"].startswith("1 validation error:")
     assert f"'loc': ('body', '{field}')" in error["message"] or field == "body"
     assert text in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "ok"),
+    [
+        ({}, True),
+        ({"Content-Type": "application/json"}, True),
+        ({"content-type": "application/json; charset=utf-8"}, True),
+        ({"Content-Type": "application/vnd.api+json"}, True),
+        ({"Content-Type": "text/plain"}, False),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, False),
+    ],
+)
+def test_the_body_must_be_json_unless_no_content_type_is_given(headers: dict[str, str], ok: bool) -> None:
+    reply = FORMAT.parse_generate(GENERATE, json.dumps(request()).encode(), headers, context())
+    if ok:
+        assert not isinstance(reply, HttpReply)
+    else:
+        assert isinstance(reply, HttpReply)
+        assert reply.status == 400
+        assert "dataclass_type" in body(reply)["message"]
