@@ -79,7 +79,12 @@ def as_int(value: object, loc: str) -> int:
 
 def as_float(value: object, loc: str) -> float:
     if isinstance(value, bool | int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any double
+            raise Invalid(
+                ValidationIssue("finite_number", loc, "Input should be a finite number", value)
+            ) from None
     if isinstance(value, str):
         try:
             return float(value.strip())

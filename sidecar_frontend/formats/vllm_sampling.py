@@ -31,6 +31,7 @@ T = TypeVar("T")
 UINT32_MAX: Final = 2**32 - 1
 _INT32: Final = (-(2**31), 2**31 - 1)
 _INT64: Final = (-(2**63), 2**63 - 1)
+_FLOAT32_MAX: Final = 3.4028234663852886e38
 _GREEDY_EPSILON: Final = 1e-5  # vLLM's _SAMPLING_EPS: below it, sampling is greedy
 
 # Sampling parameters vLLM accepts that cannot travel to a vLLM sidecar (no field on the
@@ -229,6 +230,9 @@ class SamplingParams:
         ):
             value = getattr(self, name)
             if value is not None:
+                if abs(value) > _FLOAT32_MAX:
+                    # The field is a 32-bit float: the value would arrive as infinity.
+                    raise uncarried(name, f"{value} does not fit the engine's 32-bit float")
                 setattr(s, name, value)
         if self.top_k is not None:
             s.top_k = _fits("top_k", self.top_k, *_INT32)

@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
-from sidecar_frontend.formats.base import WorkerFailure
-from sidecar_frontend.formats.vllm import FORMAT
+from sidecar_frontend.formats.base import HttpReply, WorkerFailure
+from sidecar_frontend.formats.vllm import ABORT, FORMAT
 from tests.unit.frontend.test_format_vllm_support import (
     JSON_HEADERS,
     accepted,
     context,
     error_of,
+    parse,
     refused,
     sse_events,
 )
@@ -304,3 +305,78 @@ def test_every_field_we_cannot_carry_is_refused_by_name(
     assert error["code"] == 400
     assert error["param"] == name
     assert name in error["message"]
+
+
+# ----------------------------------------------------------------------------- robustness
+
+any_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([-1, 0, 1, 2**31, 2**32, 2**63, 2**64, -(2**63) - 1, 10**400])
+    | st.floats()
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+TOP_KEYS = [
+    "token_ids",
+    "sampling_params",
+    "request_id",
+    "stream",
+    "stream_options",
+    "output_mode",
+    "model",
+    "priority",
+    "cache_salt",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "return_token_ids",
+    "features",
+    "content_parts",
+    "reasoning_ended",
+]
+SAMPLING_NAMES = [
+    *SAMPLING_KEYS,
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "detokenize",
+    "bad_words",
+    "stream_interval",
+    "extra_args",
+    "structured_outputs",
+    *(n for n in UNCARRIED),
+]
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> dict[str, Any]:
+    body: dict[str, Any] = {"token_ids": draw(st.lists(st.integers(0, 40000), max_size=3) | any_json)}
+    sampling = {name: draw(any_json) for name in draw(st.sets(st.sampled_from(SAMPLING_NAMES), max_size=4))}
+    body["sampling_params"] = draw(st.just(sampling) | any_json)
+    for name in draw(st.sets(st.sampled_from(TOP_KEYS[2:]), max_size=4)):
+        body[name] = draw(any_json)
+    return body
+
+
+@given(
+    bodies(), st.dictionaries(st.sampled_from(["X-Request-Id", "X-data-parallel-rank"]), st.text(max_size=5))
+)
+def test_any_body_is_answered_never_raised(body: dict[str, Any], headers: dict[str, str]) -> None:
+    call = parse(body, {**JSON_HEADERS, **headers})
+    if isinstance(call, HttpReply):
+        error = error_of(call)
+        assert 400 <= error["code"] < 500
+    else:
+        assert len(call.requests) == 1
+        call.requests[0].SerializeToString()  # every value fits its field
+
+
+@given(st.binary(max_size=40) | any_json.map(lambda v: json.dumps(v).encode()))
+def test_any_abort_body_is_answered(body: bytes) -> None:
+    answer = FORMAT.parse_abort(ABORT, body, {})
+    if isinstance(answer, HttpReply):
+        assert error_of(answer)["code"] == 400
+    else:
+        assert all(i.startswith("generate-tokens-") for i in answer.request_ids)

@@ -643,3 +643,41 @@ def test_what_cannot_be_carried_is_refused_by_name(name: str, body: dict[str, An
     assert error["param"] == name
     assert error["message"].startswith(f"{name} is not supported by this server: ")
     assert error["message"].endswith(f"(parameter={name})")
+
+
+NUMERIC_SAMPLING = [
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "stream_interval",
+]
+
+
+@pytest.mark.parametrize("name", NUMERIC_SAMPLING)
+@pytest.mark.parametrize("value", [10**400, -(10**400), 2**64, float("inf"), float("nan")])
+def test_absurd_numbers_are_refused_not_raised(name: str, value: float) -> None:
+    if name == "seed" and value == -(10**400):
+        value = -(2**64)
+    body = {"token_ids": [1], "sampling_params": {name: value}}
+    if name == "stream_interval" and isinstance(value, int) and value > 0:
+        accepted(body)  # vLLM takes any interval of 1 or more; it only paces its own output
+        return
+    if name == "repetition_penalty" and value == 2**64:
+        assert accepted(body).requests[0].sampling_options.repetition_penalty == pytest.approx(2.0**64)
+        return
+    assert error_of(refused(body))["code"] == 400
+
+
+def test_a_float_beyond_32_bits_is_refused_by_name() -> None:
+    error = error_of(refused({"token_ids": [1], "sampling_params": {"repetition_penalty": 1e39}}))
+    assert error["param"] == "repetition_penalty"
