@@ -130,9 +130,9 @@ def wait_http_ready(proc: Proc, url: str, deadline_s: float) -> None:
 class LoadGen:
     """The load generator process, driven one JSON line per run."""
 
-    def __init__(self, core: int | None) -> None:
+    def __init__(self, core: int | None, module: str = "bench.loadgen") -> None:
         self._popen = subprocess.Popen(
-            [*pin_prefix(core), sys.executable, "-m", "bench.loadgen"],
+            [*pin_prefix(core), sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,
