@@ -146,7 +146,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
                 f"({max_num_seqs}), got {params.n}."
             )
         )
-    if stream and params.present("prompt_logprob_token_ids"):
+    if stream and params.raw("prompt_logprob_token_ids") is not None:
         raise Refused(bad_request("prompt_logprob_token_ids are not available when stream=true."))
     if params.stop:
         raise Refused(
@@ -163,7 +163,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
                 "a tokenizer, or use output_mode='tokens'."
             )
         )
-    _check_msgpack(params.seed, kv_transfer_params)
+    _check_msgpack([*params.integers(), kv_transfer_params])
 
     # The engine's input checks that what the workers serve lets us make here.
     _check_prompt(token_ids, ctx.model_info)
@@ -369,9 +369,9 @@ def _list_of_dicts(value: object, loc: str) -> list[object]:
     return value
 
 
-def _check_msgpack(seed: int | None, kv_transfer_params: dict[str, object] | None) -> None:
+def _check_msgpack(values: list[object]) -> None:
     # vLLM msgpack-encodes the request for its engine; integers beyond 64 bits cannot travel.
-    pending: list[object] = [seed, kv_transfer_params]
+    pending = list(values)
     while pending:
         value = pending.pop()
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value <= 2**64 - 1:

@@ -187,6 +187,13 @@ class SamplingParams:
         if temperature < _GREEDY_EPSILON and n > 1:
             raise Refused(bad_request(f"n must be 1 when using greedy sampling, got {n}."))
 
+    def integers(self) -> list[int]:
+        """Every integer vLLM would encode for its engine (what must fit 64 bits)."""
+        scalars = (self.n, self.top_k, self.seed, self.max_tokens, self.min_tokens, self.logprobs)
+        more = (self.prompt_logprobs, self.stream_interval)
+        ids = [*(self.stop_token_ids or []), *(self.logit_bias or {})]
+        return [v for v in (*scalars, *more, *ids) if v is not None]
+
     def check_vocabulary(self, vocab_size: int) -> None:
         """The engine's vocabulary checks on stop ids and biased ids (skipped when the size is unknown)."""
         for name, ids in (
