@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2_grpc
 from sidecar_common.registration_etcd import EtcdSession, open_session
-from sidecar_common.registration_record import DEFAULT_PREFIX, decode_record
+from sidecar_common.registration_record import decode_record
 from tests.e2e_helpers import (
     WAIT,
     free_port,
@@ -24,55 +24,15 @@ from tests.e2e_helpers import (
     log_lines,
     process,
     public_request,
-    script,
     serving_port,
 )
 from tests.etcd_fixture import EtcdServer
+from tests.integration.fleet.helpers import engine_argv, sidecar_argv, wait_key, worker_key
 
 pytestmark = pytest.mark.timeout(120)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def engine_argv(port: int, *extra: str) -> list[str]:
-    return [script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{port}", *extra]
-
-
-def sidecar_argv(engine_port: int, etcd: EtcdServer, *extra: str) -> list[str]:
-    return [
-        script("sidecar-vllm"),
-        "--grpc-endpoint",
-        f"127.0.0.1:{engine_port}",
-        "--listen",
-        "127.0.0.1:0",
-        "--grpc-connections",
-        "1",
-        "--log-format",
-        "json",
-        "--etcd-endpoints",
-        etcd.endpoint,
-        *extra,
-    ]
-
-
-def worker_key(port: int) -> bytes:
-    return f"{DEFAULT_PREFIX}127.0.0.1:{port}".encode()
-
-
-async def wait_key(etcd: EtcdServer, key: bytes, *, present: bool) -> bytes | None:
-    """Wait (on watch events, bounded) until ``key`` exists or is gone; returns its value."""
-    with anyio.fail_after(WAIT):
-        async with open_session(etcd.endpoint, 5.0) as s:
-            snapshot = await s.get_prefix(key)
-            found = dict(snapshot.items).get(key)
-            if (found is not None) == present:
-                return found
-            async with s.watch_prefix(key, snapshot.revision + 1) as events:
-                async for event in events:
-                    if event.key == key and (event.kind == "put") == present:
-                        return event.value if present else None
-    raise AssertionError("unreachable: the watch ends with an error")
 
 
 async def test_a_serving_sidecar_registers_and_withdraws_before_it_refuses_work(etcd: EtcdServer) -> None:

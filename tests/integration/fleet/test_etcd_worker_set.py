@@ -15,7 +15,7 @@ from sidecar_frontend.discovery import DiscoveryConfig, run_discovery
 from sidecar_frontend.workers import WorkerSet
 from tests.e2e_helpers import WAIT, free_port, process, public_request, serving_port, until
 from tests.etcd_fixture import EtcdServer
-from tests.integration.fleet.test_etcd_registration import engine_argv, sidecar_argv
+from tests.integration.fleet.helpers import engine_argv, sidecar_argv
 
 pytestmark = pytest.mark.timeout(120)
 

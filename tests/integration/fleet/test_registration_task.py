@@ -11,7 +11,7 @@ from sidecar_common.registration_etcd import open_session
 from sidecar_common.registration_record import RegistrationConfig, WorkerRecord, decode_record
 from tests.e2e_helpers import WAIT
 from tests.etcd_fixture import EtcdServer
-from tests.integration.fleet.test_etcd_registration import wait_key
+from tests.integration.fleet.helpers import wait_key
 
 pytestmark = pytest.mark.timeout(60)
 
