@@ -13,7 +13,7 @@ import pytest
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import JSON, struct_from_json
-from sidecar_frontend.formats.base import AbortCall, Encoder, HttpReply, WorkerFailure
+from sidecar_frontend.formats.base import AbortCall, Encoder, Format, HttpReply, RouteKind, WorkerFailure
 from sidecar_frontend.formats.vllm import ABORT, FORMAT, HEALTH, LEGACY_ABORT, MODELS
 from tests.unit.frontend.test_format_vllm_support import accepted, context, error_of, sse_events
 
@@ -452,3 +452,15 @@ def test_error_reply(status: int, message: str, body: dict[str, Any]) -> None:
     reply = FORMAT.error_reply(status, message)
     assert reply.status == status
     assert json.loads(reply.body) == body
+
+
+def test_the_plugin_serves_vllms_routes() -> None:
+    fmt: Format = FORMAT  # mypy checks the plugin against the contract
+    assert fmt.name == "vllm"
+    assert {(r.methods, r.path, r.kind) for r in fmt.routes} == {
+        (("POST",), "/inference/v1/generate", RouteKind.GENERATE),
+        (("POST",), "/inference/v1/abort_requests", RouteKind.ABORT),
+        (("POST",), "/abort_requests", RouteKind.ABORT),
+        (("GET",), "/health", RouteKind.INFO),
+        (("GET",), "/v1/models", RouteKind.INFO),
+    }
