@@ -31,6 +31,7 @@ T = TypeVar("T")
 UINT32_MAX: Final = 2**32 - 1
 _INT32: Final = (-(2**31), 2**31 - 1)
 _INT64: Final = (-(2**63), 2**63 - 1)
+_MAX_N: Final = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 _FLOAT32_MAX: Final = 3.4028234663852886e38
 _GREEDY_EPSILON: Final = 1e-5  # vLLM's _SAMPLING_EPS: below it, sampling is greedy
 
@@ -106,6 +107,13 @@ class SamplingParams:
             self.seed = None
         if n < 1:
             raise Refused(bad_request(f"n must be at least 1, got {n}."))
+        if n > _MAX_N:
+            raise Refused(
+                bad_request(
+                    f"n must be at most {_MAX_N}, got {n}. "
+                    "To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable."
+                )
+            )
         if self.extra_args:
             _check_extra_args(self.extra_args)
         presence = _or(self.presence_penalty, 0.0)

@@ -407,6 +407,14 @@ REFUSALS: list[tuple[str, Any, dict[str, Any]]] = [
     ),
     ("n zero", {"token_ids": [1], "sampling_params": {"n": 0}}, _vllm("n must be at least 1, got 0.")),
     (
+        "n beyond vLLM's sequence limit",
+        {"token_ids": [1], "sampling_params": {"n": 16385}},
+        _vllm(
+            "n must be at most 16384, got 16385. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable."
+        ),
+    ),
+    (
         "n beyond max_num_seqs",
         {"token_ids": [1], "sampling_params": {"n": 257}},
         _vllm("sampling_params.n must be at most the server's max_num_seqs (256), got 257."),
