@@ -76,10 +76,12 @@ class Registration:
                 except Exception as err:  # a bug here must not take the serving sidecar down
                     log.exception("etcd registration failed unexpectedly")
                     failure = repr(err)
+                # A warning when it starts failing; the retries that follow are debug lines.
+                level = log.warning if delays is None else log.debug
                 if delays is None:
                     delays = backoff_delays(_FIRST_RETRY_SECS, self._config.retry_max_interval)
                 delay = next(delays)
-                log.warning(
+                level(
                     "etcd registration failed; still serving, will retry",
                     error=failure,
                     key=self.key.decode(),

@@ -218,10 +218,12 @@ async def _run_etcd(config: DiscoveryConfig, sink: DiscoverySink, task_status: T
                                 _apply(sink, view.delete(event.key), "etcd")
             except EtcdError as err:
                 failure = str(err)
+            # A warning when it starts failing; the retries that follow are debug lines.
+            level = log.warning if delays is None else log.debug
             if delays is None:
                 delays = backoff_delays(_FIRST_RETRY_SECS, config.etcd_retry_max_interval)
             delay = next(delays)
-            log.warning(
+            level(
                 "etcd discovery lost etcd; keeping the last view",
                 error=failure,
                 workers=len(view.workers()),
