@@ -106,7 +106,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
     params = SamplingParams(sampling, fields) if sampling is not None else None
     model = fields.get("model", nullable(as_str))
     fields.get("reasoning_ended", nullable(as_bool))
-    fields.get("reasoning_parser_kwargs", nullable(as_dict))
+    fields.get("reasoning_parser_kwargs", nullable(_reasoning_parser_kwargs))
     return_token_ids = fields.get("return_token_ids", nullable(as_bool))
     output_mode = fields.get("output_mode", lambda v, loc: literal(v, loc, _OUTPUT_MODES))
     stream = fields.get("stream", nullable(as_bool))
@@ -313,6 +313,28 @@ def _sampling_object(value: object, loc: str) -> dict[str, object]:
         not_an_instance(value, loc),
         ValidationIssue("dict_type", loc, "Input should be a valid dictionary", value),
     )
+
+
+def _reasoning_parser_kwargs(value: object, loc: str) -> dict[str, object]:
+    kwargs = as_dict(value, loc)
+    issues = [
+        ValidationIssue("extra_forbidden", f"{loc}.{key}", "Extra inputs are not permitted", item)
+        for key, item in kwargs.items()
+        if key != "chat_template_kwargs"
+    ]
+    if "chat_template_kwargs" in kwargs and not isinstance(kwargs["chat_template_kwargs"], dict):
+        issues.insert(
+            0,
+            ValidationIssue(
+                "dict_type",
+                f"{loc}.chat_template_kwargs",
+                "Input should be a valid dictionary",
+                kwargs["chat_template_kwargs"],
+            ),
+        )
+    if issues:
+        raise Invalid(*issues)
+    return kwargs
 
 
 def _stream_options(value: object, loc: str) -> tuple[bool, bool]:

@@ -392,6 +392,15 @@ REFUSALS: list[tuple[str, Any, dict[str, Any]]] = [
         ),
     ),
     (
+        "reasoning_parser_kwargs with an unknown key",
+        _request(reasoning_parser_kwargs={"chat_template_kwargs": {}, "x": 1}),
+        _pyd(
+            "{'type': 'extra_forbidden', 'loc': 'body.reasoning_parser_kwargs.x', 'msg': 'Extra inputs are not "
+            "permitted', 'input': '1'}",
+            param="body.reasoning_parser_kwargs.x",
+        ),
+    ),
+    (
         "output_mode text",
         _request(output_mode="text"),
         _vllm(
