@@ -4,6 +4,7 @@ certificates made by the test (nothing committed), loopback only."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 import signal
@@ -22,6 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.cli import parse_config
+from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_common.engine import Engine
 from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, log_lines, process, script, serving_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -394,3 +398,45 @@ def test_grpc_core_lines_go_to_stderr_as_plain_text_and_grpc_verbosity_silences_
     assert all(line.startswith("{") for line in out.splitlines() if line.strip())
     _, quiet = _refused_client_then_stop(engine, pki, GRPC_VERBOSITY="ERROR")
     assert "Handshake failed" not in quiet
+
+
+# --- the flags and their environment mirrors (no process) ----------------------------------------
+
+
+def _spec() -> EngineSpec:
+    def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
+        raise AssertionError("parsing must not build the engine")
+
+    return EngineSpec(name="fake", add_arguments=lambda parser: None, build=build)
+
+
+def test_security_flags_have_environment_mirrors_and_the_flag_wins(pki: Pki) -> None:
+    endpoint = ["--grpc-endpoint", "127.0.0.1:1"]
+    defaults, _ = parse_config(_spec(), endpoint, {})
+    assert (defaults.tls, defaults.reflection, defaults.max_request_bytes) == (None, True, 64 * 1024 * 1024)
+    environ = {
+        "SIDECAR_TLS_CERT": str(pki.server_cert),
+        "SIDECAR_TLS_KEY": str(pki.server_key),
+        "SIDECAR_TLS_CLIENT_CA": str(pki.ca),
+        "SIDECAR_NO_REFLECTION": "true",
+        "SIDECAR_MAX_REQUEST_BYTES": "4096",
+    }
+    config, _ = parse_config(_spec(), endpoint, environ)
+    assert config.tls is not None
+    assert (config.tls.cert, config.tls.key, config.tls.client_ca) == (
+        pki.server_cert,
+        pki.server_key,
+        pki.ca,
+    )
+    assert config.tls.mutual
+    assert (config.reflection, config.max_request_bytes) == (False, 4096)
+    flagged, _ = parse_config(_spec(), [*endpoint, "--max-request-bytes", "8192"], environ)
+    assert flagged.max_request_bytes == 8192
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "lots", str(2**31)])
+def test_a_bad_max_request_bytes_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(_spec(), ["--grpc-endpoint", "127.0.0.1:1", "--max-request-bytes", value], {})
+    assert exit_.value.code == 2
+    assert "--max-request-bytes" in capsys.readouterr().err
