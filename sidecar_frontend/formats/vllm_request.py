@@ -24,6 +24,7 @@ from typing import Final, TypeVar, cast
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import JSON, StructError, struct_from_json
 from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
+from sidecar_frontend.formats.vllm_checks import check_cache_salt, check_msgpack, check_prompt, dp_rank
 from sidecar_frontend.formats.vllm_errors import (
     Refused,
     ValidationIssue,
@@ -43,7 +44,7 @@ from sidecar_frontend.formats.vllm_lax import (
     literal,
     nullable,
 )
-from sidecar_frontend.formats.vllm_sampling import UINT32_MAX, SamplingParams, not_an_instance
+from sidecar_frontend.formats.vllm_sampling import SamplingParams, not_an_instance
 
 __all__ = ["REQUEST_ID_PREFIX", "VllmOptions", "header", "parse_generate"]
 
@@ -52,10 +53,7 @@ T = TypeVar("T")
 REQUEST_ID_PREFIX: Final = "generate-tokens-"
 _INT32: Final = (-(2**31), 2**31 - 1)
 _INT64: Final = (-(2**63), 2**63 - 1)
-_CACHE_SALT_MAX: Final = 128
-_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
 _OUTPUT_MODES: Final = ("tokens", "text", "derender")
-_MSGPACK_RANGE: Final = "can't serialize ints < -2**63 or > 2**64 - 1"
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) 
 
 def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall:
     data = _json_object(body, headers)
-    _check_cache_salt(data.get("cache_salt"))
+    check_cache_salt(data.get("cache_salt"))
     fields = Fields(data)
     request_id = fields.get("request_id", as_str)
     token_ids = fields.required("token_ids", _token_ids)
@@ -163,12 +161,12 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
                 "a tokenizer, or use output_mode='tokens'."
             )
         )
-    _check_msgpack([*params.integers(), kv_transfer_params])
+    check_msgpack([*params.integers(), kv_transfer_params])
 
     # The engine's input checks that what the workers serve lets us make here.
-    _check_prompt(token_ids, ctx.model_info)
+    check_prompt(token_ids, ctx.model_info)
     params.check_vocabulary(ctx.model_info.vocab_size)
-    dp_rank = _dp_rank(header(headers, "X-data-parallel-rank"), ctx.model_info.data_parallel_size)
+    rank = dp_rank(header(headers, "X-data-parallel-rank"), ctx.model_info.data_parallel_size)
     if params.present("structured_outputs") and params.raw("structured_outputs") is not None:
         raise Refused(
             bad_request(
@@ -196,7 +194,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         eos_token_ids=ctx.model_info.eos_token_ids,
     )
     params.fill(request, len(token_ids), ctx.model_info.max_context_length)
-    _fill_routing(request, fields, priority, dp_rank)
+    _fill_routing(request, fields, priority, rank)
     if kv_transfer_params is not None:
         _fill_kv_transfer(request, kv_transfer_params, ctx.model_info.disaggregation_mode)
 
@@ -253,24 +251,6 @@ def _json_object(body: bytes, headers: Mapping[str, str]) -> dict[str, object]:
             )
         )
     return data
-
-
-def _check_cache_salt(salt: object) -> None:
-    # vLLM checks the salt before anything else, and answers in its own error form.
-    if salt is None:
-        return
-    if not isinstance(salt, str) or not salt:
-        raise Refused(
-            bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-        )
-    if len(salt) > _CACHE_SALT_MAX or any(char in _CACHE_SALT_FORBIDDEN for char in salt):
-        raise Refused(
-            bad_request(
-                "Parameter 'cache_salt' must be at most 128 characters and must not contain "
-                "'@', '/', '\\\\', or NUL.",
-                "cache_salt",
-            )
-        )
 
 
 def _root_value_error(data: dict[str, object], message: str) -> None:
@@ -391,64 +371,11 @@ def _list_of_dicts(value: object, loc: str) -> list[object]:
     return value
 
 
-def _check_msgpack(values: list[object]) -> None:
-    # vLLM msgpack-encodes the request for its engine; integers beyond 64 bits cannot travel.
-    pending = list(values)
-    while pending:
-        value = pending.pop()
-        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value <= 2**64 - 1:
-            raise Refused(bad_request(_MSGPACK_RANGE))
-        if isinstance(value, dict):
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-
-
-def _check_prompt(token_ids: list[int], info: sidecar_pb2.ModelInfo) -> None:
-    if info.vocab_size:
-        highest = max(token_ids)
-        if highest >= info.vocab_size:
-            raise Refused(bad_request(f"Token id {highest} is out of vocabulary"))
-    elif max(token_ids) > UINT32_MAX:
-        raise Refused(bad_request(f"Token id {max(token_ids)} is out of vocabulary"))
-    limit = info.max_context_length
-    length = len(token_ids)
-    if limit and length > limit:
-        raise Refused(
-            bad_request(
-                f"The decoder prompt (length {length}) is longer than the maximum model length of {limit}. "
-                "Make sure that `max_model_len` is no smaller than the number of text tokens."
-            )
-        )
-    if limit and length == limit:
-        raise Refused(
-            bad_request(
-                f"The decoder prompt (length {length}) plus the number of requested output tokens "
-                f"(at least 1) is longer than the maximum model length of {limit}. Make sure that "
-                "`max_model_len` is no smaller than the number of text tokens "
-                "(prompt + requested output tokens)."
-            )
-        )
-
-
-def _dp_rank(text: str | None, dp_size: int) -> int | None:
-    if text is None:
-        return None
-    try:
-        rank = int(text)
-    except ValueError:
-        return None  # vLLM ignores a rank that is not an integer
-    if rank < 0 or (dp_size and rank >= dp_size) or rank > UINT32_MAX:
-        size = dp_size or 1
-        raise Refused(bad_request(f"data_parallel_rank {rank} is out of range [0, {size})."))
-    return rank
-
-
 def _fill_routing(
-    request: sidecar_pb2.PreprocessedRequest, fields: Fields, priority: int | None, dp_rank: int | None
+    request: sidecar_pb2.PreprocessedRequest, fields: Fields, priority: int | None, rank: int | None
 ) -> None:
-    if dp_rank is not None:
-        request.routing.dp_rank = dp_rank
+    if rank is not None:
+        request.routing.dp_rank = rank
     salt = fields.raw("cache_salt")
     if isinstance(salt, str):
         request.routing.cache_namespace = salt

@@ -1,0 +1,92 @@
+"""The checks vLLM makes outside its request models, each with vLLM's own message (pure).
+
+The cache salt (checked before anything else), the integers vLLM msgpack-encodes for its
+engine, and the engine's input checks the frontend can make from what its workers report
+(vocabulary, context length, data-parallel rank). Each raises :class:`Refused` with vLLM's
+answer.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_frontend.formats.vllm_errors import Refused, bad_request
+from sidecar_frontend.formats.vllm_sampling import UINT32_MAX
+
+__all__ = ["check_cache_salt", "check_msgpack", "check_prompt", "dp_rank"]
+
+_CACHE_SALT_MAX: Final = 128
+_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\x00")
+_MSGPACK_RANGE: Final = "can't serialize ints < -2**63 or > 2**64 - 1"
+
+
+def check_cache_salt(salt: object) -> None:
+    # vLLM checks the salt before anything else, and answers in its own error form.
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise Refused(
+            bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        )
+    if len(salt) > _CACHE_SALT_MAX or any(char in _CACHE_SALT_FORBIDDEN for char in salt):
+        raise Refused(
+            bad_request(
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                "'@', '/', '\\\\', or NUL.",
+                "cache_salt",
+            )
+        )
+
+
+def check_msgpack(values: list[object]) -> None:
+    # vLLM msgpack-encodes the request for its engine; integers beyond 64 bits cannot travel.
+    pending = list(values)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value <= 2**64 - 1:
+            raise Refused(bad_request(_MSGPACK_RANGE))
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+
+
+def check_prompt(token_ids: list[int], info: sidecar_pb2.ModelInfo) -> None:
+    if info.vocab_size:
+        highest = max(token_ids)
+        if highest >= info.vocab_size:
+            raise Refused(bad_request(f"Token id {highest} is out of vocabulary"))
+    elif max(token_ids) > UINT32_MAX:
+        raise Refused(bad_request(f"Token id {max(token_ids)} is out of vocabulary"))
+    limit = info.max_context_length
+    length = len(token_ids)
+    if limit and length > limit:
+        raise Refused(
+            bad_request(
+                f"The decoder prompt (length {length}) is longer than the maximum model length of {limit}. "
+                "Make sure that `max_model_len` is no smaller than the number of text tokens."
+            )
+        )
+    if limit and length == limit:
+        raise Refused(
+            bad_request(
+                f"The decoder prompt (length {length}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {limit}. Make sure that "
+                "`max_model_len` is no smaller than the number of text tokens "
+                "(prompt + requested output tokens)."
+            )
+        )
+
+
+def dp_rank(text: str | None, dp_size: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        rank = int(text)
+    except ValueError:
+        return None  # vLLM ignores a rank that is not an integer
+    if rank < 0 or (dp_size and rank >= dp_size) or rank > UINT32_MAX:
+        size = dp_size or 1
+        raise Refused(bad_request(f"data_parallel_rank {rank} is out of range [0, {size})."))
+    return rank
