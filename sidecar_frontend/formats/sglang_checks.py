@@ -97,9 +97,8 @@ def _is_str_or_list(value: object, *, allow_none_items: bool = False) -> bool:
 
 
 def _fractional(value: object) -> bool:
-    if isinstance(value, list):
-        return any(_fractional(v) for v in value)
-    return isinstance(value, float) and not value.is_integer()
+    values = value if isinstance(value, list) else [value]
+    return any(isinstance(v, float) and not v.is_integer() for v in values)
 
 
 _PLAIN_BOOLS: Final = ("stream", "return_text_in_logprobs", "return_prompt_token_ids", "log_metrics")

@@ -31,6 +31,7 @@ from sidecar_frontend.formats.sglang_values import (
     refuse,
     request_refusals,
     scheduler_checks,
+    utf8,
     verify,
 )
 from sidecar_frontend.formats.sglang_wire import (
@@ -291,7 +292,9 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
     batch = not single or n > 1
     count = len(prompts)
     rids = _rids(data, ctx, count, count * n, single and n == 1)
+    utf8(rids, "rid")
     loras = _lora(data, count, single)
+    utf8(loras, "lora_path")
     if isinstance(sampling, list) and len(sampling) != count:
         raise ValueRefusal("The length of sampling_params should be equal to the batch size.")
     # The type gates made sampling_params an object, a list of objects, or null.

@@ -23,6 +23,7 @@ __all__ = [
     "refuse",
     "request_refusals",
     "scheduler_checks",
+    "utf8",
     "verify",
 ]
 
@@ -39,6 +40,7 @@ _TOP_K_ALL: Final = 1 << 30
 _REQ_LEN_MARGIN: Final = 1
 _INPUT_LEN_MARGIN: Final = 5
 
+_FLOAT32_MAX: Final = 3.4028234663852886e38
 _ABSENT: Final = object()
 
 
@@ -47,9 +49,34 @@ def refuse(field: str, why: str) -> ValueRefusal:
 
 
 def _truthy(value: object) -> bool:
+    """Set to something other than a default (null, false, "", 0), or a list holding one."""
     if isinstance(value, list):
-        return any(_truthy(item) for item in value)
+        return any(item not in (None, False, "", 0) for item in value)
     return bool(value)
+
+
+def as_float(value: object) -> float:
+    """A JSON number as a float; an integer beyond any double counts as infinite."""
+    assert isinstance(value, int | float)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def fits_float32(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+
+
+def utf8(value: object, field: str) -> None:
+    """A string we forward must be valid UTF-8 (JSON allows lone surrogates; protobuf does not)."""
+    texts = value if isinstance(value, list) else [value]
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise refuse(field, "it is not valid Unicode text (a lone surrogate)") from None
 
 
 # Fields a client could send that we cannot carry, or that only a router inside an SGLang
@@ -171,14 +198,15 @@ def verify(params: Mapping[str, object], max_new: int | None, vocab_size: int) -
     beam_width = params.get("beam_width")
     if isinstance(beam_width, int) and beam_width < 1:
         raise ValueRefusal(f"beam_width must be at least 1, got {beam_width}.")
-    temperature = _value(params, "temperature", 1.0)
+    shown = _value(params, "temperature", 1.0)
+    temperature = as_float(shown)
     top_k = _value(params, "top_k", -1)
     if 0 <= temperature < SAMPLING_EPS:
-        temperature, top_k = 1.0, 1
+        shown, temperature, top_k = 1.0, 1.0, 1
     if top_k == -1:
         top_k = _TOP_K_ALL
     if not math.isfinite(temperature) or temperature < 0.0:
-        raise ValueRefusal(f"temperature must be a non-negative finite number, got {temperature}.")
+        raise ValueRefusal(f"temperature must be a non-negative finite number, got {shown}.")
     top_p = _value(params, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise ValueRefusal(f"top_p must be in (0, 1], got {top_p}.")
@@ -234,6 +262,18 @@ def cannot_carry(params: Mapping[str, object]) -> None:
     for token in params.get("stop_token_ids") or ():  # type: ignore[attr-defined]
         if not 0 <= token <= _UINT32_MAX:
             raise refuse("sampling_params.stop_token_ids", f"{token} is not a token id (0 to {_UINT32_MAX})")
+    temperature = params.get("temperature")
+    if temperature is not None and not fits_float32(as_float(temperature)):
+        raise refuse("sampling_params.temperature", f"{temperature} does not fit in 32 bits")
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):
+        for key, value in bias.items():
+            if not 0 <= int(key) <= _UINT32_MAX:
+                raise refuse("sampling_params.logit_bias", f"{key} is not a token id (0 to {_UINT32_MAX})")
+            if not fits_float32(as_float(value)):
+                raise refuse("sampling_params.logit_bias", f"the bias {value} does not fit in 32 bits")
+    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        utf8(params.get(name), f"sampling_params.{name}")
 
 
 def effective_cap(wanted: int | None, prompt_len: int, context: int) -> int | None:

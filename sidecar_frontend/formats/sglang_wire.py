@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from typing import Final
 
 from sidecar_frontend.formats.base import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, HttpReply
@@ -33,6 +34,15 @@ __all__ = [
 ]
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"
+
+
+def _bounded_repr() -> reprlib.Repr:
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 3, 100, 100, 10, 10
+    return short
+
+
+_REPR: Final = _bounded_repr()
 
 
 class ParseError(Exception):
@@ -80,10 +90,13 @@ def event(value: object) -> bytes:
 
 def parse_error(err: ParseError) -> HttpReply:
     loc = ("body",) if err.field == "body" else ("body", err.field)
-    detail = {"type": err.kind, "loc": loc, "msg": err.message, "input": err.value}
+    # reprlib bounds the echo of the input (size and depth), as the body may be anything.
+    detail = (
+        f"{{'type': {err.kind!r}, 'loc': {loc!r}, 'msg': {err.message!r}, 'input': {_REPR.repr(err.value)}}}"
+    )
     body = {
         "object": "error",
-        "message": f"1 validation error:\n  {detail!r}",
+        "message": f"1 validation error:\n  {detail}",
         "type": "Bad Request",
         "param": None,
         "code": 400,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats.base import GenerateCall, HttpReply, WorkerFailure
+from sidecar_frontend.formats.sglang import ABORT, FORMAT
 from tests.unit.frontend.test_format_sglang_support import (
     STARTED_AT,
     WALL_TIME,
@@ -356,3 +357,78 @@ def test_refusals_name_the_field_and_reach_no_worker(
         assert reply.status == 400
         message = json.loads(reply.body)["error"]["message"]
     assert message.startswith(f"{named} is not supported by this server")
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+TOP_KEYS = [
+    "input_ids", "rid", "text", "stream", "sampling_params", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "lora_path", "priority", "return_prompt_token_ids", "input_embeds", "image_data",
+    "bootstrap_room", "session_params", "custom_logit_processor", "return_hidden_states",
+    "max_thinking_tokens",
+]  # fmt: skip
+SAMPLING_KEYS = [
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "n", "json_schema",
+    "regex", "ebnf", "logit_bias", "sampling_seed", "custom_params", "stream_interval", "beam_width",
+]  # fmt: skip
+ROBUST_SETTINGS = settings(max_examples=300, deadline=None)
+
+
+def judged(raw: bytes, ctx: Any = None) -> None:
+    """Any body gets an answer, never an exception; what is accepted can go on the wire."""
+    result = parse(raw, ctx)
+    if isinstance(result, HttpReply):
+        assert result.status in (200, 400)
+        if result.status == 200:
+            assert sse_events(result.body)[-1] == "[DONE]"
+        else:
+            json.loads(result.body)
+        return
+    assert result.requests
+    for request in result.requests:
+        request.SerializeToString()
+    encoder_steps = [(i, out([1], sidecar_pb2.LENGTH), STARTED_AT + 1) for i in range(len(result.requests))]
+    drive(result, encoder_steps)
+
+
+@ROBUST_SETTINGS
+@given(st.one_of(JSON_VALUES, st.binary(max_size=40)))
+def test_any_body_is_answered(value: Any) -> None:
+    judged(value if isinstance(value, bytes) else json.dumps(value).encode())
+
+
+@ROBUST_SETTINGS
+@given(
+    base=requests(),
+    top=st.dictionaries(st.sampled_from(TOP_KEYS), JSON_VALUES, max_size=3),
+    sampling=st.dictionaries(st.sampled_from(SAMPLING_KEYS), JSON_VALUES, max_size=3),
+    known_context=st.booleans(),
+)
+def test_any_mutation_of_a_valid_request_is_answered(
+    base: dict[str, Any], top: dict[str, Any], sampling: dict[str, Any], known_context: bool
+) -> None:
+    fields = {**base, **top}
+    if isinstance(fields.get("sampling_params"), dict):
+        fields["sampling_params"] = {**fields["sampling_params"], **sampling}
+    ctx = context() if known_context else context(max_context_length=0, vocab_size=0)
+    judged(json.dumps(fields).encode(), ctx)
+
+
+@ROBUST_SETTINGS
+@given(st.one_of(JSON_VALUES, st.binary(max_size=20)))
+def test_any_abort_body_is_answered(value: Any) -> None:
+    raw = value if isinstance(value, bytes) else json.dumps(value).encode()
+    result = FORMAT.parse_abort(ABORT, raw, {})
+    if isinstance(result, HttpReply):
+        assert result.status == 400
+        json.loads(result.body)
+    else:
+        assert all(isinstance(rid, str) and rid for rid in result.request_ids)

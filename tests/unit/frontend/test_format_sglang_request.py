@@ -472,6 +472,11 @@ OUR_REFUSALS: list[tuple[dict[str, Any], str]] = [
     (request(sampling_params={"choice": ["a", "b"]}), "sampling_params.choice is not supported"),
     (request(sampling_params={"beam_width": 2}), "sampling_params.beam_width is not supported"),
     (request(sampling_params={"stop_token_ids": [-1]}), "sampling_params.stop_token_ids is not supported"),
+    (request(sampling_params={"temperature": 1e300}), "sampling_params.temperature is not supported"),
+    (request(sampling_params={"logit_bias": {"5": 1e300}}), "sampling_params.logit_bias is not supported"),
+    (request(rid="\ud800"), "rid is not supported by this server: it is not valid Unicode"),
+    (request(lora_path="\udfff"), "lora_path is not supported by this server: it is not valid Unicode"),
+    (request(sampling_params={"regex": "a\ud800"}), "sampling_params.regex is not supported"),
     (request(image_data="http://x/cat.png"), "image_data is not supported by this server"),
     (request(video_data=["v"]), "video_data is not supported by this server"),
     (request(audio_data="a"), "audio_data is not supported by this server"),
@@ -501,6 +506,27 @@ def test_what_we_cannot_carry_is_refused_by_name(fields: dict[str, Any], message
     reply = refused(fields)
     assert reply.status == 400
     assert value_error(body(reply)).startswith(message)
+
+
+def test_a_temperature_beyond_any_double_is_sglangs_finite_number_refusal() -> None:
+    reply = refused(request(sampling_params={"temperature": 10**400}))
+    assert value_error(body(reply)) == f"temperature must be a non-negative finite number, got {10**400}."
+
+
+def test_logit_bias_ids_are_range_checked_when_the_vocabulary_is_unknown() -> None:
+    reply = refused(request(sampling_params={"logit_bias": {str(2**32): 1}}), context(vocab_size=0))
+    assert value_error(body(reply)).startswith("sampling_params.logit_bias is not supported")
+    sub = one(request(sampling_params={"logit_bias": {"40000": 1}}), context(vocab_size=0))
+    assert dict(sub.sampling_options.logit_bias) == {40000: 1.0}
+
+
+def test_a_deeply_nested_input_is_echoed_briefly() -> None:
+    nested: Any = 1
+    for _ in range(500):
+        nested = [nested]
+    reply = refused({"input_ids": [nested]})
+    assert reply.status == 400
+    assert len(body(reply)["message"]) < 400
 
 
 def test_max_new_tokens_beyond_32_bits_is_refused_when_the_context_is_unknown() -> None:
