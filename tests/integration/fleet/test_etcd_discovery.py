@@ -213,3 +213,18 @@ async def test_discovery_starts_without_etcd_and_syncs_when_it_appears(etcd_not_
             lease = await s.grant(30)
             await s.put(key("10.0.2.1:50061"), record("10.0.2.1:50061"), lease)
         await sink.wait_for(lambda k: "10.0.2.1:50061" in k.serving(), "found once etcd is up")
+
+
+async def test_a_dead_endpoint_in_the_list_is_passed_over(etcd: EtcdServer) -> None:
+    sink = RecordingSink()
+    dead = f"127.0.0.1:{free_port()}"
+    async with session(etcd) as s:
+        lease = await s.grant(30)
+        await s.put(key("10.0.3.1:50061"), record("10.0.3.1:50061"), lease)
+    config = DiscoveryConfig(
+        mode="etcd", etcd_endpoints=(dead, etcd.endpoint), etcd_call_timeout=2.0, etcd_retry_max_interval=0.3
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_discovery, config, sink)
+        await sink.wait_for(lambda k: "10.0.3.1:50061" in k.serving(), "found through the second endpoint")
+        tg.cancel_scope.cancel()

@@ -9,7 +9,7 @@ import pytest
 from sidecar_common.registration import Registration, registered
 from sidecar_common.registration_etcd import open_session
 from sidecar_common.registration_record import RegistrationConfig, WorkerRecord, decode_record
-from tests.e2e_helpers import WAIT
+from tests.e2e_helpers import WAIT, free_port
 from tests.etcd_fixture import EtcdServer
 from tests.integration.fleet.helpers import wait_key
 
@@ -78,3 +78,14 @@ async def test_registers_once_etcd_comes_up(
         value = await wait_key(etcd, registration.key, present=True)
         assert value is not None
         assert decode_record(value) == RECORD
+
+
+async def test_a_dead_endpoint_in_the_list_is_passed_over(etcd: EtcdServer) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    settings = RegistrationConfig(
+        endpoints=(dead, etcd.endpoint), lease_ttl=2, call_timeout=1.0, retry_max_interval=0.3
+    )
+    async with registered(settings, RECORD) as registration:
+        with anyio.fail_after(WAIT):
+            await registration.registered.wait()
+        assert await wait_key(etcd, registration.key, present=True) is not None
