@@ -279,6 +279,27 @@ async def test_a_killed_worker_mid_run_fails_over_for_new_requests() -> None:
         assert len(victim.engine.book.received) == on_victim
 
 
+async def test_requests_waiting_for_their_first_token_on_a_killed_worker_are_retried_elsewhere() -> None:
+    async with frontend_stack(2) as fe:
+        victim, survivor = fe.sidecars
+        victim.engine.faults.add("pre", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=30))
+
+        async def one(n: int) -> Any:
+            return await post(fe, "/t/generate", {"ids": PROMPT, "max": 3, "rid": f"pre{n}"})
+
+        tasks = [asyncio.ensure_future(one(n)) for n in range(6)]
+        books = (victim.engine.book, survivor.engine.book)
+        await until(lambda: sum(len(b.received) for b in books) == 6, "all six reached a worker")
+        on_victim = len(victim.engine.book.received)
+        assert on_victim > 0, "the seeded choice sends some to the victim"
+        await victim.server.stop()  # killed while they wait for their first token
+        for status, body in await asyncio.gather(*tasks):
+            assert status == 200
+            assert body["outputs"][0] == {"ids": expected(fe, 3), "finish": "LENGTH", "error": None}
+        assert metric(fe, "frontend_retries_total", format="test") == on_victim
+        assert len(survivor.engine.book.received) == 6
+
+
 async def test_drain_worker_lets_in_flight_finish_then_forgets_it() -> None:
     async with frontend_stack(engines=[{"token_latency_ms": 20.0}]) as fe:
         address = fe.address(0)
