@@ -20,9 +20,11 @@ from sidecar_common.cli import (
     positive_int_arg,
     seconds_arg,
 )
-from sidecar_common.endpoint import EndpointError, parse_endpoint
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
+from sidecar_common.registration_record import RecordError
 from sidecar_common.version import package_version
+from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
+from sidecar_frontend.discovery_records import parse_worker
 from sidecar_frontend.handler import DEFAULT_MAX_BODY_BYTES, HandlerConfig
 from sidecar_frontend.workers import WorkerSetConfig
 
@@ -40,7 +42,7 @@ FORMATS: Final[Mapping[str, str]] = {
 @dataclass(frozen=True)
 class FrontendConfig:
     listen: str
-    workers: tuple[str, ...]
+    discovery: DiscoveryConfig  # the static --worker list is its "static" mode
     formats: tuple[str, ...]
     handler: HandlerConfig
     worker_set: WorkerSetConfig
@@ -51,16 +53,17 @@ class FrontendConfig:
 
 
 def _workers(text: str) -> tuple[str, ...]:
-    """One address, or several separated by commas or spaces (handy in the variable)."""
-    targets = []
-    for word in text.replace(",", " ").split():
+    """One ``[ROLE=]HOST:PORT``, or several separated by commas or spaces (handy in the
+    variable); each checked here, so a bad one is a usage error naming the flag."""
+    words = text.replace(",", " ").split()
+    if not words:
+        raise argparse.ArgumentTypeError(f"expected [ROLE=]HOST:PORT, got {text!r}")
+    for word in words:
         try:
-            targets.append(parse_endpoint(word).target)
-        except EndpointError as err:
+            parse_worker(word)
+        except RecordError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-    if not targets:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return tuple(targets)
+    return tuple(words)
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -130,8 +133,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=_workers,
         action="append",
         default=None,
-        metavar="HOST:PORT",
-        help="a sidecar's gRPC address; repeatable, or a comma-separated list",
+        metavar="[ROLE=]HOST:PORT",
+        help="a sidecar's gRPC address (--discovery static); ROLE is agg (default), prefill or "
+        "decode; repeatable, or a comma-separated list",
     )
     workers.add_argument(
         "--worker-connections",
@@ -140,6 +144,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="gRPC connections to each worker",
     )
+    add_discovery_arguments(parser)
     ops = parser.add_argument_group("operations")
     ops.add_argument(
         "--metrics-port",
@@ -164,13 +169,15 @@ def parse_config(
 ) -> FrontendConfig:
     parser = build_parser(prog)
     ns = parse_with_env(parser, argv, environ, ENV_PREFIX)
-    workers = [target for group in ns.workers or () for target in group]
-    if not workers:
-        parser.error(f"at least one --worker (or {ENV_PREFIX}WORKER) is required")
+    workers = [word for group in ns.workers or () for word in group]
+    try:
+        discovery = discovery_config_from_args(ns, workers)
+    except ValueError as err:
+        parser.error(str(err))
     timeout: float = ns.request_timeout_secs
     return FrontendConfig(
         listen=ns.listen,
-        workers=tuple(dict.fromkeys(workers)),
+        discovery=discovery,
         formats=ns.formats,
         handler=HandlerConfig(
             request_timeout=timeout if timeout > 0 else None,

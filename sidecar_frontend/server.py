@@ -1,8 +1,9 @@
 """The frontend process: start, serve, drain on a signal, exit.
 
-Start-up: logging -> formats -> the worker set (each ``--worker`` added; they connect in the
-background, and a request that arrives before one serves gets 503) -> metrics endpoint ->
-HTTP listener -> the ``serving`` log line (with the bound port). A listener that cannot bind
+Start-up: logging -> formats -> the worker set, fed by discovery (the ``--worker`` list, DNS
+or etcd; serving starts once its first view is applied or its first attempt failed; workers
+connect in the background, and a request that arrives before one serves gets 503) -> metrics
+endpoint -> HTTP listener -> the ``serving`` log line (with the bound port). A listener that cannot bind
 is one log line and exit 1.
 
 The first SIGTERM/SIGINT stops accepting connections at once, lets in-flight requests finish
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sidecar_common.logs import configure_logging
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FORMATS, FrontendConfig
+from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics
@@ -91,41 +93,57 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         "starting",
         version=package_version(),
         listen=config.listen,
-        workers=list(config.workers),
+        discovery=config.discovery.mode,
+        workers=[address for address, _ in config.discovery.static_workers],
         formats=list(config.formats),
         request_timeout_secs=config.handler.request_timeout,
         drain_timeout_secs=config.drain_timeout,
         metrics_port=config.metrics_port,
         sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
     )
-    async with WorkerSet(config.worker_set, on_inflight=on_inflight) as workers:
-        for address in config.workers:
-            workers.add_worker(address)
-        frontend = Frontend(formats, workers, config.handler, metrics=metrics)
-        runner = web.AppRunner(
-            frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
-        )
-        await runner.setup()
-        metrics_runner: web.AppRunner | None = None
+    async with (
+        WorkerSet(config.worker_set, on_inflight=on_inflight) as workers,
+        anyio.create_task_group() as discovery,
+    ):
+        # Serving starts once discovery applied its first view (or its first attempt failed).
+        await discovery.start(run_discovery, config.discovery, workers)
         try:
-            host, port = split_listen(config.listen)
-            site = web.TCPSite(runner, host, port)
-            try:
-                if config.metrics_port is not None:
-                    metrics_runner = await _metrics_runner(metrics, config.metrics_port)
-                await site.start()
-            except OSError as err:
-                log.error("start-up failed", error=f"cannot listen: {err}")
-                return EXIT_STARTUP_FAILED
-            bound = _bound_port(runner, port)
-            log.info("serving", port=bound, formats=list(config.formats))
-            code = await _until_stopped(frontend, site, config.drain_timeout, signals)
+            code = await _serve_http(config, formats, workers, metrics, signals)
         finally:
-            await runner.cleanup()
-            if metrics_runner is not None:
-                await metrics_runner.cleanup()
+            discovery.cancel_scope.cancel()
     log.info("stopped")
     return code
+
+
+async def _serve_http(
+    config: FrontendConfig,
+    formats: list[Format],
+    workers: WorkerSet,
+    metrics: Metrics,
+    signals: AsyncIterator[signal.Signals],
+) -> int:
+    frontend = Frontend(formats, workers, config.handler, metrics=metrics)
+    runner = web.AppRunner(
+        frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
+    )
+    await runner.setup()
+    metrics_runner: web.AppRunner | None = None
+    try:
+        host, port = split_listen(config.listen)
+        site = web.TCPSite(runner, host, port)
+        try:
+            if config.metrics_port is not None:
+                metrics_runner = await _metrics_runner(metrics, config.metrics_port)
+            await site.start()
+        except OSError as err:
+            log.error("start-up failed", error=f"cannot listen: {err}")
+            return EXIT_STARTUP_FAILED
+        log.info("serving", port=_bound_port(runner, port), formats=list(config.formats))
+        return await _until_stopped(frontend, site, config.drain_timeout, signals)
+    finally:
+        await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
 
 
 def _bound_port(runner: web.AppRunner, asked: int) -> int:

@@ -10,16 +10,23 @@ from sidecar_frontend.cli import parse_config
 def test_defaults() -> None:
     config = parse_config(["--worker", "127.0.0.1:50061"], {})
     assert config.listen == "0.0.0.0:8000"
-    assert config.workers == ("127.0.0.1:50061",)
+    assert config.discovery.mode == "static"
+    assert config.discovery.static_workers == (("127.0.0.1:50061", "agg"),)
     assert config.formats == ("sglang", "vllm")
     assert config.handler.request_timeout == 3600.0
     assert config.handler.sglang_incremental_streaming_output is False
     assert config.metrics_port is None
 
 
-def test_workers_repeat_or_list_and_duplicates_collapse() -> None:
-    config = parse_config(["--worker", "a:1,b:2", "--worker", "c:3", "--worker", "a:1"], {})
-    assert config.workers == ("a:1", "b:2", "c:3")
+def test_workers_repeat_or_list_with_roles_and_duplicates_collapse() -> None:
+    config = parse_config(["--worker", "a:1,decode=b:2", "--worker", "c:3", "--worker", "a:1"], {})
+    assert config.discovery.static_workers == (("a:1", "agg"), ("b:2", "decode"), ("c:3", "agg"))
+
+
+def test_dynamic_discovery_replaces_the_static_list() -> None:
+    config = parse_config(["--discovery", "dns", "--dns-name", "workers.ns.svc:50061"], {})
+    assert config.discovery.mode == "dns"
+    assert config.discovery.static_workers == ()
 
 
 def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
@@ -32,7 +39,7 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
         "SIDECAR_FRONTEND_METRICS_PORT": "9100",
     }
     config = parse_config([], env)
-    assert config.workers == ("a:1", "b:2")
+    assert [a for a, _ in config.discovery.static_workers] == ["a:1", "b:2"]
     assert config.listen == "127.0.0.1:9000"
     assert config.formats == ("vllm",)
     assert config.handler.sglang_incremental_streaming_output is True
@@ -45,7 +52,8 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
     ("argv", "env", "named"),
     [
         ([], {}, "--worker"),
-        (["--worker", "https://a:1"], {}, "--worker"),
+        (["--worker", "a:port"], {}, "--worker"),
+        (["--worker", "a:1", "--discovery", "etcd", "--etcd-endpoints", "e:2379"], {}, "--worker"),
         (["--worker", "a:1", "--format", "sglang,openai"], {}, "--format"),
         (["--worker", "a:1", "--request-timeout-secs", "-1"], {}, "--request-timeout-secs"),
         (["--worker", "a:1"], {"SIDECAR_FRONTEND_LISTEN": "nowhere"}, "SIDECAR_FRONTEND_LISTEN"),
