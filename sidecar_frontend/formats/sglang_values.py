@@ -49,9 +49,10 @@ def refuse(field: str, why: str) -> ValueRefusal:
 
 
 def _truthy(value: object) -> bool:
-    """Set to something other than a default (null, false, "", 0), or a list holding one."""
+    """Set to something other than a default (null, false, "", 0), or a list holding one
+    (in a list, only null, false and "" are defaults: 0 is a token id or a room there)."""
     if isinstance(value, list):
-        return any(item not in (None, False, "", 0) for item in value)
+        return any(not (item is None or item is False or item == "") for item in value)
     return bool(value)
 
 

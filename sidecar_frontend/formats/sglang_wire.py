@@ -17,6 +17,8 @@ import math
 import reprlib
 from typing import Final
 
+import orjson
+
 from sidecar_frontend.formats.base import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, HttpReply
 
 __all__ = [
@@ -65,10 +67,9 @@ class ValueRefusal(Exception):
 
 
 def _finite(value: object) -> object:
-    # orjson (SGLang's encoder) writes NaN and infinities as null.
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return [_finite(item) for item in value]
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
@@ -76,12 +77,13 @@ def _finite(value: object) -> object:
 
 
 def dumps(value: object) -> bytes:
-    """Compact UTF-8 JSON as SGLang's orjson writes it (non-finite floats become null)."""
+    """Compact UTF-8 JSON written by orjson, as SGLang writes it (non-finite floats are null)."""
     try:
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        text = json.dumps(_finite(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return text.encode()
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        # Only an echo of a client's malformed input can get here (a lone surrogate, an
+        # integer past 64 bits): escape what UTF-8 cannot hold.
+        return json.dumps(_finite(value), separators=(",", ":"), allow_nan=False).encode()
 
 
 def event(value: object) -> bytes:

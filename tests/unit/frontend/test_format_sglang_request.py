@@ -19,6 +19,7 @@ from tests.unit.frontend.test_format_sglang_support import (
     fresh_id,
     one,
     options,
+    parse,
     refused,
 )
 
@@ -635,3 +636,32 @@ def test_the_body_must_be_json_unless_no_content_type_is_given(headers: dict[str
         assert isinstance(reply, HttpReply)
         assert reply.status == 400
         assert "dataclass_type" in body(reply)["message"]
+
+
+def test_an_echo_of_a_lone_surrogate_is_still_json() -> None:
+    reply = refused(b'{"input_ids": "\\ud800"}')
+    assert reply.status == 400
+    assert "must be list or null; got str" in body(reply)["message"]
+
+
+def test_json_is_written_as_sglangs_orjson_writes_it() -> None:
+    reply = refused(request(sampling_params={"top_p": 1e-05 * 2e6}))
+    assert reply.body == b'{"error":{"message":"top_p must be in (0, 1], got 20.0."}}'
+    small = refused(request(sampling_params={"min_p": -1e-05}))
+    assert b"got -1e-05." in small.body  # SGLang's own sentence keeps Python's spelling
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused_by_name"),
+    [
+        (request(token_ids_logprob=[0]), True),
+        (request(bootstrap_room=[0]), True),
+        (request(image_data=[None]), False),
+        (request(cache_salt=[""]), False),
+        (request(return_hidden_states=[False]), False),
+    ],
+)
+def test_list_values_count_as_set_unless_every_item_is_a_default(
+    fields: dict[str, Any], refused_by_name: bool
+) -> None:
+    assert isinstance(parse(fields), HttpReply) == refused_by_name
