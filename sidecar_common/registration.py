@@ -48,8 +48,8 @@ class Registration:
         self._done = anyio.Event()
         # Set by the first successful registration.
         self.registered = anyio.Event()
+        # The lease of the last registration, until the key is known deleted.
         self._lease: int | None = None
-        self._withdrawn = False
 
     @property
     def withdraw_bound(self) -> float:
@@ -76,6 +76,8 @@ class Registration:
                 except Exception as err:  # a bug here must not take the serving sidecar down
                     log.exception("etcd registration failed unexpectedly")
                     failure = repr(err)
+                if self._stop.is_set():
+                    break  # withdrawing: below, on a fresh session
                 # A warning when it starts failing; the retries that follow are debug lines.
                 level = log.warning if delays is None else log.debug
                 if delays is None:
@@ -132,10 +134,10 @@ class Registration:
                 raise EtcdError(f"etcd {session.endpoint}: lease expired; registering again")
 
     async def _delete(self, session: EtcdSession) -> None:
-        lease, self._lease = self._lease, None
-        # Deleting the key is the step frontends see; revoking only tidies the lease.
+        # Deleting the key is the step frontends see; revoking only tidies the lease. A failed
+        # delete keeps the lease noted, so run() tries again on a fresh session.
         existed = await session.delete(self.key)
-        self._withdrawn = True
+        lease, self._lease = self._lease, None
         log.info("withdrawn from etcd", key=self.key.decode(), existed=existed)
         if lease is not None:
             try:
