@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 	scripts/ensure_etcd.sh
 
-# The sidecar beside a testkit engine on loopback, streaming one real generation.
+# The sidecar beside a testkit engine on loopback, streaming one real generation
+# (ENGINE=vllm, sglang, or frontend: the HTTP frontend in front of the vLLM sidecar, one curl).
 run: $(STAMP)
 	$(BIN)/python -m testkit.demo --engine $(ENGINE)
 
@@ -77,6 +78,7 @@ deploy-check: $(STAMP)
 # Quick results go to bench/results/quick/ so they never overwrite the committed --full run.
 bench: $(STAMP)
 	$(BIN)/python -m bench --quick --out bench/results/quick
+	$(BIN)/python -m bench.frontend --quick --out bench/results/quick
 
 bench-full: $(STAMP)
 	$(BIN)/python -m bench --full
