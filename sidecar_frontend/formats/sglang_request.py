@@ -291,7 +291,9 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
     n = _sample_count(sampling, single)
     batch = not single or n > 1
     count = len(prompts)
-    rids = _rids(data, ctx, count, count * n, single and n == 1)
+    # With n > 1 the samples get fresh ids: the client's rids are only checked.
+    unchecked = n > 1 and data.get("rid") is None
+    rids = [] if unchecked else _rids(data, ctx, count, count * n, single and n == 1)
     utf8(rids, "rid")
     loras = _lora(data, count, single)
     utf8(loras, "lora_path")

@@ -665,3 +665,13 @@ def test_list_values_count_as_set_unless_every_item_is_a_default(
     fields: dict[str, Any], refused_by_name: bool
 ) -> None:
     assert isinstance(parse(fields), HttpReply) == refused_by_name
+
+
+def test_samples_without_a_rid_take_the_first_fresh_ids() -> None:
+    call = accepted({"input_ids": [1], "sampling_params": {"n": 2}})
+    assert [r.request_id for r in call.requests] == [fresh_id(0), fresh_id(1)]
+
+
+def test_a_samples_rid_is_still_checked_against_requests_in_flight() -> None:
+    reply = refused({"input_ids": [1], "rid": "r", "sampling_params": {"n": 2}}, context(inflight=["r_1"]))
+    assert body(reply) == {"error": {"message": "Duplicate request ID detected: r_1"}}
