@@ -134,7 +134,9 @@ def hop_argv(hop: HopSpec, listen: str, engine_grpc: str, engine_http: str | Non
         return [_script("sidecar-vllm"), "--grpc-endpoint", engine_grpc, "--listen", listen, *quiet]
     transport = hop.path.removeprefix("sidecar-")
     assert engine_http is not None
+    # --http-endpoint belongs to the HTTP transport only (the CLI refuses it with gRPC).
+    http = ["--http-endpoint", f"http://{engine_http}"] if transport == "http" else []
     return [
         _script("sidecar-sglang"), "--transport", transport, "--grpc-endpoint", engine_grpc,
-        "--http-endpoint", f"http://{engine_http}", "--listen", listen, *quiet,
+        *http, "--listen", listen, *quiet,
     ]  # fmt: skip

@@ -1,0 +1,29 @@
+"""The bench starts the sidecars with command lines the real CLI accepts (a refused flag would
+stop `make bench` at that hop instead of measuring it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import plan
+from sidecar_common.cli import parse_config
+from sidecar_sglang.__main__ import SPEC as SGLANG
+from sidecar_vllm.__main__ import SPEC as VLLM
+
+
+@pytest.mark.parametrize(
+    "hop",
+    [
+        plan.HopSpec("sidecar", plan.EngineSpec("vllm", 1)),
+        plan.HopSpec("sidecar-grpc", plan.EngineSpec("sglang", 1)),
+        plan.HopSpec("sidecar-http", plan.EngineSpec("sglang", 1)),
+    ],
+    ids=lambda hop: f"{hop.engine.kind}-{hop.path}",
+)
+def test_every_sidecar_hop_command_line_parses(hop: plan.HopSpec) -> None:
+    argv = plan.hop_argv(hop, "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
+    spec = VLLM if hop.engine.kind == "vllm" else SGLANG
+    config, namespace = parse_config(spec, argv[1:], {})
+    assert config.listen == "127.0.0.1:1"
+    # Building the engine adapter does no I/O and applies the flag rules parsing leaves to it.
+    assert spec.build(config, namespace).name == hop.engine.kind
