@@ -21,7 +21,6 @@ __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
 DEFAULT_MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
 
 
-
 @dataclass(frozen=True)
 class SidecarConfig:
     """The common flags (docs/common.md), parsed and validated."""
