@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
+from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
 from sidecar_frontend.workers import WorkerState
 from testkit.book import Outcome
@@ -161,6 +162,21 @@ async def test_abort_by_id_reaches_every_client_using_that_id_and_only_them() ->
         assert aborts_for(fe, "other") == []
 
 
+async def test_stop_all_ends_in_flight_requests_with_the_given_failure() -> None:
+    # What the process does once its drain timeout ran out.
+    async with frontend_stack(engines=[{"token_latency_ms": 40.0}]) as fe:
+        body = {"ids": PROMPT, "max": 300, "rid": "late", "stream": True}
+        async with fe.http.post(fe.url + "/t/generate", json=body) as response:
+            assert (await response.content.readline()).startswith(b"data: ")
+            fe.frontend.stop_all(WorkerFailure("ENGINE_SHUTDOWN", "the frontend is shutting down"))
+            events = await sse_events(response)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"] == "ENGINE_SHUTDOWN"
+        await settled(fe)
+        assert len(aborts_for(fe, "late")) == 1
+        assert metric(fe, "frontend_requests_total", format="test", outcome="shutdown") == 1
+
+
 async def test_abort_of_an_unknown_id_aborts_nothing() -> None:
     async with frontend_stack() as fe:
         assert await post(fe, "/t/abort", {"rid": "nobody"}) == (200, {"aborted": 0})
@@ -236,8 +252,10 @@ async def test_a_not_serving_worker_is_never_picked() -> None:
         for n in range(8):
             status, _ = await post(fe, "/t/generate", {"ids": PROMPT, "max": 2, "rid": f"ns{n}"})
             assert status == 200
-        assert fe.sidecars[1].engine.book.received == []
         assert len(fe.sidecars[0].engine.book.received) == 8
+        # A draining sidecar refuses before its engine (and the refusal would be retried), so
+        # what shows a pick of it is a retry.
+        assert metric(fe, "frontend_retries_total", format="test") == 0
 
 
 async def test_no_serving_worker_is_a_503_in_the_formats_shape() -> None:
