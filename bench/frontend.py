@@ -137,9 +137,14 @@ def _cpu_us_per_token(result: dict[str, Any]) -> float | None:
 
 
 def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    messages = result.get("messages") or 0
+    hop = result.get("cpu_s", {}).get("hop")
     return {
         "tokens_per_s": round(result.get("tokens_per_s", 0.0), 1),
         "hop_cpu_us_per_token": _round(_cpu_us_per_token(result)),
+        # The sidecar merges chunks under load, so tokens per event vary: per event too.
+        "hop_cpu_us_per_event": _round(hop / messages * 1e6) if messages and hop is not None else None,
+        "tokens_per_event": _round(result["tokens"] / messages) if messages else None,
         "ttft_p50_ms": _round(result.get("ttft_ms", {}).get("p50")),
         "ttft_p99_ms": _round(result.get("ttft_ms", {}).get("p99")),
         "errors": result.get("errors", 0),
@@ -205,12 +210,13 @@ def run(profile: Profile) -> dict[str, Any]:
 
 def _markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| run | tokens/s | frontend (or sidecar) CPU µs/token | TTFT p50 ms | errors |",
-        "|---|---:|---:|---:|---:|",
+        "| run | tokens/s | hop CPU µs/token | hop CPU µs/event | tokens/event | TTFT p50 ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for key, row in report["results"].items():
         lines.append(
-            f"| {key} | {row['tokens_per_s']} | {row['hop_cpu_us_per_token']} | {row['ttft_p50_ms']} "
+            f"| {key} | {row['tokens_per_s']} | {row['hop_cpu_us_per_token']} "
+            f"| {row['hop_cpu_us_per_event']} | {row['tokens_per_event']} | {row['ttft_p50_ms']} "
             f"| {row['errors']} |"
         )
     lines += [
