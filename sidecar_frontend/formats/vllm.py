@@ -109,11 +109,12 @@ def _abort_targets(ids: list[str]) -> tuple[str, ...]:
 
 def _models(ctx: FormatContext) -> bytes:
     info = ctx.model_info
-    # The plugin has no clock: ``created`` is 0 where vLLM puts its start-up time.
+    # vLLM stamps its model card when the list is asked for: the request's arrival here.
+    created = int(ctx.wall_time)
     card = {
         "id": info.served_model_name,
         "object": "model",
-        "created": 0,
+        "created": created,
         "owned_by": "vllm",
         "root": info.model_path or info.served_model_name,
         "parent": None,
@@ -122,7 +123,7 @@ def _models(ctx: FormatContext) -> bytes:
             {
                 "id": f"modelperm-{ctx.new_id()}",
                 "object": "model_permission",
-                "created": 0,
+                "created": created,
                 "allow_create_engine": False,
                 "allow_sampling": True,
                 "allow_logprobs": True,

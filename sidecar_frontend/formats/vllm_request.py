@@ -71,6 +71,8 @@ class VllmOptions:
     prompt_tokens: int
     # The prompt echoed back (return_token_ids), else None.
     prompt_token_ids: tuple[int, ...] | None
+    # Unix seconds at arrival: the unary response's `created`.
+    created: int = 0
 
 
 def header(headers: Mapping[str, str], name: str) -> str | None:
@@ -210,6 +212,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         prompt_logprobs=request.output_options.HasField("prompt_logprobs"),
         prompt_tokens=len(token_ids),
         prompt_token_ids=tuple(token_ids) if return_token_ids else None,
+        created=int(ctx.wall_time),
     )
     return GenerateCall(requests=(request,), stream=bool(stream), options=options)
 

@@ -119,7 +119,7 @@ class VllmEncoder:
 
     def __init__(self, options: VllmOptions, started_at: float) -> None:
         self._o = options
-        self._created = int(started_at)
+        del started_at  # the handler's monotonic clock; `created` is wall time, taken at parse
         self._choices = {i: _Choice(i) for i in range(options.n)}
         self._first_chunk = True
         self._error: VllmError | None = None
@@ -192,7 +192,7 @@ class VllmEncoder:
         body = {
             "request_id": self._o.request_id,
             "model": self._o.model,
-            "created": self._created,
+            "created": self._o.created,
             "usage": usage,
             "prompt_logprobs": self._prompt_logprobs,
             "prompt_token_id_logprobs": None,

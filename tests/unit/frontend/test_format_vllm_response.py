@@ -23,7 +23,7 @@ CHOICE_NULLS = {"routed_experts": None, "sampling_mask": None, "weight_versions"
 def _encoder(**top: Any) -> Encoder:
     sampling = top.pop("sampling_params", {})
     call = accepted({"token_ids": [5, 6, 7], "sampling_params": sampling, "request_id": "r", **top})
-    return FORMAT.new_encoder(call, 1796113919.7)
+    return FORMAT.new_encoder(call, 5.25)  # the handler's monotonic clock: not a date
 
 
 def _out(
@@ -423,6 +423,7 @@ def test_health_and_models() -> None:
         "max_model_len": 4096,
     }
     assert card["permission"][0]["id"] == "modelperm-842536af25e84b36" + "0" * 16
+    assert card["created"] == card["permission"][0]["created"] == 1796113919
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from sidecar_frontend.formats.vllm_request import VllmOptions
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 NEW_ID = "842536af25e84b36" + "0" * 16
+WALL_TIME = 1796113919.7  # Unix seconds at arrival; the encoders' clock is monotonic
 
 
 def context(**info: Any) -> FormatContext:
@@ -27,7 +28,9 @@ def context(**info: Any) -> FormatContext:
         "eos_token_ids": [2],
     }
     fields.update(info)
-    return FormatContext(model_info=sidecar_pb2.ModelInfo(**fields), new_id=lambda: NEW_ID)
+    return FormatContext(
+        model_info=sidecar_pb2.ModelInfo(**fields), new_id=lambda: NEW_ID, wall_time=WALL_TIME
+    )
 
 
 def body_of(obj: object) -> bytes:
