@@ -25,7 +25,6 @@ from sidecar_frontend.formats.base import (
     RouteKind,
 )
 from sidecar_frontend.formats.sglang_request import (
-    DEFAULT_MAX_NEW_TOKENS,
     SglangOptions,
 )
 from sidecar_frontend.formats.sglang_request import (
@@ -85,7 +84,6 @@ def _server_info(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, o
         "disaggregation_mode": "null",
         "max_req_input_len": context - 6 if context else None,
         "max_total_num_tokens": tokens or None,
-        "default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
         "weight_version": "default",
         "version": SGLANG_API_VERSION,
         "frontend": "sidecar",
