@@ -15,6 +15,7 @@ own default, exactly as vLLM distinguishes "the client said 16" from "the client
 
 from __future__ import annotations
 
+import email.message
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -221,8 +222,17 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
 
 
 def _json_object(body: bytes, headers: Mapping[str, str]) -> dict[str, object]:
-    media_type = (header(headers, "content-type") or "").lower().split(";", 1)[0]
-    if media_type != "application/json":
+    """The body as vLLM's web framework reads it, then vLLM's content-type check.
+
+    The framework parses the body as JSON first when the content type is missing or names
+    JSON (``application/json``, ``application/*+json``), so a syntax error there wins over
+    the content-type refusal; any other body is left unparsed and refused for its type.
+    """
+    content_type = header(headers, "content-type")
+    data: object = None
+    if body and (content_type is None or _names_json(content_type)):
+        data = _parse_json(body)
+    if (content_type or "").lower().split(";", 1)[0] != "application/json":
         raise Refused(
             VllmError(
                 "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
@@ -230,20 +240,8 @@ def _json_object(body: bytes, headers: Mapping[str, str]) -> dict[str, object]:
                 HTTPStatus.BAD_REQUEST,
             )
         )
-    if not body:
+    if data is None:  # no body, or the JSON null
         raise Invalid(ValidationIssue("missing", "body", "Field required", None))
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as err:
-        raise Invalid(
-            ValidationIssue("json_invalid", f"body.{err.pos}", "JSON decode error", {}, {"error": err.msg})
-        ) from None
-    except (ValueError, RecursionError):  # not UTF-8 text, or nested beyond the parser
-        raise Refused(
-            VllmError(
-                "There was an error parsing the body", HTTPStatus.BAD_REQUEST.phrase, HTTPStatus.BAD_REQUEST
-            )
-        ) from None
     if not isinstance(data, dict):
         raise Invalid(
             ValidationIssue(
@@ -254,6 +252,30 @@ def _json_object(body: bytes, headers: Mapping[str, str]) -> dict[str, object]:
             )
         )
     return data
+
+
+def _names_json(content_type: str) -> bool:
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+def _parse_json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as err:
+        raise Invalid(
+            ValidationIssue("json_invalid", f"body.{err.pos}", "JSON decode error", {}, {"error": err.msg})
+        ) from None
+    except (ValueError, RecursionError):  # not UTF-8 text, or nested beyond the parser
+        raise Refused(
+            VllmError(
+                "There was an error parsing the body", HTTPStatus.BAD_REQUEST.phrase, HTTPStatus.BAD_REQUEST
+            )
+        ) from None
 
 
 def _root_value_error(data: dict[str, object], message: str) -> None:

@@ -621,6 +621,19 @@ def test_content_type_must_be_json(content_type: str | None) -> None:
     )
 
 
+def test_a_json_syntax_error_wins_when_the_content_type_is_missing_or_names_json() -> None:
+    # vLLM's web framework parses such a body before vLLM checks the content type.
+    for headers in ({}, {"Content-Type": "application/vnd.x+json"}):
+        assert error_of(refused(b"{", headers))["param"] == "body.1"
+    assert error_of(refused(b"{", {"Content-Type": "text/plain"}))["type"] == "Bad Request"
+    assert error_of(refused(b"{", {"Content-Type": "text/plain"}))["param"] is None
+
+
+def test_a_null_body_is_a_missing_body() -> None:
+    assert error_of(refused(b"null"))["param"] == "body"
+    assert "'type': 'missing'" in error_of(refused(b"null"))["message"]
+
+
 def test_data_parallel_rank_out_of_range() -> None:
     reply = refused(_request(), {**JSON_HEADERS, "X-data-parallel-rank": "2"})
     assert error_of(reply) == _vllm("data_parallel_rank 2 is out of range [0, 2).")
