@@ -15,8 +15,6 @@ own default, exactly as vLLM distinguishes "the client said 16" from "the client
 
 from __future__ import annotations
 
-import email.message
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -25,7 +23,14 @@ from typing import Final, TypeVar, cast
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import JSON, StructError, struct_from_json
 from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
-from sidecar_frontend.formats.vllm_checks import check_cache_salt, check_msgpack, check_prompt, dp_rank
+from sidecar_frontend.formats.vllm_checks import (
+    check_cache_salt,
+    check_msgpack,
+    check_prompt,
+    dp_rank,
+    header,
+    read_body,
+)
 from sidecar_frontend.formats.vllm_errors import (
     Refused,
     ValidationIssue,
@@ -47,7 +52,7 @@ from sidecar_frontend.formats.vllm_lax import (
 )
 from sidecar_frontend.formats.vllm_sampling import SamplingParams, not_an_instance
 
-__all__ = ["REQUEST_ID_PREFIX", "VllmOptions", "header", "parse_generate"]
+__all__ = ["REQUEST_ID_PREFIX", "VllmOptions", "parse_generate"]
 
 T = TypeVar("T")
 
@@ -76,18 +81,6 @@ class VllmOptions:
     created: int = 0
 
 
-def header(headers: Mapping[str, str], name: str) -> str | None:
-    """A header's value, whatever the case of its name (a plain dict in tests, a multidict live)."""
-    value = headers.get(name)
-    if value is not None:
-        return value
-    lowered = name.lower()
-    for key, item in headers.items():
-        if key.lower() == lowered:
-            return item
-    return None
-
-
 def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
     try:
         return _parse(body, headers, ctx)
@@ -98,7 +91,7 @@ def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) 
 
 
 def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall:
-    data = _json_object(body, headers)
+    data = read_body(body, headers)
     check_cache_salt(data.get("cache_salt"))
     fields = Fields(data)
     request_id = fields.get("request_id", as_str)
@@ -216,66 +209,6 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         created=int(ctx.wall_time),
     )
     return GenerateCall(requests=(request,), stream=bool(stream), options=options)
-
-
-# ----------------------------------------------------------------------------- transport
-
-
-def _json_object(body: bytes, headers: Mapping[str, str]) -> dict[str, object]:
-    """The body as vLLM's web framework reads it, then vLLM's content-type check.
-
-    The framework parses the body as JSON first when the content type is missing or names
-    JSON (``application/json``, ``application/*+json``), so a syntax error there wins over
-    the content-type refusal; any other body is left unparsed and refused for its type.
-    """
-    content_type = header(headers, "content-type")
-    data: object = None
-    if body and (content_type is None or _names_json(content_type)):
-        data = _parse_json(body)
-    if (content_type or "").lower().split(";", 1)[0] != "application/json":
-        raise Refused(
-            VllmError(
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                HTTPStatus.BAD_REQUEST.phrase,
-                HTTPStatus.BAD_REQUEST,
-            )
-        )
-    if data is None:  # no body, or the JSON null
-        raise Invalid(ValidationIssue("missing", "body", "Field required", None))
-    if not isinstance(data, dict):
-        raise Invalid(
-            ValidationIssue(
-                "model_attributes_type",
-                "body",
-                "Input should be a valid dictionary or object to extract fields from",
-                data,
-            )
-        )
-    return data
-
-
-def _names_json(content_type: str) -> bool:
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (
-        subtype == "json" or subtype.endswith("+json")
-    )
-
-
-def _parse_json(body: bytes) -> object:
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError as err:
-        raise Invalid(
-            ValidationIssue("json_invalid", f"body.{err.pos}", "JSON decode error", {}, {"error": err.msg})
-        ) from None
-    except (ValueError, RecursionError):  # not UTF-8 text, or nested beyond the parser
-        raise Refused(
-            VllmError(
-                "There was an error parsing the body", HTTPStatus.BAD_REQUEST.phrase, HTTPStatus.BAD_REQUEST
-            )
-        ) from None
 
 
 def _root_value_error(data: dict[str, object], message: str) -> None:
