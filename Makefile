@@ -24,7 +24,7 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m testkit.demo --engine $(ENGINE)
 
-test: $(STAMP) $(BUF)
+test: setup $(BUF)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
