@@ -128,6 +128,11 @@ class Delivery:
 
     last_finish: int = sidecar_pb2.UNSPECIFIED
 
+    @property
+    def complete(self) -> bool:
+        """Every choice's terminal was handed to the frontend: the call's outcome is OK."""
+        return len(self.finished) == self.n
+
     def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
         index = out.index
         tokens = self.tokens

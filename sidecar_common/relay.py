@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
+import structlog
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.coalesce import coalesce
@@ -28,6 +29,8 @@ from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
 
 __all__ = ["RelayConfig", "Write", "relay"]
+
+_log = structlog.get_logger(__name__)
 
 Write = Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[None]]
 
@@ -92,9 +95,10 @@ class _Buffer:
         return True
 
     async def wait(self) -> bool:
-        """Wait for a chunk; False once the pump ended and everything was taken."""
+        """Wait for a chunk; False once the pump ended and everything was taken, or once
+        the relay is stopping (detached)."""
         while not self._items:
-            if self.ended:
+            if self.ended or self.detached:
                 return False
             self._data = self._loop.create_future()
             await self._data
@@ -107,16 +111,20 @@ class _Buffer:
 
     def end(self) -> None:
         self.ended = True
-        data = self._data
-        if data is not None:
-            self._data = None
-            if not data.done():
-                data.set_result(None)
+        self._wake_writer()
 
     def detach(self) -> None:
         self.detached = True
         self._items.clear()
         self._wake_pump()
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        data = self._data
+        if data is not None:
+            self._data = None
+            if not data.done():
+                data.set_result(None)
 
     def _wake_pump(self) -> None:
         space = self._space
@@ -206,6 +214,40 @@ async def _write_loop(
                 last_sent = now
         if metrics is not None and backlog:
             metrics.merged(len(batch) - len(msgs))
+        if delivery.complete:
+            # Every terminal is out: the call's outcome is settled, whatever the engine
+            # stream does before it ends (the pump gets drain_grace for that).
+            return
+
+
+class _Writer:
+    """The writer task's outcome, kept out of the task group (no ExceptionGroup)."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.error: Exception | None = None
+
+
+async def _run_writer(
+    writer: _Writer,
+    scope: anyio.CancelScope,
+    buffer: _Buffer,
+    write: Write,
+    delivery: Delivery,
+    config: RelayConfig,
+    under_load: Callable[[], bool] | None,
+    metrics: Metrics | None,
+    started_at: float,
+) -> None:
+    with scope:
+        try:
+            await _write_loop(buffer, write, delivery, config, under_load, metrics, started_at)
+        except Exception as exc:
+            writer.error = exc
+        finally:
+            writer.done.set()
 
 
 async def relay(
@@ -219,25 +261,41 @@ async def relay(
     under_load: Callable[[], bool] | None = None,
 ) -> None:
     """Stream ``gen`` to ``write``. Raises the engine's SidecarError after the delivered
-    prefix. However it ends (including by cancellation), the engine request is aborted
-    exactly once unless every terminal arrived, and the engine stream is closed."""
+    prefix, unless every terminal was delivered (then the call's outcome is settled: what
+    the engine stream does afterwards is logged, not reported). However it ends (including
+    by cancellation), the engine request is aborted exactly once unless every terminal
+    arrived, and the engine stream is closed.
+
+    A cancellation never cuts a write in flight: the writer runs in its own shielded task,
+    stops at the next message boundary, and a write still pending after ``drain_grace`` (a
+    frontend that stopped reading) is the only one cut. An interrupted write leaves grpc's
+    per-call bookkeeping behind (the first one: "initial metadata not sent"), and the
+    status sent after it then fails, reaching the client as a bare UNAVAILABLE without its
+    ErrorInfo.
+    """
     t0 = time.monotonic() if started_at is None else started_at
     buffer = _Buffer(config.capacity)
     pump_scope = anyio.CancelScope(shield=True)
-    # Kept out of the task group so that it is not wrapped in an ExceptionGroup.
-    write_error: Exception | None = None
+    writer_scope = anyio.CancelScope(shield=True)
+    writer = _Writer()
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_pump, gen, buffer, pump_scope)
+            tg.start_soon(
+                _run_writer, writer, writer_scope, buffer, write, delivery, config, under_load, metrics, t0
+            )
             try:
-                await _write_loop(buffer, write, delivery, config, under_load, metrics, t0)
-            except Exception as exc:
-                write_error = exc
+                await writer.done.wait()
             finally:
                 buffer.detach()
+                if not writer.done.is_set():
+                    # Stopped from outside: the message in flight may finish, bounded.
+                    writer_scope.deadline = anyio.current_time() + config.drain_grace
                 if gen.complete:
                     # Every terminal arrived: the iterator is about to end; never abort.
+                    # Unshielded, a stop of the call (drain, cancel) ends that wait at once.
                     pump_scope.deadline = anyio.current_time() + config.drain_grace
+                    pump_scope.shield = False
                 elif gen.hold_pending:
                     pump_scope.deadline = anyio.current_time() + config.hold_timeout
                 else:
@@ -250,8 +308,16 @@ async def relay(
     finally:
         with anyio.CancelScope(shield=True):
             await run_to_completion(_finish(gen, metrics))
-    if write_error is not None:
-        raise write_error
+    if delivery.complete:
+        if gen.error is not None:
+            _log.warning(
+                "engine stream failed after every terminal was delivered",
+                private_id=gen.private_id,
+                error=gen.error.message,
+            )
+        return
+    if writer.error is not None:
+        raise writer.error
     if gen.error is not None:
         raise gen.error
 

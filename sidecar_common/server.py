@@ -80,13 +80,18 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
     def __init__(self) -> None:
         self.status: int = _NOT_SERVING
-        self._waiters: list[anyio.Event] = []
+        self._waiters: set[anyio.Event] = set()
+
+    @property
+    def watchers(self) -> int:
+        """Watch streams waiting for the next change."""
+        return len(self._waiters)
 
     def set(self, status: int) -> None:
         if status == self.status:
             return
         self.status = status
-        waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters, set()
         for event in waiters:
             event.set()
 
@@ -105,15 +110,22 @@ class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             # Registered before reading the status, so a change during the write below
             # wakes this loop instead of being missed.
             event = anyio.Event()
-            self._waiters.append(event)
-            status = (
-                self._status_of(request.service) if known else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-            )
-            if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            # Ends when the client cancels or the server stops (the handler is cancelled).
-            await event.wait()
+            self._waiters.add(event)
+            try:
+                status = (
+                    self._status_of(request.service)
+                    if known
+                    else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                )
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                # Ends when the client cancels or the server stops (the handler is cancelled).
+                await event.wait()
+            finally:
+                # However the wait ends: a cancelled watch must not stay registered until
+                # the next status change.
+                self._waiters.discard(event)
 
 
 async def _fail(context: _Context, error: SidecarError) -> NoReturn:
@@ -197,6 +209,11 @@ class SidecarServer:
     @property
     def inflight(self) -> int:
         return self._registry.inflight
+
+    @property
+    def health_watchers(self) -> int:
+        """Health Watch streams open right now."""
+        return self._health.watchers
 
     async def wait_idle(self, seconds: float) -> bool:
         """Wait until no generation is in flight, at most ``seconds``; True if idle."""
@@ -367,7 +384,7 @@ class SidecarServer:
         started_at = time.monotonic()
         metrics = self._metrics
         if metrics is not None:
-            pass  # MUT1
+            metrics.arrived()
         # A bad request is refused as such whatever the engine's state (it would fail on
         # any worker, so it must not look migratable); validation needs the discovered
         # engine, hence after the not-serving check.
@@ -419,9 +436,13 @@ class SidecarServer:
                     started_at=started_at,
                     under_load=self._under_load,
                 )
-            if entry.scope.cancelled_caught and entry.cause is CancelCause.DRAIN:
+            # Once every terminal was delivered the call is a success, whatever stopped it
+            # while the engine stream was still closing: a migratable error after a complete
+            # answer would have the frontend run the request twice.
+            stopped = entry.scope.cancelled_caught and not delivery.complete
+            if stopped and entry.cause is CancelCause.DRAIN:
                 raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
-            if entry.scope.cancelled_caught:
+            if stopped:
                 outcome["cancelled_by"] = "abort_rpc"
                 for terminal in delivery.cancelled_terminals(len(request.token_ids)):
                     delivery.observe(terminal)

@@ -9,7 +9,8 @@ out-of-process by a directive inside the request id itself::
 Numeric arguments are the token count ``k`` (seconds for ``stall_first_token``); a textual
 argument is the variant (``malformed_terminal``) or the status code name (``error_after``).
 Examples: ``r1.fault=close_after:3``, ``r2.fault=error_after:2:RESOURCE_EXHAUSTED``,
-``r3.fault=malformed_terminal:negative_id``, ``r4.fault=hang``, ``r5.fault=stall_first_token:0.5``.
+``r3.fault=malformed_terminal:negative_id``, ``r4.fault=hang``, ``r5.fault=stall_first_token:0.5``,
+``r6.fault=hold_after_terminal``.
 
 Engines also take ``--fault MATCH=DIRECTIVE`` at start-up (see ``parse_fault_flag``).
 """
@@ -39,6 +40,10 @@ class FaultKind(enum.Enum):
     MALFORMED_TERMINAL = "malformed_terminal"  # a terminal that breaks the wire's rules
     REPEAT_AFTER_TERMINAL = "repeat_after_terminal"  # the first message again after the terminal
     STALL_FIRST_TOKEN = "stall_first_token"  # wait `stall_secs` before the first token
+    # Every terminal sent, then the stream stays open (no end of stream, no [DONE]) until
+    # the client leaves or the engine stops: the window between a finished request and its
+    # closed stream, held open.
+    HOLD_AFTER_TERMINAL = "hold_after_terminal"
 
 
 MALFORMED_VARIANTS = frozenset(

@@ -356,6 +356,10 @@ class SglangTestEngine:
         chunks, outcome = state.finish(finished, plan, _now())
         for chunk in chunks:
             stream.put(chunk)
+        if plan is not None and plan.kind is FaultKind.HOLD_AFTER_TERMINAL:
+            # Finished (and released from the book), but the stream never ends by itself:
+            # the wire keeps it open until the client leaves.
+            return outcome, False
         return outcome, True
 
     def _flush(self, live: _Live) -> None:

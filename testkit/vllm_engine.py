@@ -488,6 +488,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             yield msg
         if kind is FaultKind.REPEAT_AFTER_TERMINAL and first is not None:
             yield first
+        if kind is FaultKind.HOLD_AFTER_TERMINAL:
+            # Finished, yet the stream stays open until the client leaves or the engine stops.
+            await self._stopping.wait()
 
     async def _trip(self, plan: FaultPlan) -> None:
         if plan.kind is FaultKind.ERROR_AFTER:

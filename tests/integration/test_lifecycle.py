@@ -1,0 +1,238 @@
+"""Lifecycle rules of the servicer and the relay, against the scripted fake engine:
+
+* a generation whose every terminal was delivered ends OK, whatever stops the sidecar while
+  the engine stream is still closing, and is never aborted;
+* a stop never cuts a write to the frontend that is already in flight (a cut write made the
+  status after it fail, reaching the client as a bare UNAVAILABLE without its ErrorInfo);
+* a cancelled health Watch leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.dispatch import Delivery, Generation
+from sidecar_common.engine import GenerateCall
+from sidecar_common.relay import RelayConfig, relay
+from sidecar_common.server import SidecarServer
+from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
+from tests.integration.test_servicer import Harness, error_info, request, servicer_running
+
+pytestmark = pytest.mark.timeout(60)
+
+# Long enough that a test which relied on it running out would time out instead of passing.
+_FOREVER = 600.0
+
+
+async def _read_through_terminal(call: Any) -> list[sidecar_pb2.LLMEngineOutput]:
+    outs: list[sidecar_pb2.LLMEngineOutput] = []
+    while not outs or outs[-1].finish_reason == sidecar_pb2.UNSPECIFIED:
+        out = await call.read()
+        assert out is not grpc.aio.EOF, "the stream ended before its terminal"  # type: ignore[attr-defined]
+        outs.append(out)
+    return outs
+
+
+async def _read_to_the_end(call: Any) -> None:
+    while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
+        pass
+
+
+async def _drain_with_timeout(server: SidecarServer) -> None:
+    await server.drain()  # drain_timeout is short in these tests: it runs out and cancels
+
+
+async def _cancel_inflight(server: SidecarServer) -> None:
+    assert server.cancel_inflight() == 1
+
+
+async def _stop(server: SidecarServer) -> None:
+    await server.stop()
+
+
+STOPS: dict[str, Callable[[SidecarServer], Awaitable[None]]] = {
+    "drain_timeout": _drain_with_timeout,
+    "cancel_inflight": _cancel_inflight,
+    "server_stop": _stop,
+}
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+async def test_a_delivered_stream_ends_ok_whatever_stops_it_before_the_engine_closes(stop: str) -> None:
+    # The engine sends every terminal, then holds its stream open (as SGLang over HTTP does
+    # until [DONE]); the sidecar is told to stop in that window.
+    engine = FakeEngine(scripts={"r": [tokens(1), terminal(2, index=0), terminal(3, index=1), HANG]})
+    async with servicer_running(engine, drain_timeout=0.05, abort_timeout=_FOREVER) as h:
+        call = h.stub.Generate(request("r", n=2))
+        outs = await _read_through_terminal(call)
+        while {o.index for o in outs if o.finish_reason != sidecar_pb2.UNSPECIFIED} != {0, 1}:
+            outs.append(await call.read())
+        assert h.server.inflight == 1  # still waiting for the engine stream to end
+        await STOPS[stop](h.server)
+        assert await call.read() is grpc.aio.EOF  # type: ignore[attr-defined]
+        assert await call.code() == grpc.StatusCode.OK
+        assert [t for o in outs for t in o.token_ids] == [1, 2, 3]
+        await engine.wait_for("closed")
+        assert engine.aborts == []
+        finished = {"engine": "fake", "finish_reason": "EOS"}
+        assert h.metrics.registry.get_sample_value("sidecar_requests_finished_total", finished) == 1
+
+
+async def test_a_delivered_stream_ends_ok_on_a_public_abort_before_the_engine_closes() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), terminal(2), HANG]})
+    async with servicer_running(engine, abort_timeout=_FOREVER) as h:
+        call = h.stub.Generate(request("r"))
+        outs = await _read_through_terminal(call)
+        reply = await h.stub.Abort(sidecar_pb2.AbortRequest(request_id="r"), timeout=5)
+        assert reply.aborted == 1
+        # No CANCELLED terminal after the real one, no engine abort.
+        assert await call.read() is grpc.aio.EOF  # type: ignore[attr-defined]
+        assert await call.code() == grpc.StatusCode.OK
+        assert [o.finish_reason for o in outs] == [sidecar_pb2.UNSPECIFIED, sidecar_pb2.EOS]
+        await engine.wait_for("closed")
+        assert engine.aborts == []
+
+
+async def test_an_engine_that_holds_its_stream_open_after_the_terminal_is_cut_after_the_grace() -> None:
+    # No stop at all: the status must not wait for the engine forever.
+    engine = FakeEngine(scripts={"r": [terminal(1), HANG]})
+    async with servicer_running(engine, abort_timeout=0.2) as h:
+        call = h.stub.Generate(request("r"))
+        with anyio.fail_after(10):
+            outs = [o async for o in call]
+        assert await call.code() == grpc.StatusCode.OK
+        assert [o.finish_reason for o in outs] == [sidecar_pb2.EOS]
+        assert engine.aborts == []
+        assert ("closed", engine.calls[0].private_id) in engine.events
+
+
+async def test_an_engine_error_after_every_terminal_is_logged_not_reported() -> None:
+    # A chunk after the terminal breaks the engine contract, but the frontend already has
+    # its whole answer: failing the call now would make it look retryable or broken.
+    engine = FakeEngine(scripts={"r": [terminal(1), Gate(anyio.Event()), tokens(2)]})
+    gate = engine.scripts["r"][1]
+    assert isinstance(gate, Gate)
+    async with servicer_running(engine, abort_timeout=_FOREVER) as h:
+        call = h.stub.Generate(request("r"))
+        await _read_through_terminal(call)
+        gate.event.set()
+        assert await call.read() is grpc.aio.EOF  # type: ignore[attr-defined]
+        assert await call.code() == grpc.StatusCode.OK
+        assert engine.aborts == []
+
+
+async def test_an_unfinished_stream_still_ends_engine_shutdown_on_a_stop() -> None:
+    # The counterpart: the rule above only covers streams whose terminals were all sent.
+    engine = FakeEngine(scripts={"r": [tokens(1), terminal(2, index=0), HANG]})
+    async with servicer_running(engine, abort_timeout=_FOREVER) as h:
+        call = h.stub.Generate(request("r", n=2))
+        await _read_through_terminal(call)
+        assert h.server.cancel_inflight() == 1
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _read_to_the_end(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error_info(info.value).reason == "ENGINE_SHUTDOWN"
+        assert engine.aborts == [engine.calls[0].private_id]
+
+
+# --- a stop never cuts a write in flight ---------------------------------------------------
+
+
+class _SlowWrites:
+    """A frontend whose writes complete only when the test says so."""
+
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+        self.release = anyio.Event()
+        self.completed: list[sidecar_pb2.LLMEngineOutput] = []
+        self.cut = 0
+
+    async def write(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+        self.started.set()
+        try:
+            await self.release.wait()
+        except BaseException:
+            self.cut += 1
+            raise
+        self.completed.append(out)
+
+
+def _generation(engine: FakeEngine, request_id: str) -> Generation:
+    return Generation(engine, GenerateCall(request(request_id), f"00000000000000000000-{request_id}"))
+
+
+async def test_a_stop_lets_the_write_in_flight_finish_and_aborts_meanwhile() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
+    gen = _generation(engine, "r")
+    frontend = _SlowWrites()
+    delivery = Delivery(1)
+    async with anyio.create_task_group() as tg:
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await relay(gen, frontend.write, delivery, RelayConfig(drain_grace=_FOREVER))
+
+        tg.start_soon(run)
+        await frontend.started.wait()
+        scope.cancel()  # the drain, while the first write is in flight
+        await engine.wait_for("abort")  # the engine abort does not wait for the frontend
+        assert frontend.cut == 0
+        frontend.release.set()
+    assert frontend.cut == 0
+    assert [list(o.token_ids) for o in frontend.completed] == [[1]]
+    assert engine.aborts == [gen.private_id]
+    assert next(e for e in engine.events if e[0] in ("abort", "closed")) == ("abort", gen.private_id)
+
+
+async def test_a_write_the_frontend_never_completes_is_cut_after_the_grace() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
+    gen = _generation(engine, "r")
+    frontend = _SlowWrites()
+    with anyio.fail_after(10):
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def stop_when_writing() -> None:
+                    await frontend.started.wait()
+                    scope.cancel()
+
+                tg.start_soon(stop_when_writing)
+                await relay(gen, frontend.write, Delivery(1), RelayConfig(drain_grace=0.1))
+    assert frontend.cut == 1
+    assert engine.aborts == [gen.private_id]
+
+
+# --- health Watch ----------------------------------------------------------------------------
+
+
+async def _watchers_gone(h: Harness) -> None:
+    with anyio.fail_after(20):
+        while h.server.health_watchers:  # noqa: ASYNC110 - polling a count, no event to wait on
+            await anyio.sleep(0.01)
+
+
+async def test_cancelled_health_watches_leave_nothing_behind() -> None:
+    async with servicer_running() as h:
+        for _ in range(10):
+            calls = [h.health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(100)]
+            for call in calls:
+                assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
+            assert h.server.health_watchers == 100
+            for call in calls:
+                call.cancel()
+            await _watchers_gone(h)
+        # A watch that is still open keeps working after all that.
+        watch = h.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        await h.server.drain()
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+        await _watchers_gone(h)
