@@ -1,6 +1,7 @@
 """A real ``sidecar-vllm`` process beside a testkit engine registers itself in a real etcd:
 the key appears once it serves, goes *before* health turns NOT_SERVING on SIGTERM, expires
-with its lease after SIGKILL, and appears late when etcd itself comes up late."""
+with its lease after SIGKILL, and appears late when etcd itself comes up late. An SGLang
+prefill sidecar announces its engine, role, data-parallel size and a custom prefix."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.e2e_helpers import (
     log_lines,
     process,
     public_request,
+    script,
     serving_port,
 )
 from tests.etcd_fixture import EtcdServer
@@ -138,3 +140,51 @@ async def test_a_sidecar_without_etcd_serves_and_registers_once_etcd_appears(
         value = await wait_key(etcd, worker_key(port), present=True)
         assert value is not None
         assert decode_record(value).address == f"127.0.0.1:{port}"
+
+
+async def test_an_sglang_prefill_sidecar_registers_its_engine_role_and_data_parallel_size(
+    etcd: EtcdServer,
+) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    engine = [
+        script("testkit-engine"),
+        "sglang",
+        "--grpc-listen",
+        f"127.0.0.1:{grpc_port}",
+        "--http-listen",
+        f"127.0.0.1:{http_port}",
+        "--served-model-name",
+        "fleet-model",
+        "--dp-size",
+        "2",
+        "--disaggregation-mode",
+        "prefill",
+    ]
+    sidecar = [
+        script("sidecar-sglang"),
+        "--grpc-endpoint",
+        f"127.0.0.1:{grpc_port}",
+        "--listen",
+        "127.0.0.1:0",
+        "--grpc-connections",
+        "1",
+        "--log-format",
+        "json",
+        "--disaggregation-mode",
+        "prefill",
+        "--etcd-endpoints",
+        etcd.endpoint,
+        "--etcd-prefix",
+        "/fleet-b/workers",
+    ]
+    with process(engine), process(sidecar) as proc:
+        port = serving_port(proc)
+        value = await wait_key(etcd, f"/fleet-b/workers/127.0.0.1:{port}".encode(), present=True)
+        assert value is not None
+        record = decode_record(value)
+        assert (record.engine, record.model, record.role, record.data_parallel_size) == (
+            "sglang",
+            "fleet-model",
+            "prefill",
+            2,
+        )
