@@ -108,6 +108,8 @@ def _vllm_param(message: str) -> str | None:
 @dataclass
 class _Choice:
     index: int
+    generated: int = 0  # tokens so far
+    # Kept for the unary reply only: a stream sends them on and keeps just the count.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, object]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -141,8 +143,10 @@ class VllmEncoder:
             return b""
         ids = list(output.token_ids)
         logprobs = _logprobs(output, ids) if self._o.logprobs else []
-        choice.token_ids.extend(ids)
-        choice.logprobs.extend(logprobs)
+        choice.generated += len(ids)
+        if not self._o.stream:
+            choice.token_ids.extend(ids)
+            choice.logprobs.extend(logprobs)
         finish: str | None = None
         stop_reason: int | str | None = None
         if output.finish_reason != sidecar_pb2.UNSPECIFIED:
@@ -223,7 +227,7 @@ class VllmEncoder:
                 self._prompt_logprobs = _prompt_logprobs(value)
 
     def _completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self._choices.values())
+        return sum(c.generated for c in self._choices.values())
 
     def _usage(self, completion: int) -> dict[str, JSON]:
         prompt = self._o.prompt_tokens
@@ -245,7 +249,7 @@ class VllmEncoder:
         usage = b"null"
         if self._o.continuous_usage:
             # vLLM counts only this chunk's choice so far, not the whole request.
-            usage = _continuous_usage(self._o.prompt_tokens, len(choice.token_ids))
+            usage = _continuous_usage(self._o.prompt_tokens, choice.generated)
         prompt_ids = b""
         if self._first_chunk and self._o.prompt_token_ids is not None:
             prompt_ids = b',"prompt_token_ids":[' + _ints(self._o.prompt_token_ids) + b"]"
