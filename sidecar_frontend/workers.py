@@ -54,6 +54,12 @@ class WorkerSetConfig:
     rewatch_interval: float = 0.2
 
 
+class _ModelCheck(enum.Enum):
+    SAME = "same"
+    REFUSED = "refused"
+    UNKNOWN = "unknown"  # GetModelInfo failed: not SERVING yet, asked again
+
+
 class WorkerState(enum.Enum):
     CONNECTING = "connecting"
     NOT_SERVING = "not_serving"
@@ -250,14 +256,16 @@ class WorkerSet:
                 call = stub.Watch(request)
                 try:
                     async for reply in _responses(call):
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            if await self._model_matches(worker):
-                                self._set_state(worker, WorkerState.SERVING)
-                            else:
-                                group.cancel_scope.cancel()
-                                return
-                        else:
+                        if reply.status != health_pb2.HealthCheckResponse.SERVING:
                             self._set_state(worker, WorkerState.NOT_SERVING)
+                            continue
+                        verdict = await self._check_model(worker)
+                        if verdict is _ModelCheck.REFUSED:
+                            group.cancel_scope.cancel()
+                            return
+                        if verdict is _ModelCheck.UNKNOWN:
+                            break  # a fresh Watch restates SERVING, and the check runs again
+                        self._set_state(worker, WorkerState.SERVING)
                 finally:
                     call.cancel()
             except (grpc.RpcError, SidecarError) as err:
@@ -267,7 +275,7 @@ class WorkerSet:
             self._set_state(worker, WorkerState.NOT_SERVING)
             await anyio.sleep(self._config.rewatch_interval)
 
-    async def _model_matches(self, worker: Worker) -> bool:
+    async def _check_model(self, worker: Worker) -> _ModelCheck:
         """Fetch the worker's ModelInfo once; refuse it when it serves another model."""
         model = worker.model
         if model is None:
@@ -279,7 +287,7 @@ class WorkerSet:
                 )
             except SidecarError as err:
                 log.warning("worker model info failed", worker=worker.address, error=err.message)
-                return False
+                return _ModelCheck.UNKNOWN
             model = worker.model = fetched
         if self._model is None:
             self._model = model
@@ -298,8 +306,8 @@ class WorkerSet:
                 expected=self._model.served_model_name,
             )
             self._notify()
-            return False
-        return True
+            return _ModelCheck.REFUSED
+        return _ModelCheck.SAME
 
     async def _poll_load(self, worker: Worker) -> None:
         while True:
