@@ -142,11 +142,11 @@ class VllmEncoder:
         if choice.finish_reason is not None:
             return b""
         ids = list(output.token_ids)
-        logprobs = _logprobs(output, ids) if self._o.logprobs else []
         choice.generated += len(ids)
         if not self._o.stream:
             choice.token_ids.extend(ids)
-            choice.logprobs.extend(logprobs)
+            if self._o.logprobs:
+                choice.logprobs.extend(_logprobs(output, ids))
         finish: str | None = None
         stop_reason: int | str | None = None
         if output.finish_reason != sidecar_pb2.UNSPECIFIED:
@@ -160,6 +160,7 @@ class VllmEncoder:
             self._observe_terminal(output)
         if not self._o.stream or not (ids or finish):
             return b""
+        logprobs = _logprobs_json(output, ids) if self._o.logprobs else b"null"
         return self._chunk(choice, ids, logprobs, finish, stop_reason)
 
     def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:
@@ -176,7 +177,8 @@ class VllmEncoder:
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 if self._o.stream:
-                    events.append(self._chunk(choice, [], [], "abort", None))
+                    logprobs = b'{"content":[]}' if self._o.logprobs else b"null"
+                    events.append(self._chunk(choice, [], logprobs, "abort", None))
         return b"".join(events)
 
     def close(self) -> bytes:
@@ -237,7 +239,7 @@ class VllmEncoder:
         self,
         choice: _Choice,
         ids: list[int],
-        logprobs: list[dict[str, object]],
+        logprobs: bytes,
         finish: str | None,
         stop_reason: int | str | None,
     ) -> bytes:
@@ -268,7 +270,7 @@ class VllmEncoder:
                 b',"token_ids":[',
                 _ints(ids),
                 b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
-                _compact({"content": logprobs}) if self._o.logprobs else b"null",
+                logprobs,
                 b"}]}\n\n",
             )
         )
@@ -312,6 +314,33 @@ def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[d
             }
         )
     return entries
+
+
+def _logprobs_json(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> bytes:
+    """:func:`_logprobs` as vLLM's compact JSON, written out directly (a stream's per-token path)."""
+    parts: list[str] = []
+    for i, token in enumerate(ids):
+        tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
+        if i < len(output.log_probs):
+            value = _clamp(output.log_probs[i])
+        elif tops and tops[0].token_id == token:
+            value = _clamp(tops[0].logprob)
+        else:
+            parts.append(f'{{"token_id":{token},"logprob":{LOGPROB_FLOOR!r},"rank":null,"top_logprobs":[]}}')
+            continue
+        rank = next((_rank(t) for t in tops if t.token_id == token), None)
+        candidates = ",".join(
+            f'{{"token_id":{t.token_id},"logprob":{_clamp(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
+            for t in tops
+        )
+        parts.append(
+            f'{{"token_id":{token},"logprob":{value!r},"rank":{_nullable_int(rank)},"top_logprobs":[{candidates}]}}'
+        )
+    return ('{"content":[' + ",".join(parts) + "]}").encode()
+
+
+def _nullable_int(value: int | None) -> str:
+    return "null" if value is None else str(value)
 
 
 def _rank(entry: sidecar_pb2.TopLogprob) -> int | None:

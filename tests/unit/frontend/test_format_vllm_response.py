@@ -140,16 +140,20 @@ def _with_logprobs(
     return out
 
 
-def test_logprob_entries_have_vllms_shape() -> None:
-    enc = _encoder(sampling_params={"logprobs": 1})
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_entries_have_vllms_shape(stream: bool) -> None:
+    enc = _encoder(sampling_params={"logprobs": 1}, stream=stream)
     out = _with_logprobs(
         [8, 9, 10],
         [-0.05, -math.inf, math.nan],
         [[(8, -0.05, 1), (15846, -0.8, 2)], [(9, -math.inf, None), (3, -0.1, 1)], [(10, math.nan, 0)]],
     )
-    enc.on_output(0, out, 0.0)
-    enc.on_output(0, _out([11], 0, sidecar_pb2.LENGTH), 0.0)  # a position without logprobs
-    content = _unary(enc)["choices"][0]["logprobs"]["content"]
+    data = enc.on_output(0, out, 0.0)
+    data += enc.on_output(0, _out([11], 0, sidecar_pb2.LENGTH), 0.0)  # a position without logprobs
+    if stream:
+        content = [e for event in sse_events(data) for e in event["choices"][0]["logprobs"]["content"]]
+    else:
+        content = _unary(enc)["choices"][0]["logprobs"]["content"]
     assert content == [
         {
             "token_id": 8,
