@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BUF_DIR := tools/buf
 BUF := $(BUF_DIR)/node_modules/.bin/buf
 
-.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check bench bench-full soak clean
+.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check bench bench-full soak mutation clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
-# The fleet tests run a real etcd server: installed (Debian's etcd-server) when missing.
+# The tests run a real etcd server and systemd-analyze: installed (Debian packages) when missing.
 setup: $(STAMP)
-	scripts/ensure_etcd.sh
+	scripts/ensure_system_tools.sh
 
 # The sidecar beside a testkit engine on loopback, streaming one real generation
 # (ENGINE=vllm, sglang, or frontend: the HTTP frontend in front of the vLLM sidecar, one curl).
@@ -86,5 +86,13 @@ bench-full: $(STAMP)
 soak: $(STAMP)
 	SIDECAR_SOAK_SCALE=10 $(BIN)/python -m pytest -q tests/reliability -k soak -s
 
+# Mutation testing (not part of `make test`): mutmut over the converters, errors, pool,
+# dispatch, coalesce and relay ([tool.mutmut] in pyproject.toml; each mutant runs only the
+# tests that reach the mutated function). Works in mutants/; docs/mutation.md keeps the score.
+MUTATION_CHILDREN ?= 2
+mutation: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN)
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

@@ -8,7 +8,7 @@ SIGTERM. Measured per round, from events (an etcd watch of our own, the worker s
 * join: the worker's key appears in etcd -> the worker set has it SERVING (it takes traffic);
 * leave: the key is deleted by the draining sidecar -> the worker set no longer picks it.
 
-Needs ``etcd`` on PATH (``scripts/ensure_etcd.sh``).
+Needs ``etcd`` on PATH (``scripts/ensure_system_tools.sh``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ BIN = Path(sys.executable).parent
 def _etcd(data_dir: Path, client: int, peer: int) -> Proc:
     etcd = shutil.which("etcd")
     if etcd is None:
-        raise SystemExit("etcd is not on PATH: run scripts/ensure_etcd.sh")
+        raise SystemExit("etcd is not on PATH: run scripts/ensure_system_tools.sh")
     c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     argv = [etcd, "--name=bench", f"--data-dir={data_dir}", f"--listen-client-urls={c}"]
     argv += [f"--advertise-client-urls={c}", f"--listen-peer-urls={p}", f"--initial-advertise-peer-urls={p}"]

@@ -29,7 +29,7 @@ def etcd_binary() -> str:
     if found is None:
         pytest.fail(
             "the fleet tests need a real etcd server and `etcd` is not on PATH: run `make setup` "
-            "(scripts/ensure_etcd.sh installs Debian's etcd-server package)",
+            "(scripts/ensure_system_tools.sh installs Debian's etcd-server package)",
             pytrace=False,
         )
     return found
