@@ -79,6 +79,8 @@ class VllmOptions:
     prompt_token_ids: tuple[int, ...] | None
     # Unix seconds at arrival: the unary response's `created`.
     created: int = 0
+    # The prompt, when prompt logprobs were asked for (each position lists its own token first).
+    prompt: tuple[int, ...] = ()
 
 
 def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
@@ -207,6 +209,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         prompt_tokens=len(token_ids),
         prompt_token_ids=tuple(token_ids) if return_token_ids else None,
         created=int(ctx.wall_time),
+        prompt=tuple(token_ids) if request.output_options.HasField("prompt_logprobs") else (),
     )
     return GenerateCall(requests=(request,), stream=bool(stream), options=options)
 

@@ -226,7 +226,7 @@ class VllmEncoder:
         if self._prompt_logprobs is None and self._o.prompt_logprobs and output.HasField("engine_data"):
             value = output.engine_data.fields.get("prompt_logprobs")
             if value is not None:
-                self._prompt_logprobs = _prompt_logprobs(value)
+                self._prompt_logprobs = _prompt_logprobs(value, self._o.prompt)
 
     def _completion_tokens(self) -> int:
         return sum(c.generated for c in self._choices.values())
@@ -352,10 +352,12 @@ def _clamp(value: float) -> float:
     return LOGPROB_FLOOR if value != value or value < LOGPROB_FLOOR else value
 
 
-def _prompt_logprobs(value: struct_pb2.Value) -> JSON:
+def _prompt_logprobs(value: struct_pb2.Value, prompt: Sequence[int]) -> JSON:
     """The terminal's prompt logprobs as vLLM shapes them.
 
-    One entry per prompt position: null, or ``{token id as text: {logprob, rank, decoded_token}}``.
+    One entry per prompt position: null, or ``{token id as text: {logprob, rank,
+    decoded_token}}`` with the prompt's own token first, then the candidates best first. A
+    Struct keeps no key order, so the order is rebuilt here from the prompt and the values.
     """
     try:
         positions = json_from_value(value, "prompt_logprobs")
@@ -364,24 +366,30 @@ def _prompt_logprobs(value: struct_pb2.Value) -> JSON:
     if not isinstance(positions, list):
         return None
     result: list[JSON] = []
-    for position in positions:
+    for index, position in enumerate(positions):
         if not isinstance(position, dict):
             result.append(None)
             continue
-        entry: dict[str, JSON] = {}
-        for token, candidate in position.items():
-            logprob = candidate.get("logprob") if isinstance(candidate, dict) else None
-            rank = candidate.get("rank") if isinstance(candidate, dict) else None
-            number = (
-                float(logprob) if isinstance(logprob, int | float) and not isinstance(logprob, bool) else None
-            )
-            entry[token] = {
-                "logprob": LOGPROB_FLOOR if number is None else _clamp(number),
-                "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-                "decoded_token": None,
-            }
-        result.append(entry)
+        candidates = [(token, _prompt_candidate(c)) for token, c in position.items()]
+        own = str(prompt[index]) if index < len(prompt) else None
+        candidates.sort(key=lambda item: (item[0] != own, -_as_float(item[1]["logprob"])))
+        result.append(dict(candidates))
     return result
+
+
+def _prompt_candidate(candidate: JSON) -> dict[str, JSON]:
+    fields = candidate if isinstance(candidate, dict) else {}
+    logprob, rank = fields.get("logprob"), fields.get("rank")
+    number = float(logprob) if isinstance(logprob, int | float) and not isinstance(logprob, bool) else None
+    return {
+        "logprob": LOGPROB_FLOOR if number is None else _clamp(number),
+        "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+        "decoded_token": None,
+    }
+
+
+def _as_float(value: JSON) -> float:
+    return float(value) if isinstance(value, int | float) else LOGPROB_FLOOR
 
 
 def _struct_json(struct: struct_pb2.Struct) -> JSON:
