@@ -121,7 +121,7 @@ def test_unary_keeps_what_only_the_terminal_carries() -> None:
 def test_prompt_logprobs_list_the_prompt_token_first_then_the_best() -> None:
     # A Struct keeps no key order (the wire scrambles it): the order is rebuilt.
     enc = _encoder(sampling_params={"prompt_logprobs": 3})
-    position = {str(t): {"logprob": -float(t)} for t in (9, 4, 6, 1, 30, 12)}
+    position: dict[str, JSON] = {str(t): {"logprob": -float(t)} for t in (9, 4, 6, 1, 30, 12)}
     terminal = _out([8], 0, sidecar_pb2.LENGTH)
     terminal.engine_data.CopyFrom(struct_from_json({"prompt_logprobs": [None, position, None]}))
     wire = sidecar_pb2.LLMEngineOutput.FromString(terminal.SerializeToString())
