@@ -367,14 +367,34 @@ def _prompt_logprobs(value: struct_pb2.Value, prompt: Sequence[int]) -> JSON:
         return None
     result: list[JSON] = []
     for index, position in enumerate(positions):
-        if not isinstance(position, dict):
+        candidates = _prompt_candidates(position)
+        if candidates is None:
             result.append(None)
             continue
-        candidates = [(token, _prompt_candidate(c)) for token, c in position.items()]
         own = str(prompt[index]) if index < len(prompt) else None
         candidates.sort(key=lambda item: (item[0] != own, -_as_float(item[1]["logprob"])))
-        result.append(dict(candidates))
+        entry: dict[str, JSON] = {}
+        for token, candidate in candidates:
+            entry.setdefault(token, candidate)
+        result.append(entry)
     return result
+
+
+def _prompt_candidates(position: JSON) -> list[tuple[str, dict[str, JSON]]] | None:
+    """One position's candidates, from either sidecar's shape.
+
+    The vLLM sidecar sends ``{"<id>": {"logprob": …}}``; the SGLang sidecar an ordered list
+    of ``{"token_id": id, "logprob": …}``. Null (no logprobs there) stays None.
+    """
+    if isinstance(position, dict):
+        return [(token, _prompt_candidate(c)) for token, c in position.items()]
+    if isinstance(position, list):
+        return [
+            (str(item["token_id"]), _prompt_candidate(item))
+            for item in position
+            if isinstance(item, dict) and isinstance(item.get("token_id"), int)
+        ]
+    return None
 
 
 def _prompt_candidate(candidate: JSON) -> dict[str, JSON]:

@@ -130,6 +130,22 @@ def test_prompt_logprobs_list_the_prompt_token_first_then_the_best() -> None:
     assert list(entries) == ["6", "1", "4", "9", "12", "30"]  # prompt token 6, then by logprob
 
 
+def test_prompt_logprobs_from_an_sglang_sidecar() -> None:
+    # The SGLang sidecar lists each position's candidates, the prompt token first.
+    enc = _encoder(sampling_params={"prompt_logprobs": 1})
+    rows: list[JSON] = [None, [{"token_id": 6, "logprob": -2.5}, {"token_id": 11, "logprob": -0.5}]]
+    terminal = _out([8], 0, sidecar_pb2.LENGTH)
+    terminal.engine_data.CopyFrom(struct_from_json({"prompt_logprobs": rows}))
+    enc.on_output(0, terminal, 0.0)
+    assert _unary(enc)["prompt_logprobs"] == [
+        None,
+        {
+            "6": {"logprob": -2.5, "rank": None, "decoded_token": None},
+            "11": {"logprob": -0.5, "rank": None, "decoded_token": None},
+        },
+    ]
+
+
 def test_prompt_logprobs_only_when_asked() -> None:
     enc = _encoder()
     terminal = _out([8], 0, sidecar_pb2.LENGTH)
