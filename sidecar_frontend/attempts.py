@@ -1,15 +1,20 @@
 """What to run after a worker failed a sub-request, and how a worker's failure reads.
 
-Pure: :func:`next_attempt` is the one place that decides whether a failed sub-request runs
-again and where. Today: once more on another worker when nothing was delivered yet (the
-client has seen nothing, so nothing can be duplicated). Migration of a generation that had
-already delivered tokens plugs in here: :class:`Progress` keeps what it needs (the tokens
-each choice delivered, which choices finished).
+Pure: :class:`Attempts` is the one place that decides whether a failed sub-request runs again
+and with what. Two cases, one budget (``--migration-limit`` moves per sub-request):
+
+* nothing was delivered yet: the same request runs again on another worker when the failure
+  is one another worker may not repeat (the client has seen nothing, so nothing can be
+  duplicated); at least one such retry is allowed even with migration turned off;
+* tokens were delivered: :class:`~sidecar_frontend.migration.Migration` continues the
+  generation from them when the sidecar marked the failure migratable.
+
+Every output the client is given passes through :meth:`Attempts.delivered`, which rewrites a
+continuation's outputs so that the client sees one uninterrupted generation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -20,11 +25,10 @@ from grpc_status import rpc_status
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ENGINE_STATUS_TO_REASON, ERROR_DOMAIN, FRONTEND_STATUS, ErrorReason
 from sidecar_frontend.formats.base import WorkerFailure
+from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT, Finish, Migration, Refusal, RefusalReason
 
-__all__ = ["MAX_ATTEMPTS", "Attempt", "Progress", "failure_from_rpc_error", "next_attempt"]
+__all__ = ["Attempts", "Finish", "Progress", "Refusal", "RefusalReason", "failure_from_rpc_error"]
 
-# The first try and one retry on another worker.
-MAX_ATTEMPTS: Final = 2
 # Failures another worker may not repeat: the worker or its engine is gone or busy. A bad
 # request (INVALID_ARGUMENT) would fail anywhere; CANCELLED is the frontend's own doing.
 _RETRYABLE: Final = frozenset(
@@ -61,25 +65,56 @@ class Progress:
         return sum(len(t) for t in self.tokens.values())
 
 
-@dataclass(frozen=True)
-class Attempt:
-    request: sidecar_pb2.PreprocessedRequest
-    exclude: frozenset[str] = frozenset()  # worker addresses not to use
+class Attempts:
+    """One sub-request across its attempts: what the client was given, what runs next."""
 
+    def __init__(
+        self, request: sidecar_pb2.PreprocessedRequest, migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    ) -> None:
+        self.request = request
+        self.limit = migration_limit
+        self.progress = Progress()
+        self.migration = Migration(request, migration_limit)
+        self.retries = 0  # moves before anything was delivered
 
-def next_attempt(
-    request: sidecar_pb2.PreprocessedRequest,
-    progress: Progress,
-    failure: WorkerFailure,
-    tried: Sequence[str],
-) -> Attempt | None:
-    """The attempt to run after ``failure`` on the workers ``tried`` (in order), or None:
-    report the failure through the encoder."""
-    if progress.delivered or len(tried) >= MAX_ATTEMPTS:
-        return None
-    if failure.reason not in _RETRYABLE and not failure.migratable:
-        return None
-    return Attempt(request, frozenset(tried))
+    @property
+    def moves(self) -> int:
+        """How many times the sub-request moved to another worker."""
+        return self.retries + self.migration.migrations
+
+    @property
+    def choices(self) -> int:
+        options = self.request.sampling_options
+        return max(options.n, 1) if options.HasField("n") else 1
+
+    @property
+    def complete(self) -> bool:
+        """Every choice's terminal was delivered."""
+        return len(self.progress.finished) >= self.choices
+
+    def delivered(self, output: sidecar_pb2.LLMEngineOutput) -> sidecar_pb2.LLMEngineOutput:
+        """Record an output of the current attempt; return it as the client must see it."""
+        out = self.migration.delivered(output)
+        self.progress.observe(out)
+        return out
+
+    def finish(self, finish: Finish) -> sidecar_pb2.LLMEngineOutput:
+        """Record the terminal of a :class:`Finish` (already in the client's terms)."""
+        self.progress.observe(finish.terminal)
+        return finish.terminal
+
+    def after_failure(self, failure: WorkerFailure) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
+        """The current attempt failed: the request to run next, or why there is none."""
+        if not self.progress.delivered:
+            if not failure.migratable and failure.reason not in _RETRYABLE:
+                return Refusal(RefusalReason.NOT_MIGRATABLE)
+            if self.moves >= max(self.limit, 1):
+                return Refusal(RefusalReason.LIMIT)
+            self.retries += 1
+            return self.request
+        if failure.migratable and not self.migration.finished and self.moves >= self.limit:
+            return Refusal(RefusalReason.LIMIT)
+        return self.migration.after_failure(failure.migratable)
 
 
 def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure:

@@ -26,6 +26,7 @@ from sidecar_common.version import package_version
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
 from sidecar_frontend.handler import DEFAULT_MAX_BODY_BYTES, HandlerConfig
+from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.workers import WorkerSetConfig
 
 __all__ = ["ENV_PREFIX", "FORMATS", "FrontendConfig", "build_parser", "parse_config"]
@@ -64,6 +65,15 @@ def _workers(text: str) -> tuple[str, ...]:
         except RecordError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
     return tuple(words)
+
+
+def _prefill_workers(text: str) -> tuple[str, ...]:
+    """``HOST:PORT`` (or several, comma- or space-separated): workers of role prefill."""
+    words = _workers(text)
+    for word in words:
+        if "=" in word:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT (the role is prefill), got {word!r}")
+    return tuple(f"prefill={word}" for word in words)
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -113,6 +123,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="a generation still running after this long is ended (0: no limit)",
     )
     serve.add_argument(
+        "--migration-limit",
+        type=int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        metavar="N",
+        help="how many times one generation may move to another worker after its worker failed "
+        "(0: a failure after the first token is reported; one retry before it is always allowed)",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=positive_int_arg,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -136,6 +154,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="[ROLE=]HOST:PORT",
         help="a sidecar's gRPC address (--discovery static); ROLE is agg (default), prefill or "
         "decode; repeatable, or a comma-separated list",
+    )
+    workers.add_argument(
+        "--prefill-worker",
+        dest="prefill_workers",
+        type=_prefill_workers,
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="a sidecar in --disaggregation-mode prefill (--discovery static; the same as "
+        "--worker prefill=HOST:PORT); with prefill workers, requests are prefilled there and "
+        "decoded on the decode workers; repeatable",
     )
     workers.add_argument(
         "--worker-connections",
@@ -169,7 +198,9 @@ def parse_config(
 ) -> FrontendConfig:
     parser = build_parser(prog)
     ns = parse_with_env(parser, argv, environ, ENV_PREFIX)
-    workers = [word for group in ns.workers or () for word in group]
+    workers = [word for group in (*(ns.workers or ()), *(ns.prefill_workers or ())) for word in group]
+    if ns.migration_limit < 0:
+        parser.error(f"--migration-limit must be 0 or more, got {ns.migration_limit}")
     try:
         discovery = discovery_config_from_args(ns, workers)
     except ValueError as err:
@@ -183,6 +214,7 @@ def parse_config(
             request_timeout=timeout if timeout > 0 else None,
             max_body_bytes=ns.max_body_bytes,
             sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
+            migration_limit=ns.migration_limit,
         ),
         worker_set=WorkerSetConfig(connections=ns.worker_connections),
         metrics_port=ns.metrics_port,

@@ -14,16 +14,19 @@ Cancellation, owned here:
   worker) has its call cancelled, then ``encoder.on_failure(CANCELLED)``. Cancelling the call
   is enough: the sidecar aborts on cancel, so no ``Abort`` RPC is sent.
 
-A worker failure is given to :func:`attempts.next_attempt`, which decides whether the
-sub-request runs again (today: once, on another worker, when nothing was delivered yet).
+A worker failure is given to :class:`attempts.Attempts`, which decides whether the
+sub-request runs again on another worker: a retry when nothing was delivered yet, a migration
+(continuation from the delivered tokens) after that. With prefill workers in the set, an
+attempt is disaggregated: prefill, then decode with the prefill's handoff (``disagg.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -32,9 +35,11 @@ import grpc
 import structlog
 from aiohttp import web
 from anyio.abc import TaskGroup
+from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.attempts import Attempt, Progress, failure_from_rpc_error, next_attempt
+from sidecar_frontend import disagg
+from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
 from sidecar_frontend.formats.base import (
     SSE_CONTENT_TYPE,
     AbortCall,
@@ -48,6 +53,7 @@ from sidecar_frontend.formats.base import (
     WorkerFailure,
 )
 from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
@@ -68,6 +74,7 @@ class HandlerConfig:
     request_timeout: float | None = 3600.0  # None: no deadline
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     sglang_incremental_streaming_output: bool = False
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
 
 @dataclass(eq=False)
@@ -98,6 +105,7 @@ class Frontend:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         new_id: Callable[[], str] = _new_id,
+        rand: random.Random | None = None,
     ) -> None:
         if not formats:
             raise ValueError("at least one format is needed")
@@ -111,6 +119,9 @@ class Frontend:
         self._exchanges: set[_Exchange] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.rand = rand if rand is not None else random.Random()
+        # Each SGLang prefill worker's bootstrap server, learned from its first handoff.
+        self.bootstraps: dict[str, disagg.BootstrapAddress] = {}
 
     # ---------------------------------------------------------------- the app
 
@@ -198,7 +209,7 @@ class Frontend:
 
     def _info(self, fmt: Format, route: Route) -> web.StreamResponse:
         # Nothing about the model is known before a worker serves it.
-        if self.workers.model is None or not self.workers.serving():
+        if self.workers.model is None or not self.workers.routable():
             return _response(fmt.error_reply(503, "no worker is serving"))
         return _response(fmt.info(route, self.context()))
 
@@ -220,7 +231,7 @@ class Frontend:
         if isinstance(parsed, HttpReply):
             self._record(fmt, "invalid", started_at, status=parsed.status)
             return _response(parsed)
-        if not self.workers.serving():
+        if not self.workers.routable():
             self._record(fmt, "unavailable", started_at, status=503)
             return _response(fmt.error_reply(503, "no worker is serving"))
         exchange = _Exchange(self, fmt, parsed, fmt.new_encoder(parsed, started_at), started_at)
@@ -269,9 +280,10 @@ class _Exchange:
     started_at: float
     response: web.StreamResponse | None = None
     ended: list[bool] = field(default_factory=list)
-    progress: list[Progress] = field(default_factory=list)
+    attempts: list[Attempts] = field(default_factory=list)
     workers_used: list[str] = field(default_factory=list)
     retries: int = 0
+    migrations: int = 0
     first_output_at: float | None = None
     outcome: str = "ok"
     client_gone: bool = False
@@ -291,7 +303,8 @@ class _Exchange:
         call = self.call
         count = len(call.requests)
         self.ended = [False] * count
-        self.progress = [Progress() for _ in range(count)]
+        limit = self.frontend.config.migration_limit
+        self.attempts = [Attempts(r, limit) for r in call.requests]
         status = 200
         try:
             if call.stream:
@@ -343,37 +356,59 @@ class _Exchange:
         frontend = self.frontend
         sub = _SubCall(request.request_id, self, index)
         frontend._register(sub)
-        progress = self.progress[index]
+        attempts = self.attempts[index]
+        current = request
         tried: list[str] = []
-        attempt: Attempt | None = Attempt(request)
         failure: WorkerFailure | None = None
+        previous: WorkerFailure | None = None
         try:
-            while attempt is not None:
+            while True:
                 if sub.aborted:
                     failure = WorkerFailure("CANCELLED", "aborted by request id")
                     break
-                worker = frontend.workers.pick(exclude=attempt.exclude)
-                if worker is None:
-                    failure = failure or WorkerFailure("NO_WORKER", "no worker is serving")
+                with anyio.CancelScope() as scope:
+                    sub.scope = scope
+                    failure = await self._attempt(current, index, attempts, tried)
+                sub.scope = None
+                if scope.cancelled_caught:
+                    failure = WorkerFailure("CANCELLED", "aborted by request id")
                     break
-                tried.append(worker.address)
-                self.workers_used.append(worker.address)
-                failure = await self._stream(worker, attempt.request, index, progress, sub)
                 if failure is None:
                     break
-                attempt = next_attempt(request, progress, failure, tried)
-                if attempt is not None:
+                if failure.reason == "NO_WORKER":
+                    # Say why the last worker failed rather than that no other one was left.
+                    failure = previous or failure
+                    break
+                previous = failure
+                delivered = attempts.progress.delivered
+                following = attempts.after_failure(failure)
+                if isinstance(following, Finish):
+                    # The budget was spent before the terminal came: end it as LENGTH.
+                    await self._deliver_output(index, attempts.finish(following))
+                    self._migration_outcome("length", index, failure, tried)
+                    failure = None
+                    break
+                if isinstance(following, Refusal):
+                    if delivered:
+                        self._migration_outcome(following.reason.name.lower(), index, failure, tried)
+                    break
+                current = following
+                if delivered:
+                    self.migrations += 1
+                    self._migration_outcome("migrated", index, failure, tried)
+                else:
                     self.retries += 1
                     if frontend.metrics is not None:
                         frontend.metrics.retried(self.fmt.name)
                     log.info(
                         "retrying on another worker",
                         request_id=request.request_id,
-                        worker=worker.address,
+                        worker=tried[-1] if tried else None,
                         reason=failure.reason,
                         error=failure.message,
                     )
         finally:
+            sub.scope = None
             frontend._unregister(sub)
         self.ended[index] = True
         if failure is not None:
@@ -386,43 +421,154 @@ class _Exchange:
             if self.encoder.aborted and self._group is not None:
                 self._group.cancel_scope.cancel()
 
-    async def _stream(
+    def _migration_outcome(self, outcome: str, index: int, failure: WorkerFailure, tried: list[str]) -> None:
+        metrics = self.frontend.metrics
+        if metrics is not None:
+            metrics.migrated(self.fmt.name, outcome)
+        attempts = self.attempts[index]
+        log.info(
+            "migration",
+            request_id=attempts.request.request_id,
+            outcome=outcome,
+            worker=tried[-1] if tried else None,
+            reason=failure.reason,
+            error=failure.message,
+            delivered_tokens=len(attempts.migration.delivered_tokens),
+            migrations=attempts.migration.migrations,
+        )
+
+    def _pick(self, role: str, tried: list[str]) -> Worker | None:
+        """A worker of ``role``, preferring one this sub-request has not tried; else any but the
+        last one that failed (a restarted worker comes back under its old address)."""
+        workers = self.frontend.workers
+        worker = workers.pick(role, exclude=frozenset(tried))
+        if worker is None and tried:
+            worker = workers.pick(role, exclude=frozenset(tried[-1:]))
+        return worker
+
+    async def _attempt(
+        self, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts, tried: list[str]
+    ) -> WorkerFailure | None:
+        """One attempt: aggregated, or prefill then decode when the set has prefill workers."""
+        workers = self.frontend.workers
+        if workers.serving("prefill") and workers.serving("decode"):
+            prefill = self._pick("prefill", tried)
+            decode = self._pick("decode", tried)
+            if prefill is not None and decode is not None:
+                tried.extend((prefill.address, decode.address))
+                self.workers_used.extend((prefill.address, decode.address))
+                return await self._disaggregated(prefill, decode, request, index, attempts)
+        worker = self._pick("agg", tried)
+        if worker is None:
+            return WorkerFailure("NO_WORKER", "no worker is serving")
+        tried.append(worker.address)
+        self.workers_used.append(worker.address)
+        return await self._decode(worker, request, index, attempts)
+
+    async def _decode(
+        self, worker: Worker, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts
+    ) -> WorkerFailure | None:
+        """A call whose outputs go to the client; None when every choice's terminal arrived."""
+
+        async def deliver(output: sidecar_pb2.LLMEngineOutput) -> None:
+            await self._deliver_output(index, attempts.delivered(output))
+
+        failure = await self._call(worker, request, deliver)
+        if failure is None and not attempts.complete:
+            return WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
+        return failure
+
+    async def _disaggregated(
+        self,
+        prefill: Worker,
+        decode: Worker,
+        request: sidecar_pb2.PreprocessedRequest,
+        index: int,
+        attempts: Attempts,
+    ) -> WorkerFailure | None:
+        """Prefill on ``prefill``, decode on ``decode`` with its handoff. Whichever step fails
+        first cancels the other (each cancelled call is aborted by its sidecar); a prefill the
+        engine aborted ends the sub-request as cancelled, with no decode step."""
+        frontend = self.frontend
+        style = disagg.style_of(prefill.model)
+        handoff: list[struct_pb2.Struct] = []
+        ready = anyio.Event()
+        prefill_failure: list[WorkerFailure] = []
+        prefill_cancelled: list[sidecar_pb2.LLMEngineOutput] = []
+        decode_failure: WorkerFailure | None = None
+        step = disagg.prefill_request(request)
+        known = frontend.bootstraps.get(prefill.address) if style is disagg.Style.BOOTSTRAP else None
+        if known is not None:
+            info = disagg.choose_bootstrap(known, frontend.rand)
+            step = disagg.prefill_request(request, info)
+            handoff.append(disagg.bootstrap_params(info))
+            ready.set()
+
+        async def take(output: sidecar_pb2.LLMEngineOutput) -> None:
+            if output.HasField("disaggregated_params") and not handoff:
+                handoff.append(output.disaggregated_params)
+                if style is disagg.Style.BOOTSTRAP:
+                    learned = disagg.bootstrap_address(output.disaggregated_params)
+                    if learned is not None:
+                        frontend.bootstraps[prefill.address] = learned
+                ready.set()
+            elif output.finish_reason == sidecar_pb2.CANCELLED and not handoff:
+                prefill_cancelled.append(output)
+
+        async def run_prefill(group: TaskGroup) -> None:
+            failure = await self._call(prefill, step, take)
+            if failure is None and not handoff and not prefill_cancelled:
+                failure = WorkerFailure("PROTOCOL_ERROR", f"prefill worker {prefill.address} gave no handoff")
+            if failure is not None:
+                prefill_failure.append(failure)
+                group.cancel_scope.cancel()
+            ready.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_prefill, group)
+            await ready.wait()
+            if handoff:
+                decode_failure = await self._decode(
+                    decode, disagg.decode_request(request, handoff[0]), index, attempts
+                )
+                if decode_failure is not None:
+                    group.cancel_scope.cancel()
+        if prefill_failure:
+            return prefill_failure[0]
+        if prefill_cancelled and not handoff:
+            await self._deliver_output(index, attempts.delivered(prefill_cancelled[0]))
+            return None
+        return decode_failure
+
+    async def _deliver_output(self, index: int, output: sidecar_pb2.LLMEngineOutput) -> None:
+        now = self.frontend.clock()
+        if self.first_output_at is None:
+            self.first_output_at = now
+        data = self.encoder.on_output(index, output, now)
+        if data:
+            await self._write(data)
+
+    async def _call(
         self,
         worker: Worker,
         request: sidecar_pb2.PreprocessedRequest,
-        index: int,
-        progress: Progress,
-        sub: _SubCall,
+        consume: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[None]],
     ) -> WorkerFailure | None:
-        """One attempt on one worker; None when every choice's terminal arrived."""
+        """One Generate call on ``worker``, each output to ``consume``; the call's failure, if any.
+        Leaving early (a cancel) cancels the call, and the sidecar aborts the engine request."""
         frontend = self.frontend
-        clock = frontend.clock
-        encoder = self.encoder
         timeout = frontend.config.request_timeout
         grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
-        with anyio.CancelScope() as scope, worker.lease(frontend._lease_changed):
-            sub.scope = scope
+        with worker.lease(frontend._lease_changed):
             call = worker.stub().Generate(request, timeout=grpc_timeout)
             try:
                 async for output in call:
-                    progress.observe(output)
-                    now = clock()
-                    if self.first_output_at is None:
-                        self.first_output_at = now
-                    data = encoder.on_output(index, output, now)
-                    if data:
-                        await self._write(data)
+                    await consume(output)
             except grpc.RpcError as err:
                 return failure_from_rpc_error(err)
             finally:
                 # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
                 call.cancel()
-                sub.scope = None
-        if scope.cancelled_caught:
-            return WorkerFailure("CANCELLED", "aborted by request id")
-        choices = request.sampling_options.n if request.sampling_options.HasField("n") else 1
-        if len(progress.finished) < max(choices, 1):
-            return WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
         return None
 
     async def _write(self, data: bytes) -> None:
@@ -441,7 +587,7 @@ class _Exchange:
         frontend = self.frontend
         duration = frontend.clock() - self.started_at
         prompt = sum(len(r.token_ids) for r in self.call.requests)
-        completion = sum(p.completion_tokens() for p in self.progress)
+        completion = sum(a.progress.completion_tokens() for a in self.attempts)
         ttft = None if self.first_output_at is None else self.first_output_at - self.started_at
         if frontend.metrics is not None:
             frontend.metrics.request(
@@ -467,6 +613,7 @@ class _Exchange:
             duration_ms=_ms(duration),
             workers=sorted(set(self.workers_used)),
             retries=self.retries,
+            migrations=self.migrations,
         )
 
 

@@ -62,6 +62,14 @@ class Metrics:
             ["format"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "frontend_migrations",
+            "Sub-requests whose worker failed after tokens were delivered, by format and outcome: "
+            "migrated (continued on another worker), length (its budget was already spent: ended) or "
+            "why not (not_migratable, guided_decoding, multiple_choices, finished, limit)",
+            ["format", "outcome"],
+            registry=self.registry,
+        )
         self.worker_inflight = Gauge(
             "frontend_worker_inflight",
             "Generations this frontend has in flight on each worker",
@@ -90,6 +98,9 @@ class Metrics:
 
     def retried(self, fmt: str) -> None:
         self.retries.labels(fmt).inc()
+
+    def migrated(self, fmt: str, outcome: str) -> None:
+        self.migrations.labels(fmt, outcome).inc()
 
     def set_worker_inflight(self, worker: str, inflight: int) -> None:
         self.worker_inflight.labels(worker).set(inflight)

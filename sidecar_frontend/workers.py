@@ -200,6 +200,10 @@ class WorkerSet:
     def serving(self, role: str = "agg") -> list[Worker]:
         return [w for w in self._workers.values() if w.eligible and w.role == role]
 
+    def routable(self) -> bool:
+        """A generation can be placed: an aggregated worker, or a prefill and a decode one."""
+        return bool(self.serving()) or bool(self.serving("prefill") and self.serving("decode"))
+
     def get(self, address: str) -> Worker | None:
         return self._workers.get(address)
 

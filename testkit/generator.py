@@ -4,6 +4,11 @@ Rules a test can rely on:
 
 * The same (prompt, seed, choice index, limits) always gives the same tokens. The seed and
   the choice index each change the stream.
+* Autoregressive: each token is drawn from everything before it (prompt and tokens so far),
+  so a continuation whose prompt is the prompt plus the first k tokens (with the budgets
+  reduced by k) generates exactly the rest of the stream, token and logprob alike. That is
+  what a frontend that migrates a generation relies on. (The EOS rule below counts from the
+  prompt it was given, so it does not carry over to a continuation.)
 * Ids below ``FIRST_ORDINARY_ID`` (100) are *special*: they are never drawn at random and
   detokenize to "". EOS ids and the stop ids a test picks by hand therefore live there, or a
   test takes a stop id from a stream it generated first.
@@ -186,6 +191,8 @@ class Generator:
     index: int = 0
     _count: int = field(default=0, init=False)
     _state: int = field(default=0, init=False)
+    _context: int = field(default=0, init=False)  # hash of the prompt and the tokens so far
+    _salt: int = field(default=0, init=False)  # the seed and the choice index
     _limit: int = field(default=0, init=False)
     _eos_at: int | None = field(default=None, init=False)
     _text: str = field(default="", init=False)
@@ -195,7 +202,8 @@ class Generator:
 
     def __post_init__(self) -> None:
         seed = -1 if self.sampling.seed is None else self.sampling.seed
-        self._state = _fold((*self.prompt, seed, self.index), 0xC0FFEE)
+        self._context = _fold(self.prompt, 0xC0FFEE)
+        self._salt = _fold((seed, self.index), 0x5EED)
         room = max(0, self.model.context_length - len(self.prompt))
         mt = self.sampling.max_tokens
         self._limit = room if mt is None else min(mt, room)
@@ -224,7 +232,7 @@ class Generator:
         if self._done:
             raise RuntimeError("generator already finished")
         sp = self.sampling
-        self._state = _mix(self._state ^ self._count)
+        self._state = _mix(self._context ^ self._salt)
         pos = self._count + 1  # 1-based position of the token being made
         gate_open = pos > sp.min_tokens
         eos = self.model.eos_token_ids[0] if self.model.eos_token_ids else None
@@ -234,6 +242,7 @@ class Generator:
             # Before min_tokens an engine masks stop ids; after it they come from the draw.
             tok = self._draw(frozenset() if gate_open else frozenset(sp.stop_token_ids))
         self._count = pos
+        self._context = _mix(self._context ^ (tok & _MASK64))
 
         finish: Finish | None = None
         if gate_open:

@@ -207,3 +207,25 @@ def test_top_n_beyond_the_vocabulary_ends_with_every_other_token() -> None:
     assert len(top_ids) == len(set(top_ids)) == small.vocab_size - FIRST_ORDINARY_ID - 1
     assert row.token_id in top_ids
     assert all(FIRST_ORDINARY_ID <= t < small.vocab_size for t in top_ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(st.integers(100, 31999), min_size=1, max_size=8),
+    length=st.integers(1, 40),
+    cut=st.integers(0, 40),
+    seed=st.none() | st.integers(0, 2**31),
+    logprobs=st.none() | st.integers(0, 3),
+)
+def test_a_continuation_from_any_token_generates_the_rest_of_the_stream(
+    prompt: list[int], length: int, cut: int, seed: int | None, logprobs: int | None
+) -> None:
+    # What a frontend that migrates a generation relies on: prompt + the first k tokens, with
+    # the budget reduced by k, gives tokens k+1.. of the original, logprobs included.
+    cut = min(cut, length)
+    whole = generate(MODEL, prompt, SamplingSpec(max_tokens=length, seed=seed, logprobs=logprobs))
+    done = [t.token_id for t in whole[:cut]]
+    rest = generate(
+        MODEL, [*prompt, *done], SamplingSpec(max_tokens=length - cut, seed=seed, logprobs=logprobs)
+    )
+    assert [(t.token_id, t.logprobs) for t in rest] == [(t.token_id, t.logprobs) for t in whole[cut:]]

@@ -1,4 +1,5 @@
-"""The retry seam (attempts.next_attempt) and how a worker's failure is read."""
+"""The retry seam (attempts.Attempts: retry before the first output, migration after) and
+how a worker's failure is read."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ from grpc.aio import AioRpcError, Metadata
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError, to_rpc_status
-from sidecar_frontend.attempts import MAX_ATTEMPTS, Attempt, Progress, failure_from_rpc_error, next_attempt
+from sidecar_frontend.attempts import (
+    Attempts,
+    Finish,
+    Progress,
+    Refusal,
+    RefusalReason,
+    failure_from_rpc_error,
+)
 from sidecar_frontend.formats.base import WorkerFailure
 
 REQUEST = sidecar_pb2.PreprocessedRequest(request_id="r", token_ids=[1, 2, 3])
+REQUEST.stop_conditions.max_tokens = 5
 
 
 def out(
@@ -39,19 +48,67 @@ def out(
 def test_before_the_first_output_a_failure_runs_again_only_where_another_worker_may_succeed(
     reason: str, migratable: bool, retried: bool
 ) -> None:
-    attempt = next_attempt(REQUEST, Progress(), WorkerFailure(reason, "m", migratable), ["w1"])
-    assert attempt == (Attempt(REQUEST, frozenset({"w1"})) if retried else None)
+    following = Attempts(REQUEST).after_failure(WorkerFailure(reason, "m", migratable))
+    assert following == (REQUEST if retried else Refusal(RefusalReason.NOT_MIGRATABLE))
 
 
-def test_after_any_output_nothing_runs_again() -> None:
-    progress = Progress()
-    progress.observe(out([]))  # even an empty chunk may have reached the client
-    assert next_attempt(REQUEST, progress, WorkerFailure("CANNOT_CONNECT", "m", True), ["w1"]) is None
+def test_before_the_first_output_n_choices_and_guided_requests_are_retried_too() -> None:
+    request = sidecar_pb2.PreprocessedRequest(request_id="r", token_ids=[1])
+    request.sampling_options.n = 2
+    assert Attempts(request).after_failure(WorkerFailure("CANNOT_CONNECT", "m", True)) == request
 
 
-def test_only_one_retry() -> None:
-    tried = [f"w{n}" for n in range(MAX_ATTEMPTS)]
-    assert next_attempt(REQUEST, Progress(), WorkerFailure("CANNOT_CONNECT", "m", True), tried) is None
+def test_one_retry_before_the_first_output_even_with_migration_off() -> None:
+    attempts = Attempts(REQUEST, migration_limit=0)
+    failure = WorkerFailure("CANNOT_CONNECT", "m", True)
+    assert attempts.after_failure(failure) == REQUEST
+    assert attempts.after_failure(failure) == Refusal(RefusalReason.LIMIT)
+
+
+def test_after_an_output_a_migratable_failure_continues_from_the_delivered_tokens() -> None:
+    attempts = Attempts(REQUEST)
+    attempts.delivered(out([7, 8]))
+    following = attempts.after_failure(WorkerFailure("ENGINE_SHUTDOWN", "m", True))
+    assert isinstance(following, sidecar_pb2.PreprocessedRequest)
+    assert list(following.token_ids) == [1, 2, 3, 7, 8]
+    assert following.stop_conditions.max_tokens == 3
+    assert attempts.moves == 1
+
+
+def test_after_an_output_a_failure_not_marked_migratable_is_reported() -> None:
+    attempts = Attempts(REQUEST)
+    attempts.delivered(out([]))  # even an empty chunk may have reached the client
+    following = attempts.after_failure(WorkerFailure("OVERLOADED", "m", False))
+    assert following == Refusal(RefusalReason.NOT_MIGRATABLE)
+
+
+def test_retries_and_migrations_share_the_limit() -> None:
+    attempts = Attempts(REQUEST, migration_limit=2)
+    failure = WorkerFailure("CANNOT_CONNECT", "m", True)
+    assert attempts.after_failure(failure) == REQUEST
+    attempts.delivered(out([7]))
+    assert isinstance(attempts.after_failure(failure), sidecar_pb2.PreprocessedRequest)
+    attempts.delivered(out([8]))
+    assert attempts.after_failure(failure) == Refusal(RefusalReason.LIMIT)
+
+
+def test_a_failure_after_the_whole_budget_ends_with_a_length_terminal() -> None:
+    attempts = Attempts(REQUEST)
+    attempts.delivered(out([1, 2, 3, 4, 5]))
+    following = attempts.after_failure(WorkerFailure("CANNOT_CONNECT", "m", True))
+    assert isinstance(following, Finish)
+    terminal = attempts.finish(following)
+    assert terminal.finish_reason == sidecar_pb2.LENGTH
+    assert terminal.completion_usage.completion_tokens == 5
+    assert attempts.complete
+
+
+def test_a_finished_request_never_runs_again() -> None:
+    attempts = Attempts(REQUEST)
+    attempts.delivered(out([4], finish=sidecar_pb2.EOS))
+    assert attempts.complete
+    following = attempts.after_failure(WorkerFailure("CANNOT_CONNECT", "m", True))
+    assert following == Refusal(RefusalReason.FINISHED)
 
 
 def test_progress_keeps_what_a_migration_would_need() -> None:
