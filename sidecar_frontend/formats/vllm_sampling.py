@@ -256,6 +256,8 @@ class SamplingParams:
         if self.include_stop_str_in_output is not None:
             s.include_stop_str_in_output = self.include_stop_str_in_output
         for token, bias in (self.logit_bias or {}).items():
+            if abs(bias) > _FLOAT32_MAX:
+                raise uncarried("logit_bias", f"{bias} does not fit the engine's 32-bit float")
             s.logit_bias[token] = bias
         if self.max_tokens is not None:
             stop.max_tokens = _fits("max_tokens", self.max_tokens, 1, UINT32_MAX)

@@ -715,6 +715,10 @@ def test_absurd_numbers_are_refused_not_raised(name: str, value: float) -> None:
     assert error_of(refused(body))["code"] == 400
 
 
-def test_a_float_beyond_32_bits_is_refused_by_name() -> None:
-    error = error_of(refused({"token_ids": [1], "sampling_params": {"repetition_penalty": 1e39}}))
-    assert error["param"] == "repetition_penalty"
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("repetition_penalty", 1e39), ("logit_bias", {"5": 1e39}), ("logit_bias", {"5": -1e39})],
+)
+def test_a_float_beyond_32_bits_is_refused_by_name(name: str, value: object) -> None:
+    error = error_of(refused({"token_ids": [1], "sampling_params": {name: value}}))
+    assert error["param"] == name
