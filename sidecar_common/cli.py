@@ -131,6 +131,14 @@ def parse_listen(text: str) -> str:
     return f"{host}:{port}"
 
 
+def _bind_host(text: str) -> str:
+    """A host name or address to bind (IPv6 with or without brackets), brackets removed."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host or any(c.isspace() or c in "/?#@[]" for c in host):
+        raise argparse.ArgumentTypeError(f"not a host name or address: {text!r}")
+    return host
+
+
 def _endpoint(text: str) -> Endpoint:
     # Parsed as the flag's type so that a refusal is a usage error naming the flag (or its
     # variable), before anything touches the network.
@@ -358,6 +366,13 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         help="serve Prometheus metrics on this port (off when unset)",
     )
     ops.add_argument(
+        "--metrics-host",
+        type=_bind_host,
+        default=None,
+        metavar="HOST",
+        help="address the metrics endpoint binds; default: the host of --listen",
+    )
+    ops.add_argument(
         "--log-format",
         choices=("json", "console"),
         default=None,
@@ -505,6 +520,7 @@ def parse_config(
         listen=ns.listen,
         disaggregation_mode=cast(DisaggregationMode, ns.disaggregation_mode),
         metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
         log_format=log_format,
         log_level=ns.log_level,
         drain_timeout=ns.drain_timeout_secs,

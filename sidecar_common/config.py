@@ -29,6 +29,7 @@ class SidecarConfig:
     listen: str = "0.0.0.0:50061"
     disaggregation_mode: DisaggregationMode = "agg"
     metrics_port: int | None = None
+    metrics_host: str | None = None  # --metrics-host; None: the host of --listen
     log_format: Literal["json", "console"] = "json"
     log_level: str = "info"
     drain_timeout: float = 30.0

@@ -18,6 +18,7 @@ that cannot be reached) and exit code 1, after closing whatever had been opened.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -110,14 +111,22 @@ def _cleanup_allowance(server_config: ServerConfig) -> float:
     return hold + 2 * server_config.abort_timeout + server_config.health_probe_timeout + 5.0
 
 
-def _start_metrics_http(port: int, metrics: Metrics) -> Callable[[], Awaitable[None]]:
+def _listen_host(listen: str) -> str:
+    """``host:port`` / ``[v6]:port`` -> the host, as a socket binds it."""
+    host = listen.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+def _start_metrics_http(host: str, port: int, metrics: Metrics) -> Callable[[], Awaitable[None]]:
     from prometheus_client import start_http_server
 
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        httpd, thread = start_http_server(port, registry=metrics.registry)
+        httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as err:
-        raise _StartupFailed(f"cannot serve metrics on port {port}: {err}") from None
-    log.info("metrics endpoint up", port=httpd.server_port)
+        why = "the address is in use" if err.errno == errno.EADDRINUSE else (err.strerror or str(err))
+        raise _StartupFailed(f"cannot serve metrics on {shown}: {why}") from None
+    log.info("metrics endpoint up", host=host, port=httpd.server_port)
 
     def stop_blocking() -> None:
         httpd.shutdown()
@@ -298,7 +307,8 @@ async def _start(
     metrics: Metrics | None = None
     if config.metrics_port is not None:
         metrics = Metrics(spec.name, version=package_version())
-        stop_metrics = _start_metrics_http(config.metrics_port, metrics)
+        metrics_host = config.metrics_host or _listen_host(config.listen)
+        stop_metrics = _start_metrics_http(metrics_host, config.metrics_port, metrics)
         closing.push_async_callback(_bounded, "metrics stop", stop_metrics, _CLOSE_TIMEOUT)
     server = SidecarServer(
         engine, _server_config(config), metrics=metrics, engine_health_listener=_engine_status(spec, config)

@@ -226,6 +226,10 @@ class SidecarServer:
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", self._config.max_request_bytes),
+                # grpcio turns SO_REUSEPORT on by default: a second sidecar (or the engine
+                # itself) on the same port would bind too and silently split the traffic.
+                # Off, a taken port fails the bind, and start-up says so.
+                ("grpc.so_reuseport", 0),
             ]
         )
         sidecar_pb2_grpc.add_WorkerServicer_to_server(_Worker(self), server)
@@ -251,7 +255,9 @@ class SidecarServer:
             # With TLS, grpc reports a certificate and key that do not match as a bind failure.
             hint = " (or the TLS certificate and key were refused)" if tls is not None else ""
             raise SidecarError(
-                ErrorReason.CANNOT_CONNECT, f"cannot listen on {self._config.listen}{hint}: {exc}"
+                ErrorReason.CANNOT_CONNECT,
+                f"cannot listen on {self._config.listen}: the address is in use or not available"
+                f"{hint} ({exc})",
             ) from exc
         await server.start()
         self._server = server
