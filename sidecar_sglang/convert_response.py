@@ -1,8 +1,9 @@
 """Response conversion for SGLang (pure): one state machine for both transports.
 
 The transports only decode their wire into :class:`NativeEvent` (gRPC: meta_info values are
-JSON text, decoded here; HTTP: an SSE ``data:`` JSON object). :class:`ResponseState` turns
-events into ``LLMEngineOutput`` deltas with exactly one terminal, or raises SidecarError.
+JSON text, decoded by :mod:`sidecar_sglang.grpc_events`; HTTP: an SSE ``data:`` JSON
+object). :class:`ResponseState` turns events into ``LLMEngineOutput`` deltas with exactly
+one terminal, or raises SidecarError.
 
 Choices the spec leaves open:
 
@@ -23,7 +24,7 @@ from typing import Final
 
 from google.protobuf import struct_pb2
 
-from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
 
@@ -31,7 +32,6 @@ __all__ = [
     "NativeEvent",
     "ResponseState",
     "error_from_http_status",
-    "event_from_grpc",
     "event_from_http",
 ]
 
@@ -47,24 +47,6 @@ class NativeEvent:
     meta: Mapping[str, object]
     finished: bool
     text: str | None = None
-
-
-def _loads(text: str) -> tuple[bool, object]:
-    try:
-        return True, json.loads(text)
-    except ValueError:
-        return False, None
-
-
-def event_from_grpc(message: sglang_pb2.GenerateResponse) -> NativeEvent:
-    """Every meta_info value is JSON text; one that does not parse is treated as absent."""
-    meta: dict[str, object] = {}
-    for key, raw in message.meta_info.items():
-        ok, value = _loads(raw)
-        if ok:
-            meta[key] = value
-    # The repeated field is passed as is: the state machine slices off the part it needs.
-    return NativeEvent(message.output_ids, meta, message.finished)
 
 
 def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:

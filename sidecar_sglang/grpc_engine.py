@@ -21,8 +21,8 @@ from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_u
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_grpc
-from sidecar_sglang.convert_response import event_from_grpc
 from sidecar_sglang.discovery import discover, loads_from_json
+from sidecar_sglang.grpc_events import GrpcEventDecoder
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangGrpcEngine", "random_room"]
 
@@ -141,10 +141,11 @@ class SglangGrpcEngine(SglangAdapterBase):
     async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
         pid = call.private_id
         native, state = self._open(call)
+        decode = GrpcEventDecoder(native, cumulative=state.cumulative).decode
         stream = self._stubs.next().Generate(to_grpc(native))
         try:
             async for message in stream:
-                for out in state.feed(event_from_grpc(message), aborted_by_us=self._live.get(pid, False)):
+                for out in state.feed(decode(message), aborted_by_us=self._live.get(pid, False)):
                     yield out
                 if state.done:
                     return

@@ -3,21 +3,19 @@ conversion"), in cumulative and incremental modes."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, bootstrap_struct
 from sidecar_sglang.convert_response import (
     NativeEvent,
     ResponseState,
     error_from_http_status,
-    event_from_grpc,
     event_from_http,
 )
 
@@ -263,22 +261,6 @@ def test_text_deltas_cumulative_and_incremental() -> None:
     assert outs[0].HasField("text")
 
 
-def test_grpc_meta_is_json_in_strings_and_bad_values_are_absent() -> None:
-    message = sglang_pb2.GenerateResponse(
-        output_ids=[4],
-        meta_info={
-            "finish_reason": '{"type": "length", "length": 1}',
-            "prompt_tokens": "4",
-            "cached_tokens": "{bad",
-        },
-        finished=True,
-    )
-    event = event_from_grpc(message)
-    assert event.meta == {"finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4}
-    (out,) = ResponseState(native(), cumulative=False).feed(event, aborted_by_us=False)
-    assert not out.completion_usage.HasField("cached_tokens")
-
-
 @pytest.mark.parametrize(
     ("code", "reason"),
     [
@@ -410,21 +392,6 @@ def test_arbitrary_meta_raises_only_sidecar_errors(
     except SidecarError:
         return
     assert terminals <= 1
-
-
-@given(
-    st.dictionaries(st.text(max_size=6), st.text(max_size=12), max_size=6),
-    st.lists(st.integers(-5, 9), max_size=4),
-)
-def test_grpc_decoding_never_raises(meta: dict[str, str], ids: list[int]) -> None:
-    event = event_from_grpc(sglang_pb2.GenerateResponse(output_ids=ids, meta_info=meta, finished=True))
-    for key, raw in meta.items():
-        try:
-            expected = json.loads(raw)
-        except ValueError:
-            assert key not in event.meta
-        else:
-            assert event.meta[key] == expected or expected != expected
 
 
 @settings(max_examples=200)
