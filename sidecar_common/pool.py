@@ -20,7 +20,7 @@ import grpc
 import tenacity
 
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -29,11 +29,13 @@ __all__ = [
     "Clock",
     "Connector",
     "Deadline",
+    "NotReady",
     "PoolConfig",
     "RetryPolicy",
     "SystemClock",
     "backoff_interval",
     "connect_channel",
+    "is_transient",
     "retry_until_deadline",
 ]
 
@@ -164,6 +166,31 @@ _MIN_ATTEMPT_SECS: Final = 0.001
 _ENFORCEMENT_GRACE_SECS: Final = 0.05
 
 
+class NotReady(Exception):
+    """The engine answered but is not ready yet (a not-serving health status, an HTTP 5xx):
+    retried within the start-up deadline."""
+
+
+# What an engine that is still starting (or restarting) answers over gRPC.
+_TRANSIENT_CODES: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_TRANSIENT_REASONS: Final = frozenset({ErrorReason.CANNOT_CONNECT, ErrorReason.CONNECTION_TIMEOUT})
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth another attempt: what an engine that is still starting produces (connection
+    refused or reset and other socket errors, timeouts, UNAVAILABLE, DEADLINE_EXCEEDED, a
+    not-ready answer). Anything else is an answer (a server of another kind) or a bug in
+    the sidecar, and retrying it for the whole deadline would only hide it."""
+    if isinstance(error, OSError | NotReady | _AttemptTimedOut):
+        return True  # OSError covers ConnectionError, TimeoutError and name resolution
+    if isinstance(error, grpc.RpcError):
+        code = getattr(error, "code", None)
+        return callable(code) and code() in _TRANSIENT_CODES
+    if isinstance(error, SidecarError):
+        return error.reason in _TRANSIENT_REASONS
+    return False
+
+
 class _AttemptTimedOut(Exception):
     def __init__(self, timeout: float) -> None:
         super().__init__(f"attempt timed out after {timeout:.3f}s")
@@ -210,15 +237,18 @@ async def retry_until_deadline(
     policy: RetryPolicy,
     *,
     rand: Callable[[], float] = random.random,
+    transient: Callable[[BaseException], bool] = is_transient,
 ) -> T:
     """Call ``attempt(timeout)`` until it returns, each bounded by min(attempt_timeout,
     remaining); back off with jitter between attempts, capped, never past the deadline.
     On failure raise SidecarError(CANNOT_CONNECT) naming ``what``, the deadline, the
     attempts, the time spent and the last underlying error.
 
-    Every ``Exception`` from ``attempt`` is retried: during start-up the engine may refuse,
-    reset or answer "not ready" in many ways, and the deadline is the only limit. ``rand``
-    (uniform in [0, 1)) drives the jitter; tests fix it.
+    Only ``transient`` failures are retried (:func:`is_transient`, which a transport
+    extends with its own connection errors). Any other failure ends at once: an engine
+    call's status as its typed error, a SidecarError as it is, and anything else (a bug:
+    TypeError, KeyError...) raised unchanged so that it surfaces with its traceback.
+    ``rand`` (uniform in [0, 1)) drives the jitter; tests fix it.
     """
     clock = deadline.clock
     began = clock.monotonic()
@@ -246,12 +276,15 @@ async def retry_until_deadline(
         sleep=clock.sleep,
         stop=_StopAtDeadline(deadline),
         wait=_BackoffUntilDeadline(policy, deadline, rand),
-        retry=tenacity.retry_if_exception(lambda e: not isinstance(e, _DeadlineReached)),
+        retry=tenacity.retry_if_exception(lambda e: not isinstance(e, _DeadlineReached) and transient(e)),
     )
     try:
         return await retrying(one_attempt)
     except (tenacity.RetryError, _DeadlineReached):
         pass
+    except grpc.RpcError as error:
+        # A definite answer (UNIMPLEMENTED from a server of another kind...): typed, at once.
+        raise from_rpc_error(what, error) from None
     cause = f"last error: {_describe(last)}" if last is not None else "the startup deadline was exceeded"
     raise SidecarError(
         ErrorReason.CANNOT_CONNECT,
@@ -307,7 +340,7 @@ class ChannelPool:
             return
         n = self._config.connections
         opened: list[grpc.aio.Channel | None] = [None] * n
-        failure: SidecarError | None = None
+        failure: Exception | None = None
 
         async def open_slot(index: int, scope: anyio.CancelScope | None) -> None:
             nonlocal failure
@@ -319,8 +352,9 @@ class ChannelPool:
                     deadline,
                     self._config.retry,
                 )
-            except SidecarError as error:
-                # The first failure is the one reported; it also stops the sibling slots.
+            except Exception as error:
+                # The first failure (typed, or a bug raised as it is) is the one reported,
+                # unwrapped from the task group; it also stops the sibling slots.
                 if failure is None:
                     failure = error
                 if scope is not None:

@@ -13,7 +13,7 @@ import anyio
 import grpc
 
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
-from sidecar_common.pool import ChannelPool, Deadline, RetryPolicy
+from sidecar_common.pool import ChannelPool, Deadline, NotReady, RetryPolicy
 
 __all__ = ["GRACE", "NotHealthy", "StubCache", "bounded_call", "discovery_timeout", "probe"]
 
@@ -23,7 +23,7 @@ S = TypeVar("S")
 T = TypeVar("T")
 
 
-class NotHealthy(Exception):
+class NotHealthy(NotReady):
     """The engine answered its health check but is not ready: retried within the deadline."""
 
 

@@ -20,7 +20,7 @@ from sidecar_common.config import SidecarConfig
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
-from sidecar_common.pool import Clock, Deadline, SystemClock, retry_until_deadline
+from sidecar_common.pool import Clock, Deadline, NotReady, SystemClock, is_transient, retry_until_deadline
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_http_json
 from sidecar_sglang.convert_response import error_from_http_status, event_from_http
@@ -59,8 +59,17 @@ def _error_words(body: bytes) -> str:
     return text.strip()[:500]
 
 
-class _NotHealthy(Exception):
-    """``/health`` answered but not 200: retried within the start-up deadline."""
+class _NotHealthy(NotReady):
+    """``/health`` answered 5xx (SGLang's 503 while it starts): retried within the start-up
+    deadline."""
+
+
+def _starting(error: BaseException) -> bool:
+    """Worth another start-up attempt: the shared rule, plus aiohttp's connection and
+    truncated-body errors (an engine restarting under us)."""
+    return is_transient(error) or isinstance(
+        error, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError
+    )
 
 
 class SglangHttpEngine(SglangAdapterBase):
@@ -113,6 +122,7 @@ class SglangHttpEngine(SglangAdapterBase):
             self._health_attempt,
             deadline,
             self._config.pool.retry,
+            transient=_starting,
         )
         model = await self._get_json(("/model_info", "/get_model_info"), deadline)
         server = await self._get_json(("/server_info", "/get_server_info"), deadline)
@@ -148,8 +158,11 @@ class SglangHttpEngine(SglangAdapterBase):
     async def _health_attempt(self, timeout: float) -> None:
         with anyio.fail_after(timeout):
             async with self._control().get(f"{self._base}/health") as resp:
-                if resp.status != 200:
+                if resp.status >= 500:
                     raise _NotHealthy(f"GET /health answered HTTP {resp.status}")
+                if resp.status != 200:
+                    # A definite answer, not a starting engine: no SGLang server there.
+                    raise protocol_error("sglang", f"GET {self._base}/health answered HTTP {resp.status}")
                 await resp.read()
 
     async def _get_json(
@@ -275,6 +288,9 @@ class SglangHttpEngine(SglangAdapterBase):
             return False
         except (aiohttp.ClientError, _NotHealthy) as err:
             self.health_problem = f"GET /health: {err}"
+            return False
+        except SidecarError as err:
+            self.health_problem = err.message
             return False
         return True
 

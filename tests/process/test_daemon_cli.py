@@ -31,7 +31,7 @@ from sidecar_common import systemd
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine, EngineLoad, GenerateCall
-from sidecar_common.pool import ChannelPool, Deadline, SystemClock
+from sidecar_common.pool import ChannelPool, Deadline, SystemClock, retry_until_deadline
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -62,6 +62,13 @@ class FakeEngine:
             await self._pool.connect(Deadline.start(SystemClock(), self._config.pool.startup_deadline))
         elif self._mode == "hang":
             await anyio.sleep(3600)
+        elif self._mode == "bug":
+            # A programming error inside a start-up attempt (as an adapter bug would be).
+            async def attempt(timeout: float) -> None:
+                raise TypeError("unsupported operand type(s) for +: 'NoneType' and 'int'")
+
+            deadline = Deadline.start(SystemClock(), self._config.pool.startup_deadline)
+            await retry_until_deadline("fake engine", attempt, deadline, self._config.pool.retry)
 
     def model_info(self) -> sidecar_pb2.ModelInfo:
         return sidecar_pb2.ModelInfo(engine="fake", served_model_name="fake-model", max_context_length=64)
@@ -95,7 +102,7 @@ class FakeEngine:
 
 
 def _fake_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fake-start", choices=("pool", "ok", "hang"), default="pool")
+    parser.add_argument("--fake-start", choices=("pool", "ok", "hang", "bug"), default="pool")
     parser.add_argument("--fake-tokens", type=int, default=3)
     parser.add_argument("--fake-token-delay-secs", type=float, default=0.0)
     parser.add_argument("--fake-abort-file", default=None)

@@ -116,3 +116,21 @@ def test_a_bad_metrics_host_is_a_usage_error() -> None:
     result = _run(_fake(*STARTS, "--metrics-host", "not a host"))
     assert result.returncode == 2
     assert "--metrics-host" in result.stderr
+
+
+def test_a_bug_during_start_up_exits_1_at_once_with_its_traceback_logged_once() -> None:
+    # The deadline is ten minutes: retrying the bug would outlast the test's wait.
+    result = _run(
+        _fake(
+            "--grpc-endpoint", "127.0.0.1:1",
+            "--fake-start", "bug",
+            "--grpc-startup-deadline-secs", "600",
+            "--listen", "127.0.0.1:0",
+            "--log-format", "json",
+        )
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [e for e in _json_lines(result.stdout) if e.get("level") in ("error", "critical")]
+    assert len(errors) == 1, result.stdout
+    assert "TypeError: unsupported operand type(s)" in str(errors[0].get("exception", ""))
+    assert "CANNOT_CONNECT" not in result.stdout

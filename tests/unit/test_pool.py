@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -16,6 +17,7 @@ from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.pool import (
     ChannelPool,
     Deadline,
+    NotReady,
     PoolConfig,
     RetryPolicy,
     SystemClock,
@@ -337,3 +339,122 @@ def test_no_schedule_of_failures_outlives_the_deadline(
     assert clock.now - 1000.0 <= deadline_secs + 1e-9
     assert all(pause <= cap + 1e-12 for pause in clock.sleeps)
     assert all(call.timeout <= min(attempt_timeout, deadline_secs) + 1e-9 for call in connector.calls)
+
+
+# --- what is retried: only what a starting engine produces ------------------------------------
+
+
+def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="engine says so")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionRefusedError("connection refused"),
+        ConnectionResetError("connection reset by peer"),
+        TimeoutError("not ready within 1s"),
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        _rpc_error(grpc.StatusCode.UNAVAILABLE),
+        _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED),
+        NotReady("engine reports not healthy"),
+        SidecarError(ErrorReason.CANNOT_CONNECT, "GetModelInfo: connection reset (UNAVAILABLE)"),
+        SidecarError(ErrorReason.CONNECTION_TIMEOUT, "HealthCheck: no answer in 1s"),
+    ],
+    ids=lambda e: type(e).__name__ + (f"-{e.code().name}" if isinstance(e, grpc.aio.AioRpcError) else ""),
+)
+async def test_what_a_starting_engine_produces_is_retried_until_it_answers(error: Exception) -> None:
+    clock = FakeClock()
+    attempts = 0
+
+    async def attempt(timeout: float) -> str:
+        nonlocal attempts
+        attempts += 1
+        if attempts < 3:
+            raise error
+        return "up"
+
+    result = await retry_until_deadline("engine s", attempt, Deadline.start(clock, 60.0), RetryPolicy())
+
+    assert result == "up"
+    assert attempts == 3
+    assert len(clock.sleeps) == 2
+
+
+@pytest.mark.parametrize(
+    "bug",
+    [
+        TypeError("unsupported operand type(s) for +: 'int' and 'str'"),
+        AttributeError("'NoneType' object has no attribute 'channel'"),
+        KeyError("max_model_len"),
+        ValueError("invalid literal for int() with base 10: 'x'"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_bug_ends_start_up_at_once_as_itself(bug: Exception) -> None:
+    clock = FakeClock()
+    attempts = 0
+
+    async def attempt(timeout: float) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise bug
+
+    with pytest.raises(type(bug)) as info:
+        await retry_until_deadline("engine b", attempt, Deadline.start(clock, 1800.0), RetryPolicy())
+
+    assert info.value is bug  # unchanged, traceback and all: not a CANNOT_CONNECT after 30 min
+    assert attempts == 1
+    assert clock.sleeps == []
+
+
+async def test_a_definite_engine_answer_ends_start_up_at_once_typed() -> None:
+    clock = FakeClock()
+    attempts = 0
+
+    async def attempt(timeout: float) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise _rpc_error(grpc.StatusCode.UNIMPLEMENTED)  # a gRPC server of another kind
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline(
+            "engine u (HealthCheck)", attempt, Deadline.start(clock, 60.0), RetryPolicy()
+        )
+
+    assert attempts == 1
+    assert info.value.reason is ErrorReason.UNKNOWN
+    assert info.value.message == "engine u (HealthCheck): engine says so (UNIMPLEMENTED)"
+
+
+async def test_a_typed_refusal_is_not_retried() -> None:
+    clock = FakeClock()
+    refusal = SidecarError(
+        ErrorReason.PROTOCOL_ERROR, "invalid sglang response: GET /health answered HTTP 404"
+    )
+    attempts = 0
+
+    async def attempt(timeout: float) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise refusal
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline("engine p", attempt, Deadline.start(clock, 60.0), RetryPolicy())
+
+    assert info.value is refusal
+    assert attempts == 1
+
+
+async def test_a_bug_in_a_later_slot_fails_connect_as_itself_and_closes_every_channel() -> None:
+    clock = FakeClock()
+    bug = TypeError("'NoneType' object is not callable")
+    connector = ScriptedConnector(clock, [Step(), Step(error=bug)], then=Step(takes=5.0))
+    pool = make_pool(clock, connector, 3, RetryPolicy(attempt_timeout=10.0))
+
+    with pytest.raises(TypeError) as info:
+        await pool.connect(Deadline.start(clock, 1800.0))
+
+    assert info.value is bug  # not wrapped in an ExceptionGroup by the slots' task group
+    assert all(channel.closed == 1 for channel in connector.channels)
+    assert pool.size == 0
