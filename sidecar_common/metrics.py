@@ -140,6 +140,13 @@ class Metrics:
             registry=reg,
         )
 
+        self.internal_errors = Counter(
+            "sidecar_internal_errors",
+            "Untyped exceptions (bugs) caught in the sidecar, by where they were caught",
+            [*labels, "where"],
+            registry=reg,
+        )
+
         self.build_info.labels(version, engine).set(1)
         # Children bound once: labels() on every chunk would cost more than the update.
         self._started = self.requests_started.labels(engine)
@@ -156,6 +163,7 @@ class Metrics:
         self._finished: dict[str, Counter] = {}
         self._failed: dict[str, Counter] = {}
         self._refused: dict[str, Counter] = {}
+        self._internal: dict[str, Counter] = {}
 
     def arrived(self) -> None:
         """A Generate call arrived (before any check)."""
@@ -196,6 +204,10 @@ class Metrics:
     def aborted(self, outcome: str = "ok") -> None:
         """One engine abort call, by how it ended (one of :data:`ABORT_OUTCOMES`)."""
         self._aborts[outcome].inc()
+
+    def internal_error(self, where: str) -> None:
+        """A bug surfaced as an untyped exception (``where``: generate, validate, ...)."""
+        self._child(self._internal, self.internal_errors, where).inc()
 
     def set_engine_connected(self, connected: bool) -> None:
         self._connected.set(1 if connected else 0)

@@ -134,7 +134,7 @@ class _Buffer:
                 space.set_result(None)
 
 
-async def _pump(gen: Generation, buffer: _Buffer, scope: anyio.CancelScope) -> None:
+async def _pump(gen: Generation, buffer: _Buffer, scope: anyio.CancelScope, metrics: Metrics | None) -> None:
     with scope:
         try:
             tracker = gen.tracker
@@ -148,7 +148,17 @@ async def _pump(gen: Generation, buffer: _Buffer, scope: anyio.CancelScope) -> N
         except SidecarError as exc:
             gen.fail(exc)
         except Exception as exc:
-            # An engine bug must still end the call with a typed status and an abort.
+            # An engine adapter bug: logged and counted as one, and it must still end the
+            # call with a typed status and an abort.
+            _log.error(
+                "internal error",
+                where="engine_generate",
+                private_id=gen.private_id,
+                error=repr(exc),
+                exc_info=exc,
+            )
+            if metrics is not None:
+                metrics.internal_error("engine_generate")
             gen.fail(
                 SidecarError(ErrorReason.UNKNOWN, f"{gen.engine.name} generate: {type(exc).__name__}: {exc}")
             )
@@ -280,7 +290,7 @@ async def relay(
     writer = _Writer()
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_pump, gen, buffer, pump_scope)
+            tg.start_soon(_pump, gen, buffer, pump_scope, metrics)
             tg.start_soon(
                 _run_writer, writer, writer_scope, buffer, write, delivery, config, under_load, metrics, t0
             )

@@ -164,10 +164,6 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
         return await self._owner._load(context)
 
 
-def _unexpected(what: str, exc: Exception) -> SidecarError:
-    return SidecarError(ErrorReason.UNKNOWN, f"{what}: {type(exc).__name__}: {exc}")
-
-
 class SidecarServer:
     """One sidecar's gRPC server: ``start`` (health NOT_SERVING), ``set_serving`` once the
     engine is discovered, ``drain`` on a stop signal, then ``stop``."""
@@ -373,7 +369,7 @@ class SidecarServer:
             except SidecarError as err:
                 why = f"health check failed: {err.message}"
             except Exception as exc:
-                why = f"health check failed: {exc!r}"
+                why = self._internal_error("health_watch", exc).message
             if ok != self._engine_ok:
                 self._engine_ok = ok
                 if ok:
@@ -403,7 +399,7 @@ class SidecarServer:
             except SidecarError as err:
                 refusal = err
             except Exception as exc:
-                refusal = _unexpected(f"{self._engine.name} validate", exc)
+                refusal = self._internal_error("validate", exc)
         if refusal is None:
             refusal = self._refusal()
         if refusal is not None:
@@ -461,19 +457,21 @@ class SidecarServer:
             if metrics is not None:
                 metrics.failed(err.reason.value)
             await _fail(context, err)
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                # The client went away (cancel, deadline, connection lost).
-                outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
-                if metrics is not None:
-                    metrics.failed(ErrorReason.CANCELLED.value)
-            else:
-                # Not a typed error (a write that failed under us): still counted, so that
-                # every started request ends once in the metrics.
-                outcome.update(error_reason=ErrorReason.UNKNOWN.value, error=repr(exc))
-                if metrics is not None:
-                    metrics.failed(ErrorReason.UNKNOWN.value)
+        except asyncio.CancelledError:
+            # The client went away (cancel, deadline, connection lost).
+            outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
+            if metrics is not None:
+                metrics.failed(ErrorReason.CANCELLED.value)
             raise
+        except Exception as exc:
+            # Not a typed error: a bug here or in the engine adapter (the relay has already
+            # aborted the engine request). Logged and counted as such, and the call still
+            # ends with a status the frontend can read (UNKNOWN, ErrorInfo, not migratable).
+            error = self._internal_error("generate", exc)
+            outcome.update(error_reason=error.reason.value, error=error.message)
+            if metrics is not None:
+                metrics.failed(error.reason.value)
+            await _fail(context, error)
         finally:
             self._registry.unregister(entry)
             duration = time.monotonic() - started_at
@@ -491,6 +489,15 @@ class SidecarServer:
                 **outcome,
             )
 
+    def _internal_error(self, where: str, exc: BaseException) -> SidecarError:
+        """An untyped exception is a bug: logged with its traceback at error level and
+        counted (sidecar_internal_errors_total{where}); returned as the UNKNOWN error the
+        caller ends the call with."""
+        _log.error("internal error", where=where, error=repr(exc), exc_info=exc)
+        if self._metrics is not None:
+            self._metrics.internal_error(where)
+        return SidecarError(ErrorReason.UNKNOWN, f"{self._engine.name} {where}: {type(exc).__name__}: {exc}")
+
     def _abort(self, request: sidecar_pb2.AbortRequest) -> sidecar_pb2.AbortResponse:
         count = self._registry.abort_public(request.request_id)
         _log.info("abort requested", public_id=request.request_id, aborted=count)
@@ -504,7 +511,7 @@ class SidecarServer:
         except SidecarError as err:
             await _fail(context, err)
         except Exception as exc:
-            await _fail(context, _unexpected(f"{self._engine.name} model_info", exc))
+            await _fail(context, self._internal_error("model_info", exc))
 
     async def _load(self, context: _Context) -> sidecar_pb2.LoadReport:
         try:
@@ -518,5 +525,5 @@ class SidecarServer:
                 SidecarError(ErrorReason.CONNECTION_TIMEOUT, f"{self._engine.name} load: no answer in time"),
             )
         except Exception as exc:
-            await _fail(context, _unexpected(f"{self._engine.name} load", exc))
+            await _fail(context, self._internal_error("load", exc))
         return sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))

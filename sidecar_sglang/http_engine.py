@@ -218,8 +218,14 @@ class SglangHttpEngine(SglangAdapterBase):
                 try:
                     chunk = await resp.content.readany()
                 except aiohttp.ClientError as err:
-                    _log.debug("sglang stream read failed", private_id=pid, error=repr(err))
-                    chunk = b""
+                    if self._live.get(pid, False):
+                        # Our own abort cut the stream: the read error is its echo.
+                        raise state.end_of_stream(aborted_by_us=True) from None
+                    # The cause is what an operator needs (reset, truncated body...).
+                    raise SidecarError(
+                        ErrorReason.ENGINE_SHUTDOWN,
+                        f"Generate: reading the SGLang stream failed before its terminal: {err!r}",
+                    ) from err
                 if not chunk:
                     raise state.end_of_stream(aborted_by_us=self._live.get(pid, False))
                 for data in parser.feed(chunk):

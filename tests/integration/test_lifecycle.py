@@ -4,7 +4,10 @@
   the engine stream is still closing, and is never aborted;
 * a stop never cuts a write to the frontend that is already in flight (a cut write made the
   status after it fail, reaching the client as a bare UNAVAILABLE without its ErrorInfo);
-* a cancelled health Watch leaves nothing behind.
+* a cancelled health Watch leaves nothing behind;
+* an untyped exception (a bug) in the handler, the engine adapter, ``validate``, a unary call
+  or the health probe is logged at error level with its traceback, counted in
+  ``sidecar_internal_errors_total{where}``, and the call still ends UNKNOWN with its ErrorInfo.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import anyio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.dispatch import Delivery, Generation
-from sidecar_common.engine import GenerateCall
+from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.relay import RelayConfig, relay
 from sidecar_common.server import SidecarServer
 from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
@@ -236,3 +240,127 @@ async def test_cancelled_health_watches_leave_nothing_behind() -> None:
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()
         await _watchers_gone(h)
+
+
+# --- errors must not hide bugs -------------------------------------------------------------
+
+
+class _BuggyEngine(FakeEngine):
+    """A fake engine whose chosen method raises an untyped exception (a bug)."""
+
+    def __init__(self, broken: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.broken = broken
+
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        if self.broken == "validate":
+            raise KeyError("sampling_options")
+        super().validate(request)
+
+    def model_info(self) -> sidecar_pb2.ModelInfo:
+        if self.broken == "model_info":
+            raise AttributeError("'NoneType' object has no attribute 'served_model_name'")
+        return super().model_info()
+
+    async def load(self) -> EngineLoad:
+        if self.broken == "load":
+            raise TypeError("'NoneType' object is not iterable")
+        return await super().load()
+
+    async def healthy(self) -> bool:
+        if self.broken == "health_watch":
+            raise ZeroDivisionError("division by zero")
+        return await super().healthy()
+
+
+def _internal_errors(h: Harness, where: str) -> float:
+    value = h.metrics.registry.get_sample_value(
+        "sidecar_internal_errors_total", {"engine": "fake", "where": where}
+    )
+    return value or 0.0
+
+
+def _logged_bug(logs: list[dict[str, Any]], where: str, exc_type: type[BaseException]) -> dict[str, Any]:
+    [entry] = [e for e in logs if e.get("event") == "internal error" and e.get("where") == where]
+    assert entry["log_level"] == "error"
+    assert isinstance(entry["exc_info"], exc_type)  # rendered as a traceback by the log config
+    assert entry["exc_info"].__traceback__ is not None
+    return entry
+
+
+async def _unknown_status(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == grpc.StatusCode.UNKNOWN
+    detail = error_info(info.value)
+    assert (detail.reason, detail.metadata["migratable"]) == ("UNKNOWN", "false")
+    return info.value
+
+
+async def test_a_bug_in_the_engine_stream_is_logged_counted_and_ends_unknown() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), RuntimeError("kaput")]})
+    async with servicer_running(engine) as h:
+        with capture_logs() as logs:
+            err = await _unknown_status(_read_to_the_end(h.stub.Generate(request("r"))))
+        assert "RuntimeError: kaput" in (err.details() or "")
+        _logged_bug(logs, "engine_generate", RuntimeError)
+        assert _internal_errors(h, "engine_generate") == 1
+        assert engine.aborts == [engine.calls[0].private_id]
+
+
+async def test_a_bug_in_validate_is_logged_counted_and_ends_unknown() -> None:
+    async with servicer_running(_BuggyEngine("validate")) as h:
+        with capture_logs() as logs:
+            err = await _unknown_status(_read_to_the_end(h.stub.Generate(request("r"))))
+        assert "fake validate: KeyError" in (err.details() or "")
+        _logged_bug(logs, "validate", KeyError)
+        assert _internal_errors(h, "validate") == 1
+        assert h.engine.calls == []
+
+
+@pytest.mark.parametrize(("where", "exc_type"), [("model_info", AttributeError), ("load", TypeError)])
+async def test_a_bug_in_a_unary_call_is_logged_counted_and_ends_unknown(
+    where: str, exc_type: type[BaseException]
+) -> None:
+    async with servicer_running(_BuggyEngine(where)) as h:
+        with capture_logs() as logs:
+            if where == "model_info":
+                await _unknown_status(h.stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest(), timeout=5))
+            else:
+                await _unknown_status(h.stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=5))
+        _logged_bug(logs, where, exc_type)
+        assert _internal_errors(h, where) == 1
+
+
+async def test_a_bug_in_the_health_probe_is_logged_counted_and_reads_as_unhealthy() -> None:
+    async with servicer_running(_BuggyEngine("health_watch"), health_watch_interval=0.01) as h:
+        with capture_logs() as logs:
+            await h.wait_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        _logged_bug(
+            [e for e in logs if e.get("where") == "health_watch"][:1], "health_watch", ZeroDivisionError
+        )
+        assert _internal_errors(h, "health_watch") >= 1
+
+
+async def test_a_bug_in_the_handler_itself_is_logged_counted_and_ends_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with servicer_running() as h:
+
+        def broken(prompt_tokens: int) -> list[sidecar_pb2.LLMEngineOutput]:
+            raise IndexError("list index out of range")
+
+        monkeypatch.setattr(
+            Delivery, "cancelled_terminals", lambda self, prompt_tokens: broken(prompt_tokens)
+        )
+        h.engine.scripts["r"] = [tokens(1), HANG]
+        call = h.stub.Generate(request("r"))
+        await call.read()
+        with capture_logs() as logs:
+            assert (await h.stub.Abort(sidecar_pb2.AbortRequest(request_id="r"), timeout=5)).aborted == 1
+            err = await _unknown_status(_read_to_the_end(call))
+        assert "IndexError" in (err.details() or "")
+        _logged_bug(logs, "generate", IndexError)
+        assert _internal_errors(h, "generate") == 1
+        failed = {"engine": "fake", "reason": "UNKNOWN"}
+        assert h.metrics.registry.get_sample_value("sidecar_requests_failed_total", failed) == 1

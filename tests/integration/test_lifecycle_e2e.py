@@ -28,7 +28,7 @@ from testkit.book import Book
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
-from tests.e2e_helpers import public_request, tokens, until
+from tests.e2e_helpers import collect_until_error, public_request, tokens, until
 from tests.sglang_fixtures import adapter_for
 from tests.vllm_fixtures import sidecar_config as vllm_sidecar_config
 
@@ -125,3 +125,16 @@ async def test_a_delivered_stream_ends_ok_and_unaborted_whatever_stops_the_sidec
         assert outs[-1].finish_reason == sidecar_pb2.LENGTH
         await until(lambda: s.server.inflight == 0, "the generation ended")
         assert s.book.aborts == []
+
+
+async def test_an_sglang_http_read_error_keeps_its_cause() -> None:
+    async with _stack("sglang-http", drain_timeout=30) as s:
+        # The engine drops the connection mid-body (as SGLang does when its handler dies).
+        s.faults.add("-cut", FaultPlan(FaultKind.CLOSE_AFTER, after=2))
+        call = s.stub.Generate(public_request("cut", max_tokens=8), timeout=30)
+        outs, err = await collect_until_error(call)
+        assert len(tokens(outs)) == 2
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        details = err.details() or ""
+        assert "reading the SGLang stream failed" in details
+        assert "ClientPayloadError" in details, details

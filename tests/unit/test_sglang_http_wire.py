@@ -185,7 +185,14 @@ async def test_http_status_before_the_stream(status: int, reason: ErrorReason) -
     [
         ([event([5]), b"data: {not json\n\n"], False, 1, ErrorReason.PROTOCOL_ERROR, "not JSON"),
         ([event([5]), b"data: [DONE]\n\n"], False, 1, ErrorReason.PROTOCOL_ERROR, "[DONE]"),
-        ([event([5])], True, 1, ErrorReason.ENGINE_SHUTDOWN, "ended"),
+        # A connection cut mid-body: the read error is kept as the cause.
+        (
+            [event([5])],
+            True,
+            1,
+            ErrorReason.ENGINE_SHUTDOWN,
+            "stream failed before its terminal: ClientPayloadError",
+        ),
         ([event([5])], False, 1, ErrorReason.ENGINE_SHUTDOWN, "ended"),
         (
             [event([5]), b'data: {"error": {"message": "too long", "code": 400}}\n\ndata: [DONE]\n\n'],
