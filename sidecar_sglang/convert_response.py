@@ -26,6 +26,7 @@ from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
 
 __all__ = [
@@ -62,23 +63,6 @@ def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> 
     return SidecarError(ErrorReason.UNKNOWN, words)
 
 
-def _as_int(value: object) -> int | None:
-    """A JSON integer (an integral float counts); anything else is absent."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        text = value.strip()
-        digits = text[1:] if text.startswith("-") else text
-        # isdecimal, not isdigit: int() refuses superscripts and other non-decimal digits.
-        if digits.isdecimal():
-            return int(text)
-    return None
-
-
 def event_from_http(payload: object) -> NativeEvent:
     """One SSE ``data:`` object. An ``{"error": …}`` event raises its typed error."""
     if not isinstance(payload, dict):
@@ -87,7 +71,7 @@ def event_from_http(payload: object) -> NativeEvent:
         error = payload["error"]
         if isinstance(error, dict):
             message = str(error.get("message", error))
-            code = _as_int(error.get("code"))
+            code = exact_integer(error.get("code"))
         else:
             message, code = str(error), None
         raise error_from_http_status(code if code is not None else 500, message)
@@ -118,7 +102,7 @@ def _triple(item: object, where: str) -> tuple[float | None, int, str | None]:
     """``[logprob, token_id, text|null]``; the logprob may be null (first prompt position)."""
     if not isinstance(item, list | tuple) or len(item) < 2:
         raise protocol_error(_ENGINE, f"{where} entry {item!r} is not [logprob, token_id, text]")
-    tid = _as_int(item[1])
+    tid = exact_integer(item[1])
     valid, logprob = _logprob(item[0])
     if tid is None or not 0 <= tid <= _UINT32_MAX or not valid:
         raise protocol_error(_ENGINE, f"{where} entry {str(item)[:200]} is not [logprob, token_id, text]")
@@ -246,7 +230,7 @@ class ResponseState:
             self.done = True
             raise self._abort_error(finish, aborted_by_us)
         out = self._delta(event) if not self.request.prefill else None
-        reported = _as_int(event.meta.get("completion_tokens"))
+        reported = exact_integer(event.meta.get("completion_tokens"))
         if not self.request.prefill and reported is not None and reported != self.completion_tokens:
             raise protocol_error(
                 _ENGINE, f"completion_tokens is {reported} but {self.completion_tokens} tokens were streamed"
@@ -325,7 +309,7 @@ class ResponseState:
                 and matched in self.request.user_stop_token_ids
             ):
                 out.stop_token_id = matched
-        prompt = _as_int(meta.get("prompt_tokens"))
+        prompt = exact_integer(meta.get("prompt_tokens"))
         if prompt is None or not 0 <= prompt <= _UINT32_MAX // 2:
             # The engine always reports it; the request's length is the same number.
             prompt = len(self.request.input_ids)
@@ -334,7 +318,7 @@ class ResponseState:
         usage.prompt_tokens = prompt
         usage.completion_tokens = completion
         usage.total_tokens = prompt + completion
-        cached = _as_int(meta.get("cached_tokens"))
+        cached = exact_integer(meta.get("cached_tokens"))
         if cached is not None and cached >= 0:
             usage.cached_tokens = min(cached, prompt)
         if self.request.prefill and self.request.bootstrap is not None:
@@ -349,7 +333,7 @@ class ResponseState:
     def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
         if aborted_by_us:
             return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
-        status = _as_int(finish.get("status_code"))
+        status = exact_integer(finish.get("status_code"))
         parts = [f"type={finish.get('type')}"]
         for key in ("status_code", "err_type"):
             if finish.get(key) is not None:

@@ -18,6 +18,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.limits import SAMPLING_LIMITS, EngineKind, Span, check_sampling_limits, exact_integer
 from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
+from sidecar_sglang.convert_response import NativeEvent, ResponseState
 from sidecar_sglang.discovery import discover
 from sidecar_vllm.convert import to_generate_request
 
@@ -261,8 +262,8 @@ def test_one_integer_rule(value: object, expected: int | None) -> None:
     assert exact_integer(value) == expected
 
 
-@pytest.mark.parametrize(("text", "expected"), [("3", 3), ("3.0", None), (3.0, 3)])
-def test_discovery_and_the_prefill_handoff_read_integers_the_same_way(
+@pytest.mark.parametrize(("text", "expected"), [("7", 7), ("7.0", None), (7.0, 7), ("+7", 7)])
+def test_discovery_the_handoff_and_sglang_usage_read_integers_the_same_way(
     text: str | float, expected: int | None
 ) -> None:
     found = discover({}, {"dp_size": text}, [], expected_mode="agg", transport="grpc", engine_host="h")
@@ -271,6 +272,12 @@ def test_discovery_and_the_prefill_handoff_read_integers_the_same_way(
     req.prefill_result.disaggregated_params.update(
         {"bootstrap_host": "h", "bootstrap_port": text, "bootstrap_room": "1"}
     )
+    # SGLang's own usage counts in its responses: an unreadable one falls back to the prompt's length.
+    state = ResponseState(build_native(make(), "p", RequestSettings(), room=1), cumulative=False)
+    (terminal,) = state.feed(
+        NativeEvent([5], {"finish_reason": "length", "prompt_tokens": text}, True), aborted_by_us=False
+    )
+    assert terminal.completion_usage.prompt_tokens == (3 if expected is None else expected)
     decode = RequestSettings(mode="decode")
     if expected is None:
         with pytest.raises(SidecarError, match=r"^prefill_result.disaggregated_params.bootstrap_port: "):
