@@ -50,6 +50,7 @@ class FakeEngine:
         self._tokens: int = namespace.fake_tokens
         self._delay: float = namespace.fake_token_delay_secs
         self._abort_file: str | None = namespace.fake_abort_file
+        self._hold_after_terminal: bool = namespace.fake_hold_after_terminal
         self._pool: ChannelPool | None = None
 
     @property
@@ -82,6 +83,8 @@ class FakeEngine:
                 await anyio.sleep(self._delay)
             yield sidecar_pb2.LLMEngineOutput(token_ids=[100 + token])
         yield sidecar_pb2.LLMEngineOutput(finish_reason=sidecar_pb2.LENGTH)
+        if self._hold_after_terminal:
+            await anyio.sleep(3600)  # finished, but the stream stays open
 
     async def abort(self, private_id: str) -> None:
         if self._abort_file:
@@ -106,6 +109,7 @@ def _fake_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-tokens", type=int, default=3)
     parser.add_argument("--fake-token-delay-secs", type=float, default=0.0)
     parser.add_argument("--fake-abort-file", default=None)
+    parser.add_argument("--fake-hold-after-terminal", action="store_true")
 
 
 def _fake_build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:

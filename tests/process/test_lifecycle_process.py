@@ -10,15 +10,19 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
+import grpc
 import pytest
 
+from sidecar_common.api import sidecar_pb2
 from tests.process.test_daemon_cli import (
     STARTS,
     WAIT,
     _Daemon,
     _fake,
     _free_port,
+    _generate,
     _json_lines,
     _run,
     _script,
@@ -134,3 +138,29 @@ def test_a_bug_during_start_up_exits_1_at_once_with_its_traceback_logged_once() 
     assert len(errors) == 1, result.stdout
     assert "TypeError: unsupported operand type(s)" in str(errors[0].get("exception", ""))
     assert "CANNOT_CONNECT" not in result.stdout
+
+
+def test_a_delivered_stream_ends_ok_on_a_second_sigterm_and_is_not_aborted(tmp_path: Path) -> None:
+    aborts = tmp_path / "aborts.txt"
+    daemon = _Daemon(
+        *STARTS,
+        *("--fake-tokens", "2", "--fake-hold-after-terminal", "--drain-timeout-secs", "3600"),
+        *("--fake-abort-file", str(aborts)),
+    )
+    try:
+        port = int(str(daemon.wait_for("serving")["port"]))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = _generate(channel, "finished")
+            chunks = [next(stream)]
+            while chunks[-1].finish_reason == sidecar_pb2.UNSPECIFIED:
+                chunks.append(next(stream))
+            assert chunks[-1].finish_reason == sidecar_pb2.LENGTH
+            # Signalled while the sidecar still waits (drain grace, 5 s) for the engine to close.
+            daemon.proc.send_signal(signal.SIGTERM)
+            daemon.wait_for("stop requested")
+            daemon.proc.send_signal(signal.SIGTERM)
+            assert list(stream) == []  # ends OK: no error status after the whole answer
+        assert daemon.finish() == 0
+        assert not aborts.exists()
+    finally:
+        daemon.finish()
