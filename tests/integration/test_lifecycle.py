@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -280,7 +280,9 @@ def _internal_errors(h: Harness, where: str) -> float:
     return value or 0.0
 
 
-def _logged_bug(logs: list[dict[str, Any]], where: str, exc_type: type[BaseException]) -> dict[str, Any]:
+def _logged_bug(
+    logs: Sequence[Mapping[str, Any]], where: str, exc_type: type[BaseException]
+) -> Mapping[str, Any]:
     [entry] = [e for e in logs if e.get("event") == "internal error" and e.get("where") == where]
     assert entry["log_level"] == "error"
     assert isinstance(entry["exc_info"], exc_type)  # rendered as a traceback by the log config

@@ -26,7 +26,8 @@ from sidecar_sglang import http_engine
 from sidecar_vllm.engine import VllmEngine
 from testkit.book import Book
 from testkit.faults import FaultBook, FaultKind, FaultPlan
-from testkit.sglang_engine import SglangEngineConfig, SglangTestEngine
+from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_info import SglangEngineConfig
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from tests.e2e_helpers import collect_until_error, public_request, tokens, until
 from tests.sglang_fixtures import adapter_for

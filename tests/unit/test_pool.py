@@ -345,7 +345,7 @@ def test_no_schedule_of_failures_outlives_the_deadline(
 
 
 def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="engine says so")
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "engine says so", None)
 
 
 @pytest.mark.parametrize(
