@@ -46,6 +46,7 @@ class Command:
     engine_pid: int | None = None
     channels: int = 1
     prompt_len: int = 16
+    logprobs: int | None = None  # sidecar API only: ask for output logprobs (N alternatives)
 
 
 @dataclass
@@ -83,11 +84,14 @@ def _request(api: str, worker: int, seq: int, cmd: Command) -> bytes:
             stream=True,
         ).SerializeToString()
         return native
-    return sidecar_pb2.PreprocessedRequest(
+    request = sidecar_pb2.PreprocessedRequest(
         request_id=rid,
         token_ids=prompt,
         stop_conditions=sidecar_pb2.StopConditions(max_tokens=cmd.max_tokens, ignore_eos=True),
-    ).SerializeToString()
+    )
+    if cmd.logprobs is not None:
+        request.output_options.logprobs = cmd.logprobs
+    return request.SerializeToString()
 
 
 def _vllm_tokens(raw: bytes) -> int:

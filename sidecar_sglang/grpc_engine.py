@@ -29,6 +29,10 @@ __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangGrpcEngine"
 _log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
+_GENERATE: Final = "/sglang.runtime.v1.SglangService/Generate"
+# Requests serialized, replies left as bytes.
+_RawGenerate = grpc.aio.UnaryStreamMultiCallable[sglang_pb2.GenerateRequest, bytes]
+
 ABORT_TIMEOUT: Final = 2.0
 HEALTH_TIMEOUT: Final = 1.5
 LOAD_TIMEOUT: Final = 2.0
@@ -62,6 +66,15 @@ class SglangGrpcEngine(SglangAdapterBase):
         self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
         self._stubs: StubCache[sglang_pb2_grpc.SglangServiceAsyncStub] = StubCache(
             self._pool, sglang_pb2_grpc.SglangServiceStub
+        )
+        # Generate's replies stay wire bytes: grpc_events reads only what it needs of them.
+        self._generate: StubCache[_RawGenerate] = StubCache(
+            self._pool,
+            lambda channel: channel.unary_stream(
+                _GENERATE,
+                request_serializer=sglang_pb2.GenerateRequest.SerializeToString,
+                response_deserializer=None,
+            ),
         )
         self.health_problem: str | None = None  # why the last health probe failed
 
@@ -142,7 +155,7 @@ class SglangGrpcEngine(SglangAdapterBase):
         pid = call.private_id
         native, state = self._open(call)
         decode = GrpcEventDecoder(native, cumulative=state.cumulative).decode
-        stream = self._stubs.next().Generate(to_grpc(native))
+        stream = self._generate.next()(to_grpc(native))
         try:
             async for message in stream:
                 for out in state.feed(decode(message), aborted_by_us=self._live.get(pid, False)):
@@ -188,4 +201,5 @@ class SglangGrpcEngine(SglangAdapterBase):
 
     async def close(self) -> None:
         self._stubs.clear()
+        self._generate.clear()
         await self._pool.close()

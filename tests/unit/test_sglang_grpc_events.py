@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
-from sidecar_common.errors import SidecarError
+from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_sglang.convert_request import NativeRequest, NativeSampling
 from sidecar_sglang.convert_response import NativeEvent, ResponseState
 from sidecar_sglang.grpc_events import ABSENT, CumulativeJsonList, GrpcEventDecoder
@@ -95,7 +96,7 @@ json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=4)
 def test_the_suffix_parse_gives_exactly_the_full_parse(texts: list[str]) -> None:
     parser = CumulativeJsonList()
     for text in texts:
-        got = parser.parse(text)
+        got = parser.parse(text.encode())
         snapshot = json.loads(json.dumps(got)) if got is not ABSENT else ABSENT
         assert same(snapshot, full_parse(text)), text
 
@@ -107,9 +108,9 @@ def test_an_extended_list_reuses_what_was_parsed(items: list[object], fmt: dict[
     # (the same object comes back, grown), so a message costs what it adds.
     cuts = sorted(data.draw(st.lists(st.integers(1, len(items)), min_size=2, max_size=6)))
     parser = CumulativeJsonList()
-    first = parser.parse(dumps(items[: cuts[0]], fmt))
+    first = parser.parse(dumps(items[: cuts[0]], fmt).encode())
     for cut in cuts[1:]:
-        assert parser.parse(dumps(items[:cut], fmt)) is first
+        assert parser.parse(dumps(items[:cut], fmt).encode()) is first
     assert same(first, json.loads(dumps(items[: cuts[-1]], fmt)))
 
 
@@ -137,19 +138,19 @@ def test_suffix_parse_cases(texts: list[str], expected: object) -> None:
     parser = CumulativeJsonList()
     got: object = None
     for text in texts:
-        got = parser.parse(text)
+        got = parser.parse(text.encode())
     assert same(got, expected)
 
 
 # --- which keys are decoded -----------------------------------------------------------
 
 
-def message(ids: list[int], meta: dict[str, object], finished: bool = False) -> sglang_pb2.GenerateResponse:
+def message(ids: list[int], meta: dict[str, object], finished: bool = False) -> bytes:
     return sglang_pb2.GenerateResponse(
         output_ids=ids,
         meta_info={k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()},
         finished=finished,
-    )
+    ).SerializeToString()
 
 
 def test_only_the_keys_the_request_reads_are_decoded() -> None:
@@ -194,7 +195,9 @@ def test_decoding_never_raises(meta: dict[str, str], ids: list[int], cumulative:
     decoder = GrpcEventDecoder(
         native(return_logprob=True, logprobs=2, prompt_logprobs=1), cumulative=cumulative
     )
-    event = decoder.decode(sglang_pb2.GenerateResponse(output_ids=ids, meta_info=meta, finished=True))
+    event = decoder.decode(
+        sglang_pb2.GenerateResponse(output_ids=ids, meta_info=meta, finished=True).SerializeToString()
+    )
     for key, value in event.meta.items():
         assert same(value, full_parse(meta[key]))
 
@@ -202,18 +205,24 @@ def test_decoding_never_raises(meta: dict[str, str], ids: list[int], cumulative:
 # --- a whole stream: the same outputs as decoding every value whole ---------------------
 
 
-def reference_event(msg: sglang_pb2.GenerateResponse) -> NativeEvent:
-    """What the decoder replaced: every meta_info value parsed whole, on every message."""
+def reference_event(raw: bytes) -> NativeEvent:
+    """What the decoder replaced: the generated class's parse, and every meta_info value
+    parsed whole, on every message."""
+    msg = sglang_pb2.GenerateResponse.FromString(raw)
     meta = {k: v for k, v in ((k, full_parse(t)) for k, t in msg.meta_info.items()) if v is not ABSENT}
     return NativeEvent(list(msg.output_ids), meta, msg.finished)
 
 
-def outputs(request: NativeRequest, events: list[NativeEvent]) -> list[bytes] | str:
+def outputs(
+    request: NativeRequest, messages: list[bytes], decode: Callable[[bytes], NativeEvent]
+) -> list[bytes] | str:
+    """The stream's outputs, each message decoded just before it is fed (as the engine
+    adapter does: an event's lists may grow with the next decode)."""
     state = ResponseState(request, cumulative=True)
     outs: list[sidecar_pb2.LLMEngineOutput] = []
     try:
-        for event in events:
-            outs.extend(state.feed(event, aborted_by_us=False))
+        for raw in messages:
+            outs.extend(state.feed(decode(raw), aborted_by_us=False))
     except SidecarError as err:
         return f"{err.reason}: {err.message}"
     return [o.SerializeToString(deterministic=True) for o in outs]
@@ -253,6 +262,127 @@ def test_a_cumulative_stream_converts_exactly_as_with_whole_parses(
         messages.append(message(ids[:cut], meta, last))
     request = native(return_logprob=True, logprobs=top, prompt_logprobs=0 if prompt else None)
     decoder = GrpcEventDecoder(request, cumulative=True)
-    assert outputs(request, [decoder.decode(m) for m in messages]) == outputs(
-        request, [reference_event(m) for m in messages]
+    assert outputs(request, messages, decoder.decode) == outputs(request, messages, reference_event)
+
+
+# --- the wire: what the generated class would read ------------------------------------
+
+
+def varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+unknown_fields = st.lists(
+    st.sampled_from(
+        [
+            varint(9 << 3) + varint(2**40),  # varint
+            varint((10 << 3) | 5) + b"abcd",  # fixed32
+            varint((12 << 3) | 1) + b"abcdefgh",  # fixed64
+            varint((11 << 3) | 2) + varint(3) + b"xyz",  # length-delimited
+        ]
+    ),
+    max_size=3,
+)
+int32s = st.integers(-(2**31), 2**31 - 1)
+ALL_KEYS = ("finish_reason", "completion_tokens", "prompt_tokens", "cached_tokens", "output_token_logprobs",
+            "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")  # fmt: skip
+
+
+@st.composite
+def wire_messages(draw: st.DrawFn) -> list[tuple[bytes, list[int], dict[str, str], bool]]:
+    """A stream of messages, encoded as protobuf may encode them: ids packed (usually
+    growing, as in cumulative mode), unpacked or split into runs; unknown fields between."""
+    ids = draw(st.lists(int32s, max_size=12))
+    stream = []
+    for cut in sorted(draw(st.lists(st.integers(0, len(ids)), min_size=1, max_size=5))):
+        now = ids[:cut] if draw(st.booleans()) else draw(st.lists(int32s, max_size=4))
+        values = st.text(max_size=10) | st.lists(st.integers(0, 9), max_size=4).map(json.dumps)
+        meta = draw(st.dictionaries(st.sampled_from([*ALL_KEYS, "id"]), values, max_size=5))
+        finished = draw(st.booleans())
+        shape = draw(st.sampled_from(["generated", "unpacked", "two-runs"]))
+        if shape == "generated":
+            body = sglang_pb2.GenerateResponse(output_ids=now, meta_info=meta, finished=finished)
+            raw = body.SerializeToString()
+        else:
+            parts: list[bytes] = []
+            if shape == "unpacked":
+                parts += [varint(1 << 3) + varint(i) for i in now]
+            else:
+                half = len(now) // 2
+                for run in (now[:half], now[half:]):
+                    packed = b"".join(varint(i) for i in run)
+                    parts.append(varint((1 << 3) | 2) + varint(len(packed)) + packed)
+            rest = sglang_pb2.GenerateResponse(meta_info=meta, finished=finished).SerializeToString()
+            raw = b"".join(parts) + rest
+        extra = b"".join(draw(unknown_fields))
+        stream.append((extra + raw, now, meta, finished))
+    return stream
+
+
+@settings(max_examples=300)
+@given(wire_messages(), st.booleans())
+def test_the_wire_reads_as_the_generated_class_reads_it(
+    stream: list[tuple[bytes, list[int], dict[str, str], bool]], cumulative: bool
+) -> None:
+    request = native(return_logprob=True, logprobs=2, prompt_logprobs=1)
+    decoder = GrpcEventDecoder(request, cumulative=cumulative)
+    for raw, ids, meta, finished in stream:
+        reference = sglang_pb2.GenerateResponse.FromString(raw)
+        assert (list(reference.output_ids), dict(reference.meta_info), reference.finished) == (
+            ids,
+            meta,
+            finished,
+        )
+        event = decoder.decode(raw)
+        assert list(event.output_ids) == ids
+        assert event.finished == finished
+        terminal = finished or full_parse(meta.get("finish_reason", "null")) not in (None, ABSENT)
+        wanted = [k for k in ALL_KEYS if k in meta and (terminal or k not in ALL_KEYS[1:4])]
+        expected = {k: full_parse(meta[k]) for k in wanted if full_parse(meta[k]) is not ABSENT}
+        assert same(event.meta, expected)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x0a\x05\x01",  # packed ids longer than the message
+        b"\x12\x04\x0a\x09ab",  # a map entry whose key runs past it
+        b"\x18",  # a tag with no value
+        b"\x0b",  # a group (wire type 3): never in proto3
+        b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",  # a varint longer than 64 bits
+    ],
+)
+def test_bytes_that_are_not_a_generate_response_are_a_protocol_error(raw: bytes) -> None:
+    decoder = GrpcEventDecoder(native(return_logprob=True, logprobs=0), cumulative=True)
+    with pytest.raises(SidecarError) as info:
+        decoder.decode(raw)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+
+
+@given(st.binary(max_size=40), st.booleans())
+def test_any_bytes_decode_or_are_a_protocol_error(raw: bytes, cumulative: bool) -> None:
+    decoder = GrpcEventDecoder(
+        native(return_logprob=True, logprobs=0, prompt_logprobs=0), cumulative=cumulative
     )
+    reason = None
+    try:
+        decoder.decode(raw)
+    except SidecarError as err:
+        reason = err.reason
+    assert reason in (None, ErrorReason.PROTOCOL_ERROR)
+
+
+def test_a_repeated_map_key_keeps_the_last_value() -> None:
+    first = sglang_pb2.GenerateResponse(meta_info={"finish_reason": '"stop"'}).SerializeToString()
+    second = sglang_pb2.GenerateResponse(meta_info={"finish_reason": '"length"'}).SerializeToString()
+    event = GrpcEventDecoder(native(), cumulative=True).decode(first + second)
+    assert event.meta == {"finish_reason": "length"}
