@@ -75,6 +75,9 @@ class HandlerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     sglang_incremental_streaming_output: bool = False
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    # How long a retry or a migration waits for a worker to serve when none does (workers
+    # restarting or being replaced): the gap an SRE expects a fleet to bridge.
+    worker_wait: float = 5.0
 
 
 @dataclass(eq=False)
@@ -450,20 +453,33 @@ class _Exchange:
         self, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts, tried: list[str]
     ) -> WorkerFailure | None:
         """One attempt: aggregated, or prefill then decode when the set has prefill workers."""
-        workers = self.frontend.workers
-        if workers.serving("prefill") and workers.serving("decode"):
-            prefill = self._pick("prefill", tried)
-            decode = self._pick("decode", tried)
-            if prefill is not None and decode is not None:
-                tried.extend((prefill.address, decode.address))
-                self.workers_used.extend((prefill.address, decode.address))
-                return await self._disaggregated(prefill, decode, request, index, attempts)
-        worker = self._pick("agg", tried)
-        if worker is None:
+        chosen = await self._choose(tried)
+        if chosen is None:
             return WorkerFailure("NO_WORKER", "no worker is serving")
-        tried.append(worker.address)
-        self.workers_used.append(worker.address)
-        return await self._decode(worker, request, index, attempts)
+        self.workers_used.extend(w.address for w in chosen)
+        tried.extend(w.address for w in chosen)
+        if len(chosen) == 2:
+            prefill, decode = chosen
+            return await self._disaggregated(prefill, decode, request, index, attempts)
+        return await self._decode(chosen[0], request, index, attempts)
+
+    async def _choose(self, tried: list[str]) -> tuple[Worker] | tuple[Worker, Worker] | None:
+        """A prefill and a decode worker while both roles serve, else an aggregated one. When
+        none serves, a retry or a migration waits (bounded) for one to."""
+        workers = self.frontend.workers
+        with anyio.move_on_after(self.frontend.config.worker_wait if tried else 0.0):
+            while True:
+                changed = workers.next_change()
+                if workers.serving("prefill") and workers.serving("decode"):
+                    prefill = self._pick("prefill", tried)
+                    decode = self._pick("decode", tried)
+                    if prefill is not None and decode is not None:
+                        return prefill, decode
+                worker = self._pick("agg", tried)
+                if worker is not None:
+                    return (worker,)
+                await changed.wait()
+        return None
 
     async def _decode(
         self, worker: Worker, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts

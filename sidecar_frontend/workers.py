@@ -218,6 +218,11 @@ class WorkerSet:
         first, second = self._rand.sample(candidates, 2)
         return second if second.score() < first.score() else first
 
+    def next_change(self) -> anyio.Event:
+        """Set at the next change of any worker's state (taken before looking, so no change
+        between the look and the wait is missed)."""
+        return self._changed
+
     async def wait_serving(self, count: int = 1, role: str = "agg") -> None:
         """Until at least ``count`` workers of ``role`` are SERVING (callers bound it)."""
         while len(self.serving(role)) < count:
