@@ -40,6 +40,9 @@ class GenerateCall:
     request: sidecar_pb2.PreprocessedRequest
     private_id: str
     hold_cancel_until_first_token: bool = False
+    # What the adapter's validate() returned for this request (its converted native
+    # request): generate() takes it instead of converting the request a second time.
+    native: object = None
 
 
 @runtime_checkable
@@ -59,11 +62,12 @@ class Engine(Protocol):
         """What start() discovered. Only called after start() returned."""
         ...
 
-    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> object:
         """Refuse bad input before any engine call (INVALID_ARGUMENT naming the field).
 
-        Pure: it runs the same request conversion generate() would, so a refused request
-        never reaches the engine.
+        Pure: it is the request's one conversion, so a refused request never reaches the
+        engine. What it returns (the native request, or None) comes back to generate()
+        as ``GenerateCall.native``; only the private id is set there.
         """
         ...
 

@@ -4,6 +4,7 @@ transport modules."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 
@@ -43,13 +44,17 @@ class SglangAdapterBase:
             raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the sglang engine is not discovered yet")
         return self._found.model_info
 
-    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
-        build_native(request, "validate", self._settings, room=0)
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> NativeRequest:
+        # The private id is not drawn yet (generate() sets it); the room is this request's.
+        return build_native(request, "validate", self._settings, room=self._room())
 
     def _open(self, call: GenerateCall) -> tuple[NativeRequest, ResponseState]:
         """The native request and its response state machine; registers the generation as
         live (not aborted by us) until the transport's ``finally`` forgets it."""
-        native = build_native(call.request, call.private_id, self._settings, room=self._room())
+        if isinstance(call.native, NativeRequest):
+            native = dataclasses.replace(call.native, rid=call.private_id)
+        else:
+            native = build_native(call.request, call.private_id, self._settings, room=self._room())
         incremental = self._found.incremental if self._found is not None else False
         self._live[call.private_id] = False
         return native, ResponseState(native, cumulative=not incremental)

@@ -200,11 +200,16 @@ class VllmEngine:
             data_parallel_size=info.data_parallel_size if info is not None else 0,
         )
 
-    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> None:
-        self._convert(request, "validate")
+    def validate(self, request: sidecar_pb2.PreprocessedRequest) -> vllm_engine_pb2.GenerateRequest:
+        # The private id is not drawn yet: generate() sets it on this same message.
+        return self._convert(request, "validate")
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[sidecar_pb2.LLMEngineOutput]:
-        native = self._convert(call.request, call.private_id)
+        native = call.native
+        if isinstance(native, vllm_engine_pb2.GenerateRequest):
+            native.request_id = call.private_id
+        else:
+            native = self._convert(call.request, call.private_id)
         state = ResponseState(call.request, self._mode)
         stream = self._stubs.next().Generate(native)
         try:
