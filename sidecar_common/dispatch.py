@@ -127,6 +127,9 @@ class Delivery:
     finished: set[int] = field(default_factory=set)
 
     last_finish: int = sidecar_pb2.UNSPECIFIED
+    # A write never completed and was cut: the frontend stopped reading. Nothing more can be
+    # written on this call (grpc still holds that message), only its status.
+    stalled: bool = False
 
     @property
     def complete(self) -> bool:

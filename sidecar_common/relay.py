@@ -241,6 +241,7 @@ class _Writer:
 
 
 async def _run_writer(
+    gen: Generation,
     writer: _Writer,
     scope: anyio.CancelScope,
     buffer: _Buffer,
@@ -258,6 +259,13 @@ async def _run_writer(
             writer.error = exc
         finally:
             writer.done.set()
+    if scope.cancelled_caught:
+        delivery.stalled = True
+        _log.warning(
+            "write to the frontend cut: it stopped reading",
+            private_id=gen.private_id,
+            grace=config.drain_grace,
+        )
 
 
 async def relay(
@@ -292,7 +300,17 @@ async def relay(
         async with anyio.create_task_group() as tg:
             tg.start_soon(_pump, gen, buffer, pump_scope, metrics)
             tg.start_soon(
-                _run_writer, writer, writer_scope, buffer, write, delivery, config, under_load, metrics, t0
+                _run_writer,
+                gen,
+                writer,
+                writer_scope,
+                buffer,
+                write,
+                delivery,
+                config,
+                under_load,
+                metrics,
+                t0,
             )
             try:
                 await writer.done.wait()

@@ -393,9 +393,10 @@ class SidecarServer:
         refusal = (
             None if self._serving else SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
         )
+        native: object = None
         if refusal is None:
             try:
-                self._engine.validate(request)
+                native = self._engine.validate(request)
             except SidecarError as err:
                 refusal = err
             except Exception as exc:
@@ -419,7 +420,7 @@ class SidecarServer:
             request = named
         entry = self._registry.register(request.request_id)
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
-        call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels)
+        call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)
         gen = Generation(self._engine, call, abort_timeout=self._config.abort_timeout)
         delivery = Delivery(choice_count(request))
         if metrics is not None:
@@ -446,6 +447,12 @@ class SidecarServer:
                 raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
             if stopped:
                 outcome["cancelled_by"] = "abort_rpc"
+                if delivery.stalled:
+                    # No CANCELLED terminal can follow a write grpc still holds: the status
+                    # says it instead.
+                    raise SidecarError(
+                        ErrorReason.CANCELLED, "aborted by request (the frontend was not reading)"
+                    )
                 for terminal in delivery.cancelled_terminals(len(request.token_ids)):
                     delivery.observe(terminal)
                     await context.write(terminal)

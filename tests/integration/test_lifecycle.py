@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
-from sidecar_common.api import sidecar_pb2
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.dispatch import Delivery, Generation
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.relay import RelayConfig, relay
@@ -366,3 +366,34 @@ async def test_a_bug_in_the_handler_itself_is_logged_counted_and_ends_unknown(
         assert _internal_errors(h, "generate") == 1
         failed = {"engine": "fake", "reason": "UNKNOWN"}
         assert h.metrics.registry.get_sample_value("sidecar_requests_failed_total", failed) == 1
+
+
+async def test_a_public_abort_of_a_frontend_that_stopped_reading_ends_cancelled_not_as_a_bug() -> None:
+    # The second message (1.2 MB) cannot pass a client window of 64 KiB that nobody drains: its
+    # write never completes, is cut after the grace, and no CANCELLED terminal can follow it.
+    engine = FakeEngine(scripts={"r": [tokens(1), tokens(*([7] * 300_000)), HANG]})
+    async with servicer_running(engine, abort_timeout=0.2) as h:
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{h.server.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        try:
+            call = sidecar_pb2_grpc.WorkerStub(channel).Generate(request("r"))
+            await call.read()
+            await engine.wait_for("yield", 2)  # the writer is in the big write from here on
+            with capture_logs() as logs:
+                assert (await h.stub.Abort(sidecar_pb2.AbortRequest(request_id="r"), timeout=5)).aborted == 1
+                await engine.wait_for("abort")  # at once, whatever the frontend does
+                with anyio.fail_after(10):
+                    while not [e for e in logs if e["event"].startswith("write to the frontend cut")]:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                # The status can only follow the message grpc still holds: read on.
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _read_to_the_end(call)
+                assert await h.server.wait_idle(10)
+            assert info.value.code() == grpc.StatusCode.CANCELLED
+            assert error_info(info.value).reason == "CANCELLED"
+            assert engine.aborts == [engine.calls[0].private_id]
+            assert _internal_errors(h, "generate") == 0
+            assert not [e for e in logs if e.get("log_level") == "error"]
+        finally:
+            await channel.close(None)
