@@ -134,6 +134,9 @@ class WorkerSet:
         self._group: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
         self._changed = anyio.Event()
+        # Eligible workers by role, rebuilt on every state change (rare) so that a choice
+        # costs O(1) whatever the size of the fleet.
+        self._eligible: dict[str, list[Worker]] = {}
 
     async def __aenter__(self) -> WorkerSet:
         stack = AsyncExitStack()
@@ -209,7 +212,18 @@ class WorkerSet:
 
     def pick(self, role: str = "agg", exclude: frozenset[str] = frozenset()) -> Worker | None:
         """The less loaded of two serving workers drawn at random (power of two choices);
-        never one that is not SERVING, never one in ``exclude``."""
+        never one that is not SERVING, never one in ``exclude``. O(1) without exclusions (the
+        first attempt of every request); a retry's exclusions may cost a scan of the role."""
+        pool = self._eligible.get(role, [])
+        if not exclude and len(pool) >= 2:
+            size = len(pool)
+            first_at = self._rand.randrange(size)
+            second_at = self._rand.randrange(size - 1)
+            if second_at >= first_at:
+                second_at += 1
+            first, second = pool[first_at], pool[second_at]
+            if first.eligible and second.eligible:
+                return second if second.score() < first.score() else first
         candidates = [w for w in self._workers.values() if w.eligible and w.role == role]
         if exclude:
             candidates = [w for w in candidates if w.address not in exclude]
@@ -231,6 +245,11 @@ class WorkerSet:
     # ---------------------------------------------------------------- per-worker tasks
 
     def _notify(self) -> None:
+        eligible: dict[str, list[Worker]] = {}
+        for worker in self._workers.values():
+            if worker.eligible:
+                eligible.setdefault(worker.role, []).append(worker)
+        self._eligible = eligible
         changed, self._changed = self._changed, anyio.Event()
         changed.set()
 
