@@ -82,6 +82,7 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(BIN)/python -m bench --full
+	$(BIN)/python -m bench.sglang_growth
 
 soak: $(STAMP)
 	SIDECAR_SOAK_SCALE=10 $(BIN)/python -m pytest -q tests/reliability -k soak -s

@@ -3,11 +3,14 @@ with the output when every engine message restates the whole output?
 
 SGLang's default (cumulative) streaming sends, in every message, every output id and, with
 logprobs on, every logprob entry so far. An engine in that mode (``bench/sglang_standin.py``:
-one token per message, no token latency, cheap per message) and the load generator run on
-CPU 0, ``sidecar-sglang --transport grpc`` on CPU 1. 4 streams ask for 256-token and then
-2,048-token outputs with logprobs (one alternative), alternating round by round; the hop's
-CPU per token is read from /proc over a window long enough for each stream to finish several
-outputs. The target: the 2,048-token figure within 10 % of the 256-token one.
+one token per message, cheap per message) and the load generator run on CPU 0,
+``sidecar-sglang --transport grpc`` on CPU 1. 2 streams ask for 256-token and then 2,048-token
+outputs with logprobs (one alternative), alternating round by round. The engine is paced
+(8 ms per token per stream by default) so that both lengths run at the same message rate:
+unpaced, the engine slows down on long outputs (each message is bigger), and a hop that is
+less busy pays more per message for reasons unrelated to length. The window (17 s) spans a
+whole 2,048-token output of each stream. The hop's CPU per token is read from /proc. The
+target: the 2,048-token figure within 10 % of the 256-token one.
 
 Writes ``<out>/sglang_growth.json`` and ``.md``. ``--pythonpath DIR`` runs the sidecar from
 another checkout (an export of an older commit), for before/after figures on one machine.
@@ -29,21 +32,19 @@ from bench import plan
 from bench.procs import LoadGen, Proc, free_port, wait_grpc_ready
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# Few streams, so each one gets through several 2,048-token outputs in a window: with many,
-# a window would only ever see the first few hundred tokens of each output.
-STREAMS = 4
+# Few streams, so that a window spans whole 2,048-token outputs at a pace the engine keeps
+# on this machine at both lengths.
+STREAMS = 2
 LENGTHS = (256, 2048)
 LOGPROBS = 1
 TARGET = 0.10
 
 
-def _start(pythonpath: str | None) -> tuple[list[Proc], str, int, int]:
+def _start(pythonpath: str | None, token_latency_ms: float) -> tuple[list[Proc], str, int, int]:
     grpc_addr = f"127.0.0.1:{free_port()}"
-    engine = Proc(
-        "growth-engine",
-        [sys.executable, "-m", "bench.sglang_standin", "--listen", grpc_addr],
-        plan.ENGINE_CORE,
-    ).start()
+    argv = [sys.executable, "-m", "bench.sglang_standin", "--listen", grpc_addr]
+    pace = ["--token-latency-ms", f"{token_latency_ms:g}"]
+    engine = Proc("growth-engine", [*argv, *pace], plan.ENGINE_CORE).start()
     procs = [engine]
     wait_grpc_ready(engine, grpc_addr, 60)
     listen = f"127.0.0.1:{free_port()}"
@@ -75,8 +76,10 @@ def _per_token(result: dict[str, Any]) -> float | None:
     return hop / tokens * 1e6 if hop is not None and tokens else None
 
 
-def run(rounds: int, warmup_s: float, window_s: float, pythonpath: str | None) -> dict[str, Any]:
-    procs, listen, hop_pid, engine_pid = _start(pythonpath)
+def run(
+    rounds: int, warmup_s: float, window_s: float, pythonpath: str | None, token_latency_ms: float
+) -> dict[str, Any]:
+    procs, listen, hop_pid, engine_pid = _start(pythonpath, token_latency_ms)
     loadgen = LoadGen(plan.ENGINE_CORE)
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in LENGTHS}
     try:
@@ -129,7 +132,8 @@ def run(rounds: int, warmup_s: float, window_s: float, pythonpath: str | None) -
     growth = long / short - 1.0 if short and long else None
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "case": f"sglang grpc cumulative, logprobs={LOGPROBS}, {STREAMS} streams, K=1",
+        "case": f"sglang grpc cumulative, logprobs={LOGPROBS}, {STREAMS} streams, K=1, "
+        f"engine paced at {token_latency_ms:g} ms/token",
         "rounds": rounds,
         "warmup_s": warmup_s,
         "window_s": window_s,
@@ -168,19 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sglang_growth", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds before each window")
-    parser.add_argument("--window", type=float, default=10.0, help="seconds measured per run")
+    parser.add_argument("--warmup", type=float, default=0.5, help="seconds before each window")
+    parser.add_argument("--window", type=float, default=17.0, help="seconds measured per run")
+    parser.add_argument("--token-latency-ms", type=float, default=8.0,
+                        help="engine pace per stream (0: as fast as it can)")  # fmt: skip
     parser.add_argument("--pythonpath", help="run the sidecar from this checkout instead")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="sglang_growth", help="file name of the results")
     args = parser.parse_args(argv)
-    doc = run(args.rounds, args.warmup, args.window, args.pythonpath)
+    doc = run(args.rounds, args.warmup, args.window, args.pythonpath, args.token_latency_ms)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     text = markdown(doc)
     (args.out / f"{args.name}.md").write_text(text)
     print(text)
-    return 0 if doc["verdict"] == "PASS" else 1
+    return 0  # a MISS is a finding, reported like the main bench's targets, not a failed run
 
 
 if __name__ == "__main__":

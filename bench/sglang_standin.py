@@ -11,7 +11,7 @@ The stream has SGLang's cumulative shape: every message carries every output id 
 ``output_token_logprobs`` / ``output_top_logprobs`` entry so far (one alternative), meta
 values as JSON text; the last adds the finish reason and the counts.
 
-Run as its own process: ``python -m bench.sglang_standin --listen H:P``.
+Run as its own process: ``python -m bench.sglang_standin --listen H:P [--token-latency-ms MS]``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ _FIRST_TOKEN = 1000
 def _logprob(i: int) -> str:
     # Realistic widths: SGLang sends full float reprs.
     return repr(-((i * 7919) % 10007) / 1234.5678901)
+
+
+_TOKEN_LATENCY_S = 0.0
 
 
 async def _generate(
@@ -74,6 +77,8 @@ async def _generate(
         if i == total - 1:
             meta["finish_reason"] = json.dumps({"type": "length", "length": total})
             message.finished = True
+        if _TOKEN_LATENCY_S:
+            await asyncio.sleep(_TOKEN_LATENCY_S)
         # grpc serializes the message before asking for the next one: reusing it is safe.
         yield message
 
@@ -81,7 +86,10 @@ async def _generate(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.sglang_standin")
     parser.add_argument("--listen", required=True, help="HOST:PORT for gRPC")
+    parser.add_argument("--token-latency-ms", type=float, default=0.0, help="pause before each message")
     args = parser.parse_args(argv)
+    global _TOKEN_LATENCY_S
+    _TOKEN_LATENCY_S = args.token_latency_ms / 1000.0
     host, _, port = args.listen.rpartition(":")
     sglang_grpc._Servicer.Generate = _generate  # type: ignore[method-assign]
     with contextlib.suppress(ImportError):
