@@ -49,6 +49,16 @@ async def _read_to_the_end(call: Any) -> None:
         pass
 
 
+async def _read_until_error(call: Any) -> tuple[list[sidecar_pb2.LLMEngineOutput], grpc.aio.AioRpcError]:
+    outs: list[sidecar_pb2.LLMEngineOutput] = []
+    try:
+        while (out := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            outs.append(out)
+    except grpc.aio.AioRpcError as err:
+        return outs, err
+    raise AssertionError("the stream ended OK")
+
+
 async def _drain_with_timeout(server: SidecarServer) -> None:
     await server.drain()  # drain_timeout is short in these tests: it runs out and cancels
 
@@ -395,5 +405,31 @@ async def test_a_public_abort_of_a_frontend_that_stopped_reading_ends_cancelled_
             assert engine.aborts == [engine.calls[0].private_id]
             assert _internal_errors(h, "generate") == 0
             assert not [e for e in logs if e.get("log_level") == "error"]
+        finally:
+            await channel.close(None)
+
+
+async def test_a_stop_during_the_first_write_still_ends_engine_shutdown_with_its_error_info() -> None:
+    # The second-SIGTERM race, forced: the first message (1.2 MB) is still being written (the
+    # client's 64 KiB window is not drained) when cancel_inflight() lands. Cutting that write
+    # made the status fail in grpc (initial metadata sent twice) and the client saw a bare
+    # status without ErrorInfo.
+    engine = FakeEngine(scripts={"r": [tokens(*([7] * 300_000)), HANG]})
+    async with servicer_running(engine, abort_timeout=_FOREVER) as h:
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{h.server.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        try:
+            call = sidecar_pb2_grpc.WorkerStub(channel).Generate(request("r"))
+            await engine.wait_for("yield")  # the writer is in the big first write from here on
+            assert h.server.cancel_inflight() == 1
+            await engine.wait_for("abort")  # the engine abort does not wait for the write
+            with anyio.fail_after(20):  # before the fix the status never came (or came bare)
+                outs, err = await _read_until_error(call)
+            assert [len(o.token_ids) for o in outs] == [300_000]
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            detail = error_info(err)
+            assert (detail.reason, detail.metadata["migratable"]) == ("ENGINE_SHUTDOWN", "true")
+            assert engine.aborts == [engine.calls[0].private_id]
         finally:
             await channel.close(None)
