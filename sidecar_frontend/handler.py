@@ -486,8 +486,22 @@ class _Exchange:
     ) -> WorkerFailure | None:
         """A call whose outputs go to the client; None when every choice's terminal arrived."""
 
-        async def deliver(output: sidecar_pb2.LLMEngineOutput) -> None:
+        async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+            if output.finish_reason == sidecar_pb2.CANCELLED and not worker.eligible:
+                # Nobody here aborted it: the worker is going away (drained, stopped) and its
+                # engine ended the request. That is the worker's failure, not the client's
+                # abort: what came with it is delivered, the rest continues elsewhere.
+                if output.token_ids:
+                    partial = sidecar_pb2.LLMEngineOutput()
+                    partial.CopyFrom(output)
+                    for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
+                        partial.ClearField(name)
+                    await self._deliver_output(index, attempts.delivered(partial))
+                return WorkerFailure(
+                    "ENGINE_SHUTDOWN", f"worker {worker.address} is going away: its engine aborted", True
+                )
             await self._deliver_output(index, attempts.delivered(output))
+            return None
 
         failure = await self._call(worker, request, deliver)
         if failure is None and not attempts.complete:
@@ -520,7 +534,7 @@ class _Exchange:
             handoff.append(disagg.bootstrap_params(info))
             ready.set()
 
-        async def take(output: sidecar_pb2.LLMEngineOutput) -> None:
+        async def take(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
             if output.HasField("disaggregated_params") and not handoff:
                 handoff.append(output.disaggregated_params)
                 if style is disagg.Style.BOOTSTRAP:
@@ -530,6 +544,7 @@ class _Exchange:
                 ready.set()
             elif output.finish_reason == sidecar_pb2.CANCELLED and not handoff:
                 prefill_cancelled.append(output)
+            return None
 
         async def run_prefill(group: TaskGroup) -> None:
             failure = await self._call(prefill, step, take)
@@ -568,7 +583,7 @@ class _Exchange:
         self,
         worker: Worker,
         request: sidecar_pb2.PreprocessedRequest,
-        consume: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[None]],
+        consume: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[WorkerFailure | None]],
     ) -> WorkerFailure | None:
         """One Generate call on ``worker``, each output to ``consume``; the call's failure, if any.
         Leaving early (a cancel) cancels the call, and the sidecar aborts the engine request."""
@@ -579,7 +594,9 @@ class _Exchange:
             call = worker.stub().Generate(request, timeout=grpc_timeout)
             try:
                 async for output in call:
-                    await consume(output)
+                    stopped = await consume(output)
+                    if stopped is not None:
+                        return stopped
             except grpc.RpcError as err:
                 return failure_from_rpc_error(err)
             finally:
