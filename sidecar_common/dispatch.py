@@ -86,10 +86,6 @@ def choice_count(request: sidecar_pb2.PreprocessedRequest) -> int:
     return 1
 
 
-def _is_terminal(out: sidecar_pb2.LLMEngineOutput) -> bool:
-    return out.finish_reason != sidecar_pb2.UNSPECIFIED
-
-
 class ChoiceTracker:
     """What the engine has produced so far: checks the stream's shape as it goes."""
 

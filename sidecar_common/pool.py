@@ -328,10 +328,6 @@ class ChannelPool:
         """How many channels are open: ``config.connections`` once connected, else 0."""
         return len(self._channels)
 
-    @property
-    def connected(self) -> bool:
-        return bool(self._channels)
-
     async def connect(self, deadline: Deadline) -> None:
         """Slot 1 first, then the rest concurrently, all within ``deadline``."""
         if self._closed:
