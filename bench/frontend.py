@@ -12,6 +12,11 @@ so each frontend's CPU comes from /proc alone. Runs:
   1 stream with 4-token requests (TTFT; added TTFT = its p50 minus grpc-direct's), and at
   16 streams with 256- and 2,048-token outputs (does CPU per token grow with the length?).
 
+Scaling (``--scaling``, also part of ``--quick``/``--full``): one frontend over 1, 2 and 4
+workers (each a testkit engine and its sidecar on CPU 0), vLLM streaming at 256 streams: the
+frontend's CPU per token should not grow with the number of workers; and the routing choice
+alone (``WorkerSet.pick``, power of two choices) timed in-process over 1 to 1,024 workers.
+
 Results: ``<out>/frontend.json`` and ``<out>/frontend.md``.
 """
 
@@ -25,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from bench import plan
 from bench.procs import LoadGen, Proc, free_port, wait_grpc_ready, wait_http_ready
+from sidecar_frontend.workers import Worker, WorkerSet, WorkerState
 
 __all__ = ["main"]
 
@@ -130,6 +138,92 @@ class Bench:
         return loadgen.run(command, window + 60)
 
 
+SCALING_WORKERS = (1, 2, 4)
+
+
+def _frontend_argv(port: int, workers: list[str], *extra: str) -> list[str]:
+    argv = [str(Path(plan._script("sidecar-frontend"))), "--listen", f"127.0.0.1:{port}"]
+    for worker in workers:
+        argv += ["--worker", worker]
+    return [*argv, "--log-level", "warning", "--request-timeout-secs", "0", *extra]
+
+
+def run_scaling(profile: Profile, add: Any) -> dict[str, Any]:
+    """Frontend CPU per token at 256 vLLM streams over 1, 2 and 4 workers."""
+    procs: list[Proc] = []
+    http_gen = LoadGen(plan.ENGINE_CORE, module="bench.http_loadgen")
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        sidecars: list[str] = []
+        engine_pids: list[int] = []
+        spec = plan.EngineSpec("vllm", chunk_tokens=1)
+        for n in range(max(SCALING_WORKERS)):
+            engine_addr = f"127.0.0.1:{free_port()}"
+            engine = Proc(
+                f"sc-engine-{n}", plan.engine_argv(spec, engine_addr, None, False), plan.ENGINE_CORE
+            )
+            procs.append(engine.start())
+            wait_grpc_ready(engine, engine_addr, 60)
+            engine_pids.append(engine.pid)
+            address = f"127.0.0.1:{free_port()}"
+            hop = plan.HopSpec("sidecar", spec)
+            sidecar = Proc(
+                f"sc-sidecar-{n}", plan.hop_argv(hop, address, engine_addr, None), plan.ENGINE_CORE
+            )
+            procs.append(sidecar.start())
+            wait_grpc_ready(sidecar, address, 60)
+            sidecars.append(address)
+        for count in SCALING_WORKERS:
+            port = free_port()
+            frontend = Proc(
+                f"sc-frontend-{count}", _frontend_argv(port, sidecars[:count]), plan.HOP_CORE
+            ).start()
+            try:
+                url = f"http://127.0.0.1:{port}"
+                wait_http_ready(frontend, url + "/health", 60)
+                command = {
+                    "url": url,
+                    "format": "vllm",
+                    "cumulative": False,
+                    "concurrency": 256,
+                    "max_tokens": 128,
+                    "warmup_s": profile.warmup_s,
+                    "window_s": profile.window_s,
+                    "hop_pid": frontend.pid,
+                    "engine_pid": engine_pids[0],
+                }
+                key = f"scaling-{count}w|256x128"
+                rows[key] = add(key, http_gen.run(command, profile.window_s + 60))
+            finally:
+                frontend.stop()
+    finally:
+        http_gen.close()
+        for proc in reversed(procs):
+            proc.stop()
+    return rows
+
+
+def pick_cost_ns(sizes: tuple[int, ...] = (1, 4, 16, 64, 256, 1024), picks: int = 20000) -> dict[str, float]:
+    """Nanoseconds per ``WorkerSet.pick`` (no exclusions: every request's first choice)."""
+
+    async def measure() -> dict[str, float]:
+        costs: dict[str, float] = {}
+        for size in sizes:
+            workers = WorkerSet()
+            for n in range(size):
+                address = f"10.0.{n // 250}.{n % 250}:50051"
+                worker = Worker(address, "agg", None, None, state=WorkerState.SERVING)  # type: ignore[arg-type]
+                workers._workers[address] = worker
+            workers._notify()
+            started = time.perf_counter_ns()
+            for _ in range(picks):
+                workers.pick()
+            costs[str(size)] = round((time.perf_counter_ns() - started) / picks, 1)
+        return costs
+
+    return anyio.run(measure)
+
+
 def _cpu_us_per_token(result: dict[str, Any]) -> float | None:
     tokens = result.get("tokens") or 0
     hop = result.get("cpu_s", {}).get("hop")
@@ -165,15 +259,21 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def run(profile: Profile) -> dict[str, Any]:
+def run(profile: Profile, *, scaling_only: bool = False) -> dict[str, Any]:
     bench = Bench(profile)
     rows: dict[str, list[dict[str, Any]]] = {}
 
-    def add(key: str, result: dict[str, Any]) -> None:
+    def add(key: str, result: dict[str, Any]) -> dict[str, Any]:
         if "failed" in result:
             raise RuntimeError(f"{key}: {result['failed']}")
         rows.setdefault(key, []).append(_summary(result))
         print(f"  {key}: {rows[key][-1]}", flush=True)
+        return rows[key][-1]
+
+    if scaling_only:
+        for _ in range(profile.rounds):
+            run_scaling(profile, add)
+        return _scaling_report(rows)
 
     grpc_gen = LoadGen(plan.ENGINE_CORE)
     http_gen = LoadGen(plan.ENGINE_CORE, module="bench.http_loadgen")
@@ -192,6 +292,9 @@ def run(profile: Profile) -> dict[str, Any]:
         grpc_gen.close()
         http_gen.close()
         bench.stop()
+    for _ in range(profile.rounds):
+        run_scaling(profile, add)
+    scaling = _scaling_report(rows)
     results = {key: _median(values) for key, values in rows.items()}
     direct_ttft = results["grpc-direct|1x4"]["ttft_p50_ms"]
     derived: dict[str, Any] = {}
@@ -205,7 +308,19 @@ def run(profile: Profile) -> dict[str, Any]:
             "cpu_us_per_token_2048": long,
             "growth_2048_vs_256": _round(long / short - 1.0, 3) if short and long else None,
         }
-    return {"profile": profile, "results": results, "derived": derived}
+    return {"profile": profile, "results": results, "derived": derived, **scaling}
+
+
+def _scaling_report(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    per_token = {}
+    for count in SCALING_WORKERS:
+        values = rows.get(f"scaling-{count}w|256x128")
+        if values:
+            per_token[str(count)] = _median(values)["hop_cpu_us_per_token"]
+    return {
+        "scaling": {"cpu_us_per_token_by_workers": per_token, "pick_ns_by_workers": pick_cost_ns()},
+        "results": {k: _median(v) for k, v in rows.items() if k.startswith("scaling-")},
+    }
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -224,12 +339,25 @@ def _markdown(report: dict[str, Any]) -> str:
         "| format | added TTFT ms (1 stream) | µs/token 256 | µs/token 2048 | growth |",
         "|---|---:|---:|---:|---:|",
     ]
-    for path, d in report["derived"].items():
+    for path, d in report.get("derived", {}).items():
         growth = d["growth_2048_vs_256"]
         lines.append(
             f"| {path} | {d['added_ttft_ms']} | {d['cpu_us_per_token_256']} | {d['cpu_us_per_token_2048']} "
             f"| {'' if growth is None else f'{growth:+.1%}'} |"
         )
+    scaling = report.get("scaling")
+    if scaling:
+        by_workers = scaling["cpu_us_per_token_by_workers"]
+        lines += [
+            "",
+            "| workers | frontend CPU µs/token (vLLM, 256 streams) |",
+            "|---:|---:|",
+            *(f"| {count} | {value} |" for count, value in by_workers.items()),
+            "",
+            "| workers in the set | ns per routing choice (pick) |",
+            "|---:|---:|",
+            *(f"| {count} | {value} |" for count, value in scaling["pick_ns_by_workers"].items()),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -238,11 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="one short round (default)")
     mode.add_argument("--full", action="store_true", help="3 rounds, medians")
+    parser.add_argument(
+        "--scaling", action="store_true", help="only the worker-count scaling runs and the routing cost"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/quick"))
     args = parser.parse_args(argv)
     profile = FULL if args.full else QUICK
     started = time.time()
-    report = run(profile)
+    report = run(profile, scaling_only=args.scaling)
     report["profile"] = profile.__dict__
     report["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
     args.out.mkdir(parents=True, exist_ok=True)

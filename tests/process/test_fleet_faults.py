@@ -254,7 +254,10 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
                 drained.popen.send_signal(signal.SIGTERM)
                 assert await asyncio.to_thread(drained.popen.wait, WAIT) == 0
                 assert killed.popen.wait(timeout=WAIT) == -signal.SIGKILL
-                restarted.extend(start(stack, sidecar_argv(port, etcd, *drain)) for port in engine_ports[:2])
+                restarted.extend(
+                    start(stack, sidecar_argv(port, etcd, *drain, "--log-level", "debug"))
+                    for port in engine_ports[:2]
+                )
 
                 async def probe(k: int) -> None:
                     # Short requests from the restart on, until each new worker served one.
@@ -263,7 +266,7 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
                             return
                         await one_stream(http, url, STREAMS + 1000 * k + n, Delivered(0), max_tokens=2)
 
-                probes = [asyncio.ensure_future(probe(k)) for k in range(4)]
+                probes = [asyncio.ensure_future(probe(k)) for k in range(8)]
                 for new in restarted:
                     at, _ = await asyncio.to_thread(
                         new.first, lambda e: e.get("event") == "registered in etcd"
@@ -296,7 +299,7 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
 
         # Each restarted worker took traffic within 2 s of registering.
         for new, at in zip(restarted, appeared, strict=True):
-            served_at, _ = new.first(lambda e: e.get("event") == "generate finished", timeout=5)
+            served_at, _ = new.first(lambda e: e.get("event") == "generate started", timeout=5)
             address = f"127.0.0.1:{new.port()}"
             added_at, _ = frontend.first(
                 lambda e, a=address: e.get("event") == "worker added" and e.get("worker") == a
@@ -335,4 +338,4 @@ def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:
 
 
 def _served(new: Proc) -> bool:
-    return any(e.get("event") == "generate finished" for _, e in new.lines)
+    return any(e.get("event") == "generate started" for _, e in new.lines)
