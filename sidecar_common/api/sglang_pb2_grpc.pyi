@@ -4,7 +4,7 @@
 isort:skip_file
 SGLang's native gRPC wire (service sglang.runtime.v1.SglangService), the subset the
 sidecar uses. SGLang publishes no Python package for it, so this file is written from
-the field table in spec/SGLANG.md and mirrors the server of SGLang 0.5.23. Names, numbers
+SGLang 0.5.23's server (docs/sglang.md describes the wire) and mirrors it. Names, numbers
 and types must match that server exactly; never renumber.
 """
 
