@@ -223,12 +223,13 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
     if prefill:
         # The prefill half only computes the KV cache and hands it over: one token, no minimum.
         max_new, min_new = 1, None
-    elif min_new is not None:
-        # SGLang refuses min_new_tokens above max_new_tokens (its default when absent).
-        ceiling = SGLANG_DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
-        if min_new > ceiling:
-            what = "max_tokens" if max_new is not None else "SGLang's default max_new_tokens"
-            raise invalid_argument("stop_conditions.min_tokens", f"{min_new} is more than {what} ({ceiling})")
+    elif min_new is not None and max_new is None and min_new > SGLANG_DEFAULT_MAX_NEW_TOKENS:
+        # SGLang refuses min_new_tokens above max_new_tokens, whose default applies when the
+        # request names none (against a given max_tokens the limits table has checked it).
+        raise invalid_argument(
+            "stop_conditions.min_tokens",
+            f"{min_new} is more than SGLang's default max_new_tokens ({SGLANG_DEFAULT_MAX_NEW_TOKENS})",
+        )
     json_schema, regex = _guided(s)
     native = NativeSampling(
         temperature=_opt_float(s, "temperature"),
