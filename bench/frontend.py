@@ -273,7 +273,8 @@ def run(profile: Profile, *, scaling_only: bool = False) -> dict[str, Any]:
     if scaling_only:
         for _ in range(profile.rounds):
             run_scaling(profile, add)
-        return _scaling_report(rows)
+        results = {key: _median(values) for key, values in rows.items()}
+        return {"profile": profile, "results": results, **_scaling_report(rows)}
 
     grpc_gen = LoadGen(plan.ENGINE_CORE)
     http_gen = LoadGen(plan.ENGINE_CORE, module="bench.http_loadgen")
@@ -317,10 +318,7 @@ def _scaling_report(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         values = rows.get(f"scaling-{count}w|256x128")
         if values:
             per_token[str(count)] = _median(values)["hop_cpu_us_per_token"]
-    return {
-        "scaling": {"cpu_us_per_token_by_workers": per_token, "pick_ns_by_workers": pick_cost_ns()},
-        "results": {k: _median(v) for k, v in rows.items() if k.startswith("scaling-")},
-    }
+    return {"scaling": {"cpu_us_per_token_by_workers": per_token, "pick_ns_by_workers": pick_cost_ns()}}
 
 
 def _markdown(report: dict[str, Any]) -> str:
