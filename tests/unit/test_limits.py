@@ -187,6 +187,7 @@ def test_span_contains_and_text() -> None:
     assert math.nan not in span
     assert str(span) == "(0, 1]"
     assert str(Span(-2.0, 2.0)) == "[-2, 2]"
+    assert str(Span(0.0, 1.0, high_closed=False)) == "[0, 1)"
     assert str(Span(0.0, math.inf, high_closed=False)) == "[0, +inf)"
     assert 1e300 in Span(0.0, math.inf, high_closed=False)
     assert math.inf not in Span(0.0, math.inf, high_closed=False)
