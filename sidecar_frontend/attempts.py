@@ -131,6 +131,10 @@ def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure:
         return WorkerFailure(info.reason, message, info.metadata.get("migratable") == "true")
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
+    if code is grpc.StatusCode.CANCELLED:
+        # The frontend's own cancels never come back as a status (the task is cancelled
+        # instead): a bare CANCELLED is the worker's server ending its calls as it stops.
+        return WorkerFailure(ErrorReason.ENGINE_SHUTDOWN.value, f"{message} (CANCELLED by the worker)", True)
     reason = ENGINE_STATUS_TO_REASON.get(code, ErrorReason.UNKNOWN)
     name = code.name
     return WorkerFailure(reason.value, f"{message} ({name})", FRONTEND_STATUS[reason].migratable)

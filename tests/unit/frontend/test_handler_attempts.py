@@ -140,7 +140,6 @@ def test_the_sidecars_error_info_gives_reason_and_migratable(reason: ErrorReason
     [
         (grpc.StatusCode.UNAVAILABLE, "CANNOT_CONNECT", True),  # the connection broke
         (grpc.StatusCode.DEADLINE_EXCEEDED, "CONNECTION_TIMEOUT", True),
-        (grpc.StatusCode.CANCELLED, "CANCELLED", False),
         (grpc.StatusCode.INTERNAL, "UNKNOWN", False),
     ],
 )
@@ -149,6 +148,12 @@ def test_a_status_without_error_info_is_typed_by_its_code(
 ) -> None:
     failure = failure_from_rpc_error(rpc_error(code, "socket closed"))
     assert failure == WorkerFailure(reason, f"socket closed ({code.name})", migratable)
+
+
+def test_a_bare_cancelled_status_is_the_worker_stopping_and_migratable() -> None:
+    # The frontend's own cancels never surface as a status; a worker's server stopping does.
+    failure = failure_from_rpc_error(rpc_error(grpc.StatusCode.CANCELLED, "server shutdown"))
+    assert failure == WorkerFailure("ENGINE_SHUTDOWN", "server shutdown (CANCELLED by the worker)", True)
 
 
 def test_error_info_of_another_domain_is_not_the_sidecars() -> None:
