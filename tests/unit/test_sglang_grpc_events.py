@@ -386,3 +386,14 @@ def test_a_repeated_map_key_keeps_the_last_value() -> None:
     second = sglang_pb2.GenerateResponse(meta_info={"finish_reason": '"length"'}).SerializeToString()
     event = GrpcEventDecoder(native(), cumulative=True).decode(first + second)
     assert event.meta == {"finish_reason": "length"}
+
+
+def test_a_map_entry_that_repeats_its_value_keeps_the_last_one() -> None:
+    def field(number: int, payload: bytes) -> bytes:
+        return varint((number << 3) | 2) + varint(len(payload)) + payload
+
+    entry = field(1, b"finish_reason") + field(2, b'"stop"') + field(2, b'"length"')
+    raw = field(2, entry) + varint(9 << 3) + varint(1)
+    assert dict(sglang_pb2.GenerateResponse.FromString(raw).meta_info) == {"finish_reason": '"length"'}
+    event = GrpcEventDecoder(native(), cumulative=True).decode(raw)
+    assert event.meta == {"finish_reason": "length"}
