@@ -66,3 +66,26 @@ def test_usage_errors_exit_2_naming_the_flag_or_variable(
         parse_config(argv, env)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_prefill_workers_join_the_static_list_with_their_role() -> None:
+    config = parse_config(["--worker", "decode=a:1", "--prefill-worker", "b:2,c:3"], {})
+    assert config.discovery.static_workers == (("a:1", "decode"), ("b:2", "prefill"), ("c:3", "prefill"))
+    config = parse_config(["--worker", "decode=a:1"], {"SIDECAR_FRONTEND_PREFILL_WORKER": "b:2"})
+    assert config.discovery.static_workers == (("a:1", "decode"), ("b:2", "prefill"))
+
+
+def test_a_prefill_worker_with_a_role_prefix_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--prefill-worker", "decode=b:2"], {})
+    assert exit_info.value.code == 2
+    assert "--prefill-worker" in capsys.readouterr().err
+
+
+def test_migration_limit_flag_variable_default_and_negative() -> None:
+    assert parse_config(["--worker", "a:1"], {}).handler.migration_limit == 3
+    env = {"SIDECAR_FRONTEND_MIGRATION_LIMIT": "0"}
+    assert parse_config(["--worker", "a:1"], env).handler.migration_limit == 0
+    assert parse_config(["--worker", "a:1", "--migration-limit", "5"], env).handler.migration_limit == 5
+    with pytest.raises(SystemExit):
+        parse_config(["--worker", "a:1", "--migration-limit", "-1"], {})
