@@ -220,3 +220,42 @@ async def test_the_migration_limit_bounds_the_moves_then_the_formats_error() -> 
         assert len(events[-1]["output_ids"]) == 4, "two tokens from each of the two attempts"
         assert metric(fe, "frontend_migrations_total", format="sglang", outcome="migrated") == 1
         assert metric(fe, "frontend_migrations_total", format="sglang", outcome="limit") == 1
+
+
+async def _engine_abort(fe: FrontendStack, index: int, rid: str) -> None:
+    """The engine aborts the request by itself (no client, no frontend asked for it)."""
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    engine = fe.sidecars[index].engine
+    private = [r for r in engine.book.running_ids() if r.endswith("-" + rid)]
+    await engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=private), None)
+
+
+@pytest.mark.parametrize("draining", [True, False])
+async def test_an_engine_abort_on_a_draining_worker_migrates_and_on_a_serving_one_reaches_the_client(
+    draining: bool,
+) -> None:
+    async with two_workers("vllm") as fe:
+        reference, _ = await stream(fe, "vllm", "ref")
+        path, body = request_body("vllm", "eab")
+        events: list[dict[str, Any]] = []
+        async with fe.http.post(fe.url + path, json=body) as response:
+            async for line in response.content:
+                text = line.decode().rstrip("\r\n")
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                events.append(json.loads(text[len("data: ") :]))
+                if len(events) == 3:
+                    victim = running_on(fe, "eab")
+                    if draining:  # the frontend knows it is going away (etcd key gone, health)
+                        fe.workers.drain_worker(fe.address(victim))
+                    await _engine_abort(fe, victim, "eab")
+        if draining:
+            assert summary("vllm", events) == summary("vllm", reference)
+            assert metric(fe, "frontend_migrations_total", format="vllm", outcome="migrated") == 1
+        else:
+            finishes = [
+                c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")
+            ]
+            assert finishes == ["abort"]
+            assert metric(fe, "frontend_migrations_total", format="vllm", outcome="migrated") == 0
