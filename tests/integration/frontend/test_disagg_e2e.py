@@ -227,3 +227,19 @@ async def test_an_abort_by_id_during_decode_aborts_the_decode_once() -> None:
 async def _post(fe: FrontendStack, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     async with fe.http.post(fe.url + path, json=body) as response:
         return response.status, await response.text()
+
+
+async def test_a_prefill_the_engine_aborted_ends_the_request_as_cancelled_without_a_decode_step() -> None:
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    async with fleet("vllm", ["prefill", "decode"]) as fe:
+        prefill, decode = fe.sidecars
+        prefill.engine.faults.add("pa", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=30))
+        task = asyncio.ensure_future(outcome(fe, "vllm", "pa", stream=False))
+        await until(lambda: any(r.endswith("-pa") for r in prefill.engine.book.running_ids()), "prefill runs")
+        private = [r for r in prefill.engine.book.running_ids() if r.endswith("-pa")]
+        await prefill.engine.Abort(vllm_engine_pb2.AbortRequest(request_ids=private), None)
+        result = await task
+        assert result["finish"] == ["abort"]
+        assert result["tokens"] == []
+        assert decode.engine.book.received == []
