@@ -220,3 +220,51 @@ def test_vllm_names_the_media_kind_its_wire_cannot_carry() -> None:
     assert message_of(lambda: vllm(r)) == "multi_modal_data[0].kind: AUDIO is not supported by vLLM"
     video = vllm(req(multiModalData=[{"kind": "VIDEO", "url": "https://x/v.mp4"}]))
     assert [(i.modality, i.url) for i in video.media_refs.items] == [(common_pb2.VIDEO, "https://x/v.mp4")]
+
+
+def test_sglang_top_logprobs_keep_the_sampled_logprob_and_every_alternative_after_it() -> None:
+    request = native(return_logprob=True, logprobs=3)
+    meta = {
+        "output_token_logprobs": [[-0.5, 5, "a"]],
+        # The sampled token first among the alternatives; entries of two items carry no text.
+        "output_top_logprobs": [[[-0.5, 5, "a"], [-1.0, 9, "z"], [-2.0, 8]]],
+        "finish_reason": "length",
+    }
+    (out,) = ResponseState(request, cumulative=False).feed(NativeEvent([5], meta, True), aborted_by_us=False)
+    entries = out.top_logprobs[0].entries
+    assert [(e.token_id, e.logprob, e.rank, e.HasField("token")) for e in entries] == [
+        (5, -0.5, 1, True),
+        (9, -1.0, 2, True),
+        (8, -2.0, 3, False),
+    ]
+
+
+UINT32_MAX = 2**32 - 1
+
+
+@pytest.mark.parametrize(
+    ("entry", "ok"),
+    [
+        ([-0.5, 0], True),
+        ([-0.5, UINT32_MAX, None], True),
+        ([-0.5, 7, 12], True),  # a text that is not a string is left out
+        ([-0.5, UINT32_MAX + 1], False),
+        ([-0.5, -1], False),
+        (["x", 7], False),
+        ([-0.5], False),
+    ],
+)
+def test_sglang_logprob_entries_bounds(entry: list[object], ok: bool) -> None:
+    request = native(return_logprob=True, logprobs=0)
+    tid = entry[1] if len(entry) > 1 else 0
+    meta = {"output_token_logprobs": [entry], "finish_reason": "length"}
+    state = ResponseState(request, cumulative=False)
+    ids = [tid] if isinstance(tid, int) and 0 <= tid <= UINT32_MAX else [0]
+    if ok:
+        (out,) = state.feed(NativeEvent(ids, meta, True), aborted_by_us=False)
+        assert list(out.log_probs) == [-0.5]
+        assert not out.top_logprobs[0].entries[0].HasField("token")
+    else:
+        with pytest.raises(SidecarError) as info:
+            state.feed(NativeEvent(ids, meta, True), aborted_by_us=False)
+        assert info.value.reason is ErrorReason.PROTOCOL_ERROR
