@@ -1,6 +1,6 @@
 """The in-flight registry: private ids, cancellation by public id, and abort-exactly-once.
 
-Pure parts (``make_private_id``, ``ChoiceTracker``, ``Delivery``) are separated from the
+Pure parts (``make_private_id``, ``ChoiceTracker``) are separated from the
 I/O parts (``Registry``, ``Generation``) so that the id and stream rules are property-tested.
 
 The abort rule (docs/architecture.md): a generation that ends without every choice's
@@ -31,7 +31,6 @@ __all__ = [
     "PRIVATE_ID_HEAD_LEN",
     "CancelCause",
     "ChoiceTracker",
-    "Delivery",
     "Generation",
     "Inflight",
     "PrivateIds",
@@ -87,58 +86,82 @@ def choice_count(request: sidecar_pb2.PreprocessedRequest) -> int:
 
 
 class ChoiceTracker:
-    """What the engine has produced so far: checks the stream's shape as it goes."""
+    """The one per-choice record of a generation's stream, shared by the pump and the writer.
+
+    The engine side (:meth:`observe`, every engine chunk) checks the stream shape every engine
+    shares: a choice index in range, nothing after a choice's terminal. The frontend side
+    (:meth:`delivered`, every message written) counts what the frontend was sent: tokens per
+    choice (the base of the CANCELLED terminals after Abort) and terminals. Two facts differ on
+    purpose: ``complete`` (every terminal arrived: never abort) and ``delivered_all`` (every
+    terminal was written: the call ends OK). Counts only: no token id is kept.
+    """
+
+    __slots__ = (
+        "_arrived",
+        "_engine",
+        "_open",
+        "_sent",
+        "_undelivered",
+        "last_finish",
+        "n",
+        "saw_token_or_terminal",
+        "stalled",
+        "tokens",
+    )
 
     def __init__(self, engine: str, n: int) -> None:
         self._engine = engine
-        self._n = n
-        self._finished: set[int] = set()
+        self.n = n
+        self._arrived = bytearray(n)  # 1: that choice's terminal came from the engine
+        self._open = n  # choices whose terminal has not arrived
+        self._sent = bytearray(n)  # 1: that choice's terminal was written to the frontend
+        self._undelivered = n
+        self.tokens = [0] * n  # tokens written to the frontend, per choice
         self.saw_token_or_terminal = False
+        self.last_finish: int = sidecar_pb2.UNSPECIFIED
+        # A write never completed and was cut: the frontend stopped reading. Nothing more can
+        # be written on this call (grpc still holds that message), only its status.
+        self.stalled = False
 
     @property
     def complete(self) -> bool:
-        return len(self._finished) == self._n
+        """Every choice's terminal arrived from the engine: the engine request is over."""
+        return self._open == 0
+
+    @property
+    def delivered_all(self) -> bool:
+        """Every choice's terminal was handed to the frontend: the call's outcome is OK."""
+        return self._undelivered == 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens)
 
     def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
-        """Raises PROTOCOL_ERROR for a chunk the contract does not allow."""
+        """An engine chunk. Raises PROTOCOL_ERROR for one the contract does not allow."""
         # Once per engine chunk: each field is read once.
         index = out.index
-        if index >= self._n:
-            raise protocol_error(self._engine, f"choice index {index} with n={self._n}")
-        if index in self._finished:
+        if index >= self.n:
+            raise protocol_error(self._engine, f"choice index {index} with n={self.n}")
+        arrived = self._arrived
+        if arrived[index]:
             raise protocol_error(self._engine, f"chunk after the terminal of choice {index}")
         if out.finish_reason != sidecar_pb2.UNSPECIFIED:
             self.saw_token_or_terminal = True
-            self._finished.add(index)
+            arrived[index] = 1
+            self._open -= 1
         elif not self.saw_token_or_terminal and out.token_ids:
             self.saw_token_or_terminal = True
 
-
-@dataclass
-class Delivery:
-    """What the frontend has been sent: the base of the CANCELLED terminals after Abort."""
-
-    n: int
-    tokens: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-    last_finish: int = sidecar_pb2.UNSPECIFIED
-    # A write never completed and was cut: the frontend stopped reading. Nothing more can be
-    # written on this call (grpc still holds that message), only its status.
-    stalled: bool = False
-
-    @property
-    def complete(self) -> bool:
-        """Every choice's terminal was handed to the frontend: the call's outcome is OK."""
-        return len(self.finished) == self.n
-
-    def observe(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+    def delivered(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+        """A message handed to the frontend (already checked by :meth:`observe`, or one of
+        :meth:`cancelled_terminals`)."""
         index = out.index
-        tokens = self.tokens
-        tokens[index] = tokens.get(index, 0) + len(out.token_ids)
+        self.tokens[index] += len(out.token_ids)
         finish = out.finish_reason
         if finish != sidecar_pb2.UNSPECIFIED:
-            self.finished.add(index)
+            self._sent[index] = 1
+            self._undelivered -= 1
             self.last_finish = finish
 
     def last_finish_reason(self) -> str:
@@ -149,9 +172,9 @@ class Delivery:
         """One CANCELLED terminal for each choice that has not sent its own."""
         outs = []
         for index in range(self.n):
-            if index in self.finished:
+            if self._sent[index]:
                 continue
-            completion = self.tokens.get(index, 0)
+            completion = self.tokens[index]
             usage = sidecar_pb2.CompletionUsage(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion,

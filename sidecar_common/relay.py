@@ -24,7 +24,7 @@ import structlog
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.coalesce import coalesce
-from sidecar_common.dispatch import Delivery, Generation, run_to_completion
+from sidecar_common.dispatch import ChoiceTracker, Generation, run_to_completion
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
 
@@ -186,7 +186,7 @@ async def _gather_turns(buffer: _Buffer, least: int, most: int, patience: int) -
 async def _write_loop(
     buffer: _Buffer,
     write: Write,
-    delivery: Delivery,
+    tracker: ChoiceTracker,
     config: RelayConfig,
     under_load: Callable[[], bool] | None,
     metrics: Metrics | None,
@@ -194,7 +194,7 @@ async def _write_loop(
 ) -> None:
     backlog = False
     last_sent: float | None = None
-    observe = delivery.observe
+    delivered = tracker.delivered
     while await buffer.wait():
         # A writer that wakes for each chunk usually finds only that one queued. When the
         # frontend is slower than the engine (backlog) or the sidecar is busy, a loop turn
@@ -213,7 +213,7 @@ async def _write_loop(
             # Counted before the write: a cancel that lands during the write does not take
             # back a message already handed to gRPC, and counting it first means the
             # CANCELLED terminals that may follow never duplicate a terminal it carried.
-            observe(msg)
+            delivered(msg)
             await write(msg)
             if metrics is not None:
                 now = time.monotonic()
@@ -224,7 +224,7 @@ async def _write_loop(
                 last_sent = now
         if metrics is not None and backlog:
             metrics.merged(len(batch) - len(msgs))
-        if delivery.complete:
+        if tracker.delivered_all:
             # Every terminal is out: the call's outcome is settled, whatever the engine
             # stream does before it ends (the pump gets drain_grace for that).
             return
@@ -246,7 +246,6 @@ async def _run_writer(
     scope: anyio.CancelScope,
     buffer: _Buffer,
     write: Write,
-    delivery: Delivery,
     config: RelayConfig,
     under_load: Callable[[], bool] | None,
     metrics: Metrics | None,
@@ -254,13 +253,13 @@ async def _run_writer(
 ) -> None:
     with scope:
         try:
-            await _write_loop(buffer, write, delivery, config, under_load, metrics, started_at)
+            await _write_loop(buffer, write, gen.tracker, config, under_load, metrics, started_at)
         except Exception as exc:
             writer.error = exc
         finally:
             writer.done.set()
     if scope.cancelled_caught:
-        delivery.stalled = True
+        gen.tracker.stalled = True
         _log.warning(
             "write to the frontend cut: it stopped reading",
             private_id=gen.private_id,
@@ -271,7 +270,6 @@ async def _run_writer(
 async def relay(
     gen: Generation,
     write: Write,
-    delivery: Delivery,
     config: RelayConfig,
     *,
     metrics: Metrics | None = None,
@@ -306,7 +304,6 @@ async def relay(
                 writer_scope,
                 buffer,
                 write,
-                delivery,
                 config,
                 under_load,
                 metrics,
@@ -336,7 +333,7 @@ async def relay(
     finally:
         with anyio.CancelScope(shield=True):
             await run_to_completion(_finish(gen, metrics))
-    if delivery.complete:
+    if gen.tracker.delivered_all:
         if gen.error is not None:
             _log.warning(
                 "engine stream failed after every terminal was delivered",

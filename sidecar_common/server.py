@@ -23,10 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.dispatch import (
     CancelCause,
-    Delivery,
     Generation,
     Registry,
-    choice_count,
     new_public_id,
 )
 from sidecar_common.engine import Engine, GenerateCall
@@ -422,10 +420,10 @@ class SidecarServer:
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)
         gen = Generation(self._engine, call, abort_timeout=self._config.abort_timeout)
-        delivery = Delivery(choice_count(request))
+        tracker = gen.tracker
         if metrics is not None:
             metrics.started()
-        log.debug("generate started", choices=delivery.n, prompt_tokens=len(request.token_ids))
+        log.debug("generate started", choices=tracker.n, prompt_tokens=len(request.token_ids))
         # What the one "generate finished" line says about how it ended.
         outcome: dict[str, str] = {}
         try:
@@ -433,7 +431,6 @@ class SidecarServer:
                 await relay(
                     gen,
                     context.write,
-                    delivery,
                     self._relay_config,
                     metrics=metrics,
                     started_at=started_at,
@@ -442,21 +439,21 @@ class SidecarServer:
             # Once every terminal was delivered the call is a success, whatever stopped it
             # while the engine stream was still closing: a migratable error after a complete
             # answer would have the frontend run the request twice.
-            stopped = entry.scope.cancelled_caught and not delivery.complete
+            stopped = entry.scope.cancelled_caught and not tracker.delivered_all
             if stopped and entry.cause is CancelCause.DRAIN:
                 raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
             if stopped:
                 outcome["cancelled_by"] = "abort_rpc"
-                if delivery.stalled:
+                if tracker.stalled:
                     # No CANCELLED terminal can follow a write grpc still holds: the status
                     # says it instead.
                     raise SidecarError(
                         ErrorReason.CANCELLED, "aborted by request (the frontend was not reading)"
                     )
-                for terminal in delivery.cancelled_terminals(len(request.token_ids)):
-                    delivery.observe(terminal)
+                for terminal in tracker.cancelled_terminals(len(request.token_ids)):
+                    tracker.delivered(terminal)
                     await context.write(terminal)
-            outcome["finish_reason"] = delivery.last_finish_reason()
+            outcome["finish_reason"] = tracker.last_finish_reason()
             if metrics is not None:
                 metrics.finished(outcome["finish_reason"])
         except SidecarError as err:
@@ -482,7 +479,7 @@ class SidecarServer:
         finally:
             self._registry.unregister(entry)
             duration = time.monotonic() - started_at
-            completion_tokens = sum(delivery.tokens.values())
+            completion_tokens = tracker.completion_tokens
             if metrics is not None:
                 metrics.ended(duration, len(request.token_ids), completion_tokens)
             # One line per request at INFO (never per chunk): what an operator greps for.

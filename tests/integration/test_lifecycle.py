@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.dispatch import Delivery, Generation
+from sidecar_common.dispatch import ChoiceTracker, Generation
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.relay import RelayConfig, relay
 from sidecar_common.server import SidecarServer
@@ -186,13 +186,12 @@ async def test_a_stop_lets_the_write_in_flight_finish_and_aborts_meanwhile() -> 
     engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
     gen = _generation(engine, "r")
     frontend = _SlowWrites()
-    delivery = Delivery(1)
     async with anyio.create_task_group() as tg:
         scope = anyio.CancelScope()
 
         async def run() -> None:
             with scope:
-                await relay(gen, frontend.write, delivery, RelayConfig(drain_grace=_FOREVER))
+                await relay(gen, frontend.write, RelayConfig(drain_grace=_FOREVER))
 
         tg.start_soon(run)
         await frontend.started.wait()
@@ -219,7 +218,7 @@ async def test_a_write_the_frontend_never_completes_is_cut_after_the_grace() -> 
                     scope.cancel()
 
                 tg.start_soon(stop_when_writing)
-                await relay(gen, frontend.write, Delivery(1), RelayConfig(drain_grace=0.1))
+                await relay(gen, frontend.write, RelayConfig(drain_grace=0.1))
     assert frontend.cut == 1
     assert engine.aborts == [gen.private_id]
 
@@ -363,7 +362,7 @@ async def test_a_bug_in_the_handler_itself_is_logged_counted_and_ends_unknown(
             raise IndexError("list index out of range")
 
         monkeypatch.setattr(
-            Delivery, "cancelled_terminals", lambda self, prompt_tokens: broken(prompt_tokens)
+            ChoiceTracker, "cancelled_terminals", lambda self, prompt_tokens: broken(prompt_tokens)
         )
         h.engine.scripts["r"] = [tokens(1), HANG]
         call = h.stub.Generate(request("r"))

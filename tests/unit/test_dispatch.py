@@ -12,7 +12,6 @@ from sidecar_common.dispatch import (
     PRIVATE_ID_HEAD_LEN,
     CancelCause,
     ChoiceTracker,
-    Delivery,
     Generation,
     PrivateIds,
     Registry,
@@ -89,11 +88,23 @@ def test_tracker_refuses_malformed_streams(chunks: list[Out], what: str) -> None
 
 
 def test_cancelled_terminals_count_what_was_delivered() -> None:
-    delivery = Delivery(n=3)
-    delivery.observe(Out(index=0, token_ids=[1, 2]))
-    delivery.observe(Out(index=1, token_ids=[5], finish_reason=sidecar_pb2.EOS))
-    delivery.observe(Out(index=0, token_ids=[3]))
-    terms = delivery.cancelled_terminals(prompt_tokens=4)
+    tracker = ChoiceTracker("fake", 3)
+    for out in (
+        Out(index=0, token_ids=[1, 2]),
+        Out(index=1, token_ids=[5], finish_reason=sidecar_pb2.EOS),
+        Out(index=0, token_ids=[3]),
+        Out(index=2, token_ids=[8, 9]),
+    ):
+        tracker.observe(out)
+    # The last chunk arrived but was never written: only what was written counts.
+    for out in (
+        Out(index=0, token_ids=[1, 2]),
+        Out(index=1, token_ids=[5], finish_reason=sidecar_pb2.EOS),
+        Out(index=0, token_ids=[3]),
+    ):
+        tracker.delivered(out)
+    assert tracker.completion_tokens == 4
+    terms = tracker.cancelled_terminals(prompt_tokens=4)
     assert [(t.index, t.finish_reason) for t in terms] == [
         (0, sidecar_pb2.CANCELLED),
         (2, sidecar_pb2.CANCELLED),
@@ -102,6 +113,23 @@ def test_cancelled_terminals_count_what_was_delivered() -> None:
         prompt_tokens=4, completion_tokens=3, total_tokens=7
     )
     assert terms[1].completion_usage.completion_tokens == 0
+
+
+def test_every_terminal_arrived_is_not_every_terminal_delivered() -> None:
+    # Arrived: the engine request is over (never abort). Delivered: the call ends OK.
+    tracker = ChoiceTracker("fake", 2)
+    first = Out(index=0, token_ids=[1], finish_reason=sidecar_pb2.EOS)
+    second = Out(index=1, finish_reason=sidecar_pb2.LENGTH)
+    tracker.observe(first)
+    tracker.observe(second)
+    assert tracker.complete
+    assert not tracker.delivered_all
+    tracker.delivered(first)
+    assert not tracker.delivered_all
+    tracker.delivered(second)
+    assert tracker.delivered_all
+    assert tracker.last_finish_reason() == "LENGTH"
+    assert tracker.cancelled_terminals(prompt_tokens=1) == []
 
 
 async def test_registry_abort_public_cancels_only_that_id() -> None:
@@ -158,7 +186,7 @@ async def test_relay_merges_what_queued_while_the_frontend_was_busy() -> None:
             release.set()
 
     metrics = Metrics("fake")
-    await relay(gen, slow_write, Delivery(n=1), RelayConfig(capacity=32), metrics=metrics)
+    await relay(gen, slow_write, RelayConfig(capacity=32), metrics=metrics)
     assert release.is_set()
     assert [t for o in sent for t in o.token_ids] == list(range(21))
     assert sent[-1].finish_reason == sidecar_pb2.EOS
@@ -181,7 +209,7 @@ async def test_relay_stops_reading_the_engine_when_the_frontend_does_not_drain()
 
     capacity = 8
     with anyio.move_on_after(0.3):
-        await relay(gen, stuck_write, Delivery(n=1), RelayConfig(capacity=capacity))
+        await relay(gen, stuck_write, RelayConfig(capacity=capacity))
     assert stuck.is_set()
     yielded = sum(1 for kind, _ in engine.events if kind == "yield")
     # One chunk in the writer's hands, a full buffer, and one the pump holds while blocked.
@@ -201,7 +229,7 @@ async def test_relay_raises_the_engine_error_after_the_prefix() -> None:
         sent.extend(out.token_ids)
 
     with pytest.raises(SidecarError) as info:
-        await relay(gen, write, Delivery(n=1), RelayConfig())
+        await relay(gen, write, RelayConfig())
     assert info.value is boom
     assert sent == [1, 2]
     assert engine.aborts == [gen.private_id]
@@ -235,7 +263,7 @@ async def test_relay_merges_only_under_load(loaded: bool) -> None:
     async def write(out: Out) -> None:
         sent.append(out)
 
-    await relay(gen, write, Delivery(n=1), RelayConfig(), under_load=lambda: loaded)
+    await relay(gen, write, RelayConfig(), under_load=lambda: loaded)
     assert [t for o in sent for t in o.token_ids] == list(range(41))
     if loaded:
         assert len(sent) < 41
@@ -255,7 +283,7 @@ async def test_relay_under_load_keeps_gathering_while_chunks_keep_coming_but_bou
         sent.append(out)
 
     config = RelayConfig(capacity=32, busy_turns=1, max_busy_turns=5, patience=2)
-    await relay(gen, write, Delivery(n=1), config, under_load=lambda: True)
+    await relay(gen, write, config, under_load=lambda: True)
     assert [t for o in sent for t in o.token_ids] == list(range(61))
     assert sent[-1].finish_reason == sidecar_pb2.EOS
     assert sum(o.finish_reason != sidecar_pb2.UNSPECIFIED for o in sent) == 1
@@ -275,5 +303,5 @@ async def test_relay_when_idle_sends_each_chunk_without_gathering_turns() -> Non
         sent.append(out)
 
     config = RelayConfig(busy_turns=8, max_busy_turns=8, patience=8)
-    await relay(gen, write, Delivery(n=1), config, under_load=lambda: False)
+    await relay(gen, write, config, under_load=lambda: False)
     assert len(sent) == 11
