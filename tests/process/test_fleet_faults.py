@@ -301,9 +301,7 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
         for new, at in zip(restarted, appeared, strict=True):
             served_at, _ = new.first(lambda e: e.get("event") == "generate started", timeout=5)
             address = f"127.0.0.1:{new.port()}"
-            added_at, _ = frontend.first(
-                lambda e, a=address: e.get("event") == "worker added" and e.get("worker") == a
-            )  # type: ignore[misc]
+            added_at, _ = frontend.first(event_line("worker added", address))
             serving_at, _ = frontend.first(serving_line(address))
             assert served_at - at < 2.0, (
                 f"first request {served_at - at:.2f}s after registering "
@@ -324,6 +322,13 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
             v for k, v in samples.items() if k.startswith("frontend_migrations_total") and "migrated" in k
         )
         assert migrated > 0, "the killed and drained workers' streams moved"
+
+
+def event_line(event: str, address: str) -> Callable[[dict[str, Any]], bool]:
+    def match(entry: dict[str, Any]) -> bool:
+        return entry.get("event") == event and entry.get("worker") == address
+
+    return match
 
 
 def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:
