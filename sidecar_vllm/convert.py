@@ -314,9 +314,12 @@ def _port_text(port: JSON) -> JSON:
 
 @dataclass
 class _Choice:
+    # The ids forwarded so far: a `complete` that does not restate the last chunk must extend
+    # them (compared by content, so kept, not only counted).
     streamed: list[int] = field(default_factory=list)
-    # The token ids of this choice's latest chunk: what a streaming `complete` restates.
-    last_chunk: list[int] | None = None
+    # The token ids of this choice's latest chunk (the message's own repeated field, not a
+    # copy): what a streaming `complete` restates.
+    last_chunk: Sequence[int] | None = None
     done: bool = False
 
 
@@ -378,7 +381,8 @@ class ResponseState:
         choice = self._choice(index)
         if choice.done:
             return []
-        ids = list(chunk.token_ids)
+        # The message's repeated field, read in place: copied once, into the output.
+        ids = chunk.token_ids
         _check_count("chunk", chunk.completion_tokens, ids)
         prompt_tokens = chunk.prompt_tokens
         cached_tokens = chunk.cached_tokens
@@ -469,12 +473,12 @@ class ResponseState:
         self,
         out: sidecar_pb2.LLMEngineOutput,
         lp: vllm_engine_pb2.OutputLogProbs | None,
-        ids: list[int],
+        ids: Sequence[int],
         offset: int,
     ) -> None:
         if self._logprobs is None:
             return
-        if lp is None or list(lp.token_ids) != ids or len(lp.token_logprobs) != len(ids):
+        if lp is None or lp.token_ids != ids or len(lp.token_logprobs) != len(ids):
             raise protocol_error(_ENGINE, "output logprobs are not aligned with the token ids")
         tops = lp.top_logprobs
         if len(tops) not in (0, len(ids)):
