@@ -63,9 +63,9 @@ def merge_outputs(outputs: Sequence[sidecar_pb2.LLMEngineOutput]) -> sidecar_pb2
 def coalesce(outputs: Sequence[sidecar_pb2.LLMEngineOutput]) -> list[sidecar_pb2.LLMEngineOutput]:
     """Group a batch by choice (first-appearance order) and merge each choice's run.
 
-    Order within a choice is kept. A chunk that follows a terminal of the same choice (a
-    malformed stream) starts a new run instead of being merged into the terminal, so the
-    caller's stream checks still see it.
+    Order within a choice is kept. A chunk that follows a terminal of the same choice starts a
+    new run instead of being merged into the terminal (the relay never buffers one: the
+    tracker refuses it first; kept so that this function alone never hides one).
     """
     if len(outputs) <= 1:
         return list(outputs)
