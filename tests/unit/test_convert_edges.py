@@ -24,7 +24,9 @@ from sidecar_sglang.convert_request import (
     to_http_json,
 )
 from sidecar_sglang.convert_response import NativeEvent, ResponseState
+from sidecar_vllm.convert import ResponseState as VllmState
 from sidecar_vllm.convert import to_generate_request
+from tests.vllm_fixtures import chunk, complete
 
 Req = sidecar_pb2.PreprocessedRequest
 AGG = RequestSettings()
@@ -268,3 +270,31 @@ def test_sglang_logprob_entries_bounds(entry: list[object], ok: bool) -> None:
         with pytest.raises(SidecarError) as info:
             state.feed(NativeEvent(ids, meta, True), aborted_by_us=False)
         assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+
+
+# ---------------------------------------------------------------------------- vLLM response
+
+
+def vllm_usage(*msgs: Any) -> tuple[int, int, int, int]:
+    state = VllmState(Req(request_id="r", token_ids=[10, 11, 12]), "agg")
+    outs = [o for m in msgs for o in state.feed(m)]
+    u = outs[-1].completion_usage
+    return (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens)
+
+
+@pytest.mark.parametrize(
+    ("msgs", "usage"),
+    [
+        # Counts reported on a chunk only, one at a time, are kept for the terminal.
+        ((chunk([1], prompt=9, cached=0), complete([1], prompt=0)), (9, 1, 10, 0)),
+        ((chunk([1], prompt=0, cached=2), complete([1], prompt=0)), (3, 1, 4, 2)),
+        ((chunk([1], prompt=0), complete([1], prompt=7, cached=0)), (7, 1, 8, 0)),
+        ((chunk([1], prompt=0), complete([1], prompt=0, cached=2)), (3, 1, 4, 2)),
+        # Nothing reported: the prompt's own length, no cached tokens.
+        ((chunk([1], prompt=0), complete([1], prompt=0)), (3, 1, 4, 0)),
+    ],
+)
+def test_vllm_usage_takes_each_count_from_wherever_the_engine_reported_it(
+    msgs: tuple[Any, ...], usage: tuple[int, int, int, int]
+) -> None:
+    assert vllm_usage(*msgs) == usage
