@@ -94,7 +94,10 @@ def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRe
             f"The input ({n_in} tokens) is longer than the model's context length ({ctx} tokens)."
         )
     max_new = DEFAULT_MAX_NEW_TOKENS if req.max_new_tokens is None else req.max_new_tokens
-    if n_in + max_new > ctx and cfg.disaggregation_mode != "prefill":
+    # SGLang's tokenizer manager checks the total only for a max_new_tokens the request gave;
+    # an absent one (its default) is capped by the scheduler instead, never refused.
+    explicit = req.max_new_tokens is not None
+    if explicit and n_in + max_new > ctx and cfg.disaggregation_mode != "prefill":
         raise RequestRejected(
             f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
             f"You requested a total of {n_in + max_new} tokens: {n_in} tokens from the input "

@@ -890,6 +890,29 @@ async def test_sampling_params_sglang_does_not_verify_are_internal_on_grpc_and_4
     await assert_serving(engine, client)
 
 
+async def test_an_absent_max_new_tokens_is_capped_not_refused_when_the_default_would_overflow(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
+) -> None:
+    # SGLang refuses prompt + max_new_tokens past the context only for a max_new_tokens the
+    # request gave; its default (128) is capped by the scheduler. Found by the bad-input
+    # property: the sidecar (rightly) let such a request through and the engine refused it.
+    engine = await make_engine(context_length=64)
+    prompt = [101 + i for i in range(60)]
+    req = greq("absent", prompt=prompt)
+    req.sampling_params.ClearField("max_new_tokens")
+    msgs = await grpc_all(grpc_client(engine), req)
+    assert meta(msgs[-1])["finish_reason"]["type"] == "length"
+    body = hbody("absent-h", prompt=prompt)
+    del body["sampling_params"]["max_new_tokens"]
+    body["stream"] = False
+    async with http.post(f"{engine.http_url}/generate", data=json.dumps(body)) as resp:
+        assert resp.status == 200, await resp.text()
+    explicit = greq("explicit", max_new=10, prompt=prompt)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(grpc_client(engine), explicit)
+    assert "Requested token count exceeds" in (info.value.details() or "")
+
+
 async def test_greedy_temperature_makes_any_top_k_acceptable(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
 ) -> None:
