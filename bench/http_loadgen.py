@@ -13,17 +13,15 @@ Run as ``python -m bench.http_loadgen`` (the frontend bench does, pinned with ta
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from bench.loadgen import _ms, _Tally, percentile
+from bench.loadgen import _ms, _Tally, percentile, serve_commands
 from bench.procstat import cpu_seconds, machine_busy_seconds, peak_rss_kib, reset_peak_rss
 
 __all__ = ["HttpCommand", "main", "run"]
@@ -156,26 +154,8 @@ async def run(cmd: HttpCommand) -> dict[str, Any]:
     }
 
 
-async def _serve_stdin() -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        line = await loop.run_in_executor(None, sys.stdin.readline)
-        if not line:
-            return
-        try:
-            result = await run(HttpCommand(**json.loads(line)))
-        except Exception as exc:  # report, keep serving: one failed run must not end the harness
-            result = {"failed": f"{type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-
-
 def main() -> None:
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    asyncio.run(_serve_stdin())
+    serve_commands(lambda fields: run(HttpCommand(**fields)))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 from bench.procstat import cpu_seconds, machine_busy_seconds, peak_rss_kib, reset_peak_rss
 from sidecar_common.api import sidecar_pb2
 
-__all__ = ["Command", "main", "percentile", "run"]
+__all__ = ["Command", "main", "percentile", "run", "serve_commands"]
 
 _METHODS = {"vllm": "/vllm.grpc.engine.VllmEngine/Generate", "sidecar": "/sidecar.v1.Worker/Generate"}
 _PROMPT_BASE = 1000
@@ -208,26 +208,32 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
 
 
-async def _serve_stdin() -> None:
+async def _serve_stdin(run_one: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
     loop = asyncio.get_running_loop()
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line:
             return
         try:
-            result = await run(Command(**json.loads(line)))
+            result = await run_one(json.loads(line))
         except Exception as exc:  # report, keep serving: one failed run must not end the harness
             result = {"failed": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
 
 
-def main() -> None:
+def serve_commands(run_one: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+    """Run one command per stdin line (JSON in, one JSON result line out) until stdin ends:
+    the protocol every load generator of the bench speaks to its harness."""
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    asyncio.run(_serve_stdin())
+    asyncio.run(_serve_stdin(run_one))
+
+
+def main() -> None:
+    serve_commands(lambda fields: run(Command(**fields)))
 
 
 if __name__ == "__main__":
