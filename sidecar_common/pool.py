@@ -112,6 +112,16 @@ CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (
     # to a frontend that reads slowly would pile the generation up in this process. With it
     # off the window stays at HTTP/2's default and the relay's bounded buffer paces the engine.
     ("grpc.http2.bdp_probe", 0),
+    # A fixed window instead, 4x HTTP/2's 64 KiB: SGLang's cumulative streaming restates the
+    # whole output (and its logprobs) in every message, ~140 KiB at 2,048 tokens. Messages
+    # larger than the window stall mid-message for a WINDOW_UPDATE round trip, which made the
+    # hop's CPU per token grow with the output length (bench/sglang_growth.py: +16 % from 256
+    # to 2,048 tokens with 64 KiB, +7 % with this). Still bounded: at most this much per
+    # stream waits in grpc for a slow frontend.
+    ("grpc.http2.lookahead_bytes", 256 * 1024),
+    # Read such messages in a few large reads rather than many 8 KiB ones (one per endpoint,
+    # not per stream).
+    ("grpc.experimental.tcp_min_read_chunk_size", 256 * 1024),
     # After an engine restart, grpc's reconnect backoff grows to 120 s by default: a channel
     # could stay dark for minutes after health is back. Cap it at a second.
     ("grpc.initial_reconnect_backoff_ms", 100),

@@ -25,19 +25,24 @@ import pytest
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.engine import GenerateCall
+from sidecar_common.pool import CHANNEL_OPTIONS
 from tests.reliability.harness import KINDS, Kind, Rig, request, rig, until
 
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = [101, 202, 303]
 LENGTH = 200_000  # far more than any buffer between the engine and the client can hold
-CHUNK = 8  # tokens per engine message: the windows fill in fewer messages
+CHUNK = 32  # tokens per engine message: the windows fill in fewer messages
 PERIOD = 0.05  # one chunk per PERIOD
 FILL_READS = 60  # reads before the steady state is measured (the windows fill meanwhile)
 STEADY_READS = 20
 STEADY_SLACK = 2_000  # tokens the engine may run ahead of the reads during the steady state
-BOUND = 60_000  # tokens held between engine and client: a few flow-control windows
 CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0)]
+CLIENT_WINDOW = 64 * 1024  # HTTP/2's default, which the client keeps with BDP probing off
+ENGINE_WINDOW = dict(CHANNEL_OPTIONS)["grpc.http2.lookahead_bytes"]  # the sidecar's, per stream
+# Tokens held between engine and client: the two flow-control windows (the testkit's ids take
+# two or three bytes on the wire) and what the relay and the sockets hold, which is far less.
+BOUND = (CLIENT_WINDOW + ENGINE_WINDOW) // 2
 
 
 class Pulled:
