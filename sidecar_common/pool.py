@@ -75,9 +75,6 @@ class Deadline:
     def elapsed(self) -> float:
         return self.clock.monotonic() - self.started_at
 
-    def expired(self) -> bool:
-        return self.remaining() <= 0.0
-
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -210,14 +207,6 @@ class _DeadlineReached(Exception):
     """Raised instead of an attempt when nothing of the deadline is left."""
 
 
-class _StopAtDeadline(tenacity.stop.stop_base):
-    def __init__(self, deadline: Deadline) -> None:
-        self._deadline = deadline
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return self._deadline.expired()
-
-
 class _BackoffUntilDeadline(tenacity.wait.wait_base):
     def __init__(self, policy: RetryPolicy, deadline: Deadline, rand: Callable[[], float]) -> None:
         self._policy = policy
@@ -282,15 +271,16 @@ async def retry_until_deadline(
             last = error
             raise
 
+    # No stop condition: the deadline ends the loop, since once it has passed the backoff
+    # waits 0 and the next attempt raises _DeadlineReached, which is never retried.
     retrying = tenacity.AsyncRetrying(
         sleep=clock.sleep,
-        stop=_StopAtDeadline(deadline),
         wait=_BackoffUntilDeadline(policy, deadline, rand),
         retry=tenacity.retry_if_exception(lambda e: not isinstance(e, _DeadlineReached) and transient(e)),
     )
     try:
         return await retrying(one_attempt)
-    except (tenacity.RetryError, _DeadlineReached):
+    except _DeadlineReached:
         pass
     except grpc.RpcError as error:
         # A definite answer (UNIMPLEMENTED from a server of another kind...): typed, at once.
@@ -385,7 +375,6 @@ class ChannelPool:
             # close() ran while the slots were connecting (shutdown during start-up).
             raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool was closed")
         self._channels = [channel for channel in opened if channel is not None]
-        self._next = 0
 
     def channel(self) -> grpc.aio.Channel:
         """The next channel, round-robin, passing over channels whose connection has failed

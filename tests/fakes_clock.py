@@ -43,6 +43,8 @@ class FakeChannel:
         return self.state
 
     async def close(self, grace: float | None = None) -> None:
+        # grpc's close awaits: a caller being cancelled must shield it or the close is lost.
+        await anyio.lowlevel.checkpoint()
         self.closed += 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import socket
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import anyio
 import grpc
@@ -22,6 +23,7 @@ from sidecar_common.pool import (
     RetryPolicy,
     SystemClock,
     backoff_interval,
+    is_transient,
     retry_until_deadline,
 )
 from tests.fakes_clock import FakeChannel, FakeClock, ScriptedConnector, Step
@@ -458,3 +460,175 @@ async def test_a_bug_in_a_later_slot_fails_connect_as_itself_and_closes_every_ch
     assert info.value is bug  # not wrapped in an ExceptionGroup by the slots' task group
     assert all(channel.closed == 1 for channel in connector.channels)
     assert pool.size == 0
+
+
+async def test_the_give_up_message_counts_from_the_deadline_start_and_says_attempt_once() -> None:
+    clock = FakeClock(now=1000.0)
+    connector = ScriptedConnector(clock, then=Step(takes=1.0))
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline(
+            "engine e", attempt_with(connector), Deadline.start(clock, 0.1), RetryPolicy()
+        )
+
+    assert info.value.message == (
+        "cannot connect to engine e: gave up after 1 attempt in 0.100s (startup deadline 0.1s, "
+        "0.100s elapsed); last error: TimeoutError: not ready within 0.100s"
+    )
+
+
+def _rpc_error_saying(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
+
+
+@pytest.mark.parametrize(
+    ("error", "described"),
+    [
+        (
+            _rpc_error_saying(grpc.StatusCode.UNAVAILABLE, "engine warming up"),
+            "UNAVAILABLE: engine warming up",
+        ),
+        (_rpc_error_saying(grpc.StatusCode.UNAVAILABLE, ""), "UNAVAILABLE: no details"),
+        (ConnectionResetError(), "ConnectionResetError"),
+        (REFUSED, "ConnectionRefusedError: connection refused"),
+    ],
+)
+async def test_the_last_error_is_named_with_the_engines_own_words(error: Exception, described: str) -> None:
+    clock = FakeClock()
+
+    async def fails(timeout: float) -> None:
+        clock.advance(0.6)
+        raise error
+
+    with pytest.raises(SidecarError) as info:
+        await retry_until_deadline("engine e", fails, Deadline.start(clock, 1.0), RetryPolicy())
+
+    assert info.value.message.endswith(f"; last error: {described}"), info.value.message
+
+
+async def test_a_deadline_of_exactly_the_smallest_attempt_still_gets_its_attempt() -> None:
+    clock = FakeClock(now=0.0)
+    connector = ScriptedConnector(clock)
+
+    await retry_until_deadline(
+        "engine e", attempt_with(connector), Deadline.start(clock, 0.001), RetryPolicy()
+    )
+
+    assert [call.timeout for call in connector.calls] == [0.001]
+
+
+def test_an_rpc_error_without_a_status_is_an_answer_not_a_transient_failure() -> None:
+    assert not is_transient(grpc.RpcError())
+
+
+async def test_a_pool_of_one_connection_serves_from_it() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    pool = make_pool(clock, connector, 1, RetryPolicy())
+    await pool.connect(Deadline.start(clock, 1.0))
+
+    only = connector.channels[0]
+    assert all(pool.channel() is cast(grpc.aio.Channel, only) for _ in range(2))
+    await pool.close()
+
+
+def test_the_pools_clock_is_the_one_given_or_the_systems() -> None:
+    clock = FakeClock()
+    assert ChannelPool(PoolConfig(ENDPOINT), clock=clock).clock is clock
+    assert isinstance(ChannelPool(PoolConfig(ENDPOINT)).clock, SystemClock)
+
+
+async def test_a_second_connect_while_the_first_runs_is_refused() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step(forever=True)])
+    pool = make_pool(clock, connector, 1, RetryPolicy())
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(pool.connect, Deadline.start(clock, 100.0))
+            while not connector.calls:
+                await anyio.lowlevel.checkpoint()
+            with pytest.raises(RuntimeError) as info:
+                await pool.connect(Deadline.start(clock, 100.0))
+            assert str(info.value) == "ChannelPool.connect() is already running"
+            group.cancel_scope.cancel()
+    assert connector.channels == []
+
+
+async def test_a_connect_that_failed_can_be_tried_again() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock, [Step(takes=1.0)])
+    pool = make_pool(clock, connector, 2, RetryPolicy())
+    with pytest.raises(SidecarError):
+        await pool.connect(Deadline.start(clock, 0.5))
+
+    await pool.connect(Deadline.start(clock, 0.5))
+
+    assert pool.size == 2
+    await pool.close()
+
+
+async def test_slot_one_answering_definitely_stops_the_pool_without_trying_the_others() -> None:
+    clock = FakeClock()
+    refusal = SidecarError(ErrorReason.INVALID_ARGUMENT, "not an engine")
+    connector = ScriptedConnector(clock, then=Step(error=refusal))
+    pool = make_pool(clock, connector, 3, RetryPolicy())
+
+    with pytest.raises(SidecarError) as info:
+        await pool.connect(Deadline.start(clock, 60.0))
+
+    assert info.value is refusal
+    assert len(connector.calls) == 1
+
+
+async def test_a_bug_in_one_slot_cancels_a_sibling_still_connecting() -> None:
+    clock = FakeClock()
+    bug = KeyError("slot")
+    # Slot 1 opens, slot 2 hangs (only cancellation ends it), slot 3 is the bug.
+    connector = ScriptedConnector(clock, [Step(), Step(forever=True), Step(error=bug)])
+    pool = make_pool(clock, connector, 3, RetryPolicy(attempt_timeout=1000.0))
+
+    with anyio.fail_after(5), pytest.raises(KeyError) as info:
+        await pool.connect(Deadline.start(clock, 1800.0))
+
+    assert info.value is bug
+    assert [channel.closed for channel in connector.channels] == [1]
+
+
+async def test_the_pools_refusals_say_whether_it_is_closed_or_not_yet_connected() -> None:
+    clock = FakeClock()
+    pool = make_pool(clock, ScriptedConnector(clock), 1, RetryPolicy())
+    with pytest.raises(SidecarError) as before:
+        pool.channel()
+    assert before.value.message == "the engine connection pool is not connected"
+
+    await pool.close()
+    with pytest.raises(SidecarError) as after:
+        pool.channel()
+    assert after.value.message == "the engine connection pool is closed"
+    with pytest.raises(SidecarError) as reconnect:
+        await pool.connect(Deadline.start(clock, 1.0))
+    assert reconnect.value.message == "the engine connection pool is closed"
+
+
+async def test_a_close_during_connect_is_reported_as_closed() -> None:
+    clock = FakeClock()
+    connector = ScriptedConnector(clock)
+    release = anyio.Event()
+
+    async def waits_for_close(target: str, timeout: float) -> grpc.aio.Channel:
+        await release.wait()
+        return await connector(target, timeout)
+
+    pool = ChannelPool(PoolConfig(ENDPOINT, connections=1), clock=clock, connector=waits_for_close)
+
+    async def close_then_release() -> None:
+        await pool.close()
+        release.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(close_then_release)
+            with pytest.raises(SidecarError) as info:
+                await pool.connect(Deadline.start(clock, 1.0))
+    assert info.value.message == "the engine connection pool was closed"
+    assert [channel.closed for channel in connector.channels] == [1]
