@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -69,16 +70,24 @@ def test_merge_stop_token_and_cum_logprob_last_set() -> None:
 
 
 @pytest.mark.parametrize(
-    "parts",
+    ("parts", "message"),
     [
-        [],
-        [chunk(0, (1,)), chunk(1, (2,))],
-        [chunk(0, (1,), finish_reason=sidecar_pb2.EOS), chunk(0, (2,))],
+        ([], "merge_outputs needs at least one chunk"),
+        ([chunk(0, (1,)), chunk(1, (2,))], "merge_outputs got chunks of different choices"),
+        (
+            [chunk(0, (1,), finish_reason=sidecar_pb2.EOS), chunk(0, (2,))],
+            "only the last chunk of a merge may be terminal",
+        ),
     ],
 )
-def test_merge_refuses_caller_bugs(parts: list[Out]) -> None:
-    with pytest.raises(ValueError, match="merge"):
+def test_merge_refuses_caller_bugs(parts: list[Out], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         merge_outputs(parts)
+
+
+def test_merging_one_chunk_gives_that_chunk_for_its_choice() -> None:
+    only = chunk(2, (7, 8), text="xy", finish_reason=sidecar_pb2.LENGTH)
+    assert merge_outputs([only]) == only
 
 
 def test_coalesce_groups_by_choice_in_first_appearance_order() -> None:

@@ -21,7 +21,7 @@ from sidecar_common.dispatch import (
 from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
-from sidecar_common.relay import RelayConfig, relay
+from sidecar_common.relay import RelayConfig, _gather_turns, relay
 from tests.fake_engine import FakeEngine, terminal, tokens
 
 Out = sidecar_pb2.LLMEngineOutput
@@ -162,6 +162,25 @@ async def test_registry_wait_idle() -> None:
         tg.start_soon(later)
         assert await reg.wait_idle(5)
     assert reg.inflight == 0
+
+
+async def test_registry_wait_idle_works_for_every_drain_not_only_the_first() -> None:
+    reg = Registry()
+    for round_ in range(3):
+        entry = reg.register(f"r{round_}")
+        async with anyio.create_task_group() as tg:
+            waited = anyio.Event()
+
+            async def wait(result: list[bool], done: anyio.Event = waited) -> None:
+                result.append(await reg.wait_idle(5))
+                done.set()
+
+            result: list[bool] = []
+            tg.start_soon(wait, result)
+            await anyio.wait_all_tasks_blocked()
+            reg.unregister(entry)
+            await waited.wait()
+        assert result == [True], f"drain {round_ + 1}"
 
 
 # --- relay: the coalescing writer and its backpressure, driven without gRPC ---------------
@@ -305,3 +324,42 @@ async def test_relay_when_idle_sends_each_chunk_without_gathering_turns() -> Non
     config = RelayConfig(busy_turns=8, max_busy_turns=8, patience=8)
     await relay(gen, write, config, under_load=lambda: False)
     assert len(sent) == 11
+
+
+class _ScriptedBuffer:
+    """What the writer's gathering reads of the relay buffer: how many chunks are queued, read
+    once before the first loop turn and once after each (the script's last value repeats),
+    and whether it is full (from ``full_after`` turns on)."""
+
+    def __init__(self, lengths: list[int], full_after: int | None = None) -> None:
+        self.lengths = lengths
+        self.reads = 0
+        self.full_after = full_after
+
+    def __len__(self) -> int:
+        value = self.lengths[min(self.reads, len(self.lengths) - 1)]
+        self.reads += 1
+        return value
+
+    @property
+    def full(self) -> bool:
+        return self.full_after is not None and self.reads - 1 >= self.full_after
+
+
+@pytest.mark.parametrize(
+    ("least", "most", "patience", "lengths", "full_after", "turns"),
+    [
+        pytest.param(2, 10, 2, [1], None, 2, id="idle-buffer-waits-least-and-patience"),
+        pytest.param(1, 10, 2, [1, 2, 3, 4], None, 5, id="waits-while-chunks-keep-coming"),
+        pytest.param(1, 4, 2, list(range(1, 20)), None, 4, id="never-more-than-most"),
+        pytest.param(5, 10, 1, [1], None, 5, id="always-at-least-least"),
+        pytest.param(5, 10, 1, list(range(1, 20)), 2, 2, id="a-full-buffer-ends-it"),
+        pytest.param(1, 10, 2, [1, 1, 2, 2, 2], None, 4, id="a-new-chunk-resets-patience"),
+    ],
+)
+async def test_the_writer_gathers_loop_turns_by_its_rule(
+    least: int, most: int, patience: int, lengths: list[int], full_after: int | None, turns: int
+) -> None:
+    buffer = _ScriptedBuffer(lengths, full_after)
+    await _gather_turns(buffer, least, most, patience)  # type: ignore[arg-type]
+    assert buffer.reads - 1 == turns
