@@ -13,7 +13,14 @@ import pytest
 
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, RetryPolicy, SystemClock
+from sidecar_common.pool import (
+    ChannelPool,
+    Deadline,
+    PoolConfig,
+    RetryPolicy,
+    SystemClock,
+    connect_channel,
+)
 
 WHO = "/test.Peer/Who"
 
@@ -104,6 +111,14 @@ async def test_a_half_open_peer_cannot_stall_start_up_past_the_deadline(half_ope
     # backstop on a starved event loop. Either way the attempt timed out.
     assert re.search(r"was not ready within|attempt timed out after", info.value.message)
     assert pool.size == 0
+
+
+@pytest.mark.timeout(20)
+async def test_the_connector_gives_up_on_a_half_open_peer_within_its_own_timeout(half_open_port: int) -> None:
+    # The outer bound only keeps a broken connector from hanging the test; it must not fire.
+    with anyio.fail_after(10), pytest.raises(TimeoutError) as info:
+        await connect_channel(f"127.0.0.1:{half_open_port}", 0.2)
+    assert str(info.value) == f"127.0.0.1:{half_open_port} was not ready within 0.200s (channel CONNECTING)"
 
 
 @pytest.fixture
