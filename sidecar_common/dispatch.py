@@ -194,7 +194,7 @@ async def run_to_completion(cleanup: Coroutine[Any, Any, None]) -> None:
     anyio's shield stops anyio cancellations only: grpc.aio cancels a handler's task
     natively, possibly more than once, and each cancel would cut an engine abort short.
     The cleanup runs as its own task; a cancel that arrived while waiting for it is
-    re-raised once it is done.
+    re-raised once it is done, also one that lands as the cleanup finishes.
     """
     task = asyncio.ensure_future(cleanup)
     cancelled = False
@@ -203,9 +203,9 @@ async def run_to_completion(cleanup: Coroutine[Any, Any, None]) -> None:
             await asyncio.shield(task)
             break
         except asyncio.CancelledError:
+            cancelled = True
             if task.done():
                 break
-            cancelled = True
     if cancelled:
         raise asyncio.CancelledError
 

@@ -61,6 +61,7 @@ class FakeEngine:
     closed: bool = False
     abort_hangs: bool = False  # an engine whose abort call never answers
     abort_latency: float = 0.0  # a real abort is a network call: it is recorded when it lands
+    abort_error: Exception | None = None  # an abort call the engine answers with this error
     # The server's handler task of each call, in arrival order (validate runs in it).
     handlers: list[asyncio.Task[object]] = field(default_factory=list)
 
@@ -120,6 +121,8 @@ class FakeEngine:
         self._record("abort", private_id)
         if self.abort_hangs:
             await anyio.sleep_forever()
+        if self.abort_error is not None:
+            raise self.abort_error
 
     async def load(self) -> EngineLoad:
         if self.load_error is not None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
+import anyio.lowlevel
 import pytest
+import structlog
+import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +22,7 @@ from sidecar_common.dispatch import (
     Registry,
     choice_count,
     make_private_id,
+    run_to_completion,
 )
 from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
@@ -363,3 +369,106 @@ async def test_the_writer_gathers_loop_turns_by_its_rule(
     buffer = _ScriptedBuffer(lengths, full_after)
     await _gather_turns(buffer, least, most, patience)  # type: ignore[arg-type]
     assert buffer.reads - 1 == turns
+
+
+async def test_a_cancel_during_a_cleanup_waits_for_it_then_is_raised() -> None:
+    started, release = anyio.Event(), anyio.Event()
+    finished: list[bool] = []
+
+    async def cleanup() -> None:
+        started.set()
+        await release.wait()
+        finished.append(True)
+
+    outer = asyncio.ensure_future(run_to_completion(cleanup()))
+    await started.wait()
+    outer.cancel()
+    await anyio.wait_all_tasks_blocked()
+    assert not outer.done(), "the cancel must wait for the cleanup"
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert finished == [True]
+
+
+async def test_a_cancel_landing_as_the_cleanup_finishes_is_not_swallowed() -> None:
+    outer: asyncio.Future[None] | None = None
+
+    async def cleanup_that_is_cancelled_at_its_end() -> None:
+        await anyio.lowlevel.checkpoint()
+        assert outer is not None
+        outer.cancel()  # grpc cancelling the handler just as the cleanup returns
+
+    outer = asyncio.ensure_future(run_to_completion(cleanup_that_is_cancelled_at_its_end()))
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+
+
+@pytest.mark.parametrize(
+    ("engine", "outcome", "logged"),
+    [
+        (FakeEngine(), "ok", []),
+        (
+            FakeEngine(abort_error=ConnectionResetError("reset")),
+            "failed",
+            [("engine abort failed", {"error": "ConnectionResetError('reset')"})],
+        ),
+        (FakeEngine(abort_hangs=True), "timed_out", [("engine abort timed out", {"timeout": 0.05})]),
+    ],
+    ids=["ok", "failed", "timed_out"],
+)
+async def test_how_an_engine_abort_ended_is_kept_and_logged(
+    engine: FakeEngine, outcome: str, logged: list[tuple[str, dict[str, object]]]
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        gen = Generation(engine, _generation(engine).call, abort_timeout=0.05)
+        await gen.abort_once()
+    assert gen.abort_outcome == outcome
+    warnings = [
+        (entry["event"], {k: v for k, v in entry.items() if k in ("error", "timeout")})
+        for entry in logs
+        if entry["log_level"] == "warning"
+    ]
+    assert warnings == logged
+    assert all(entry["private_id"] == gen.private_id for entry in logs)
+
+
+class _Stream:
+    """An engine stream with one chunk; its close raises, hangs, or it has none."""
+
+    def __init__(self, close: str) -> None:
+        self.close = close
+        self.chunks = [terminal(1)]
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Out:
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop()
+
+    def __getattr__(self, name: str) -> object:
+        if name != "aclose" or self.close == "none":
+            raise AttributeError(name)
+
+        async def aclose() -> None:
+            if self.close == "raises":
+                raise ConnectionResetError("reset")
+            await anyio.sleep_forever()
+
+        return aclose
+
+
+@pytest.mark.parametrize("close", ["none", "raises", "hangs"])
+async def test_closing_the_engine_stream_is_bounded_and_never_raises(close: str) -> None:
+    engine = FakeEngine()
+    setattr(engine, "generate", lambda call: _Stream(close))  # noqa: B010 - an instance attribute
+    gen = Generation(engine, _generation(engine).call, abort_timeout=0.05)
+    assert [out async for out in gen.stream()] == [terminal(1)]
+    with structlog.testing.capture_logs() as logs, anyio.fail_after(5):
+        await gen.close_stream()
+    failed = [entry for entry in logs if entry["event"] == "engine stream close failed"]
+    assert [entry["error"] for entry in failed] == (
+        ["ConnectionResetError('reset')"] if close == "raises" else []
+    )
