@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import anyio
 import anyio.lowlevel
@@ -28,7 +29,7 @@ from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, _gather_turns, relay
-from tests.fake_engine import FakeEngine, terminal, tokens
+from tests.fake_engine import HANG, FakeEngine, terminal, tokens
 
 Out = sidecar_pb2.LLMEngineOutput
 
@@ -431,6 +432,7 @@ async def test_how_an_engine_abort_ended_is_kept_and_logged(
     ]
     assert warnings == logged
     assert all(entry["private_id"] == gen.private_id for entry in logs)
+    assert all(entry["public_id"] == "r" for entry in logs)
 
 
 class _Stream:
@@ -472,3 +474,94 @@ async def test_closing_the_engine_stream_is_bounded_and_never_raises(close: str)
     assert [entry["error"] for entry in failed] == (
         ["ConnectionResetError('reset')"] if close == "raises" else []
     )
+
+
+async def test_an_engine_adapter_bug_is_logged_with_its_traceback_counted_and_typed() -> None:
+    bug = KeyError("meta_info")
+    engine = FakeEngine(scripts={"r": [tokens(1), bug]})
+    metrics = Metrics("fake")
+    sent: list[Out] = []
+
+    async def write(out: Out) -> None:
+        sent.append(out)
+
+    with structlog.testing.capture_logs() as logs:
+        gen = _generation(engine)
+        with pytest.raises(SidecarError) as info:
+            await relay(gen, write, RelayConfig(), metrics=metrics)
+    assert info.value.reason is ErrorReason.UNKNOWN
+    assert info.value.message == "fake generate: KeyError: 'meta_info'"
+    errors = [entry for entry in logs if entry["log_level"] == "error"]
+    assert errors == [
+        {
+            "event": "internal error",
+            "log_level": "error",
+            "where": "engine_generate",
+            "private_id": gen.private_id,
+            "error": "KeyError('meta_info')",
+            "exc_info": bug,
+        }
+    ]
+    counted = metrics.registry.get_sample_value(
+        "sidecar_internal_errors_total", {"engine": "fake", "where": "engine_generate"}
+    )
+    assert counted == 1
+    assert engine.aborts == [gen.private_id]
+
+
+async def test_a_frontend_that_stopped_reading_is_logged_once_and_marks_the_call_stalled() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
+    gen = _generation(engine)
+    writing = anyio.Event()
+
+    async def stuck_write(out: Out) -> None:
+        writing.set()
+        await anyio.sleep_forever()
+
+    with structlog.testing.capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(relay, gen, stuck_write, RelayConfig(drain_grace=0.01))
+            await writing.wait()
+            tg.cancel_scope.cancel()
+    assert gen.tracker.stalled
+    cut = [entry for entry in logs if entry["event"] == "write to the frontend cut: it stopped reading"]
+    assert cut == [
+        {
+            "event": "write to the frontend cut: it stopped reading",
+            "log_level": "warning",
+            "private_id": gen.private_id,
+            "grace": 0.01,
+        }
+    ]
+
+
+async def test_latency_metrics_count_from_the_requests_arrival_once_per_message() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), tokens(2), terminal(3)]})
+    metrics = Metrics("fake")
+
+    async def write(out: Out) -> None:
+        return None
+
+    arrived = time.monotonic() - 30.0  # the request waited 30 s before its relay began
+    await relay(_generation(engine), write, RelayConfig(), metrics=metrics, started_at=arrived)
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"engine": "fake"})
+
+    assert sample("sidecar_time_to_first_token_seconds_count") == 1
+    assert 30.0 <= (sample("sidecar_time_to_first_token_seconds_sum") or 0.0) < 60.0
+    assert sample("sidecar_inter_chunk_latency_seconds_count") == 2
+    assert 0.0 <= (sample("sidecar_inter_chunk_latency_seconds_sum") or -1.0) < 30.0
+
+
+async def test_protocol_errors_of_the_stream_name_the_engine() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1, index=3)]})
+    gen = _generation(engine)
+
+    async def write(out: Out) -> None:
+        return None
+
+    with pytest.raises(SidecarError) as info:
+        await relay(gen, write, RelayConfig())
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.message == "invalid fake response: choice index 3 with n=1"
