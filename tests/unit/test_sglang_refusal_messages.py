@@ -184,3 +184,18 @@ def test_struct_params_may_carry_port_as_a_number_and_room_as_text() -> None:
     bootstrap = build_native(request, PID, DECODE, room=7).bootstrap
     assert bootstrap is not None
     assert (bootstrap.host, bootstrap.port, bootstrap.room) == ("10.0.0.5", 8998, 2**63 - 1)
+
+
+@pytest.mark.parametrize(
+    ("given", "sent"),
+    [
+        (0.699999988079071, 0.7),  # the frontend's 0.7 as float32
+        (1.401298464324817e-45, 1e-45),  # the least float32: one digit is already enough
+    ],
+)
+def test_a_float32_sampling_value_reaches_the_engine_as_its_shortest_decimal(
+    given: float, sent: float
+) -> None:
+    native = build_native(req(samplingOptions={"temperature": given, "topP": given}), PID, AGG, room=7)
+    assert (native.sampling.temperature, native.sampling.top_p) == (sent, sent)
+    assert to_http_json(native)["sampling_params"] == {"temperature": sent, "top_p": sent}
