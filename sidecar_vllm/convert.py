@@ -215,7 +215,7 @@ def _guided(g: sidecar_pb2.GuidedDecoding, p: vllm_engine_pb2.SamplingParams) ->
     kind = g.WhichOneof("kind")
     if kind == "json":
         try:
-            schema = json.loads(g.json, parse_constant=_refuse_constant)
+            schema = json.loads(g.json, parse_constant=_refuse_constant, parse_float=_finite_float)
         except (ValueError, RecursionError) as err:
             raise invalid_argument("sampling_options.guided_decoding.json", f"not JSON: {err}") from None
         p.json_schema = json.dumps(schema, separators=(",", ":"), allow_nan=False)
@@ -543,6 +543,14 @@ def _handoff(done: vllm_engine_pb2.GenerateComplete) -> struct_pb2.Struct:
 
 def _refuse_constant(name: str) -> JSON:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    # 1e999 is valid JSON that Python reads as infinity, which strict JSON cannot carry on.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range")
+    return value
 
 
 def _to_struct(value: dict[str, JSON]) -> struct_pb2.Struct:

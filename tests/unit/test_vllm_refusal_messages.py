@@ -241,19 +241,28 @@ def test_empty_prompt_reads_exactly() -> None:
     assert info.value.message == "token_ids: the prompt is empty"
 
 
-def test_json_schema_sent_to_the_engine_is_never_non_standard_json() -> None:
-    # 1e999 parses as infinity; the native schema must stay strict JSON (never "Infinity").
+@pytest.mark.parametrize("number", ["1e999", "-1e999"])
+def test_a_json_schema_number_beyond_any_float_is_refused_naming_the_field(number: str) -> None:
+    # Python reads 1e999 as infinity, which strict JSON (what the engine gets) cannot carry.
     req = Req(request_id="pub", token_ids=[1])
-    req.sampling_options.guided_decoding.json = '{"type": "number", "maximum": 1e999}'
-    try:
-        native = to_generate_request(req, "priv", mode="agg", supports_vision=False)
-    except (SidecarError, ValueError):
-        return
-    json.loads(native.sampling_params.json_schema, parse_constant=_no_constant)
+    req.sampling_options.guided_decoding.json = f'{{"type": "number", "maximum": {number}}}'
+    with pytest.raises(SidecarError) as info:
+        to_generate_request(req, "priv", mode="agg", supports_vision=False)
+    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.message == (
+        f"sampling_options.guided_decoding.json: not JSON: the number {number} is out of range"
+    )
 
 
-def _no_constant(name: str) -> object:
-    raise AssertionError(f"non-standard JSON constant {name}")
+def test_a_json_schema_with_ordinary_numbers_reaches_the_engine_as_strict_json() -> None:
+    req = Req(request_id="pub", token_ids=[1])
+    req.sampling_options.guided_decoding.json = '{"type": "number", "maximum": 1.5e300, "minimum": -2}'
+    native = to_generate_request(req, "priv", mode="agg", supports_vision=False)
+    assert json.loads(native.sampling_params.json_schema) == {
+        "type": "number",
+        "maximum": 1.5e300,
+        "minimum": -2,
+    }
 
 
 # ------------------------------------------------------------- engine logprobs errors
