@@ -29,7 +29,7 @@ from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, _gather_turns, relay
-from tests.fake_engine import HANG, FakeEngine, terminal, tokens
+from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
 
 Out = sidecar_pb2.LLMEngineOutput
 
@@ -565,3 +565,65 @@ async def test_protocol_errors_of_the_stream_name_the_engine() -> None:
         await relay(gen, write, RelayConfig())
     assert info.value.reason is ErrorReason.PROTOCOL_ERROR
     assert info.value.message == "invalid fake response: choice index 3 with n=1"
+
+
+async def test_the_abort_of_a_generation_the_frontend_left_is_counted_by_outcome() -> None:
+    engine = FakeEngine(scripts={"r": [tokens(1), HANG]})
+    metrics = Metrics("fake")
+    gen = _generation(engine)
+
+    async def write(out: Out) -> None:
+        raise ConnectionResetError("the frontend went away")
+
+    with pytest.raises(ConnectionResetError, match=r"^the frontend went away$"):
+        await relay(gen, write, RelayConfig(), metrics=metrics)
+    assert engine.aborts == [gen.private_id]
+    counted = metrics.registry.get_sample_value(
+        "sidecar_engine_aborts_total", {"engine": "fake", "outcome": "ok"}
+    )
+    assert counted == 1
+
+
+async def test_an_engine_failure_after_every_terminal_was_delivered_is_logged_not_reported() -> None:
+    late = anyio.Event()
+    failure = SidecarError(ErrorReason.ENGINE_SHUTDOWN, "stream reset after the terminal")
+    engine = FakeEngine(scripts={"r": [terminal(1), Gate(late), failure]})
+    gen = _generation(engine)
+
+    async def write(out: Out) -> None:
+        late.set()  # the engine fails only once the terminal is out
+
+    with structlog.testing.capture_logs() as logs:
+        await relay(gen, write, RelayConfig(drain_grace=10.0))
+    failed = [
+        entry for entry in logs if entry["event"] == "engine stream failed after every terminal was delivered"
+    ]
+    assert failed == [
+        {
+            "event": "engine stream failed after every terminal was delivered",
+            "log_level": "warning",
+            "private_id": gen.private_id,
+            "error": "stream reset after the terminal",
+        }
+    ]
+    assert engine.aborts == []
+
+
+async def test_a_stop_while_a_finished_engine_stream_winds_down_ends_the_relay_at_once() -> None:
+    engine = FakeEngine(scripts={"r": [terminal(1), HANG]})  # the stream never ends by itself
+    gen = _generation(engine)
+    written = anyio.Event()
+    sent: list[Out] = []
+
+    async def write(out: Out) -> None:
+        sent.append(out)
+        written.set()
+
+    with anyio.fail_after(5):  # drain_grace is 60 s: only the stop can end it this soon
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(relay, gen, write, RelayConfig(drain_grace=60.0))
+            await written.wait()
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+    assert [out.finish_reason for out in sent] == [sidecar_pb2.EOS]
+    assert engine.aborts == []
