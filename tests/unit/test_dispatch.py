@@ -627,3 +627,21 @@ async def test_a_stop_while_a_finished_engine_stream_winds_down_ends_the_relay_a
             tg.cancel_scope.cancel()
     assert [out.finish_reason for out in sent] == [sidecar_pb2.EOS]
     assert engine.aborts == []
+
+
+@pytest.mark.parametrize(
+    ("nonce", "counter"),
+    [("0123abc", 0), ("0123abcd0", 0), ("0123abcd", -1), ("0123abcd", 1 << 48), ("0123abcd", 1 << 49)],
+)
+def test_a_private_id_outside_its_fixed_width_head_is_refused(nonce: str, counter: int) -> None:
+    with pytest.raises(ValueError, match=r"^nonce must be 8 hex chars and counter fit in 12 hex digits$"):
+        make_private_id(nonce, counter, "r")
+
+
+def test_the_largest_counter_still_fits_the_head() -> None:
+    assert make_private_id("0123abcd", (1 << 48) - 1, "r") == "0123abcdffffffffffff-r"
+
+
+def test_a_given_nonce_is_the_head_of_every_private_id() -> None:
+    ids = PrivateIds("0123abcd")
+    assert [ids.next("r"), ids.next("r")] == ["0123abcd000000000000-r", "0123abcd000000000001-r"]
