@@ -645,3 +645,13 @@ def test_the_largest_counter_still_fits_the_head() -> None:
 def test_a_given_nonce_is_the_head_of_every_private_id() -> None:
     ids = PrivateIds("0123abcd")
     assert [ids.next("r"), ids.next("r")] == ["0123abcd000000000000-r", "0123abcd000000000001-r"]
+
+
+def test_an_explicit_zero_n_still_means_one_choice() -> None:
+    req = sidecar_pb2.PreprocessedRequest(token_ids=[1])
+    req.sampling_options.n = 0
+    assert choice_count(req) == 1
+
+
+def test_a_call_that_sent_no_terminal_reports_unspecified_as_its_finish() -> None:
+    assert ChoiceTracker("fake", 1).last_finish_reason() == "UNSPECIFIED"
