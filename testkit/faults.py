@@ -17,6 +17,7 @@ Engines also take ``--fault MATCH=DIRECTIVE`` at start-up (see ``parse_fault_fla
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import re
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ class FaultPlan:
     message: str = ""
     variant: str = "missing_finish_reason"
     stall_secs: float = 1.0
+    # In-process tests only: a stall also ends as soon as this is set (a test that needs every
+    # request held until all have arrived releases them then, instead of guessing a time).
+    release: asyncio.Event | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.after < 0:
@@ -67,6 +71,16 @@ class FaultPlan:
             raise ValueError(f"unknown malformed_terminal variant {self.variant!r}")
         if self.stall_secs < 0:
             raise ValueError("stall seconds must be >= 0")
+
+    async def stall(self, aborted: asyncio.Event, secs: float) -> None:
+        """Wait ``secs`` or until ``aborted`` (or :attr:`release`) is set, whichever is first."""
+        events = [aborted] if self.release is None else [aborted, self.release]
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
+        try:
+            await asyncio.wait(waits, timeout=secs, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     @property
     def error_message(self) -> str:

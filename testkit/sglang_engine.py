@@ -323,7 +323,7 @@ class SglangTestEngine:
             return Outcome.ABORTED, True
         state.cached = self._prefix_lookup(req.input_ids)
         if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN:
-            await self._wait_abort(live, plan.stall_secs)
+            await plan.stall(live.abort_evt, plan.stall_secs)
         fault_at = None
         if plan is not None and plan.kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG):
             fault_at = plan.after

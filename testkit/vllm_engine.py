@@ -351,7 +351,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         live = self._live[rid] = _Live()
         outcome, detail = Outcome.CANCELLED, "client left"
         try:
-            stall = plan.stall_secs if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN else 0.0
+            stall = plan if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN else None
             stream = self._faulted(self._stream(request, prompt, kv, live, stall), plan, live)
             async with contextlib.aclosing(stream):
                 async for msg in stream:
@@ -385,7 +385,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         prompt: tuple[int, ...],
         kv: dict[str, Any] | None,
         live: _Live,
-        stall: float,
+        stall: FaultPlan | None,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The request's messages; ``stall`` delays the first step (an abort still cuts it short)."""
         c, rid = self.config, request.request_id
@@ -410,8 +410,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             live_choices = [ch for ch in choices if not ch.gen.done]
             if not live_choices:
                 break
-            await self._pause(live, c.token_latency_ms / 1000.0 * c.chunk_tokens + stall)
-            stall = 0.0
+            if stall is not None:
+                await stall.stall(live.aborted, stall.stall_secs)
+                stall = None
+            await self._pause(live, c.token_latency_ms / 1000.0 * c.chunk_tokens)
             if live.aborted.is_set():
                 for ch in live_choices:
                     for msg in from_abort(ch, len(prompt), cached):
