@@ -34,7 +34,9 @@ PROMPT = [101, 202, 303]
 LENGTH = 200_000  # far more than any buffer between the engine and the client can hold
 CHUNK = 32  # tokens per engine message: the windows fill in fewer messages
 PERIOD = 0.05  # one chunk per PERIOD
-FILL_READS = 60  # reads before the steady state is measured (the windows fill meanwhile)
+FILL_READS = 60  # reads at least before the steady state is measured (the windows fill meanwhile)
+FILL_MAX = 400  # a loaded machine fills the windows slower: read on until nothing moved for
+FILL_QUIET = 5  # this many reads in a row (neither the sidecar's pulls nor the engine's sends)
 STEADY_READS = 20
 STEADY_SLACK = 2_000  # tokens the engine may run ahead of the reads during the steady state
 CLIENT_OPTIONS = [("grpc.http2.bdp_probe", 0)]
@@ -85,6 +87,14 @@ async def slow_reader(kind: Kind, *, engine_side: bool = False, check_abort: boo
         pulled = Pulled(r)
         call = r.stub.Generate(request("slow", PROMPT, LENGTH), timeout=60)
         read = await read_slowly(call, FILL_READS)
+        quiet, seen = 0, (engine_sent(r), pulled.tokens)
+        for _ in range(FILL_MAX - FILL_READS):
+            if quiet >= FILL_QUIET:
+                break
+            read += await read_slowly(call, 1)
+            now = (engine_sent(r), pulled.tokens)
+            quiet = quiet + 1 if now == seen else 0
+            seen = now
         sent1, pulled1, read1, t1 = engine_sent(r), pulled.tokens, read, time.monotonic()
         read += await read_slowly(call, STEADY_READS)
         sent2, pulled2, t2 = engine_sent(r), pulled.tokens, time.monotonic()
