@@ -6,23 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
+from tests.unit.test_sglang_convert_request import DECODE, PID, req
 
 AGG = RequestSettings()
 HTTP = RequestSettings(transport="http")
-DECODE = RequestSettings(mode="decode")
-PID = "0123456789abcdef0123-req"
 WHERE = "prefill_result.disaggregated_params"
-
-
-def req(**fields: Any) -> sidecar_pb2.PreprocessedRequest:
-    message = sidecar_pb2.PreprocessedRequest(token_ids=[1, 2, 3])
-    json_format.ParseDict(fields, message)
-    return message
 
 
 def refusal(
