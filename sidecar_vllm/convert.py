@@ -332,8 +332,8 @@ class ResponseState:
     """
 
     def __init__(self, request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> None:
-        s = request.sampling_options
-        n = s.n if s.HasField("n") and s.n > 0 else 1
+        # Absent n reads 0 here: one choice (the request converter refused an explicit 0).
+        n = request.sampling_options.n or 1
         self._choices = [_Choice() for _ in range(n)]
         self._open = n  # choices still without their terminal (checked after every message)
         self._mode = mode
@@ -396,9 +396,7 @@ class ResponseState:
             return []
         out = sidecar_pb2.LLMEngineOutput(token_ids=ids, index=index)
         if self._logprobs is not None:
-            self._attach_logprobs(
-                out, chunk.output_logprobs if chunk.HasField("output_logprobs") else None, ids, 0
-            )
+            self._attach_logprobs(out, chunk.output_logprobs, ids, 0)
         choice.streamed.extend(ids)
         return [out]
 
@@ -426,15 +424,14 @@ class ResponseState:
             ids = list(done.output_ids)
             offset = self._new_offset(choice, ids, done.index)
             if offset < len(ids):
-                lp = done.output_logprobs if done.HasField("output_logprobs") else None
                 out.token_ids.extend(ids[offset:])
-                self._attach_logprobs(out, lp, ids, offset)
+                self._attach_logprobs(out, done.output_logprobs, ids, offset)
                 choice.streamed.extend(ids[offset:])
             if finish == sidecar_pb2.STOP:
                 self._stop_reason(out, done)
         choice.done = True
         self._open -= 1
-        completion = 0 if self._mode == "prefill" else len(choice.streamed)
+        completion = len(choice.streamed)  # a prefill streams nothing: 0
         out.completion_usage.prompt_tokens = self._prompt_tokens
         out.completion_usage.completion_tokens = completion
         out.completion_usage.total_tokens = self._prompt_tokens + completion
@@ -472,13 +469,14 @@ class ResponseState:
     def _attach_logprobs(
         self,
         out: sidecar_pb2.LLMEngineOutput,
-        lp: vllm_engine_pb2.OutputLogProbs | None,
+        lp: vllm_engine_pb2.OutputLogProbs,
         ids: Sequence[int],
         offset: int,
     ) -> None:
         if self._logprobs is None:
             return
-        if lp is None or lp.token_ids != ids or len(lp.token_logprobs) != len(ids):
+        # ids is never empty here, so an absent output_logprobs (read as empty) fails alignment.
+        if lp.token_ids != ids or len(lp.token_logprobs) != len(ids):
             raise protocol_error(_ENGINE, "output logprobs are not aligned with the token ids")
         tops = lp.top_logprobs
         if len(tops) not in (0, len(ids)):

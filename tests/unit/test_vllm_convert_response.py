@@ -352,9 +352,25 @@ def test_prompt_logprobs_on_every_choice_terminal() -> None:
     assert [o.HasField("engine_data") for o in outs if o.finish_reason] == [True, True]
 
 
+def _complete_with_prompt_lp(ids: list[int]) -> vllm_engine_pb2.GenerateResponse:
+    done = complete(ids)
+    done.complete.input_logprobs.CopyFrom(prompt_lp())
+    return done
+
+
 def test_prompt_logprobs_not_asked_are_not_forwarded() -> None:
     outs, _ = run([chunk([1], input_logprobs=prompt_lp()), complete([1])])
     assert not outs[-1].HasField("engine_data")
+    outs, _ = run([_complete_with_prompt_lp([1])])
+    assert not outs[-1].HasField("engine_data")
+
+
+def test_prompt_logprobs_carried_only_by_the_complete_are_forwarded() -> None:
+    # The non-streaming shape: one complete with every token and the prompt's logprobs.
+    outs, _ = run([_complete_with_prompt_lp([1, 2])], prompt_logprobs=1)
+    assert tokens(outs) == [1, 2]
+    data = json_format.MessageToDict(outs[-1].engine_data)
+    assert data["prompt_logprobs"][1] == {"11": {"logprob": -1.25}, "3": {"logprob": -0.5}}
 
 
 def test_misaligned_prompt_logprobs_are_a_protocol_error() -> None:

@@ -17,7 +17,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_vllm.convert import MAX_CHOICES, ResponseState, to_generate_request
-from tests.vllm_fixtures import chunk, output_logprobs
+from tests.vllm_fixtures import chunk, complete, output_logprobs
 
 Req = sidecar_pb2.PreprocessedRequest
 Mutate = Callable[[Req], None]
@@ -299,3 +299,47 @@ def test_top_logprob_pair_count_mismatch_reads_exactly() -> None:
         top_logprobs=[vllm_engine_pb2.TopLogProbs(token_ids=[1, 2], values=[-1.0])] * 2,
     )
     assert _protocol_error(lp) == "invalid vllm response: top logprobs: 2 ids but 1 values"
+
+
+# ------------------------------------------------------------- malformed engine streams
+
+
+def _bad(c: vllm_engine_pb2.GenerateResponse, count: int) -> vllm_engine_pb2.GenerateResponse:
+    msg = c.chunk if c.HasField("chunk") else c.complete
+    msg.completion_tokens = count
+    return c
+
+
+# One row per protocol error of the response converter: the messages an operator greps the
+# sidecar's log for, naming the engine, the message kind and what did not add up.
+STREAM_ERRORS: dict[str, tuple[list[vllm_engine_pb2.GenerateResponse], str]] = {
+    "neither chunk nor complete": (
+        [vllm_engine_pb2.GenerateResponse()],
+        "a Generate message with neither chunk nor complete",
+    ),
+    "chunk count": ([_bad(chunk([4, 5]), 3)], "chunk says completion_tokens 3 but carries 2 ids"),
+    "complete count": (
+        [chunk([4]), _bad(complete([4, 6]), 1)],
+        "complete says completion_tokens 1 but carries 2 ids",
+    ),
+    "chunk index": ([chunk([4], index=2)], "choice index 2 but n = 1"),
+    "complete index": ([complete([4], index=1)], "choice index 1 but n = 1"),
+    "finish reason": ([complete([4], reason="eos")], "unknown finish reason 'eos'"),
+    "complete rewrites the stream": (
+        [chunk([4]), chunk([5]), complete([4, 6, 7])],
+        "complete.output_ids of choice 0 neither restate the last chunk nor extend the 2 tokens streamed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAM_ERRORS), ids=list(STREAM_ERRORS))
+def test_each_malformed_engine_stream_reads_exactly(case: str) -> None:
+    msgs, expected = STREAM_ERRORS[case]
+    state = ResponseState(Req(request_id="r", token_ids=[10]), "agg")
+    *before, last = msgs
+    for msg in before:
+        state.feed(msg)
+    with pytest.raises(SidecarError) as info:
+        state.feed(last)
+    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.message == f"invalid vllm response: {expected}"
