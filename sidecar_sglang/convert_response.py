@@ -181,7 +181,8 @@ def _finish(meta: Mapping[str, object]) -> Mapping[str, object]:
         return {"type": reason}
     if isinstance(reason, dict) and reason.get("type") in _FINISH_KINDS:
         return reason
-    shown = "" if reason is None else f" (got {json.dumps(reason, default=str)[:200]})"
+    # meta values are decoded JSON (either wire), so they always encode back.
+    shown = "" if reason is None else f" (got {json.dumps(reason)[:200]})"
     raise protocol_error(_ENGINE, f"missing finish_reason{shown}")
 
 
@@ -196,8 +197,8 @@ class ResponseState:
     request: NativeRequest
     cumulative: bool
     done: bool = False
+    # Tokens forwarded so far; in cumulative mode also where the next event's new ids start.
     completion_tokens: int = 0
-    _offset: int = 0
     _text_offset: int = 0
     _input_meta: dict[str, object] = field(default_factory=dict)
 
@@ -250,14 +251,14 @@ class ResponseState:
 
     def _delta(self, event: NativeEvent) -> sidecar_pb2.LLMEngineOutput | None:
         raw = event.output_ids
-        start = self._offset if self.cumulative else 0
-        if self.cumulative and len(raw) < self._offset:
-            raise protocol_error(_ENGINE, f"cumulative output_ids shrank from {self._offset} to {len(raw)}")
+        start = self.completion_tokens if self.cumulative else 0
+        if len(raw) < start:
+            raise protocol_error(_ENGINE, f"cumulative output_ids shrank from {start} to {len(raw)}")
         # Only the new part is checked: a cumulative stream resends every id in every event.
         new = _token_ids(raw[start:] if start else raw)
         text: str | None = None
         if event.text is not None:
-            text = event.text[self._text_offset :] if self.cumulative else event.text
+            text = event.text[self._text_offset :]  # the offset stays 0 in incremental mode
             if self.cumulative:
                 self._text_offset = max(self._text_offset, len(event.text))
         if not new and not text:
@@ -267,7 +268,6 @@ class ResponseState:
             out.text = text
         if self.request.logprobs is not None and new:
             self._logprobs(out, event.meta, start, len(new))
-        self._offset += len(new) if self.cumulative else 0
         self.completion_tokens += len(new)
         return out
 
@@ -313,7 +313,7 @@ class ResponseState:
         if prompt is None or not 0 <= prompt <= _UINT32_MAX // 2:
             # The engine always reports it; the request's length is the same number.
             prompt = len(self.request.input_ids)
-        completion = 0 if self.request.prefill else self.completion_tokens
+        completion = self.completion_tokens  # a prefill streams nothing: 0
         usage = out.completion_usage
         usage.prompt_tokens = prompt
         usage.completion_tokens = completion

@@ -80,8 +80,8 @@ def test_tracker_completes_after_every_terminal() -> None:
 @pytest.mark.parametrize(
     ("chunks", "what"),
     [
-        ([Out(index=2)], "choice index 2"),
-        ([Out(index=0, finish_reason=sidecar_pb2.EOS), Out(index=0)], "after the terminal"),
+        ([Out(index=2)], "choice index 2 with n=2"),
+        ([Out(index=0, finish_reason=sidecar_pb2.EOS), Out(index=0)], "chunk after the terminal of choice 0"),
     ],
 )
 def test_tracker_refuses_malformed_streams(chunks: list[Out], what: str) -> None:
@@ -91,7 +91,7 @@ def test_tracker_refuses_malformed_streams(chunks: list[Out], what: str) -> None
     with pytest.raises(SidecarError) as info:
         tracker.observe(chunks[-1])
     assert info.value.reason is ErrorReason.PROTOCOL_ERROR
-    assert what in info.value.message
+    assert info.value.message == f"invalid fake response: {what}"
 
 
 def test_cancelled_terminals_count_what_was_delivered() -> None:
