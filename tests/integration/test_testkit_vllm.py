@@ -228,7 +228,9 @@ async def test_capacity_makes_extra_requests_wait_fifo() -> None:
     async with serve(max_num_seqs=1, token_latency_ms=10) as (engine, stub, _):
         first = stub.Generate(request("c1", max_tokens=1000), timeout=10)
         await first.read()
+        # One at a time: two calls started together may reach the engine in either order.
         second = asyncio.create_task(collect(stub, request("c2", max_tokens=2)))
+        await until(lambda: engine.book.waiting_count == 1, "c2 waiting")
         third = asyncio.create_task(collect(stub, request("c3", max_tokens=2)))
         await until(lambda: engine.book.waiting_count == 2, "two waiting requests")
         loads = await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)
