@@ -133,10 +133,6 @@ def test_unknown_finish_reason_is_a_protocol_error(reason: str) -> None:
     assert "unknown finish reason" in msg
 
 
-def test_message_with_neither_chunk_nor_complete_is_a_protocol_error() -> None:
-    fails([vllm_engine_pb2.GenerateResponse()], ErrorReason.PROTOCOL_ERROR)
-
-
 # -------------------------------------------------------------------------- stop reason
 
 
