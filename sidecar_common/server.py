@@ -408,7 +408,7 @@ class SidecarServer:
                 "generate refused",
                 public_id=request.request_id,
                 reason=refusal.reason.value,
-                error=refusal.message,
+                error=str(refusal),
             )
             await _fail(context, refusal)
         if not request.request_id:
@@ -457,7 +457,7 @@ class SidecarServer:
             if metrics is not None:
                 metrics.finished(outcome["finish_reason"])
         except SidecarError as err:
-            outcome.update(error_reason=err.reason.value, error=err.message)
+            outcome.update(error_reason=err.reason.value, error=str(err))
             if metrics is not None:
                 metrics.failed(err.reason.value)
             await _fail(context, err)
@@ -472,7 +472,7 @@ class SidecarServer:
             # aborted the engine request). Logged and counted as such, and the call still
             # ends with a status the frontend can read (UNKNOWN, ErrorInfo, not migratable).
             error = self._internal_error("generate", exc)
-            outcome.update(error_reason=error.reason.value, error=error.message)
+            outcome.update(error_reason=error.reason.value, error=str(error))
             if metrics is not None:
                 metrics.failed(error.reason.value)
             await _fail(context, error)
