@@ -272,15 +272,22 @@ class SglangHttpEngine(SglangAdapterBase):
             return
         if private_id in self._live:
             self._live[private_id] = True
+        # SGLang answers 200 for a rid it no longer knows, so a failure here is a real one:
+        # raised for the dispatcher to log and count as a failed abort.
         body = {"rid": private_id, "abort_all": False}
         try:
             with anyio.fail_after(ABORT_TIMEOUT):
                 async with self._control().post(f"{self._base}/abort_request", json=body) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        _log.warning("sglang abort refused", private_id=private_id, status=resp.status)
-        except (TimeoutError, aiohttp.ClientError) as err:
-            _log.warning("sglang abort failed", private_id=private_id, error=repr(err))
+                    answer = await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT, f"POST /abort_request: no answer in {ABORT_TIMEOUT:g}s"
+            ) from None
+        except aiohttp.ClientError as err:
+            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"POST /abort_request: {err!r}") from None
+        if status != 200:
+            raise error_from_http_status(status, _error_words(answer), rpc="POST /abort_request")
 
     async def load(self) -> EngineLoad:
         return EngineLoad(ranks=loads_from_json(await self._get_json(("/v1/loads",), None, LOAD_TIMEOUT)))
