@@ -32,7 +32,10 @@ __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangHttpEngine"
 _log = structlog.get_logger(__name__)
 
 ABORT_TIMEOUT: Final = 2.0
-HEALTH_TIMEOUT: Final = 1.5
+# SGLang's /health runs a one-token generation and looks for its answer only after sleeping
+# one second, so it never answers in less than about 1 s: 1.5 s left a loaded machine half a
+# second of slack.
+HEALTH_TIMEOUT: Final = 3.0
 LOAD_TIMEOUT: Final = 2.0
 # After the terminal, how long to wait for SGLang's ``[DONE]`` so the connection can be
 # reused; past it the connection is closed instead.
@@ -296,9 +299,10 @@ class SglangHttpEngine(SglangAdapterBase):
         try:
             await self._health_attempt(HEALTH_TIMEOUT)
         except TimeoutError:
-            # Read by the server's health watch for its "engine unhealthy" line.
+            # Late, not unhealthy (the server's watch tells the two apart). Read by the
+            # server's health watch for its log lines.
             self.health_problem = f"GET /health: no answer within {HEALTH_TIMEOUT:g}s"
-            return False
+            raise TimeoutError(self.health_problem) from None
         except (aiohttp.ClientError, _NotHealthy) as err:
             self.health_problem = f"GET /health: {err}"
             return False
