@@ -475,7 +475,7 @@ class SidecarServer:
                 "generate refused",
                 public_id=request.request_id,
                 reason=refusal.reason.value,
-                error=refusal.message,
+                error=str(refusal),
             )
             await _fail(context, refusal)
         if not request.request_id:
@@ -532,7 +532,7 @@ class SidecarServer:
                 if metrics is not None:
                     metrics.failed(ErrorReason.CANCELLED.value)
                 raise
-            outcome.update(error_reason=typed.reason.value, error=typed.message)
+            outcome.update(error_reason=typed.reason.value, error=str(typed))
             if metrics is not None:
                 metrics.failed(typed.reason.value)
             await _fail(context, typed)
@@ -547,7 +547,7 @@ class SidecarServer:
             # aborted the engine request). Logged and counted as such, and the call still
             # ends with a status the frontend can read (UNKNOWN, ErrorInfo, not migratable).
             error = self._internal_error("generate", exc)
-            outcome.update(error_reason=error.reason.value, error=error.message)
+            outcome.update(error_reason=error.reason.value, error=str(error))
             if metrics is not None:
                 metrics.failed(error.reason.value)
             await _fail(context, error)

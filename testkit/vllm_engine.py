@@ -16,7 +16,9 @@ The stream shape follows smg-grpc-servicer's ``VllmEngineServicer`` with ``strea
 * an Abort RPC ends every unfinished choice with an empty ``chunk`` and a ``complete`` of
   finish_reason "abort" (vLLM puts a final abort output on the request's queue); a client
   that cancels its stream gets nothing more and the request is stopped;
-* request errors are INVALID_ARGUMENT before any message (vLLM's ValueError mapping).
+* request errors are INVALID_ARGUMENT before any message (vLLM's ValueError mapping), checked
+  in vLLM's order and worded as vLLM words them (``vllm_wire.sampling_refusal``,
+  ``prompt_refusal``), ``(parameter=…, value=…)`` included.
 
 A primary-EOS stop reports no ``matched_stop`` (vLLM's scheduler sets no stop_reason for it);
 stop token ids, and EOS ids that are not the primary one, report ``matched_token_id``.
@@ -71,6 +73,8 @@ from testkit.vllm_wire import (
     handoff,
     input_logprobs,
     malform,
+    prompt_refusal,
+    sampling_refusal,
     sampling_spec,
 )
 
@@ -105,6 +109,8 @@ class VllmEngineConfig:
     chunk_tokens: int = 1
     startup_delay_secs: float = 0.0
     supports_vision: bool = False
+    # vLLM's --max-logprobs (its default): more logprobs per position are refused.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:
@@ -303,20 +309,18 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     # -- Generate -------------------------------------------------------------------------
     def _check(self, request: pb.GenerateRequest) -> tuple[tuple[int, ...], dict[str, Any] | None]:
+        """vLLM's request checks, in its order and in its words: the sampling parameters
+        (``SamplingParams`` and its ``verify``), then the data-parallel rank, then the prompt's
+        length, then its vocabulary (``InputProcessor.process_inputs``)."""
         c = self.config
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.WhichOneof("input") != "tokenized":
             raise _RequestError(bad, "the testkit engine takes tokenized input only")
         prompt = tuple(request.tokenized.input_ids)
-        if not prompt:
-            raise _RequestError(bad, "prompt cannot be empty")
-        if max(prompt) >= c.vocab_size:
-            raise _RequestError(bad, f"Token id {max(prompt)} is out of vocabulary")
-        if len(prompt) >= c.context_length:
-            raise _RequestError(bad, f"prompt ({len(prompt)} tokens) is too long for {c.context_length}")
         sp = request.sampling_params
-        if sp.HasField("max_tokens") and sp.max_tokens < 1:
-            raise _RequestError(bad, f"max_tokens must be at least 1, got {sp.max_tokens}")
+        refusal = sampling_refusal(sp, c.vocab_size, c.max_logprobs)
+        if refusal is not None:
+            raise _RequestError(bad, refusal)
         if sp.n > c.max_num_seqs:
             # vLLM has no such check (it fans the request out into n sequences); the testkit
             # refuses rather than build millions of generators on its event loop.
@@ -324,7 +328,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if request.HasField("data_parallel_rank") and not (
             0 <= request.data_parallel_rank < c.data_parallel_size
         ):
-            raise _RequestError(bad, f"data_parallel_rank {request.data_parallel_rank} is out of range")
+            rank, size = request.data_parallel_rank, c.data_parallel_size
+            raise _RequestError(bad, f"data_parallel_rank {rank} is out of range [0, {size}).")
+        refusal = prompt_refusal(prompt, c.vocab_size, c.context_length)
+        if refusal is not None:
+            raise _RequestError(bad, refusal)
         has_media = request.HasField("mm_inputs") or request.HasField("media_refs")
         if has_media and not c.supports_vision:
             raise _RequestError(bad, "this model does not support multimodal inputs")
