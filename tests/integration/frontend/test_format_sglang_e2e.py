@@ -1,0 +1,123 @@
+"""SGLang's /generate through the frontend over each kind of worker, for what a client of the
+real SGLang server relies on: a request with no new tokens (scoring a prompt), engine aborts
+that keep their status, input logprobs from the first event that has them, logit_bias.
+
+What the real server answers was read from SGLang 0.5.23's code (scheduler, tokenizer manager,
+HTTP server); each test says which part."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from sidecar_frontend.formats.sglang import FORMAT as SGLANG
+from sidecar_frontend.handler import HandlerConfig
+from testkit.generator import prompt_logprobs
+from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
+from tests.sglang_fixtures import sglang_stack
+from tests.vllm_fixtures import vllm_stack
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [101, 202, 303, 404]
+SGLANG_WORKERS = ["sglang-grpc", "sglang-http"]
+
+
+@asynccontextmanager
+async def over(
+    worker: str, config: HandlerConfig | None = None, **engine_config: Any
+) -> AsyncIterator[tuple[FrontendStack, Any]]:
+    """The frontend (SGLang's format) over one sidecar: ``vllm``, ``sglang-grpc`` or ``sglang-http``."""
+    if worker == "vllm":
+        stack_cm: Any = vllm_stack(**engine_config)
+    else:
+        stack_cm = sglang_stack(worker.removeprefix("sglang-"), **engine_config)  # type: ignore[arg-type]
+    async with (
+        stack_cm as sidecar,
+        frontend_over(
+            [f"127.0.0.1:{sidecar.server.port}"], [sidecar], formats=(SGLANG,), config=config
+        ) as fe,
+    ):
+        yield fe, sidecar
+
+
+async def post(fe: FrontendStack, body: dict[str, Any]) -> tuple[int, Any]:
+    async with fe.http.post(fe.url + "/generate", json=body) as response:
+        if body.get("stream"):
+            return response.status, await sse_events(response)
+        return response.status, await response.json()
+
+
+def scored_prompt(sidecar: Any, top: int) -> tuple[list[Any], list[Any]]:
+    """The input logprobs SGLang writes for PROMPT from position 0: the first has no logprob."""
+    rows = prompt_logprobs(PROMPT, top, sidecar.engine.model)
+    tokens = [
+        [None if row is None else row.logprob, tok, None] for row, tok in zip(rows, PROMPT, strict=True)
+    ]
+    tokens[0][0] = None
+    tops = [None if row is None else [[v, t, None] for t, v in row.top[:top]] for row in rows]
+    return tokens, tops
+
+
+def without_clocks(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k not in ("e2e_latency", "response_sent_to_client_ts")}
+
+
+# ------------------------------------------------------------------ max_new_tokens: 0
+
+
+@pytest.mark.parametrize("worker", SGLANG_WORKERS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_max_new_tokens_0_scores_the_prompt(worker: str, stream: bool) -> None:
+    # SGLang's scheduler runs a prefill-only request: the one sampled token is cut by
+    # FINISH_LENGTH(length=0), so output_ids is [] and no output logprob is sent; the input
+    # logprobs are there (logprob_start_len 0, the first without a logprob).
+    async with over(worker) as (fe, sidecar):
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+            "stream": stream,
+        }
+        status, answer = await post(fe, body)
+        assert status == 200
+        if stream:
+            assert answer[-1] == "[DONE]"
+            [event] = answer[:-1]
+            answer = json.loads(event)
+        tokens, tops = scored_prompt(sidecar, 2)
+        assert answer["output_ids"] == []
+        assert without_clocks(answer["meta_info"]) == {
+            "id": answer["meta_info"]["id"],
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(PROMPT),
+            "weight_version": "default",
+            "num_retractions": 0,
+            "input_token_logprobs": tokens,
+            "output_token_logprobs": [],
+            "output_token_logprobs_length": 0,
+            "input_top_logprobs": [None, *tops[1:]],
+            "output_top_logprobs": [],
+            "reasoning_tokens": 0,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "cached_tokens_details": None,
+            "dp_rank": None,
+        }
+        assert len(sidecar.engine.book.received) == 1
+
+
+async def test_max_new_tokens_0_on_a_vllm_worker_is_refused_in_vllms_words() -> None:
+    async with over("vllm") as (fe, sidecar):
+        status, answer = await post(fe, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}})
+        assert status == 400
+        assert answer == {
+            "error": {"message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"}
+        }
+        assert sidecar.engine.book.received == []
