@@ -32,6 +32,7 @@ from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
 __all__ = [
     "NativeEvent",
     "ResponseState",
+    "abort_reason",
     "error_from_http_status",
     "event_from_http",
 ]
@@ -61,6 +62,22 @@ def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> 
     if 502 <= status <= 504:
         return SidecarError(ErrorReason.CANNOT_CONNECT, words)
     return SidecarError(ErrorReason.UNKNOWN, words)
+
+
+# SGLang aborts with 503 what its capacity or its time limits refuse (a full waiting queue,
+# the waiting or running timeout, a request pre-empted by a higher priority, a retraction
+# without a KV backup): the engine is busy, not the request wrong.
+_ABORT_BUSY: Final = 503
+
+
+def abort_reason(status: int | None) -> ErrorReason:
+    """The typed error of an abort SGLang decided on its own, by its ``status_code``: the
+    status class a client of SGLang sees (400 stays a refusal, 503 stays "busy")."""
+    if status is not None and 400 <= status < 500:
+        return ErrorReason.INVALID_ARGUMENT
+    if status == _ABORT_BUSY:
+        return ErrorReason.OVERLOADED
+    return ErrorReason.UNKNOWN
 
 
 def event_from_http(payload: object) -> NativeEvent:
@@ -339,9 +356,4 @@ class ResponseState:
             if finish.get(key) is not None:
                 parts.append(f"{key}={finish.get(key)}")
         message = f"Generate: engine aborted the request: {finish.get('message', '')} ({', '.join(parts)})"
-        reason = (
-            ErrorReason.INVALID_ARGUMENT
-            if status is not None and 400 <= status < 500
-            else ErrorReason.UNKNOWN
-        )
-        return SidecarError(reason, message)
+        return SidecarError(abort_reason(status), message)

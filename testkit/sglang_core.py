@@ -37,6 +37,7 @@ __all__ = [
     "StreamEvent",
     "abort_out",
     "bad_request_reason",
+    "queue_full_reason",
     "sampling_spec",
 ]
 
@@ -171,6 +172,12 @@ def _triple(lp: float | None, tok: int) -> list[Any]:
 def bad_request_reason(message: str) -> dict[str, Any]:
     """The finish reason of a request SGLang's scheduler refuses (``set_finish_with_abort``)."""
     return {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+
+
+def queue_full_reason() -> dict[str, Any]:
+    """The finish reason of a request SGLang's scheduler turns away because its waiting queue
+    is full (``--max-queued-requests``): status 503, in the key order the scheduler writes."""
+    return {"type": "abort", "status_code": 503, "message": "The request queue is full."}
 
 
 def abort_out(rid: str, reason: dict[str, Any], elapsed: float) -> dict[str, Any]:

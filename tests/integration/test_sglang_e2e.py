@@ -334,6 +334,23 @@ async def test_engine_rejection_is_invalid_argument(transport: Transport) -> Non
         assert "outside the vocabulary" in (err.details() or "")
 
 
+@TRANSPORTS
+async def test_a_full_queue_is_overloaded_in_the_engines_words(transport: Transport) -> None:
+    # SGLang's scheduler turns a request away with a 503 abort when --max-queued-requests wait:
+    # the engine is busy, the request is fine.
+    async with sglang_stack(transport, max_running_requests=1, max_queued_requests=0) as s:
+        s.engine.faults.add("-busy", FaultPlan(FaultKind.HANG, after=1))
+        busy = s.stub.Generate(public_request("busy", max_tokens=20), timeout=20)
+        await busy.read()
+        outs, err = await collect_until_error(s.stub.Generate(public_request("turned-away"), timeout=10))
+        assert outs == []
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert reason_of(err) == ("OVERLOADED", "false")
+        assert "The request queue is full." in (err.details() or "")
+        busy.cancel()
+        await idle(s)
+
+
 # ------------------------------------------------------------------------- cancellation
 
 

@@ -121,7 +121,13 @@ def test_abort_we_asked_for_is_cancelled() -> None:
 
 @pytest.mark.parametrize(
     ("status", "reason"),
-    [(400, ErrorReason.INVALID_ARGUMENT), (None, ErrorReason.UNKNOWN), (500, ErrorReason.UNKNOWN)],
+    [
+        (400, ErrorReason.INVALID_ARGUMENT),
+        (None, ErrorReason.UNKNOWN),
+        (500, ErrorReason.UNKNOWN),
+        (503, ErrorReason.OVERLOADED),
+        (502, ErrorReason.UNKNOWN),
+    ],
 )
 def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason) -> None:
     finish = {"type": "abort", "message": "prompt too long", "status_code": status, "err_type": "BadRequest"}
@@ -414,7 +420,7 @@ def test_a_prefill_aborted_at_our_request_is_cancelled_and_hands_nothing_off(cum
 
 @pytest.mark.parametrize(
     ("status", "reason"),
-    [(None, ErrorReason.UNKNOWN), (503, ErrorReason.UNKNOWN), (400, ErrorReason.INVALID_ARGUMENT)],
+    [(None, ErrorReason.UNKNOWN), (503, ErrorReason.OVERLOADED), (400, ErrorReason.INVALID_ARGUMENT)],
 )
 def test_a_prefill_the_engine_aborted_on_its_own_keeps_the_engines_error(
     status: int | None, reason: ErrorReason
