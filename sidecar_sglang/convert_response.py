@@ -9,9 +9,11 @@ Choices the spec leaves open:
 
 * Tokens on an ``abort`` terminal are not forwarded: the stream ends with an error anyway, and
   in incremental mode SGLang repeats the last token there.
-* ``engine_data.prompt_logprobs`` (when prompt logprobs were asked) is one entry per prompt
-  position: null where the engine has none (the first), else a list of
-  ``{"token_id", "logprob"}``, the prompt's own token first, then up to N alternatives.
+* ``engine_data.prompt_logprobs`` (when prompt logprobs were asked) comes once, on the first
+  output after the engine sent them (SGLang does with its first event after prefill), else on
+  the terminal. It is one entry per prompt position: null where the engine has none (the
+  first), else a list of ``{"token_id", "logprob"}``, the prompt's own token first, then up to
+  N alternatives.
 * A terminal whose ``completion_tokens`` disagrees with the tokens streamed is malformed.
 """
 
@@ -218,6 +220,7 @@ class ResponseState:
     completion_tokens: int = 0
     _text_offset: int = 0
     _input_meta: dict[str, object] = field(default_factory=dict)
+    _prompt_logprobs_sent: bool = False
 
     def handoff(self) -> sidecar_pb2.LLMEngineOutput:
         """The prefill handoff, before the terminal (HTTP sends it once headers arrive)."""
@@ -242,7 +245,13 @@ class ResponseState:
             if self.request.prefill:
                 return []
             out = self._delta(event)
-            return [out] if out is not None else []
+            if out is None:
+                return []
+            if self._input_meta.get("input_token_logprobs"):
+                # SGLang sends the prompt's logprobs with the first event after prefill:
+                # they go out with the first output that follows, not only with the last.
+                self._attach_prompt_logprobs(out)
+            return [out]
         finish = _finish(event.meta)
         if finish["type"] == "abort":
             self.done = True
@@ -340,12 +349,18 @@ class ResponseState:
             usage.cached_tokens = min(cached, prompt)
         if self.request.prefill and self.request.bootstrap is not None:
             out.disaggregated_params.CopyFrom(bootstrap_struct(self.request.bootstrap))
-        if self.request.prompt_logprobs is not None:
-            rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
-            if rows is not None:
-                data = struct_pb2.Struct()
-                data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
-                out.engine_data.CopyFrom(data)
+        self._attach_prompt_logprobs(out)
+
+    def _attach_prompt_logprobs(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+        """``engine_data.prompt_logprobs`` once, on the first output that can carry them."""
+        if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return
+        rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
+        if rows is not None:
+            data = struct_pb2.Struct()
+            data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
+            out.engine_data.CopyFrom(data)
+            self._prompt_logprobs_sent = True
 
     def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
         if aborted_by_us:

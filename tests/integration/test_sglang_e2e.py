@@ -157,7 +157,10 @@ async def test_logprobs_and_prompt_logprobs(transport: Transport, incremental: b
                 assert top.entries[0].token_id == tok
                 assert top.entries[0].logprob == pytest.approx(lp)
                 assert len(top.entries) <= 3
-        rows = json_format.MessageToDict(terminal(outs, last=True).engine_data)["prompt_logprobs"]
+        # SGLang sends them with its first event after prefill: so does the sidecar, once.
+        carriers = [o for o in outs if o.HasField("engine_data")]
+        assert carriers == [outs[0]]
+        rows = json_format.MessageToDict(outs[0].engine_data)["prompt_logprobs"]
         assert len(rows) == len(PROMPT)
         assert rows[0] is None
         assert [row[0]["token_id"] for row in rows[1:]] == PROMPT[1:]

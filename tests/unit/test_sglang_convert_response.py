@@ -3,7 +3,7 @@ conversion"), in cumulative and incremental modes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from hypothesis import given, settings
@@ -205,19 +205,43 @@ def test_logprobs_cumulative_sliced_sampled_first() -> None:
     assert second[1].rank == 1
 
 
-def test_prompt_logprobs_on_terminal() -> None:
+PROMPT_META: Final[dict[str, Any]] = {
+    "input_token_logprobs": [[None, 1, None], triple(-0.5, 2)],
+    "input_top_logprobs": [None, [triple(-0.3, 8)]],
+}
+
+
+def _prompt_rows(out: sidecar_pb2.LLMEngineOutput) -> list[list[float] | None]:
+    data = out.engine_data.fields["prompt_logprobs"].list_value.values
+    return [
+        None
+        if v.WhichOneof("kind") == "null_value"
+        else [e.struct_value.fields["token_id"].number_value for e in v.list_value.values]
+        for v in data
+    ]
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_prompt_logprobs_come_once_with_the_first_output_after_the_engine_sent_them(cumulative: bool) -> None:
+    # SGLang sends the prompt's logprobs with its first event after prefill (and repeats them).
     request = native(return_logprob=True, prompt_logprobs=1)
-    meta: dict[str, Any] = {
-        "input_token_logprobs": [[None, 1, None], triple(-0.5, 2)],
-        "input_top_logprobs": [None, [triple(-0.3, 8)]],
-    }
-    outs = run(ResponseState(request, cumulative=False), [ev([5], **meta), ev([6], "length")])
-    assert not outs[0].HasField("engine_data")
-    data = outs[-1].engine_data.fields["prompt_logprobs"].list_value.values
-    assert data[0].WhichOneof("kind") == "null_value"
-    row = data[1].list_value.values
-    assert [v.struct_value.fields["token_id"].number_value for v in row] == [2, 8]
+    events = [ev([5], **PROMPT_META), ev([5, 6] if cumulative else [6], "length", **PROMPT_META)]
+    outs = run(ResponseState(request, cumulative=cumulative), events)
+    assert _prompt_rows(outs[0]) == [None, [2, 8]]
+    assert not outs[-1].HasField("engine_data"), "once"
     assert not outs[0].log_probs  # output logprobs were not asked
+
+
+def test_prompt_logprobs_wait_for_an_output_that_can_carry_them() -> None:
+    request = native(return_logprob=True, prompt_logprobs=1)
+    outs = run(ResponseState(request, cumulative=False), [ev([], **PROMPT_META), ev([6], "length")])
+    (terminal,) = outs
+    assert _prompt_rows(terminal) == [None, [2, 8]]
+
+
+def test_prompt_logprobs_not_asked_are_not_sent() -> None:
+    outs = run(ResponseState(native(return_logprob=True), cumulative=False), [ev([5], **PROMPT_META)])
+    assert not any(o.HasField("engine_data") for o in outs)
 
 
 def test_prefill_grpc_ignores_chunks_and_hands_off() -> None:

@@ -121,3 +121,28 @@ async def test_max_new_tokens_0_on_a_vllm_worker_is_refused_in_vllms_words() -> 
             "error": {"message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"}
         }
         assert sidecar.engine.book.received == []
+
+
+# ------------------------------------------------------------------ input logprobs in streams
+
+
+@pytest.mark.parametrize("worker", SGLANG_WORKERS)
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_a_stream_has_the_input_logprobs_from_its_first_event(worker: str, incremental: bool) -> None:
+    # SGLang's tokenizer manager adds the prompt's logprobs to every event once prefill is done,
+    # the first event included (incremental streaming cuts only the output lists).
+    config = HandlerConfig(sglang_incremental_streaming_output=incremental)
+    async with over(worker, config, incremental=incremental) as (fe, sidecar):
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 4},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "stream": True,
+        }
+        status, events = await post(fe, body)
+        assert status == 200
+        metas = [json.loads(e)["meta_info"] for e in events[:-1]]
+        assert len(metas) == 4
+        tokens, _ = scored_prompt(sidecar, 0)
+        assert [m["input_token_logprobs"] for m in metas] == [tokens] * 4
