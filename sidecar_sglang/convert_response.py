@@ -234,8 +234,8 @@ class ResponseState:
         if self.done:
             raise protocol_error(_ENGINE, "a message after the terminal")
         for key in ("input_token_logprobs", "input_top_logprobs"):
-            # Incremental streams send the prompt's logprobs once, then empty lists: keep the
-            # fullest list seen.
+            # SGLang repeats the prompt's logprobs on every event after prefill; a server that
+            # sends them once and then empty lists loses nothing: keep the fullest list seen.
             value = event.meta.get(key)
             held = self._input_meta.get(key)
             if isinstance(value, list) and (not isinstance(held, list) or len(value) > len(held)):

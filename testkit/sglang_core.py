@@ -256,11 +256,12 @@ class RequestState:
             inc = self.incremental
             start = self.sent_ids if inc else 0
             meta["output_token_logprobs"] = self.out_lp[start:]
-            first = not inc or self.first is None
-            meta["input_token_logprobs"] = self._input_logprobs(False) if first else []
+            # The prompt's logprobs ride on every event once prefill is done: incremental
+            # streaming cuts only the output lists (SGLang's tokenizer manager).
+            meta["input_token_logprobs"] = self._input_logprobs(False)
             if req.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = self.out_top[start:]
-                meta["input_top_logprobs"] = self._input_logprobs(True) if first else []
+                meta["input_top_logprobs"] = self._input_logprobs(True)
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached

@@ -290,6 +290,21 @@ async def test_logprobs_shape(make_engine: Factory, grpc_client: Callable[[Sglan
     assert inp[0][0] is None
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_input_logprobs_ride_on_every_event(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], incremental: bool
+) -> None:
+    # SGLang's tokenizer manager sets the accumulated input logprobs on each event's meta;
+    # incremental streaming slices only the output lists.
+    engine = await make_engine(incremental=incremental)
+    req = greq("lp-all", 3, ignore_eos=True, return_logprob=True, logprob_start_len=0)
+    events = await grpc_all(grpc_client(engine), req)
+    assert len(events) == 3
+    inputs = [meta(e)["input_token_logprobs"] for e in events]
+    assert [row[1] for row in inputs[0]] == PROMPT
+    assert inputs == [inputs[0]] * 3
+
+
 # -- aborts, cancels, disconnects ----------------------------------------------------------------
 async def test_grpc_abort_ends_cancelled_without_terminal(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
