@@ -99,6 +99,8 @@ class NativeSampling:
     json_schema: str | None = None
     regex: str | None = None
     seed: int | None = None
+    # (token id, bias) in the request's order; HTTP only (the gRPC wire has no field).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,13 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         raise invalid_argument(
             "sampling_options.include_stop_str_in_output", "not supported by SGLang's native API"
         )
-    if s.logit_bias:
-        raise invalid_argument("sampling_options.logit_bias", "not supported by SGLang's native API")
+    if s.logit_bias and settings.transport == "grpc":
+        # SGLang's HTTP /generate takes logit_bias; its gRPC SamplingParams has no such field.
+        raise invalid_argument("sampling_options.logit_bias", "SGLang's gRPC wire cannot carry it (HTTP can)")
+    bad_bias = next((b for b in s.logit_bias.values() if not math.isfinite(b)), None)
+    if bad_bias is not None:
+        # JSON has no NaN or infinity.
+        raise invalid_argument("sampling_options.logit_bias", f"must be finite numbers (got {bad_bias})")
     # One rule for both sidecars: an empty namespace is no namespace.
     if request.routing.HasField("cache_namespace") and request.routing.cache_namespace:
         raise invalid_argument("routing.cache_namespace", "SGLang has no cache namespaces")
@@ -247,6 +254,7 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
         json_schema=json_schema,
         regex=regex,
         seed=s.seed if s.HasField("seed") else None,
+        logit_bias=tuple((token, _shortest_float32(bias)) for token, bias in sorted(s.logit_bias.items())),
     )
     return native
 
@@ -423,6 +431,10 @@ def _http_sampling(sampling: NativeSampling) -> dict[str, object]:
         # SGLang's HTTP schema names it sampling_seed and refuses unknown keys (the gRPC
         # message calls it seed).
         items["sampling_seed"] = items.pop("seed")
+    if sampling.logit_bias:
+        # JSON object keys are text; SGLang reads them back with int() and checks them against
+        # its vocabulary (a 400 in its own words when one is outside).
+        items["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
     return items
 
 

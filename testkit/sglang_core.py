@@ -81,6 +81,9 @@ class NativeRequest:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # {token id as text: bias}, as SGLang's HTTP schema carries it (its gRPC wire has no field).
+    # Checked as SGLang checks it; the deterministic generator does not apply it.
+    logit_bias: tuple[tuple[str, float], ...] | None = None
 
 
 class RequestRejected(Exception):

@@ -85,6 +85,17 @@ def _float(body: dict[str, Any], key: str) -> float | None:
     return float(v)
 
 
+def _logit_bias(sp: dict[str, Any]) -> tuple[tuple[str, float], ...] | None:
+    v = sp.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or any(
+        isinstance(b, bool) or not isinstance(b, int | float) for b in v.values()
+    ):
+        raise _BadBody("sampling_params.logit_bias: Input should be a valid dictionary of numbers")
+    return tuple((str(k), float(b)) for k, b in v.items())
+
+
 def _bool(body: dict[str, Any], key: str) -> bool:
     v = body.get(key, False)
     if v is None:
@@ -192,6 +203,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         frequency_penalty=_float(sp, "frequency_penalty"),
         presence_penalty=_float(sp, "presence_penalty"),
         repetition_penalty=_float(sp, "repetition_penalty"),
+        logit_bias=_logit_bias(sp),
     )
 
 

@@ -338,6 +338,30 @@ async def test_engine_rejection_is_invalid_argument(transport: Transport) -> Non
 
 
 @TRANSPORTS
+async def test_logit_bias_is_carried_over_http_and_checked_by_the_engine(transport: Transport) -> None:
+    async with sglang_stack(transport) as s:
+        good = public_request("bias", max_tokens=3)
+        good.sampling_options.logit_bias[7] = 2.5
+        bad = public_request("bias-oov", max_tokens=3)
+        bad.sampling_options.logit_bias[s.engine.config.vocab_size] = 1.0
+        if transport == "grpc":
+            for req in (good, bad):
+                outs, err = await collect_until_error(s.stub.Generate(req, timeout=10))
+                assert (outs, err.code()) == ([], grpc.StatusCode.INVALID_ARGUMENT)
+                assert (err.details() or "").startswith("sampling_options.logit_bias: "), err.details()
+            assert s.engine.book.received == [], "SGLang's gRPC wire has no logit_bias: refused before it"
+            return
+        outs = await collect(s.stub.Generate(good, timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=3)
+        [(_, sent)] = s.engine.book.received
+        assert sent["sampling_params"]["logit_bias"] == {"7": 2.5}
+        outs, err = await collect_until_error(s.stub.Generate(bad, timeout=10))
+        assert (outs, err.code()) == ([], grpc.StatusCode.INVALID_ARGUMENT)
+        vocab = s.engine.config.vocab_size
+        assert f"logit_bias must has keys in [0, {vocab - 1}], got {vocab}." in (err.details() or "")
+
+
+@TRANSPORTS
 async def test_a_full_queue_is_overloaded_in_the_engines_words(transport: Transport) -> None:
     # SGLang's scheduler turns a request away with a 503 abort when --max-queued-requests wait:
     # the engine is busy, the request is fine.

@@ -61,7 +61,7 @@ def params(**values: Any) -> dict[str, Any]:
         (
             {"samplingOptions": {"logitBias": {"5": 1.0}}},
             AGG,
-            "sampling_options.logit_bias: not supported by SGLang's native API",
+            "sampling_options.logit_bias: SGLang's gRPC wire cannot carry it (HTTP can)",
         ),
         (
             {"routing": {"cacheNamespace": "t"}},
