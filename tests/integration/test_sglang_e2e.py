@@ -354,6 +354,7 @@ async def test_logit_bias_is_carried_over_http_and_checked_by_the_engine(transpo
         outs = await collect(s.stub.Generate(good, timeout=10))
         assert tokens(outs) == expected(s, max_tokens=3)
         [(_, sent)] = s.engine.book.received
+        assert isinstance(sent, dict)
         assert sent["sampling_params"]["logit_bias"] == {"7": 2.5}
         outs, err = await collect_until_error(s.stub.Generate(bad, timeout=10))
         assert (outs, err.code()) == ([], grpc.StatusCode.INVALID_ARGUMENT)
