@@ -22,7 +22,7 @@ from typing import Final, Literal
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
-from sidecar_common.errors import invalid_argument
+from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits, exact_integer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "RequestSettings",
     "bootstrap_struct",
     "build_native",
+    "lora_disabled_refusal",
     "to_grpc",
     "to_http_json",
 ]
@@ -80,6 +81,8 @@ class RequestSettings:
     # The model's context length (the model card's max_model_len) when the engine does not
     # truncate (server info ``allow_auto_truncate`` false); None: not checked here.
     context_length: int | None = None
+    # Server info ``enable_lora`` (null or false: off); None: not reported, not checked here.
+    lora_enabled: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -160,9 +163,22 @@ def _opt_float(msg: sidecar_pb2.SamplingOptions, name: str) -> float | None:
     return _shortest_float32(value) if math.isfinite(value) else value
 
 
+def lora_disabled_refusal(adapter: str) -> str:
+    """SGLang's tokenizer manager's sentence for an adapter asked of a server without LoRA."""
+    return (
+        f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch the server "
+        "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
+
+
 def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> None:
     if not request.token_ids:
         raise invalid_argument("token_ids", "the prompt must not be empty")
+    adapter = request.routing.lora_name
+    if adapter and settings.lora_enabled is False:
+        # SGLang refuses it first, before it reads the prompt, but over gRPC with a bare INTERNAL
+        # that nothing tells from a failure: refused here, in SGLang's words, on both wires.
+        raise engine_words(ErrorReason.INVALID_ARGUMENT, lora_disabled_refusal(adapter), "Generate", NOT_SENT)
     check_sampling_limits(request, "sglang")
     s = request.sampling_options
     if s.HasField("n") and s.n != 1:

@@ -27,7 +27,7 @@ from typing import Final
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.errors import ErrorReason, SidecarError, engine_words, protocol_error
 from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
 
@@ -53,14 +53,15 @@ class NativeEvent:
     text: str | None = None
 
 
-def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:
-    """SGLang HTTP status -> typed error (docs/sglang.md, "The native HTTP wire")."""
+def error_from_http_status(status: int, message: str, rpc: str = "POST /generate") -> SidecarError:
+    """SGLang HTTP status -> typed error (docs/sglang.md, "The native HTTP wire"). A refusal
+    (4xx) keeps SGLang's words as they are, for the client."""
     words = f"{rpc}: {message} (HTTP {status})"
     if status in (401, 403):
         # Auth is not configured on the sidecar's side: not the request's fault.
         return SidecarError(ErrorReason.UNKNOWN, words)
     if 400 <= status < 500:
-        return SidecarError(ErrorReason.INVALID_ARGUMENT, words)
+        return engine_words(ErrorReason.INVALID_ARGUMENT, message, rpc, str(status))
     if 502 <= status <= 504:
         return SidecarError(ErrorReason.CANNOT_CONNECT, words)
     return SidecarError(ErrorReason.UNKNOWN, words)
@@ -366,9 +367,14 @@ class ResponseState:
         if aborted_by_us:
             return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
         status = exact_integer(finish.get("status_code"))
+        reason = abort_reason(status)
+        said = finish.get("message")
+        if reason is not ErrorReason.UNKNOWN and isinstance(said, str) and said:
+            # A refusal or a busy engine: the client reads SGLang's own sentence.
+            return engine_words(reason, said, "Generate", f"abort status_code={status}")
         parts = [f"type={finish.get('type')}"]
         for key in ("status_code", "err_type"):
             if finish.get(key) is not None:
                 parts.append(f"{key}={finish.get(key)}")
         message = f"Generate: engine aborted the request: {finish.get('message', '')} ({', '.join(parts)})"
-        return SidecarError(abort_reason(status), message)
+        return SidecarError(reason, message)

@@ -18,7 +18,7 @@ from dataclasses import replace
 from testkit.sglang_core import DEFAULT_MAX_NEW_TOKENS, NativeRequest, RequestRejected
 from testkit.sglang_info import SglangEngineConfig
 
-__all__ = ["check_request", "scheduler_refusal", "verify_sampling"]
+__all__ = ["check_request", "lora_disabled_refusal", "scheduler_refusal", "verify_sampling"]
 
 # SamplingParams: a temperature below this samples greedily (top_k forced to 1 first).
 _SAMPLING_EPS = 1e-6
@@ -86,10 +86,21 @@ def _check_logit_bias_key(key: str, vocab_size: int) -> None:
         raise RequestRejected(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
 
 
+def lora_disabled_refusal(adapter: str) -> str:
+    """SGLang's sentence for a LoRA adapter asked of a server started without --enable-lora."""
+    return (
+        f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch the server "
+        "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
+
+
 def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRequest, str | None]:
     """SGLang's checks in its order. The tokenizer manager's raise (RequestRejected: gRPC
     INTERNAL, HTTP 400); the scheduler's are returned as a message: the request is
     accepted and ends at once with an ``abort`` finish of status 400."""
+    if req.lora_path and not cfg.enable_lora:
+        # The tokenizer manager's first check (before it looks at the prompt).
+        raise RequestRejected(lora_disabled_refusal(req.lora_path))
     ctx = cfg.context_length
     n_in = len(req.input_ids)
     if n_in == 0:

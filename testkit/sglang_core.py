@@ -73,6 +73,7 @@ class NativeRequest:
     bootstrap: Bootstrap | None = None
     priority: int | None = None
     routed_dp_rank: int | None = None
+    lora_path: str | None = None
     # Sampling values the generator ignores but SGLang's SamplingParams.verify checks.
     temperature: float | None = None
     top_p: float | None = None

@@ -35,6 +35,10 @@ class SglangEngineConfig:
     kv_capacity_tokens: int = 1 << 20  # max_total_num_tokens
     page_size: int = 1
     max_running_requests: int = 256
+    # SGLang's --enable-lora as its server info reports it (null when not given: LoRA off).
+    # With LoRA on, any adapter name is served (as if loaded); off, a request naming one is
+    # refused in SGLang's words (gRPC INTERNAL, HTTP 400).
+    enable_lora: bool | None = None
     # SGLang's --max-queued-requests: a request that must wait while this many already wait is
     # aborted with status 503 ("The request queue is full."). None: unbounded.
     max_queued_requests: int | None = None
@@ -85,6 +89,7 @@ def server_info(
         "max_running_requests": cfg.max_running_requests,
         "max_total_tokens": None,
         "dp_size": cfg.dp_size,
+        "enable_lora": cfg.enable_lora,
         "tp_size": 1,
         "pp_size": 1,
         "stream_interval": cfg.chunk_tokens,

@@ -10,6 +10,8 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import json_format
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
@@ -360,6 +362,53 @@ async def test_logit_bias_is_carried_over_http_and_checked_by_the_engine(transpo
         assert (outs, err.code()) == ([], grpc.StatusCode.INVALID_ARGUMENT)
         vocab = s.engine.config.vocab_size
         assert f"logit_bias must has keys in [0, {vocab - 1}], got {vocab}." in (err.details() or "")
+
+
+LORA_OFF = (
+    "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
+    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+)
+
+
+def error_metadata(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return dict(info.metadata)
+
+
+@TRANSPORTS
+async def test_a_lora_adapter_while_lora_is_off_is_refused_the_same_on_both_wires(
+    transport: Transport,
+) -> None:
+    # SGLang refuses it with a ValueError: HTTP 400, but gRPC INTERNAL like any failure. Its
+    # server info says LoRA is off, so the sidecar refuses first, in SGLang's words.
+    async with sglang_stack(transport) as s:
+        req = public_request("lora", max_tokens=2)
+        req.routing.lora_name = "sql"
+        outs, err = await collect_until_error(s.stub.Generate(req, timeout=10))
+        assert outs == []
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, LORA_OFF)
+        assert error_metadata(err) == {
+            "migratable": "false",
+            "origin": "engine",
+            "engine_call": "Generate",
+            "engine_status": "not sent",
+        }
+        assert s.engine.book.received == []
+
+
+@TRANSPORTS
+async def test_a_lora_adapter_reaches_an_engine_with_lora_on(transport: Transport) -> None:
+    async with sglang_stack(transport, enable_lora=True) as s:
+        req = public_request("lora", max_tokens=2)
+        req.routing.lora_name = "sql"
+        outs = await collect(s.stub.Generate(req, timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=2)
+        [(_, sent)] = s.engine.book.received
+        lora = sent["lora_path"] if isinstance(sent, dict) else getattr(sent, "lora_path", None)
+        assert lora == "sql"
 
 
 @TRANSPORTS

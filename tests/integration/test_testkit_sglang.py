@@ -905,6 +905,35 @@ async def test_sampling_params_sglang_does_not_verify_are_internal_on_grpc_and_4
     await assert_serving(engine, client)
 
 
+LORA_OFF = (
+    "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
+    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+)
+
+
+async def test_a_lora_adapter_while_lora_is_off_is_internal_on_grpc_and_400_on_http(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
+) -> None:
+    # SGLang's tokenizer manager raises a ValueError before it reads the prompt: the Rust gRPC
+    # server ends the stream with INTERNAL and the text; HTTP streams its error event (400).
+    engine = await make_engine()
+    async with http.get(f"{engine.http_url}/server_info") as resp:
+        assert (await resp.json())["enable_lora"] is None
+    client = grpc_client(engine)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(client, greq("lora-g", lora_path="sql"))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INTERNAL, LORA_OFF)
+    async with http.post(f"{engine.http_url}/generate", json=hbody("lora-h", lora_path="sql")) as resp:
+        assert resp.status == 200
+        events, done = await sse(resp)
+    assert done
+    assert events == [
+        {"error": {"message": LORA_OFF, "type": "invalid_request_error", "code": 400, "retryable": False}}
+    ]
+    lora_on = await make_engine(enable_lora=True)
+    assert len(await grpc_all(grpc_client(lora_on), greq("lora-on", 2, lora_path="sql"))) == 2
+
+
 async def test_an_absent_max_new_tokens_is_capped_not_refused_when_the_default_would_overflow(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
 ) -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import EngineOrigin, ErrorReason, SidecarError
 from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, bootstrap_struct
 from sidecar_sglang.convert_response import (
     NativeEvent,
@@ -120,20 +120,26 @@ def test_abort_we_asked_for_is_cancelled() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "reason"),
+    ("status", "reason", "exact"),
     [
-        (400, ErrorReason.INVALID_ARGUMENT),
-        (None, ErrorReason.UNKNOWN),
-        (500, ErrorReason.UNKNOWN),
-        (503, ErrorReason.OVERLOADED),
-        (502, ErrorReason.UNKNOWN),
+        (400, ErrorReason.INVALID_ARGUMENT, True),
+        (503, ErrorReason.OVERLOADED, True),
+        (None, ErrorReason.UNKNOWN, False),
+        (500, ErrorReason.UNKNOWN, False),
+        (502, ErrorReason.UNKNOWN, False),
     ],
 )
-def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason) -> None:
+def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason, exact: bool) -> None:
     finish = {"type": "abort", "message": "prompt too long", "status_code": status, "err_type": "BadRequest"}
     with pytest.raises(SidecarError) as info:
         ResponseState(native(), cumulative=False).feed(ev([], finish), aborted_by_us=False)
     assert info.value.reason is reason
+    if exact:
+        # A refusal (4xx) or a busy engine (503): SGLang's sentence as it is, its origin beside.
+        assert info.value.message == "prompt too long"
+        assert info.value.origin == EngineOrigin("Generate", f"abort status_code={status}")
+        return
+    assert info.value.origin is None
     assert "prompt too long" in info.value.message
     assert "type=abort" in info.value.message
     if status is not None:

@@ -16,6 +16,7 @@ import pytest
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.handler import HandlerConfig
+from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import prompt_logprobs
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.sglang_fixtures import sglang_stack
@@ -132,7 +133,7 @@ async def test_a_stream_has_the_input_logprobs_from_its_first_event(worker: str,
     # SGLang's tokenizer manager adds the prompt's logprobs to every event once prefill is done,
     # the first event included (incremental streaming cuts only the output lists).
     config = HandlerConfig(sglang_incremental_streaming_output=incremental)
-    async with over(worker, config, incremental=incremental) as (fe, sidecar):
+    async with over(worker, config, incremental=incremental, token_latency_ms=20) as (fe, sidecar):
         body = {
             "input_ids": PROMPT,
             "sampling_params": {"max_new_tokens": 4},
@@ -143,6 +144,90 @@ async def test_a_stream_has_the_input_logprobs_from_its_first_event(worker: str,
         status, events = await post(fe, body)
         assert status == 200
         metas = [json.loads(e)["meta_info"] for e in events[:-1]]
-        assert len(metas) == 4
+        # Tokens 20 ms apart keep the outputs apart (queued ones may travel as one); the first
+        # event is what matters.
+        assert len(metas) >= 2
         tokens, _ = scored_prompt(sidecar, 0)
-        assert [m["input_token_logprobs"] for m in metas] == [tokens] * 4
+        assert [m["input_token_logprobs"] for m in metas] == [tokens] * len(metas)
+
+
+# ------------------------------------------------------------ engine aborts keep their status
+
+
+@pytest.mark.parametrize("worker", SGLANG_WORKERS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_engine_abort_with_503_stays_503(worker: str, stream: bool) -> None:
+    # SGLang's scheduler aborts with 503 when its queue is full (--max-queued-requests). Unary:
+    # the tokenizer manager raises HTTPException(503) -> ErrorResponse; stream: the final chunk
+    # carries the abort finish reason with its status.
+    # One worker: the frontend's retry on another finds none (a short wait, not the default 5 s).
+    config = HandlerConfig(worker_wait=0.1)
+    async with over(worker, config, max_running_requests=1, max_queued_requests=0) as (fe, sidecar):
+        sidecar.engine.faults.add("busy", FaultPlan(FaultKind.HANG, after=1))
+        async with fe.http.post(
+            fe.url + "/generate",
+            json={
+                "input_ids": PROMPT,
+                "rid": "busy",
+                "sampling_params": {"max_new_tokens": 9},
+                "stream": True,
+            },
+        ) as held:
+            await held.content.readline()
+            status, answer = await post(fe, {"input_ids": PROMPT, "stream": stream})
+            if not stream:
+                assert status == 503
+                assert answer == {
+                    "object": "error",
+                    "message": "The request queue is full.",
+                    "type": "503",
+                    "param": None,
+                    "code": 503,
+                }
+            else:
+                assert status == 200
+                assert answer[-1] == "[DONE]"
+                [event] = answer[:-1]
+                finish = json.loads(event)["meta_info"]["finish_reason"]
+                assert finish == {
+                    "type": "abort",
+                    "message": "The request queue is full.",
+                    "status_code": 503,
+                    "err_type": None,
+                }
+
+
+# ------------------------------------------------- the same refusal over both SGLang transports
+
+LORA_OFF = (
+    "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
+    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+)
+
+
+@pytest.mark.parametrize("worker", SGLANG_WORKERS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_lora_adapter_while_lora_is_off_is_the_same_400_over_both_transports(
+    worker: str, stream: bool
+) -> None:
+    # SGLang's HTTP server: the tokenizer manager's ValueError -> 400 {"error": {"message"}};
+    # streamed, HTTP 200 with one error event, then [DONE].
+    async with over(worker) as (fe, sidecar):
+        body = {"input_ids": PROMPT, "lora_path": "sql", "stream": stream}
+        status, answer = await post(fe, body)
+        if not stream:
+            assert (status, answer) == (400, {"error": {"message": LORA_OFF}})
+        else:
+            assert status == 200
+            assert [json.loads(e) for e in answer[:-1]] == [
+                {
+                    "error": {
+                        "message": LORA_OFF,
+                        "type": "invalid_request_error",
+                        "code": 400,
+                        "retryable": False,
+                    }
+                }
+            ]
+            assert answer[-1] == "[DONE]"
+        assert sidecar.engine.book.received == []
