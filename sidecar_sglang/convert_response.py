@@ -53,7 +53,7 @@ class NativeEvent:
     text: str | None = None
 
 
-def error_from_http_status(status: int, message: str, rpc: str = "POST /generate") -> SidecarError:
+def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:
     """SGLang HTTP status -> typed error (docs/sglang.md, "The native HTTP wire"). A refusal
     (4xx) keeps SGLang's words as they are, for the client."""
     words = f"{rpc}: {message} (HTTP {status})"
