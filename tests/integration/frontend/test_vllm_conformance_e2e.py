@@ -64,3 +64,38 @@ async def test_an_engine_refusal_reaches_the_client_in_the_engines_words(
             raw = await response.read()
         # vLLM's error event: json.dumps with its default spacing, then [DONE].
         assert raw == b"data: " + json.dumps(expected).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def stream_of(fe: FrontendStack, body: dict[str, Any]) -> list[dict[str, Any]]:
+    async with fe.http.post(fe.url + GENERATE, json={**body, "stream": True}) as response:
+        assert response.status == 200
+        raw = await response.read()
+    blocks = raw.split(b"\n\n")
+    assert blocks[-2:] == [b"data: [DONE]", b""]
+    return [json.loads(block.removeprefix(b"data: ")) for block in blocks[:-2]]
+
+
+async def test_the_last_chunk_carries_the_last_token_and_the_finish() -> None:
+    async with over_vllm() as fe:
+        chunks = await stream_of(fe, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}})
+    choices = [c["choices"][0] for c in chunks]
+    # As vLLM streams one token per engine step: four chunks, the fourth finishing.
+    assert [len(c["token_ids"]) for c in choices] == [1, 1, 1, 1]
+    assert [c["finish_reason"] for c in choices] == [None, None, None, "length"]
+
+
+@pytest.mark.parametrize(("stops", "reported"), [([2], 2), ([], None)])
+async def test_eos_is_the_stop_reason_when_the_caller_listed_it(
+    stops: list[int], reported: int | None
+) -> None:
+    # The testkit's EOS rule: a prompt starting 99, k makes the k-th token the EOS (2).
+    body = {"token_ids": [99, 3, 500], "sampling_params": {"max_tokens": 10, "stop_token_ids": stops}}
+    async with over_vllm() as fe:
+        async with fe.http.post(fe.url + GENERATE, json=body) as response:
+            unary = await response.json()
+        chunks = await stream_of(fe, body)
+    (choice,) = unary["choices"]
+    assert choice["token_ids"][-1] == 2
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reported)
+    last = chunks[-1]["choices"][0]
+    assert (last["token_ids"], last["finish_reason"], last["stop_reason"]) == ([2], "stop", reported)
