@@ -99,3 +99,32 @@ async def test_eos_is_the_stop_reason_when_the_caller_listed_it(
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reported)
     last = chunks[-1]["choices"][0]
     assert (last["token_ids"], last["finish_reason"], last["stop_reason"]) == ([2], "stop", reported)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "PUT", "DELETE"])
+@pytest.mark.parametrize("path", ["/nope", "/v1/completions", "/inference/v1/generate/x", "/"])
+async def test_an_unknown_path_is_fastapis_404(method: str, path: str) -> None:
+    async with over_vllm() as fe, fe.http.request(method, fe.url + path) as response:
+        assert response.status == 404
+        assert response.headers["Content-Type"] == "application/json"
+        assert await response.read() == b'{"detail":"Not Found"}'
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/inference/v1/generate", "POST"),
+        ("PUT", "/inference/v1/abort_requests", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("HEAD", "/health", "GET"),  # FastAPI routes do not answer HEAD for GET
+        # SGLang's route takes POST and PUT; Starlette joins a set, in no fixed order: ours sorts.
+        ("GET", "/generate", "POST, PUT"),
+    ],
+)
+async def test_a_wrong_method_is_fastapis_405_with_allow(method: str, path: str, allow: str) -> None:
+    async with over_vllm() as fe, fe.http.request(method, fe.url + path) as response:
+        assert response.status == 405
+        assert response.headers["Allow"] == allow
+        if method != "HEAD":
+            assert response.headers["Content-Type"] == "application/json"
+            assert await response.read() == b'{"detail":"Method Not Allowed"}'
