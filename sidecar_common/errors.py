@@ -27,10 +27,12 @@ __all__ = [
     "ErrorReason",
     "FrontendStatus",
     "SidecarError",
+    "engine_went_away",
     "engine_words",
     "from_engine_status",
     "from_rpc_error",
     "invalid_argument",
+    "is_engine_fault",
     "protocol_error",
     "to_rpc_status",
 ]
@@ -155,6 +157,20 @@ def from_engine_status(rpc: str, code: grpc.StatusCode, details: str | None) -> 
         return engine_words(reason, details, rpc, code.name)
     words = details if details else "engine error with no details"
     return SidecarError(reason, f"{rpc}: {words} ({code.name})")
+
+
+def is_engine_fault(error: SidecarError) -> bool:
+    """An engine failure with no type of its own (INTERNAL and the like): a bug of the request
+    or the engine dying inside a live server, which only the engine's health can tell apart."""
+    return error.reason is ErrorReason.UNKNOWN
+
+
+def engine_went_away(error: SidecarError, why: str) -> SidecarError:
+    """An engine fault that came with the engine reporting itself unhealthy: the engine going
+    away (ENGINE_SHUTDOWN, migratable), keeping the engine's own words."""
+    return SidecarError(
+        ErrorReason.ENGINE_SHUTDOWN, f"{error}; the engine then reported itself unhealthy: {why}"
+    )
 
 
 def to_rpc_status(error: SidecarError) -> status_pb2.Status:

@@ -31,6 +31,10 @@ Testkit choices where vLLM has no equivalent:
   kv_producer/kv_both engine its terminal carries a NIXL-shaped handoff. One that says
   ``do_remote_prefill`` is a decode: it must carry remote_host/remote_port/remote_engine_id/
   remote_block_ids (else INVALID_ARGUMENT) and is recorded in ``handoffs``.
+* Engine core death (``core_dies()``, or the ``engine_dies`` fault after k tokens): as vLLM's
+  server, the gRPC server stays up, every stream in flight and every new ``Generate`` ends
+  INTERNAL with the EngineDeadError text, ``HealthCheck`` answers healthy=false and the standard
+  health service NOT_SERVING, until the server is restarted.
 * Faults (testkit.faults): ``after`` counts tokens sent over all choices, and a cut fault
   fires at the first terminal when the stream is shorter; a hung stream ignores Abort (a
   wedged engine) and ends only when the client leaves or the engine stops; the wire's ids are
@@ -74,9 +78,13 @@ from testkit.vllm_wire import (
     sampling_spec,
 )
 
-__all__ = ["SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
+__all__ = ["ENGINE_DEAD_MESSAGE", "SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+# What vLLM's gRPC servicer sends (INTERNAL) on every stream once the engine core is dead: the
+# text of vLLM's EngineDeadError. Its HealthCheck then answers healthy=false with this message.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+ENGINE_NOT_ALIVE = "Engine is not alive"
 _KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
 
 
@@ -140,6 +148,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self._ready = asyncio.Event()
         self._bind_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._core_dead = asyncio.Event()
+        self._health: Any = None
         self._started_at = time.monotonic()
         self._last_receive = 0.0
         self._seen_blocks: set[int] = set()
@@ -154,6 +164,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 s.bind((self.config.host, 0))
                 self.port = int(s.getsockname()[1])
         self._stopping.clear()
+        self._core_dead = asyncio.Event()  # a (re)started server has a live engine core
         if self.config.startup_delay_secs > 0 and not self._ready.is_set():
             self._bind_task = asyncio.create_task(self._bind_later(self.config.startup_delay_secs))
         else:
@@ -179,6 +190,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health = health
         self._server = server
         self._ready.set()
 
@@ -201,6 +213,19 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         """Engine-wide fault: the server goes away now, mid-stream (streams end without status)."""
         await self.stop(0)
 
+    async def core_dies(self) -> None:
+        """Engine-wide fault inside a live server: the engine core dies (see the module doc)."""
+        if self._core_dead.is_set():
+            return
+        self._core_dead.set()
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def core_dead(self) -> bool:
+        return self._core_dead.is_set()
+
     async def restart(self) -> int:
         """Stop, then serve again on the same port; the book and faults are kept."""
         await self.stop(0)
@@ -211,6 +236,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     # -- discovery RPCs -------------------------------------------------------------------
     async def HealthCheck(self, request: pb.HealthCheckRequest, context: Any) -> pb.HealthCheckResponse:
+        if self._core_dead.is_set():
+            return pb.HealthCheckResponse(healthy=False, message=ENGINE_NOT_ALIVE)
         return pb.HealthCheckResponse(healthy=True, message="Health")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
@@ -343,6 +370,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         rid = request.request_id
         self._last_receive = time.time()
         self.book.record_request(rid, request)
+        if self._core_dead.is_set():
+            self.book.refused(rid, Outcome.FAULTED, ENGINE_DEAD_MESSAGE)
+            await context.abort(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)
+            return
         try:
             prompt, kv = self._check(request)
         except _RequestError as e:
@@ -374,12 +405,22 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     # -- the stream -----------------------------------------------------------------------
     async def _pause(self, live: _Live, secs: float) -> None:
-        """Sleep ``secs`` (or yield once), waking early on an abort."""
+        """Sleep ``secs`` (or yield once), waking early on an abort; raises the engine core's
+        death (INTERNAL) when it dies meanwhile."""
         if secs <= 0:
             await asyncio.sleep(0)
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(live.aborted.wait(), secs)
+        else:
+            waits = [
+                asyncio.ensure_future(live.aborted.wait()),
+                asyncio.ensure_future(self._core_dead.wait()),
+            ]
+            try:
+                await asyncio.wait(waits, timeout=secs, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        if self._core_dead.is_set():
+            raise _FaultError(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)
 
     def _handoff(self, prompt: tuple[int, ...]) -> dict[str, Any]:
         c = self.config
@@ -476,7 +517,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 yield msg
             return
         kind, k = plan.kind, plan.after
-        cut = kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG)
+        cut = kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG, FaultKind.ENGINE_DIES)
         sent = 0
         first: pb.GenerateResponse | None = None
         async for msg in source:
@@ -503,6 +544,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             await self._stopping.wait()
 
     async def _trip(self, plan: FaultPlan) -> None:
+        if plan.kind is FaultKind.ENGINE_DIES:
+            await self.core_dies()
+            raise _FaultError(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)
         if plan.kind is FaultKind.ERROR_AFTER:
             code = getattr(grpc.StatusCode, plan.code, grpc.StatusCode.INTERNAL)
             raise _FaultError(code, plan.error_message)
