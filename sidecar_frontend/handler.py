@@ -147,7 +147,11 @@ class Frontend:
                 paths.setdefault(route.path, fmt)
         for path, fmt in paths.items():
             # Registered last, so it only answers the methods no format declared.
-            app.router.add_route("*", path, self._wrong_method(fmt))
+            allowed = ", ".join(sorted(method for method, p in taken if p == path))
+            app.router.add_route("*", path, self._wrong_method(fmt, allowed))
+        # Any other path: the web framework's 404, in the first format's shape (both
+        # FastAPI servers answer {"detail": "Not Found"} as application/json).
+        app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0]))
         return app
 
     @property
@@ -216,9 +220,17 @@ class Frontend:
 
         return handle
 
-    def _wrong_method(self, fmt: Format) -> Callable[[web.Request], Any]:
+    def _wrong_method(self, fmt: Format, allowed: str) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return _response(fmt.error_reply(405, f"method {request.method} is not allowed"))
+            # Starlette names the route's methods in an Allow header, as HTTP asks of a 405.
+            reply = fmt.error_reply(405, f"method {request.method} is not allowed")
+            return _response(reply, (("Allow", allowed),))
+
+        return handle
+
+    def _not_found(self, fmt: Format) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return _response(fmt.error_reply(404, f"no route for {request.path}"))
 
         return handle
 
