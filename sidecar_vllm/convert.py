@@ -37,6 +37,7 @@ __all__ = [
     "MAX_CHOICES",
     "ResponseState",
     "to_generate_request",
+    "wire_seed",
 ]
 
 KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
@@ -47,6 +48,7 @@ LOGPROB_FLOOR: Final = -9999.0
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
+_UINT32_MAX: Final = 2**32 - 1
 _ENGINE: Final = "vllm"
 
 _MEDIA_MODALITY: Final = {
@@ -156,7 +158,7 @@ def _sampling_params(
     if s.HasField("temperature"):
         p.temperature = s.temperature
     if s.HasField("seed"):
-        p.seed = _int32("sampling_options.seed", s.seed)
+        p.seed = wire_seed(s.seed)
     if stop.HasField("max_tokens"):
         p.max_tokens = stop.max_tokens
     if out.HasField("logprobs"):
@@ -172,6 +174,25 @@ def _sampling_params(
         p.max_tokens = 1
         p.min_tokens = 1
     return p
+
+
+def wire_seed(seed: int) -> int:
+    """The engine's 32-bit seed for a seed of the public API.
+
+    The wire carries an int32. Signed and unsigned 32-bit seeds are both common, so both are
+    carried: a seed in [-2^31, 2^32 - 1] becomes the int32 with the same low 32 bits (2^31 and
+    above wrap to seed - 2^32; the rest pass unchanged). A seed and the same bits read signed
+    (s and s - 2^32) therefore give the same sample. A seed needing more than 32 bits is
+    refused: no 32-bit field can carry its difference from every other seed.
+    """
+    if _INT32_MIN <= seed <= _INT32_MAX:
+        return seed
+    if _INT32_MAX < seed <= _UINT32_MAX:
+        return seed - 2**32
+    raise invalid_argument(
+        "sampling_options.seed",
+        f"{seed} needs more than the engine's 32 bits (a seed from {_INT32_MIN} to {_UINT32_MAX} is carried)",
+    )
 
 
 def _int32(name: str, value: int) -> int:

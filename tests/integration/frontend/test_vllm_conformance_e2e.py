@@ -205,3 +205,28 @@ async def test_an_engine_process_dying_mid_stream_is_vllms_500_event() -> None:
     blocks = raw.split(b"\n\n")
     assert blocks[-2:] == [b"data: [DONE]", b""]
     assert blocks[-3] == b"data: " + json.dumps(DEAD).encode()
+
+
+async def test_unsigned_32_bit_seeds_are_served_and_deterministic() -> None:
+    async def tokens(fe: FrontendStack, seed: int) -> list[int]:
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "seed": seed}}
+        async with fe.http.post(fe.url + GENERATE, json=body) as response:
+            assert response.status == 200
+            ids: list[int] = (await response.json())["choices"][0]["token_ids"]
+            return ids
+
+    async with over_vllm() as fe:
+        big = await tokens(fe, 3_000_000_000)
+        assert big == await tokens(fe, 3_000_000_000), "the same seed, the same sample"
+        assert big == await tokens(fe, 3_000_000_000 - 2**32), "the same 32 bits"
+        assert big != await tokens(fe, 3_000_000_001)
+
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "seed": 2**32}}
+        async with fe.http.post(fe.url + GENERATE, json=body) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+        assert error["param"] == "seed"
+        assert error["message"] == (
+            "sampling_options.seed: 4294967296 needs more than the engine's 32 bits "
+            "(a seed from -2147483648 to 4294967295 is carried)"
+        )
