@@ -181,10 +181,11 @@ def _free_port() -> int:
 # --- the `sidecar` command ------------------------------------------------------------------
 
 
-def test_sidecar_without_engine_prints_usage_and_exits_2() -> None:
+def test_sidecar_without_engine_says_so_in_one_line_and_exits_2() -> None:
     result = _run([_script("sidecar")])
     assert result.returncode == 2
-    assert "usage:" in result.stderr
+    assert result.stderr.startswith("sidecar: error: an engine name is required")
+    assert result.stderr.count("\n") == 1
     assert "vllm" in result.stderr
     assert "sglang" in result.stderr
 
