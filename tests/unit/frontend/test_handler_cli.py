@@ -72,7 +72,7 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
         (
             ["--worker", "a:1", "--format", "vllm"],
             {"SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "1"},
-            "--sglang-incremental-streaming-output comes from SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT",
+            "comes from SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT",
         ),
     ],
 )
