@@ -143,6 +143,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse connections until then",
     )
     a("--supports-vision", action="store_true", help="report a model that accepts images")
+    a("--max-logprobs", type=int, default=d.max_logprobs, metavar="N", help="vLLM's --max-logprobs")
     a(
         "--fault",
         type=fault_arg,
@@ -182,6 +183,7 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
         chunk_tokens=args.chunk_tokens,
         startup_delay_secs=args.startup_delay_secs,
         supports_vision=args.supports_vision,
+        max_logprobs=args.max_logprobs,
     )
 
 
