@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -882,3 +884,109 @@ def test_a_configuration_mistake_is_one_clear_line_and_no_traceback(
     assert len(complaints) == 1, complaints
     assert fill(says) in complaints[0]
     assert result.returncode == code, complaints
+
+
+# --- --help: every flag's meaning and default, in one style -------------------------------------
+
+_OPTION_LINE = re.compile(r"^  (-\S.*?)(?: {2,}(\S.*))?$")
+_DEFAULT_LAST = re.compile(
+    r"^(?P<meaning>.*\S) \(default: (?P<default>.+)\)(?: \[env (?P<env>[A-Z0-9_]+)\])?$"
+)
+_ENV_PREFIXES = {"sidecar-frontend": "SIDECAR_FRONTEND_", "sidecar frontend": "SIDECAR_FRONTEND_"}
+
+
+def _console_scripts() -> list[str]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return sorted(tomllib.load(f)["project"]["scripts"])
+
+
+def _help(command: list[str]) -> str:
+    result = _run([_script(command[0]), *command[1:], "--help"], COLUMNS="2000")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _help_pages() -> list[tuple[str, str]]:
+    """(command, --help text) for every console script of pyproject.toml, and for each of its
+    subcommands (the {a,b} choice of its usage line)."""
+    pages = []
+    for script in _console_scripts():
+        text = _help([script])
+        usage = text.split("\n\n", 1)[0]
+        choices = re.search(r"\{([a-z][a-z,]*)\}", usage.split("[", 1)[0] + usage.split("]")[-1])
+        if choices is None:
+            pages.append((script, text))
+            continue
+        for sub in choices.group(1).split(","):
+            pages.append((f"{script} {sub}", _help([script, sub])))
+    return pages
+
+
+def _flags(text: str) -> dict[str, str]:
+    """Each option of a --help page -> its help text (continuation lines joined)."""
+    entries: dict[str, str] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        match = _OPTION_LINE.match(line)
+        if match:
+            current = re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", match.group(1))[0]
+            entries[current] = match.group(2) or ""
+        elif current is not None and line.startswith("   ") and line.strip():
+            entries[current] = f"{entries[current]} {line.strip()}".strip()
+        else:
+            current = None
+    return entries
+
+
+def test_every_console_script_shows_each_flags_meaning_and_default_in_one_style() -> None:
+    pages = _help_pages()
+    commands = [command for command, _ in pages]
+    # The walk reached every daemon, through the umbrella and testkit's subcommands too.
+    for expected in ("sidecar vllm", "sidecar sglang", "sidecar frontend", "sidecar-vllm", "sidecar-sglang",
+                     "sidecar-frontend", "testkit-engine vllm", "testkit-engine sglang"):  # fmt: skip
+        assert expected in commands, commands
+    for command, text in pages:
+        flags = _flags(text)
+        assert len(flags) > 5, (command, text)
+        prefix = _ENV_PREFIXES.get(command, "" if command.startswith("testkit") else "SIDECAR_")
+        for flag, help_text in flags.items():
+            if flag in ("--help", "--version"):
+                continue
+            where = f"{command} {flag}: {help_text!r}"
+            shape = _DEFAULT_LAST.match(help_text)
+            assert shape is not None, f"{where}: not 'meaning (default: ...) [env VAR]'"
+            assert "(default: " not in shape["meaning"], f"{where}: two defaults"
+            assert len(shape["meaning"]) > 3, f"{where}: no meaning"
+            if prefix:
+                assert shape["env"] == prefix + flag[2:].replace("-", "_").upper(), where
+            else:
+                assert shape["env"] is None, where
+
+
+def test_an_engine_that_goes_away_while_serving_is_reported_again_at_a_growing_interval() -> None:
+    port = _free_port()
+    engine = subprocess.Popen(
+        [_script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=_env(),
+    )
+    daemon = _sidecar_vllm(f"127.0.0.1:{port}")
+    try:
+        daemon.wait_for("serving")
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(timeout=WAIT)
+        verdict = daemon.wait_for("engine unhealthy: refusing new requests")
+        reports = [daemon.wait_for("engine still unhealthy: refusing new requests") for _ in range(2)]
+        # The channels redial the engine all along: each report says where and why it fails.
+        for line in (verdict, *reports):
+            assert f"127.0.0.1:{port}" in str(line["reason"]), line
+        assert [r["next_report_secs"] for r in reports] == [4.0, 8.0]
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.finish() == 0
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(timeout=WAIT)
+        daemon.finish()
