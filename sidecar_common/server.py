@@ -490,6 +490,12 @@ class SidecarServer:
                 refusal = self._internal_error("validate", exc)
         if refusal is None:
             refusal = self._refusal()
+        if not request.request_id:
+            # Named before anything is logged: a refused request's line carries an id too.
+            named = sidecar_pb2.PreprocessedRequest()
+            named.CopyFrom(request)
+            named.request_id = new_public_id()
+            request = named
         if refusal is not None:
             if metrics is not None:
                 metrics.refused(refusal.reason.value)
@@ -500,11 +506,6 @@ class SidecarServer:
                 error=str(refusal),
             )
             await _fail(context, refusal)
-        if not request.request_id:
-            named = sidecar_pb2.PreprocessedRequest()
-            named.CopyFrom(request)
-            named.request_id = new_public_id()
-            request = named
         entry = self._registry.register(request.request_id)
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)

@@ -4,6 +4,8 @@ a virtual clock."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from structlog.testing import capture_logs
 
@@ -61,7 +63,7 @@ async def test_a_refusing_engine_is_reported_at_once_then_at_a_growing_interval(
     assert len(intervals) >= 5
     # Each report comes no sooner than the interval the previous one announced, and the
     # attempts keep counting: a report per interval, not per attempt.
-    for before, after in zip(waits, waits[1:], strict=False):
+    for before, after in itertools.pairwise(waits):
         assert after["waited_secs"] - before["waited_secs"] >= before["next_report_secs"]
         assert after["attempts"] > before["attempts"]
     assert len(waits) < len(connector.calls) / 5
