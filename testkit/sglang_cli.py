@@ -129,6 +129,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SGLang's tokenizer workers (with more than one, an abort by rid prefix matches)",
     )
     a(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        metavar="N",
+        help="requests that may wait beyond the running ones; one more is refused with 503, "
+        "as SGLang does (default: unset: no bound)",
+    )
+    a(
         "--fault",
         type=fault_arg,
         action="append",
@@ -157,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         kv_capacity_tokens=args.kv_capacity_tokens,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         dp_size=args.dp_size,
         token_latency_ms=args.token_latency_ms,
         chunk_tokens=args.chunk_tokens,

@@ -80,6 +80,7 @@ def native_request_from_proto(req: sglang_pb2.GenerateRequest, rid: str) -> Nati
         bootstrap=bootstrap,
         priority=req.priority if req.HasField("priority") else None,
         routed_dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
+        lora_path=req.lora_path if req.HasField("lora_path") else None,
         **{n: getattr(sp, n) for n in _CHECKED_SAMPLING if sp.HasField(n)},  # type: ignore[arg-type]
     )
 
@@ -101,6 +102,7 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
         engine = self._engine
         rid = request.rid if request.HasField("rid") else engine.new_rid()
         engine.book.record_request(rid, request)
+        engine.book.record_trace_context(rid, dict(request.trace_headers))
         if rid in self._channels:
             message = f"Failed to submit request: Duplicate active gRPC request id: {rid}"
             engine.book.refused(rid, Outcome.ERROR, message)

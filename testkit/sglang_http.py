@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from testkit.book import trace_fields
 from testkit.faults import parse_directive
 from testkit.sglang_core import (
     Bootstrap,
@@ -83,6 +84,26 @@ def _float(body: dict[str, Any], key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise _BadBody(f"{key}: Input should be a valid number")
     return float(v)
+
+
+def _logit_bias(sp: dict[str, Any]) -> tuple[tuple[str, float], ...] | None:
+    v = sp.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or any(
+        isinstance(b, bool) or not isinstance(b, int | float) for b in v.values()
+    ):
+        raise _BadBody("sampling_params.logit_bias: Input should be a valid dictionary of numbers")
+    return tuple((str(k), float(b)) for k, b in v.items())
+
+
+def _str(body: dict[str, Any], key: str) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _BadBody(f"{key}: Input should be a valid string")
+    return v
 
 
 def _bool(body: dict[str, Any], key: str) -> bool:
@@ -185,6 +206,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         bootstrap=bootstrap,
         priority=_int(body, "priority"),
         routed_dp_rank=_int(body, "routed_dp_rank"),
+        lora_path=_str(body, "lora_path"),
         temperature=_float(sp, "temperature"),
         top_p=_float(sp, "top_p"),
         top_k=_int(sp, "top_k"),
@@ -192,6 +214,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         frequency_penalty=_float(sp, "frequency_penalty"),
         presence_penalty=_float(sp, "presence_penalty"),
         repetition_penalty=_float(sp, "repetition_penalty"),
+        logit_bias=_logit_bias(sp),
     )
 
 
@@ -262,6 +285,7 @@ class SglangHttpServer:
             return _bad_request("rid: Input should be a valid string (batches are not served)")
         rid = rid or engine.new_rid()
         engine.book.record_request(rid, body)
+        engine.book.record_trace_context(rid, trace_fields(request.headers.items()))
         try:
             req = native_request_from_json(body, rid, engine.config.bootstrap_port)
         except _BadBody as e:
