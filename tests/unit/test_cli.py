@@ -407,3 +407,21 @@ def test_decode_mode_turns_on_the_decode_hold_of_the_server(mode: str, holds: bo
 
     config, _ = parse(["--grpc-endpoint", "h:1", "--disaggregation-mode", mode])
     assert _server_config(config).hold_decode_cancels is holds
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_console_tracebacks_are_plain_without_locals() -> None:
+    # rich's renderer printed boxes, source and every local: hundreds of lines per traceback,
+    # and whatever the locals held.
+    out = io.StringIO()
+    configure_logging("console", "info", stream=out)
+    try:
+        credentials = {"token": "not-for-logs"}
+        raise RuntimeError(f"boom with {len(credentials)} credential")
+    except RuntimeError:
+        structlog.get_logger("sidecar_common.daemon").exception("crash")
+    text = out.getvalue()
+    assert "Traceback (most recent call last):" in text
+    assert "RuntimeError: boom with 1 credential" in text
+    assert "not-for-logs" not in text
+    assert len(text.splitlines()) < 10
