@@ -56,7 +56,9 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
         return None
     if failure.reason == "INVALID_ARGUMENT":
         param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
-        return VllmError(failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
+        # No error goes out without words, whatever the worker sent.
+        message = failure.message or "the worker refused the request without a reason"
+        return VllmError(message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
     if failure.reason == "OVERLOADED":
         return VllmError(
             OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
