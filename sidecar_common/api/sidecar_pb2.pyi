@@ -379,20 +379,30 @@ class OutputOptions(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_LOGPROB_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.int
     """Top-N alternatives per output token; 0 returns the sampled token's logprob only."""
     prompt_logprobs: _builtins.int
     skip_special_tokens: _builtins.bool
+    @_builtins.property
+    def token_ids_logprob(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The log-probabilities of these token ids (SGLang's token_ids_logprob), in this order, at
+        every output position (with logprobs) and every prompt position (with prompt_logprobs);
+        returned in engine_data. Served only where the engine's wire carries it (SGLang over HTTP);
+        other workers refuse it.
+        """
+
     def __init__(
         self,
         *,
         logprobs: _builtins.int | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
         skip_special_tokens: _builtins.bool | None = ...,
+        token_ids_logprob: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens", "token_ids_logprob", b"token_ids_logprob"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
