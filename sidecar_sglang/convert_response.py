@@ -391,8 +391,8 @@ class ResponseState:
     def _attach_chosen_ids(
         self, out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object], start: int, count: int | None
     ) -> None:
-        """``engine_data.token_ids_logprobs``: the rows of this output's positions (``count``
-        of them from ``start``; None: every row left)."""
+        """``token_ids_logprobs``: the rows of this output's positions (``count`` of them from
+        ``start``; None: every row left)."""
         if not self.request.token_ids_logprob or self.request.logprobs is None:
             return
         rows = _chosen_rows(meta, "output_token_ids_logprobs", start, count)
@@ -400,8 +400,13 @@ class ResponseState:
             raise protocol_error(
                 _ENGINE, f"output_token_ids_logprobs has {len(rows)} entries for {count} tokens"
             )
-        if rows:
-            out.engine_data.update({"token_ids_logprobs": rows})  # type: ignore[dict-item]
+        for row in rows:
+            entries = out.token_ids_logprobs.add().entries
+            for item in row if isinstance(row, list) else ():
+                assert isinstance(item, dict)
+                if item["logprob"] is None:
+                    raise protocol_error(_ENGINE, "an output_token_ids_logprobs entry has no logprob")
+                entries.add(token_id=item["token_id"], logprob=item["logprob"])
 
     def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
         if aborted_by_us:

@@ -162,7 +162,9 @@ class _Item:
             # them from the first output that carries them.
             self._input_logprobs(output)
         if plan.token_ids_logprob:
-            self.output_chosen.extend(_chosen_rows(output, "token_ids_logprobs"))
+            self.output_chosen.extend(
+                [[e.logprob, e.token_id, None] for e in row.entries] for row in output.token_ids_logprobs
+            )
         if plan.return_logprob:
             for k, token in enumerate(new):
                 lp = output.log_probs[k] if k < len(output.log_probs) else None

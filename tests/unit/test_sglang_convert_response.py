@@ -492,6 +492,11 @@ def test_sglangs_own_prompt_tokens_are_reported_when_they_differ_from_the_reques
 
 
 def _chosen(out: sidecar_pb2.LLMEngineOutput, key: str = "token_ids_logprobs") -> Any:
+    if key == "token_ids_logprobs":
+        return [
+            [{"token_id": e.token_id, "logprob": e.logprob} for e in row.entries]
+            for row in out.token_ids_logprobs
+        ]
     return json_format.MessageToDict(out.engine_data).get(key)
 
 
