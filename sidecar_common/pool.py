@@ -89,6 +89,8 @@ class PoolConfig:
     connections: int = 8  # --grpc-connections
     startup_deadline: float = 1800.0  # --grpc-startup-deadline-secs
     retry: RetryPolicy = RetryPolicy()
+    # What the pool dials, as its errors name it (the frontend's pools dial workers).
+    peer: str = "engine"
 
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -331,7 +333,9 @@ class ChannelPool:
     async def connect(self, deadline: Deadline) -> None:
         """Slot 1 first, then the rest concurrently, all within ``deadline``."""
         if self._closed:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool is closed")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is closed"
+            )
         if self._channels:
             return
         n = self._config.connections
@@ -343,7 +347,7 @@ class ChannelPool:
             target = self._config.endpoint.target
             try:
                 opened[index] = await retry_until_deadline(
-                    f"engine {target} slot {index + 1}/{n}",
+                    f"{self._config.peer} {target} slot {index + 1}/{n}",
                     lambda timeout: self._connector(target, timeout),
                     deadline,
                     self._config.retry,
@@ -373,7 +377,9 @@ class ChannelPool:
             raise failure
         if self._closed:
             # close() ran while the slots were connecting (shutdown during start-up).
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool was closed")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool was closed"
+            )
         self._channels = [channel for channel in opened if channel is not None]
 
     def channel(self) -> grpc.aio.Channel:
@@ -383,7 +389,9 @@ class ChannelPool:
         channels = self._channels
         if not channels:
             state = "closed" if self._closed else "not connected"
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, f"the engine connection pool is {state}")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is {state}"
+            )
         count = len(channels)
         first = self._next
         for step in range(count):

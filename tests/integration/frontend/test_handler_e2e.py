@@ -58,7 +58,7 @@ async def test_unary_generation_returns_the_engines_tokens() -> None:
         status, body = await post(fe, "/t/generate", {"ids": PROMPT, "max": 5, "rid": "u1"})
         assert status == 200
         assert body == {"outputs": [{"ids": expected(fe, 5), "finish": "LENGTH", "error": None}]}
-        assert metric(fe, "frontend_requests_total", format="test", outcome="ok") == 1
+        assert metric(fe, "frontend_requests_total", format="test", outcome="ok", reason="NONE") == 1
         assert metric(fe, "frontend_completion_tokens_total", format="test") == 5
         assert metric(fe, "frontend_prompt_tokens_total", format="test") == 4
 
@@ -99,7 +99,10 @@ async def test_client_disconnect_cancels_the_call_and_the_engine_aborts_exactly_
         response.close()  # the client goes away mid-stream
         await settled(fe)
         assert len(aborts_for(fe, "gone")) == 1
-        assert metric(fe, "frontend_requests_total", format="test", outcome="disconnected") == 1
+        assert (
+            metric(fe, "frontend_requests_total", format="test", outcome="disconnected", reason="CLIENT_GONE")
+            == 1
+        )
 
 
 async def test_client_disconnect_before_the_first_token_also_aborts_once() -> None:
@@ -126,7 +129,7 @@ async def test_request_timeout_reports_deadline_and_aborts_the_engine_request() 
         assert [t for o in outputs for t in o.get("ids", [])] == expected(fe, 2)
         await settled(fe)
         assert len(aborts_for(fe, "slow")) == 1
-        assert metric(fe, "frontend_requests_total", format="test", outcome="timeout") == 1
+        assert metric(fe, "frontend_requests_total", format="test", outcome="timeout", reason="DEADLINE") == 1
 
 
 async def test_abort_by_id_reaches_every_client_using_that_id_and_only_them() -> None:
@@ -174,7 +177,10 @@ async def test_stop_all_ends_in_flight_requests_with_the_given_failure() -> None
         assert json.loads(events[-2])["error"] == "ENGINE_SHUTDOWN"
         await settled(fe)
         assert len(aborts_for(fe, "late")) == 1
-        assert metric(fe, "frontend_requests_total", format="test", outcome="shutdown") == 1
+        assert (
+            metric(fe, "frontend_requests_total", format="test", outcome="shutdown", reason="ENGINE_SHUTDOWN")
+            == 1
+        )
 
 
 async def test_abort_of_an_unknown_id_aborts_nothing() -> None:
@@ -370,7 +376,10 @@ async def test_a_refusal_by_the_format_reaches_no_worker() -> None:
         status, body = await post(fe, "/t/generate", {"ids": []})
         assert (status, body["error"]) == (400, "ids: required")
         assert fe.sidecars[0].engine.book.received == []
-        assert metric(fe, "frontend_requests_total", format="test", outcome="invalid") == 1
+        assert (
+            metric(fe, "frontend_requests_total", format="test", outcome="invalid", reason="INVALID_REQUEST")
+            == 1
+        )
 
 
 async def test_info_routes_answer_from_the_workers_model() -> None:
