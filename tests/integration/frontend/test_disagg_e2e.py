@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
+import structlog.testing
 from aiohttp import web
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
@@ -276,11 +277,16 @@ async def test_a_decode_sidecar_listed_as_aggregated_is_refused_and_clients_get_
         for fmt in ("sglang", "vllm"):
             path, body = body_of(fmt, f"mis-{fmt}", stream=False)
             body.pop("kv_transfer_params", None)
-            async with http.post(url + path, json=body) as response:
-                assert response.status == 503
-                text = await response.text()
-                assert why in text
-                assert "kv_transfer_params" not in text
+            with structlog.testing.capture_logs() as logs:
+                async with http.post(url + path, json=body) as response:
+                    assert response.status == 503
+                    text = await response.text()
+            assert why in text
+            assert "kv_transfer_params" not in text
+            (line,) = [e for e in logs if e["event"] == "request"]
+            assert line["reason"] == "MISCONFIGURED"
+            assert why in line["error"]
+            assert line["request_id"].endswith(f"mis-{fmt}")
             labels = {"format": fmt, "outcome": "unavailable", "reason": "MISCONFIGURED"}
             assert metrics.registry.get_sample_value("frontend_requests_total", labels) == 1
         async with http.get(url + "/health") as response:

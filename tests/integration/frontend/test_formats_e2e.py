@@ -197,7 +197,8 @@ async def test_a_model_no_worker_serves_is_404_in_each_formats_shape_and_reaches
                 assert response.status == 404
                 assert await response.json() == {
                     "object": "error",
-                    "message": "The model `nobody` does not exist. Served models: another-model, testkit-model.",
+                    "message": "The model `nobody` does not exist. "
+                    "Served models: another-model, testkit-model.",
                     "type": "404",
                     "param": None,
                     "code": 404,

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog.testing
 
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
@@ -400,3 +401,20 @@ async def test_worker_inflight_gauge_follows_the_generations() -> None:
             assert metric(fe, "frontend_worker_inflight", worker=fe.address(0)) == 1
         await until(lambda: fe.frontend.inflight == 0, "the exchange ended")
         assert metric(fe, "frontend_worker_inflight", worker=fe.address(0)) == 0
+
+
+async def test_the_request_line_of_a_refused_request_says_why_and_carries_its_id() -> None:
+    async with frontend_stack() as fe:
+        with structlog.testing.capture_logs() as logs:
+            status, _ = await post(fe, "/t/generate", {"ids": [], "rid": "bad-1"})
+        assert status == 400
+        lines = [e for e in logs if e["event"] == "request"]
+        assert len(lines) == 1
+        line = lines[0]
+        assert (line["request_id"], line["outcome"], line["reason"], line["status"]) == (
+            "bad-1",
+            "invalid",
+            "INVALID_REQUEST",
+            400,
+        )
+        assert line["error"] == "ids: required"

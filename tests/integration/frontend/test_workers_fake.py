@@ -3,6 +3,7 @@ test controls): the paths real sidecars rarely take on their own."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -11,6 +12,8 @@ from typing import Any
 import anyio
 import grpc
 import pytest
+import structlog
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
@@ -205,3 +208,23 @@ def test_a_report_comes_after_the_first_wait_then_at_a_doubling_interval_up_to_t
     assert report.clear() is True
     assert report.due(100.0) is False
     assert report.due(102.0) is True
+
+
+async def test_a_worker_that_does_not_answer_is_reported_with_where_it_dials_at_a_growing_interval() -> None:
+    with socket.socket() as sock:  # a port nothing listens on: every dial is refused
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    config = replace(FAST_WORKERS, report_first_secs=0.2, report_max_secs=0.8)
+    with structlog.testing.capture_logs() as logs:
+        async with WorkerSet(config) as workers:
+            workers.add_worker(address)
+
+            def reports() -> list[dict[str, Any]]:
+                return [e for e in logs if e["event"] == "worker not answering, still dialling"]
+
+            await until(lambda: len(reports()) >= 4, "four reports")
+    first = reports()[0]
+    assert first["worker"] == first["dialing"] == address
+    assert "cannot connect to worker" in first["error"]
+    assert first["log_level"] == "warning"
+    assert [e["next_report_secs"] for e in reports()[:4]] == [0.4, 0.8, 0.8, 0.8]
