@@ -4,7 +4,7 @@ test controls): the paths real sidecars rarely take on their own."""
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -219,7 +219,7 @@ async def test_a_worker_that_does_not_answer_is_reported_with_where_it_dials_at_
         async with WorkerSet(config) as workers:
             workers.add_worker(address)
 
-            def reports() -> list[dict[str, Any]]:
+            def reports() -> list[MutableMapping[str, Any]]:
                 return [e for e in logs if e["event"] == "worker not answering, still dialling"]
 
             await until(lambda: len(reports()) >= 4, "four reports")
