@@ -226,12 +226,11 @@ class VllmEngine:
         raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "engine stream ended before the final chunk")
 
     async def abort(self, private_id: str) -> None:
+        # vLLM answers OK for an id it no longer knows, so a failure here is a real one (an
+        # engine that cannot be reached or does not answer): raised for the dispatcher to log
+        # and count as a failed abort.
         request = vllm_engine_pb2.AbortRequest(request_ids=[private_id])
-        try:
-            await bounded_call("Abort", ABORT_TIMEOUT, lambda t: self._stubs.next().Abort(request, timeout=t))
-        except SidecarError as err:
-            # Best effort: the request may be gone already (its stream was closed too).
-            _log.warning("vllm abort failed", private_id=private_id, error=err.message)
+        await bounded_call("Abort", ABORT_TIMEOUT, lambda t: self._stubs.next().Abort(request, timeout=t))
 
     async def load(self) -> EngineLoad:
         reply = await bounded_call(

@@ -15,6 +15,7 @@ SSE event (``{"error": …}`` with spaces, as vLLM writes it).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -32,7 +33,7 @@ from sidecar_frontend.formats.vllm_errors import (
 )
 from sidecar_frontend.formats.vllm_request import VllmOptions
 
-__all__ = ["DONE", "VllmEncoder", "failure_error"]
+__all__ = ["DONE", "VllmEncoder", "engine_param", "failure_error"]
 
 DONE: Final = b"data: [DONE]\n\n"
 LOGPROB_FLOOR: Final = -9999.0
@@ -47,7 +48,6 @@ _FINISH: Final = {
 }
 # Reasons that end a request the way an abort does: the tokens so far stand.
 _ABORTING: Final = frozenset({"CANCELLED", "DEADLINE"})
-_ENGINE_GONE: Final = frozenset({"CANNOT_CONNECT", "ENGINE_SHUTDOWN", "CONNECTION_TIMEOUT", "NO_WORKER"})
 
 
 def failure_error(failure: WorkerFailure) -> VllmError | None:
@@ -55,17 +55,16 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
     if failure.reason in _ABORTING:
         return None
     if failure.reason == "INVALID_ARGUMENT":
-        return VllmError(
-            failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, _vllm_param(failure.message)
-        )
+        param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
+        return VllmError(failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
     if failure.reason == "OVERLOADED":
         return VllmError(
             OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
         )
-    if failure.reason in _ENGINE_GONE:
-        return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
-    # vLLM reports a failed generation with an empty message (EngineGenerateError).
-    return VllmError("", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
+    # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
+    # error without words helps no client, so every 500 says this sentence.)
+    return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 # The sidecars' refusals start with the sidecar.v1 field ("stop_conditions.max_tokens: ...");
@@ -98,6 +97,17 @@ _VLLM_PARAM: Final = {
     "extra_args.kv_transfer_params": "kv_transfer_params",
     "prefill_result.disaggregated_params": "kv_transfer_params",
 }
+
+
+# vLLM's validation errors end their text with `` (parameter=<name>, value=<value>)`` (either
+# part may be missing); the value may hold anything, brackets and commas included.
+_ENGINE_PARAM: Final = re.compile(r" \(parameter=([^,()\s]+)(?:, value=.*)?\)\Z", re.DOTALL)
+
+
+def engine_param(message: str) -> str | None:
+    """The parameter an engine's refusal names by vLLM's convention, else None."""
+    match = _ENGINE_PARAM.search(message)
+    return match.group(1) if match else None
 
 
 def _vllm_param(message: str) -> str | None:

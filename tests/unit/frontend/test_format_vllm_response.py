@@ -310,8 +310,9 @@ FAILURES: list[tuple[str, int, str, str]] = [
         "The server had an error while processing your request.",
     ),
     ("NO_WORKER", 500, "InternalServerError", "The server had an error while processing your request."),
-    ("PROTOCOL_ERROR", 500, "InternalServerError", ""),
-    ("UNKNOWN", 500, "InternalServerError", ""),
+    # vLLM sends "" for an EngineGenerateError; no error of ours is without words.
+    ("PROTOCOL_ERROR", 500, "InternalServerError", "The server had an error while processing your request."),
+    ("UNKNOWN", 500, "InternalServerError", "The server had an error while processing your request."),
 ]
 
 
