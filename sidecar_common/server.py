@@ -33,6 +33,7 @@ from sidecar_common.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_
 from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, relay
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
+from sidecar_common.tracing import SpanKind, Tracing, from_metadata
 
 __all__ = ["HEALTH_SERVICES", "LIVENESS_SERVICE", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
 
@@ -154,7 +155,14 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def Generate(  # type: ignore[override]
         self, request: sidecar_pb2.PreprocessedRequest, context: _Context
     ) -> None:
-        await self._owner._generate(request, context)
+        owner = self._owner
+        with owner._tracing.span(
+            "sidecar.v1.Worker/Generate",
+            from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={"llm.request_id": request.request_id, "llm.engine": owner._engine.name},
+        ):
+            await owner._generate(request, context)
 
     async def Abort(self, request: sidecar_pb2.AbortRequest, context: _Context) -> sidecar_pb2.AbortResponse:
         return self._owner._abort(request)
@@ -179,10 +187,12 @@ class SidecarServer:
         *,
         metrics: Metrics | None = None,
         engine_health_listener: Callable[[bool, str], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._engine = engine
         self._config = config
         self._metrics = metrics
+        self._tracing = tracing if tracing is not None else Tracing()
         # Told (healthy, why not) when the background health watch changes its verdict.
         self._engine_health_listener = engine_health_listener
         self._registry = Registry()

@@ -240,6 +240,8 @@ async def handshake_problem(target: str, files: ClientTlsFiles, timeout: float) 
     except ssl.SSLCertVerificationError as err:
         return f"its certificate is not trusted: {err.verify_message}"
     except ssl.SSLError as err:
+        if err.reason == "WRONG_VERSION_NUMBER":
+            return "it does not speak TLS (a plaintext worker: its --tls-cert is unset?)"
         return f"TLS handshake failed: {err.reason or err}"
     except (OSError, TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError):
         return None

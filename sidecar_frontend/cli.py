@@ -102,7 +102,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description=(
             "HTTP frontend serving SGLang's /generate and vLLM's /inference/v1/generate "
             "(token in, token out) over sidecars reached by gRPC. Every --flag-name may also be "
-            f"set as {ENV_PREFIX}FLAG_NAME; the flag wins."
+            f"set as {ENV_PREFIX}FLAG_NAME; the flag wins. Traces (W3C traceparent) go on to the "
+            "workers; spans are exported over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -19,6 +19,7 @@ from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import from_rpc_error, protocol_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
+from sidecar_common.tracing import outgoing_headers
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_grpc
 from sidecar_sglang.discovery import discover, loads_from_json
@@ -155,7 +156,9 @@ class SglangGrpcEngine(SglangAdapterBase):
         pid = call.private_id
         native, state = self._open(call)
         decode = GrpcEventDecoder(native, cumulative=state.cumulative).decode
-        stream = self._generate.next()(to_grpc(native))
+        request = to_grpc(native)
+        request.trace_headers.update(outgoing_headers())  # the request's trace context
+        stream = self._generate.next()(request)
         try:
             async for message in stream:
                 for out in state.feed(decode(message), aborted_by_us=self._live.get(pid, False)):

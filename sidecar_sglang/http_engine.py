@@ -21,6 +21,7 @@ from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.pool import Clock, Deadline, NotReady, SystemClock, is_transient, retry_until_deadline
+from sidecar_common.tracing import outgoing_headers
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_http_json
 from sidecar_sglang.convert_response import error_from_http_status, event_from_http
@@ -205,7 +206,9 @@ class SglangHttpEngine(SglangAdapterBase):
         reusable = False
         try:
             try:
-                resp = await self._http().post(f"{self._base}/generate", json=to_http_json(native))
+                resp = await self._http().post(
+                    f"{self._base}/generate", json=to_http_json(native), headers=outgoing_headers() or None
+                )
             except aiohttp.ClientError as err:
                 raise SidecarError(ErrorReason.CANNOT_CONNECT, f"Generate: POST /generate: {err!r}") from None
             if resp.status != 200:

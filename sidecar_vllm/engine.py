@@ -21,6 +21,7 @@ from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
+from sidecar_common.tracing import outgoing_metadata
 from sidecar_vllm.convert import ResponseState, to_generate_request
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "KV_ROLES", "LOAD_TIMEOUT", "VllmEngine"]
@@ -68,7 +69,9 @@ class _Stub(Protocol):
         self, request: vllm_engine_pb2.AbortRequest, *, timeout: float
     ) -> Awaitable[vllm_engine_pb2.AbortResponse]: ...
 
-    def Generate(self, request: vllm_engine_pb2.GenerateRequest) -> _GenerateCall: ...
+    def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, *, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> _GenerateCall: ...
 
 
 class VllmEngine:
@@ -211,7 +214,8 @@ class VllmEngine:
         else:
             native = self._convert(call.request, call.private_id)
         state = ResponseState(call.request, self._mode)
-        stream = self._stubs.next().Generate(native)
+        # The request's trace context (docs/common.md, "Tracing") as gRPC metadata.
+        stream = self._stubs.next().Generate(native, metadata=outgoing_metadata())
         try:
             async for message in stream:
                 for out in state.feed(message):

@@ -61,7 +61,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from testkit.book import Book, Outcome
+from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
 from testkit.vllm_wire import (
@@ -370,6 +370,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         rid = request.request_id
         self._last_receive = time.time()
         self.book.record_request(rid, request)
+        # vLLM's wire carries a request's trace context as gRPC metadata.
+        self.book.record_trace_context(rid, trace_fields(context.invocation_metadata() or ()))
         if self._core_dead.is_set():
             self.book.refused(rid, Outcome.FAULTED, ENGINE_DEAD_MESSAGE)
             await context.abort(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)

@@ -172,17 +172,25 @@ def test_mutual_tls_workers_serve_and_one_whose_certificate_the_ca_did_not_sign_
             assert all(e["workers"] == [f"127.0.0.1:{good}"] for e in requests), requests
 
 
-def test_a_frontend_without_the_client_certificate_is_refused_by_a_mutual_tls_worker(tmp_path: Path) -> None:
+def test_a_worker_that_refuses_the_client_certificate_and_a_plaintext_worker_are_refused_by_name(
+    tmp_path: Path,
+) -> None:
     fleet_ca, other_ca = make_ca("fleet CA"), make_ca("some other CA")
     with ExitStack() as stack:
         engine_address = engine(stack)
         _, good = sidecar(stack, engine_address, server_files(tmp_path, "good", fleet_ca, fleet_ca))
         _, strict = sidecar(stack, engine_address, server_files(tmp_path, "strict", fleet_ca, other_ca))
+        _, plain = sidecar(stack, engine_address, ())
         env = frontend_files(tmp_path / "frontend", fleet_ca, make_leaf("frontend", fleet_ca, server=False))
-        with frontend([good, strict], env) as (log, url):
-            refused = log.wait_for(REFUSED)
-            assert refused["worker"] == f"127.0.0.1:{strict}"
-            assert "does not trust this client's certificate" in refused["error"], refused
+        with frontend([good, strict, plain], env) as (log, url):
+            why: dict[str, str] = {}
+            seen = 0
+            while len(why) < 2:  # a refused worker is retried (and logged again) meanwhile
+                seen += 1
+                line = log.wait_for(REFUSED, count=seen)
+                why.setdefault(line["worker"], line["error"])
+            assert "does not trust this client's certificate" in why[f"127.0.0.1:{strict}"], why
+            assert "does not speak TLS" in why[f"127.0.0.1:{plain}"], why
             generate(url)
 
 

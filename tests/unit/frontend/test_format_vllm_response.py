@@ -271,8 +271,8 @@ def test_continuous_usage_counts_the_chunks_choice_so_far() -> None:
         enc.on_output(0, out, 0.0)
         for out in (
             _out([1], 0),
-            _out([1, 2], 1),
-            _out([2, 3], 0),
+            _out([1, 4], 1),  # not 2: the EOS, whose chunk would wait for its terminal
+            _out([4, 3], 0),
             _out([3], 1, sidecar_pb2.LENGTH),
             _out([], 0, sidecar_pb2.LENGTH),
         )
