@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens, help="max_total_num_tokens")
     a("--page-size", type=int, default=d.page_size)
     a("--max-running-requests", type=int, default=d.max_running_requests)
+    a("--max-queued-requests", type=int, default=d.max_queued_requests)
     a("--dp-size", type=int, default=d.dp_size)
     a("--token-latency-ms", type=float, default=d.token_latency_ms)
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
@@ -69,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         kv_capacity_tokens=args.kv_capacity_tokens,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         dp_size=args.dp_size,
         token_latency_ms=args.token_latency_ms,
         chunk_tokens=args.chunk_tokens,

@@ -80,6 +80,7 @@ def native_request_from_proto(req: sglang_pb2.GenerateRequest, rid: str) -> Nati
         bootstrap=bootstrap,
         priority=req.priority if req.HasField("priority") else None,
         routed_dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
+        lora_path=req.lora_path if req.HasField("lora_path") else None,
         **{n: getattr(sp, n) for n in _CHECKED_SAMPLING if sp.HasField(n)},  # type: ignore[arg-type]
     )
 
