@@ -199,6 +199,9 @@ class SglangGrpcServer:
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # grpcio turns SO_REUSEPORT on by default: a second engine would share a
+                # taken port and split its traffic. Off, the bind fails and start-up says so.
+                ("grpc.so_reuseport", 0),
             ]
         )
         sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Servicer(self._engine), server)

@@ -66,15 +66,15 @@ def sglang_sidecar(stack: ExitStack, transport: str) -> int:
         process(
             [
                 script("sidecar-sglang"),
-                "--grpc-endpoint",
-                f"127.0.0.1:{grpc_port}",
-                *(["--http-endpoint", f"127.0.0.1:{http_port}"] if transport == "http" else []),
+                *(
+                    ["--http-endpoint", f"127.0.0.1:{http_port}"]
+                    if transport == "http"
+                    else ["--grpc-endpoint", f"127.0.0.1:{grpc_port}", "--grpc-connections", "1"]
+                ),
                 "--transport",
                 transport,
                 "--listen",
                 "127.0.0.1:0",
-                "--grpc-connections",
-                "1",
                 "--log-format",
                 "json",
             ]
