@@ -284,8 +284,9 @@ class _WaitReporter:
     succeeded yet: after a failed attempt, and while an attempt hangs (a peer that accepts the
     connection and never answers would otherwise be silent for the whole attempt timeout)."""
 
-    def __init__(self, what: str, deadline: Deadline) -> None:
+    def __init__(self, what: str, deadline: Deadline, peer: str = "engine") -> None:
         self._what = what
+        self._peer = peer
         self._deadline = deadline
         self._schedule = ReportSchedule()
         self._last_error: str | None = None
@@ -328,7 +329,7 @@ class _WaitReporter:
         if interval is None:
             return
         _log.warning(
-            "waiting for engine",
+            f"waiting for {self._peer}",
             dialling=self._what,
             error=error,
             attempts=attempts,
@@ -346,6 +347,7 @@ async def retry_until_deadline(
     *,
     rand: Callable[[], float] = random.random,
     transient: Callable[[BaseException], bool] = is_transient,
+    peer: str = "engine",
 ) -> T:
     """Call ``attempt(timeout)`` until it returns, each bounded by min(attempt_timeout,
     remaining); back off with jitter between attempts, capped, never past the deadline.
@@ -362,7 +364,7 @@ async def retry_until_deadline(
     began = clock.monotonic()
     attempts = 0
     last: Exception | None = None
-    reporter = _WaitReporter(what, deadline)
+    reporter = _WaitReporter(what, deadline, peer)
 
     async def one_attempt() -> T:
         nonlocal attempts, last
@@ -465,6 +467,7 @@ class ChannelPool:
                     lambda timeout: self._connector(target, timeout),
                     deadline,
                     self._config.retry,
+                    peer=self._config.peer,
                 )
             except Exception as error:
                 # The first failure (typed, or a bug raised as it is) is the one reported,

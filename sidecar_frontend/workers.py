@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import SidecarError
-from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, RetryPolicy
+from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule, RetryPolicy
 from sidecar_common.rpc import StubCache, bounded_call
 from sidecar_common.tls import (
     ClientCredentials,
@@ -79,10 +79,11 @@ class WorkerSetConfig:
     retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(attempt_timeout=5.0, max_interval=1.0))
     # Pause before watching health again after the Watch stream broke.
     rewatch_interval: float = 0.2
-    # A worker that does not answer is reported this long after the first try, then at an
-    # interval that doubles up to the cap: never silence for minutes, never a line a second.
+    # A worker that does not answer is reported at once, then at an interval doubling from
+    # this up to the cap: never silence for minutes, never a line a second. (Dialling is
+    # reported by the connection pool at its own such pace: `waiting for worker`.)
     report_first_secs: float = 2.0
-    report_max_secs: float = 60.0
+    report_max_secs: float = 30.0
     # The models this frontend serves (served_model_name); empty: whatever the workers serve.
     models: frozenset[str] = frozenset()
     # Dial the workers over TLS with these files (None: plaintext).
@@ -93,7 +94,8 @@ class WorkerSetConfig:
     retire_grace: float = 3600.0
     # A worker whose TLS handshake fails is tried again after this, doubling up to the cap.
     tls_refused_retry: tuple[float, float] = (1.0, 30.0)
-    # How long a redial with rotated TLS files may take before the old connections are kept.
+    # One connection round (the pool reports as it dials); an unreachable worker is dialled
+    # round after round until drained. Also how long a redial with rotated TLS files may take.
     connect_round_secs: float = 30.0
 
 
@@ -141,44 +143,32 @@ def role_mismatch(address: str, role: str, mode: str) -> str | None:
 
 
 @dataclass
-class QuietReport:
-    """When to report a condition that lasts (a worker that does not answer): once it has
-    lasted ``first`` seconds, then at an interval doubling up to ``cap``. Pure: the caller
-    passes the time."""
+class _Unanswered:
+    """A worker that keeps not answering once connected (its health Watch breaks, its
+    ``GetModelInfo`` fails): reported at the pool's pace (:class:`ReportSchedule`: at once,
+    then at a doubling interval up to the cap), until it answers again."""
 
     first: float
     cap: float
     since: float | None = None
-    _next_at: float = 0.0
-    _interval: float = 0.0
-    reported: bool = False
+    schedule: ReportSchedule | None = None
 
-    def due(self, now: float) -> bool:
-        """The condition holds at ``now``: is a report due?"""
-        if self.since is None:
+    def due(self, now: float) -> float | None:
+        """It failed at ``now``: the interval to the next report when one is due, else None."""
+        if self.schedule is None:
+            self.schedule = ReportSchedule(self.first, self.cap)
             self.since = now
-            self._interval = self.first
-            self._next_at = now + self.first
-        if now < self._next_at:
-            return False
-        self._interval = min(self._interval * 2.0, self.cap)
-        self._next_at = now + self._interval
-        self.reported = True
-        return True
+        return self.schedule.due(now)
 
     def lasted(self, now: float) -> float:
         return 0.0 if self.since is None else now - self.since
 
-    @property
-    def next_in(self) -> float:
-        return self._interval
-
     def clear(self) -> bool:
-        """The condition ended; whether it had been reported."""
-        reported = self.reported
+        """It answered; whether it had been failing."""
+        failing = self.schedule is not None
+        self.schedule = None
         self.since = None
-        self.reported = False
-        return reported
+        return failing
 
 
 @dataclass(eq=False)
@@ -527,17 +517,16 @@ class WorkerSet:
         return worker.pool.config.endpoint.target
 
     async def _connect(self, worker: Worker) -> None:
-        """Until the worker's channels are up. A worker that does not answer is reported
-        after ``report_first_secs``, then at a doubling interval (where it dials, why it
-        fails), never more than ``report_max_secs`` apart."""
-        began = self._clock()
-        round_secs = self._config.report_first_secs
-        reported = False
+        """Until the worker's channels are up. While it does not answer, the pool says where
+        it dials and why it fails (`waiting for worker`, at once, then at a doubling interval);
+        each round that runs out is one more line here."""
         refused_pause, refused_cap = self._config.tls_refused_retry
+        began = self._clock()
+        failed = False
         while True:
             version = self._credentials.version if self._credentials is not None else 0
             try:
-                await worker.pool.connect(Deadline.start(worker.pool.clock, round_secs))
+                await worker.pool.connect(Deadline.start(worker.pool.clock, self._config.connect_round_secs))
                 worker.tls_version = version
             except TlsHandshakeError as err:
                 # Not eligible until a handshake succeeds (a certificate being reissued);
@@ -552,19 +541,16 @@ class WorkerSet:
                 refused_pause = min(refused_pause * 2, refused_cap)
                 continue
             except SidecarError as err:
-                now = self._clock()
-                reported = True
+                failed = True
                 log.warning(
-                    "worker not answering, still dialling",
+                    "worker unreachable, dialling again",
                     worker=worker.address,
-                    dialing=self._dialing(worker),
+                    dialling=self._dialing(worker),
                     error=err.message,
-                    waited_secs=round(now - began, 1),
-                    next_report_secs=round(min(round_secs * 2.0, self._config.report_max_secs), 1),
+                    waited_secs=round(self._clock() - began, 1),
                 )
-                round_secs = min(round_secs * 2.0, self._config.report_max_secs)
                 continue
-            if reported:
+            if failed:
                 log.info(
                     "worker answering", worker=worker.address, waited_secs=round(self._clock() - began, 1)
                 )
@@ -572,7 +558,7 @@ class WorkerSet:
 
     async def _watch_health(self, worker: Worker) -> None:
         request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
-        report = QuietReport(self._config.report_first_secs, self._config.report_max_secs)
+        report = _Unanswered(self._config.report_first_secs, self._config.report_max_secs)
         while True:
             with anyio.CancelScope() as rewatch:
                 worker.rewatch = rewatch
@@ -593,7 +579,7 @@ class WorkerSet:
             await anyio.sleep(self._config.rewatch_interval)
 
     async def _watch_once(
-        self, worker: Worker, request: health_pb2.HealthCheckRequest, report: QuietReport
+        self, worker: Worker, request: health_pb2.HealthCheckRequest, report: _Unanswered
     ) -> str:
         """One health Watch on the worker's connections, until it breaks; why it ended."""
         why = "its health Watch ended"
@@ -617,18 +603,19 @@ class WorkerSet:
                 call.cancel()
         except (grpc.RpcError, SidecarError) as err:
             why = _describe(err)
-            if report.due(self._clock()):
+            next_report = report.due(self._clock())
+            if next_report is not None:
                 log.warning(
                     "worker not answering",
                     worker=worker.address,
-                    dialing=self._dialing(worker),
+                    dialling=self._dialing(worker),
                     error=why,
                     waited_secs=round(report.lasted(self._clock()), 1),
-                    next_report_secs=round(report.next_in, 1),
+                    next_report_secs=next_report,
                 )
         return why
 
-    async def _check_model(self, worker: Worker, report: QuietReport) -> _Check:
+    async def _check_model(self, worker: Worker, report: _Unanswered) -> _Check:
         """Fetch the worker's ModelInfo once; refuse it when its role or model cannot be
         used."""
         model = worker.model
@@ -640,14 +627,15 @@ class WorkerSet:
                     lambda t: worker.stub().GetModelInfo(sidecar_pb2.GetModelInfoRequest(), timeout=t),
                 )
             except SidecarError as err:
-                if report.due(self._clock()):
+                next_report = report.due(self._clock())
+                if next_report is not None:
                     log.warning(
                         "worker model info failed",
                         worker=worker.address,
-                        dialing=self._dialing(worker),
+                        dialling=self._dialing(worker),
                         error=err.message,
                         waited_secs=round(report.lasted(self._clock()), 1),
-                        next_report_secs=round(report.next_in, 1),
+                        next_report_secs=next_report,
                     )
                 return _Check.UNKNOWN
             model = worker.model = fetched

@@ -17,7 +17,7 @@ import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_frontend.workers import QuietReport, Refusal, Worker, WorkerSet, WorkerState, role_mismatch
+from sidecar_frontend.workers import Refusal, Worker, WorkerSet, WorkerState, role_mismatch
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS
 
@@ -25,7 +25,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class ScriptedSidecar(sidecar_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServicer):  # type: ignore[misc]
-    def __init__(self, model: str = "m", model_info_failures: int = 0, mode: str = "agg") -> None:
+    def __init__(
+        self, model: str = "m", model_info_failures: int = 0, mode: str = "agg", watch_fails: bool = False
+    ) -> None:
+        self.watch_fails = watch_fails
         self.model = model
         self.mode = mode
         self.model_info_failures = model_info_failures
@@ -50,6 +53,8 @@ class ScriptedSidecar(sidecar_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthSer
         changed.set()
 
     async def Watch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        if self.watch_fails:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "watch broken")
         while True:
             changed = self.changed
             yield health_pb2.HealthCheckResponse(status=self.status)
@@ -201,30 +206,37 @@ def test_role_mismatch_names_the_worker_its_role_and_the_fix(role: str, mode: st
     assert f"--disaggregation-mode {role}" in why
 
 
-def test_a_report_comes_after_the_first_wait_then_at_a_doubling_interval_up_to_the_cap() -> None:
-    report = QuietReport(first=2.0, cap=10.0)
-    due = [t for t in range(0, 60) if report.due(float(t))]
-    assert due == [2, 6, 14, 24, 34, 44, 54]
-    assert report.clear() is True
-    assert report.due(100.0) is False
-    assert report.due(102.0) is True
-
-
 async def test_a_worker_that_does_not_answer_is_reported_with_where_it_dials_at_a_growing_interval() -> None:
     with socket.socket() as sock:  # a port nothing listens on: every dial is refused
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-    config = replace(FAST_WORKERS, report_first_secs=0.2, report_max_secs=0.8)
     with structlog.testing.capture_logs() as logs:
-        async with WorkerSet(config) as workers:
+        async with WorkerSet(FAST_WORKERS) as workers:
             workers.add_worker(address)
 
             def reports() -> list[MutableMapping[str, Any]]:
-                return [e for e in logs if e["event"] == "worker not answering, still dialling"]
+                return [e for e in logs if e["event"] == "waiting for worker"]
+
+            await until(lambda: len(reports()) >= 3, "three reports", secs=30)
+    first = reports()[0]
+    assert first["dialling"] == f"worker {address} slot 1/1"
+    assert "connection to" in first["error"]
+    assert first["log_level"] == "warning"
+    assert [e["next_report_secs"] for e in reports()[:3]] == [2.0, 4.0, 8.0]
+
+
+async def test_a_worker_whose_health_watch_keeps_failing_is_reported_at_a_growing_interval() -> None:
+    sidecar = ScriptedSidecar(watch_fails=True)
+    config = replace(FAST_WORKERS, report_first_secs=0.1, report_max_secs=0.4)
+    with structlog.testing.capture_logs() as logs:
+        async with scripted(sidecar) as address, WorkerSet(config) as workers:
+            workers.add_worker(address)
+
+            def reports() -> list[MutableMapping[str, Any]]:
+                return [e for e in logs if e["event"] == "worker not answering"]
 
             await until(lambda: len(reports()) >= 4, "four reports")
     first = reports()[0]
-    assert first["worker"] == first["dialing"] == address
-    assert "cannot connect to worker" in first["error"]
-    assert first["log_level"] == "warning"
-    assert [e["next_report_secs"] for e in reports()[:4]] == [0.4, 0.8, 0.8, 0.8]
+    assert (first["worker"], first["dialling"]) == (address, address)
+    assert "UNAVAILABLE" in first["error"]
+    assert [e["next_report_secs"] for e in reports()[:4]] == [0.1, 0.2, 0.4, 0.4]
