@@ -153,7 +153,7 @@ class Frontend:
             app.router.add_route("*", path, self._wrong_method(fmt, allowed))
         # Any other path: the web framework's 404, in the first format's shape (both
         # FastAPI servers answer {"detail": "Not Found"} as application/json).
-        app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0]))
+        app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0], frozenset(paths)))
         return app
 
     @property
@@ -245,9 +245,17 @@ class Frontend:
 
         return handle
 
-    def _not_found(self, fmt: Format) -> Callable[[web.Request], Any]:
+    def _not_found(self, fmt: Format, paths: frozenset[str]) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return _response(fmt.error_reply(404, f"no route for {request.path}"))
+            path = request.path
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            if path != "/" and other in paths:
+                # Starlette's redirect_slashes (on in both servers): the route without (or
+                # with) the trailing slash, as a 307 that keeps the method and the body.
+                query = f"?{request.query_string}" if request.query_string else ""
+                location = f"{request.scheme}://{request.host}{other}{query}"
+                return web.Response(status=307, headers={"Location": location})
+            return _response(fmt.error_reply(404, f"no route for {path}"))
 
         return handle
 
