@@ -7,12 +7,16 @@ STAMP := $(VENV)/.installed
 BUF_DIR := tools/buf
 BUF := $(BUF_DIR)/node_modules/.bin/buf
 
-.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check bench bench-full soak mutation clean
+# Every install (this venv, `make install-systemd`, the Dockerfile) takes its versions from this
+# one file: exact pins for every dependency and extra of pyproject.toml, pip and the build backend.
+LOCK := requirements.lock
 
-$(STAMP): pyproject.toml
+.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check lock bench bench-full soak mutation clean
+
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
+	$(BIN)/python -m pip install --quiet -c $(LOCK) --upgrade pip
+	$(BIN)/python -m pip install --quiet -c $(LOCK) -e '.[test,dev]'
 	touch $(STAMP)
 
 # The tests run a real etcd server and systemd-analyze: installed (Debian packages) when missing.
@@ -23,6 +27,15 @@ setup: $(STAMP)
 # (ENGINE=vllm, sglang, or frontend: the HTTP frontend in front of the vLLM sidecar, one curl).
 run: $(STAMP)
 	$(BIN)/python -m testkit.demo --engine $(ENGINE)
+
+# After changing a dependency in pyproject.toml: re-resolve $(LOCK), keeping every other pin
+# as it is (commit both files; tests/deploy/test_lock.py fails while the lock misses or
+# contradicts a requirement). `make lock UPGRADE=1` moves every pin to the newest allowed.
+# Universal: one lock for every platform and every Python >= 3.11 (markers where they differ).
+lock:
+	@test -x $(BIN)/uv || { echo "no $(BIN)/uv: run make setup first (uv is a pinned dev dependency)" >&2; exit 1; }
+	echo pip | $(BIN)/uv pip compile pyproject.toml - --all-extras --universal --python-version 3.11 \
+	    --custom-compile-command "make lock" --quiet $(if $(UPGRADE),--upgrade) --output-file $(LOCK)
 
 test: setup $(BUF)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -56,8 +69,8 @@ PREFIX ?= /opt/llm-sidecars
 UNIT_DIR ?= /etc/systemd/system
 install-systemd:
 	$(PY) -m venv $(PREFIX)
-	$(PREFIX)/bin/python -m pip install --quiet --upgrade pip
-	$(PREFIX)/bin/python -m pip install --quiet .
+	$(PREFIX)/bin/python -m pip install --quiet -c $(LOCK) --upgrade pip
+	$(PREFIX)/bin/python -m pip install --quiet -c $(LOCK) .
 	mkdir -p $(UNIT_DIR)
 	sed 's|/opt/llm-sidecars|$(PREFIX)|g' deploy/sidecar-vllm.service > $(UNIT_DIR)/sidecar-vllm.service
 	chmod 0644 $(UNIT_DIR)/sidecar-vllm.service

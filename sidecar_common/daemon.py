@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -40,6 +41,7 @@ from sidecar_common.metrics import Metrics
 from sidecar_common.registration import Registration, registered
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 
 __all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
@@ -310,8 +312,16 @@ async def _start(
         metrics_host = config.metrics_host or _listen_host(config.listen)
         stop_metrics = _start_metrics_http(metrics_host, config.metrics_port, metrics)
         closing.push_async_callback(_bounded, "metrics stop", stop_metrics, _CLOSE_TIMEOUT)
+    tracing = Tracing.from_environment(os.environ, service=f"sidecar-{spec.name}")
+    if tracing.exporting:
+        log.info("exporting traces over OTLP")
+        closing.push_async_callback(_bounded, "traces flush", tracing.aclose, _CLOSE_TIMEOUT)
     server = SidecarServer(
-        engine, _server_config(config), metrics=metrics, engine_health_listener=_engine_status(spec, config)
+        engine,
+        _server_config(config),
+        metrics=metrics,
+        engine_health_listener=_engine_status(spec, config),
+        tracing=tracing,
     )
     try:
         await server.start()

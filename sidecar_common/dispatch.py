@@ -341,7 +341,8 @@ class Generation:
             except Exception as exc:
                 # The abort is best effort: the generation is already over for the client.
                 self.abort_outcome = "failed"
-                self._log.warning("engine abort failed", error=repr(exc))
+                error = str(exc) if isinstance(exc, SidecarError) else repr(exc)
+                self._log.warning("engine abort failed", error=error)
         if scope.cancelled_caught:
             self.abort_outcome = "timed_out"
             self._log.warning("engine abort timed out", timeout=self._abort_timeout)

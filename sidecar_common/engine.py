@@ -92,7 +92,9 @@ class Engine(Protocol):
         ...
 
     async def healthy(self) -> bool:
-        """One bounded health probe of the engine, for the background health watch."""
+        """One bounded health probe of the engine, for the background health watch: True or
+        False is the engine's answer (False also when it cannot be reached); no answer in
+        time raises TimeoutError (a busy engine answers late, which is not unhealthy)."""
         ...
 
     async def close(self) -> None:

@@ -22,17 +22,24 @@ __all__ = [
     "ENGINE_STATUS_TO_REASON",
     "ERROR_DOMAIN",
     "FRONTEND_STATUS",
+    "ORIGIN_ENGINE",
+    "EngineOrigin",
     "ErrorReason",
     "FrontendStatus",
     "SidecarError",
+    "engine_went_away",
+    "engine_words",
     "from_engine_status",
     "from_rpc_error",
     "invalid_argument",
+    "is_engine_fault",
     "protocol_error",
     "to_rpc_status",
 ]
 
 ERROR_DOMAIN: Final = "sidecar"
+# ErrorInfo metadata ``origin`` of an error whose message is the engine's own text.
+ORIGIN_ENGINE: Final = "engine"
 
 
 class ErrorReason(enum.Enum):
@@ -76,13 +83,36 @@ ENGINE_STATUS_TO_REASON: Final[dict[grpc.StatusCode, ErrorReason]] = {
 }
 
 
-class SidecarError(Exception):
-    """A failure with a reason the frontend can act on, and a message for a human."""
+@dataclass(frozen=True)
+class EngineOrigin:
+    """Where an error in the engine's own words came from.
 
-    def __init__(self, reason: ErrorReason, message: str) -> None:
+    ``call`` names the engine call (``Generate``, ``POST /generate``); ``status`` is what the
+    engine answered it with (a gRPC code name such as ``INVALID_ARGUMENT``, or an HTTP status
+    such as ``400``).
+    """
+
+    call: str
+    status: str
+
+
+class SidecarError(Exception):
+    """A failure with a reason the frontend can act on, and a message for a human.
+
+    ``origin`` is set when ``message`` is the engine's own text, unchanged (see
+    :func:`engine_words`); ``str()`` of the error then names the call and status too, for logs.
+    """
+
+    def __init__(self, reason: ErrorReason, message: str, origin: EngineOrigin | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.origin = origin
+
+    def __str__(self) -> str:
+        if self.origin is None:
+            return self.message
+        return f"{self.origin.call}: {self.message} ({self.origin.status})"
 
     @property
     def migratable(self) -> bool:
@@ -93,7 +123,16 @@ class SidecarError(Exception):
         return FRONTEND_STATUS[self.reason].code
 
     def __repr__(self) -> str:
-        return f"SidecarError({self.reason.value}, {self.message!r})"
+        if self.origin is None:
+            return f"SidecarError({self.reason.value}, {self.message!r})"
+        return f"SidecarError({self.reason.value}, {self.message!r}, {self.origin!r})"
+
+
+def engine_words(reason: ErrorReason, words: str, call: str, status: str) -> SidecarError:
+    """An error whose message is the engine's own text, unchanged (a refusal only the engine
+    can make): the frontend shows ``words`` to the client as they are. Where they came from
+    (``call``, ``status``) travels in the ErrorInfo metadata, not in the message."""
+    return SidecarError(reason, words, EngineOrigin(call, status))
 
 
 def invalid_argument(field: str, problem: str) -> SidecarError:
@@ -107,19 +146,43 @@ def protocol_error(engine: str, what: str) -> SidecarError:
 
 
 def from_engine_status(rpc: str, code: grpc.StatusCode, details: str | None) -> SidecarError:
-    """An engine call's non-OK status, as the typed error the spec's table assigns."""
+    """An engine call's non-OK status, as the typed error the spec's table assigns.
+
+    A refusal (INVALID_ARGUMENT) with words keeps them as the message, unchanged, with its
+    origin beside it: the client reads what the engine said. Any other status is described
+    with the call's name and the code, for the operator.
+    """
     reason = ENGINE_STATUS_TO_REASON.get(code, ErrorReason.UNKNOWN)
+    if details and reason is ErrorReason.INVALID_ARGUMENT:
+        return engine_words(reason, details, rpc, code.name)
     words = details if details else "engine error with no details"
     return SidecarError(reason, f"{rpc}: {words} ({code.name})")
 
 
-def to_rpc_status(error: SidecarError) -> status_pb2.Status:
-    """The frontend status for a typed error: code, message, ErrorInfo{reason, migratable}."""
-    info = error_details_pb2.ErrorInfo(
-        reason=error.reason.value,
-        domain=ERROR_DOMAIN,
-        metadata={"migratable": "true" if error.migratable else "false"},
+def is_engine_fault(error: SidecarError) -> bool:
+    """An engine failure with no type of its own (INTERNAL and the like): a bug of the request
+    or the engine dying inside a live server, which only the engine's health can tell apart."""
+    return error.reason is ErrorReason.UNKNOWN
+
+
+def engine_went_away(error: SidecarError, why: str) -> SidecarError:
+    """An engine fault that came with the engine reporting itself unhealthy: the engine going
+    away (ENGINE_SHUTDOWN, migratable), keeping the engine's own words."""
+    return SidecarError(
+        ErrorReason.ENGINE_SHUTDOWN, f"{error}; the engine then reported itself unhealthy: {why}"
     )
+
+
+def to_rpc_status(error: SidecarError) -> status_pb2.Status:
+    """The frontend status for a typed error: code, message, ErrorInfo{reason, migratable},
+    plus, for the engine's own words, ``origin: engine``, ``engine_call`` and
+    ``engine_status``."""
+    metadata = {"migratable": "true" if error.migratable else "false"}
+    if error.origin is not None:
+        metadata.update(
+            origin=ORIGIN_ENGINE, engine_call=error.origin.call, engine_status=error.origin.status
+        )
+    info = error_details_pb2.ErrorInfo(reason=error.reason.value, domain=ERROR_DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     code_value: int = error.code.value[0]

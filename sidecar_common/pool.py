@@ -131,11 +131,18 @@ _DARK: Final = frozenset({grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.Chann
 Connector = Callable[[str, float], Awaitable[grpc.aio.Channel]]
 
 
-async def connect_channel(target: str, timeout: float) -> grpc.aio.Channel:
-    """The default connector: one plaintext channel with its own TCP connection, READY
-    within ``timeout`` or closed. A refused or reset connection fails the attempt at once
-    (the pool's backoff decides when to try again, not grpc's internal reconnect timer)."""
-    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+async def connect_channel(
+    target: str, timeout: float, *, credentials: grpc.ChannelCredentials | None = None
+) -> grpc.aio.Channel:
+    """The default connector: one channel with its own TCP connection (plaintext, or TLS with
+    ``credentials``), READY within ``timeout`` or closed. A refused or reset connection (or a
+    failed TLS handshake) fails the attempt at once (the pool's backoff decides when to try
+    again, not grpc's internal reconnect timer)."""
+    channel = (
+        grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        if credentials is None
+        else grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+    )
     state = grpc.ChannelConnectivity.IDLE
     try:
         with anyio.move_on_after(timeout):
@@ -395,11 +402,19 @@ class ChannelPool:
         self._next = (first + 1) % count
         return channels[first]
 
-    async def close(self) -> None:
-        """Close every channel (in-flight calls are cancelled); later calls do nothing."""
+    async def close(self, grace: float | None = None) -> None:
+        """Close every channel; later calls do nothing. In-flight calls are cancelled, at
+        once, or with ``grace`` once they end or ``grace`` seconds have passed (no new call
+        starts on a closing channel). Cancelling the wait cancels the calls at once."""
         self._closed = True
         channels, self._channels = self._channels, []
-        await _close_all(channels)
+        try:
+            if grace:
+                async with anyio.create_task_group() as group:
+                    for channel in channels:
+                        group.start_soon(channel.close, grace)
+        finally:
+            await _close_all(channels)
 
 
 async def _close_all(channels: Sequence[grpc.aio.Channel]) -> None:

@@ -338,7 +338,7 @@ async def relay(
             _log.warning(
                 "engine stream failed after every terminal was delivered",
                 private_id=gen.private_id,
-                error=gen.error.message,
+                error=str(gen.error),
             )
         return
     if writer.error is not None:

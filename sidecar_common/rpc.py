@@ -78,19 +78,24 @@ async def probe(
     on_failure: Callable[[str], object] | None = None,
 ) -> bool:
     """One health probe: True when ``attempt(timeout)`` returns in time; False when it fails
-    as an unreachable or unready engine does. ``on_failure`` is told why, in words for the
-    operator's "engine unhealthy" line."""
+    as an unreachable or unready engine does. No answer in time (a busy engine answers late)
+    is not the same: it raises TimeoutError. ``on_failure`` is told why, in words for the
+    operator's log lines, in both cases."""
     why = f"no health check answer within {timeout + GRACE:g}s"
+    late = True
     with anyio.move_on_after(timeout + GRACE):
         try:
             await attempt(timeout)
             return True
         except grpc.RpcError as err:
             why = from_rpc_error("HealthCheck", err).message
+            late = getattr(err, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED
         except SidecarError as err:
-            why = err.message
+            why, late = err.message, False
         except NotHealthy as err:
-            why = str(err)
+            why, late = str(err), False
     if on_failure is not None:
         on_failure(why)
+    if late:
+        raise TimeoutError(why)
     return False

@@ -28,10 +28,12 @@ from sidecar_common.dispatch import (
     new_public_id,
 )
 from sidecar_common.engine import Engine, GenerateCall
-from sidecar_common.errors import ErrorReason, SidecarError, to_rpc_status
+from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
+from sidecar_common.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
 from sidecar_common.metrics import Metrics
 from sidecar_common.relay import RelayConfig, relay
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
+from sidecar_common.tracing import SpanKind, Tracing, from_metadata
 
 __all__ = ["HEALTH_SERVICES", "LIVENESS_SERVICE", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
 
@@ -58,6 +60,11 @@ class ServerConfig:
     decode_hold_timeout: float = 30.0
     health_watch_interval: float = 1.0  # background engine health watch period
     health_probe_timeout: float = 5.0
+    # Failed probes in a row before new requests are refused (docs/common.md, "Engine health").
+    health_failure_threshold: int = FAILURE_THRESHOLD
+    # After a generation failed with an untyped engine error (INTERNAL...), how long the engine
+    # has to report itself unhealthy for the failure to count as the engine going away.
+    engine_fault_window: float = 1.0
     abort_timeout: float = 5.0
     # stop(): how long the final statuses (ENGINE_SHUTDOWN with its ErrorInfo) may take to
     # reach their clients before the server cuts what is left.
@@ -148,7 +155,14 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def Generate(  # type: ignore[override]
         self, request: sidecar_pb2.PreprocessedRequest, context: _Context
     ) -> None:
-        await self._owner._generate(request, context)
+        owner = self._owner
+        with owner._tracing.span(
+            "sidecar.v1.Worker/Generate",
+            from_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={"llm.request_id": request.request_id, "llm.engine": owner._engine.name},
+        ):
+            await owner._generate(request, context)
 
     async def Abort(self, request: sidecar_pb2.AbortRequest, context: _Context) -> sidecar_pb2.AbortResponse:
         return self._owner._abort(request)
@@ -173,10 +187,12 @@ class SidecarServer:
         *,
         metrics: Metrics | None = None,
         engine_health_listener: Callable[[bool, str], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._engine = engine
         self._config = config
         self._metrics = metrics
+        self._tracing = tracing if tracing is not None else Tracing()
         # Told (healthy, why not) when the background health watch changes its verdict.
         self._engine_health_listener = engine_health_listener
         self._registry = Registry()
@@ -189,7 +205,11 @@ class SidecarServer:
         self._server: grpc.aio.Server | None = None
         self._port = 0
         self._serving = False  # engine connected and discovered
-        self._engine_ok = True  # the last health probe's verdict
+        self._engine_ok = True  # the health watch's verdict
+        self._engine_problem = ""  # why the engine was last found unhealthy
+        self._streak = HealthStreak(config.health_failure_threshold)
+        # The probes run after an engine fault; concurrent faults share them.
+        self._fault_check: asyncio.Task[tuple[Probe, str]] | None = None
         self._draining = False
         self._stopped = False
         self._watch: asyncio.Task[None] | None = None
@@ -268,6 +288,7 @@ class SidecarServer:
         """The engine is connected and discovered: accept requests and watch its health."""
         self._serving = True
         self._engine_ok = True
+        self._streak.reset(True)
         if self._metrics is not None:
             self._metrics.set_engine_connected(True)
         self._update_health()
@@ -316,10 +337,13 @@ class SidecarServer:
         self._stopped = True
         self.cancel_inflight()
         watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.cancel()
+        check, self._fault_check = self._fault_check, None
+        tasks = [task for task in (watch, check) if task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.health_probe_timeout):
-                await asyncio.gather(watch, return_exceptions=True)
+                await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
             # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
             # engine abort; the grace lets those statuses reach the clients, where stop(None)
@@ -355,30 +379,83 @@ class SidecarServer:
     async def _health_watch(self) -> None:
         while True:
             await anyio.sleep(self._config.health_watch_interval)
-            ok = False
-            why = "the health check answered not serving"
-            try:
-                with anyio.fail_after(self._config.health_probe_timeout):
-                    ok = await self._engine.healthy()
-                # Optional on an Engine: the adapters say why their last probe failed.
-                why = getattr(self._engine, "health_problem", None) or why
-            except TimeoutError:
-                why = f"no health check answer within {self._config.health_probe_timeout:g}s"
-            except SidecarError as err:
-                why = f"health check failed: {err.message}"
-            except Exception as exc:
-                why = self._internal_error("health_watch", exc).message
-            if ok != self._engine_ok:
-                self._engine_ok = ok
-                if ok:
-                    _log.info("engine healthy again")
-                else:
-                    _log.warning("engine unhealthy: refusing new requests", reason=why)
-                if self._metrics is not None:
-                    self._metrics.set_engine_connected(ok)
-                self._update_health()
-                if self._engine_health_listener is not None:
-                    self._engine_health_listener(ok, why)
+            probe, why = await self._probe_engine()
+            streak = self._streak
+            change = streak.observe(probe)
+            if change is not None:
+                self._set_engine_ok(change, why)
+            elif probe is not Probe.HEALTHY and streak.healthy:
+                # Below the threshold: said once per failed probe, so a busy engine's late
+                # answers are visible before (and without) any verdict.
+                _log.warning(
+                    "engine health probe late" if probe is Probe.LATE else "engine health probe failed",
+                    reason=why,
+                    failures=streak.failures,
+                    threshold=streak.threshold,
+                )
+
+    async def _probe_engine(self) -> tuple[Probe, str]:
+        """One bounded probe of the engine, and why it did not find it healthy."""
+        timeout = self._config.health_probe_timeout
+        try:
+            with anyio.fail_after(timeout):
+                ok = await self._engine.healthy()
+        except TimeoutError as exc:
+            return Probe.LATE, str(exc) or f"no health check answer within {timeout:g}s"
+        except SidecarError as err:
+            return Probe.UNHEALTHY, f"health check failed: {err.message}"
+        except Exception as exc:
+            return Probe.UNHEALTHY, self._internal_error("health_watch", exc).message
+        if ok:
+            return Probe.HEALTHY, ""
+        # Optional on an Engine: the adapters say why their last probe failed.
+        why = getattr(self._engine, "health_problem", None) or "the health check answered not serving"
+        return Probe.UNHEALTHY, why
+
+    def _set_engine_ok(self, ok: bool, why: str) -> None:
+        if ok == self._engine_ok:
+            return
+        self._engine_ok = ok
+        if ok:
+            _log.info("engine healthy again")
+        else:
+            self._engine_problem = why
+            _log.warning("engine unhealthy: refusing new requests", reason=why)
+        if self._metrics is not None:
+            self._metrics.set_engine_connected(ok)
+        self._update_health()
+        if self._engine_health_listener is not None:
+            self._engine_health_listener(ok, why)
+
+    async def _typed_engine_fault(self, error: SidecarError) -> SidecarError:
+        """An engine fault (an untyped engine error) that comes with, or is followed within
+        ``engine_fault_window`` by, the engine reporting itself unhealthy is the engine going
+        away: migratable. Anything else stands as it was."""
+        if not is_engine_fault(error):
+            return error
+        if not self._engine_ok:
+            return engine_went_away(error, self._engine_problem)
+        check = self._fault_check
+        if check is None or check.done():
+            check = self._fault_check = asyncio.get_running_loop().create_task(self._probe_after_fault())
+        probe, why = await asyncio.shield(check)
+        return after_engine_fault(error, probe, why) or error
+
+    async def _probe_after_fault(self) -> tuple[Probe, str]:
+        """Probe until the engine reports itself unhealthy or the window closes; the last
+        probe's outcome. A confirmed departure also turns health NOT_SERVING at once: no new
+        request should follow the failed ones there."""
+        window = self._config.engine_fault_window
+        probe, why = Probe.LATE, "no health check answer in time"
+        with anyio.move_on_after(window):
+            while True:
+                probe, why = await self._probe_engine()
+                if probe is Probe.UNHEALTHY:
+                    self._streak.reset(False)
+                    self._set_engine_ok(False, why)
+                    break
+                await anyio.sleep(window / 10)
+        return probe, why
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:
         started_at = time.monotonic()
@@ -408,7 +485,7 @@ class SidecarServer:
                 "generate refused",
                 public_id=request.request_id,
                 reason=refusal.reason.value,
-                error=refusal.message,
+                error=str(refusal),
             )
             await _fail(context, refusal)
         if not request.request_id:
@@ -456,11 +533,19 @@ class SidecarServer:
             outcome["finish_reason"] = tracker.last_finish_reason()
             if metrics is not None:
                 metrics.finished(outcome["finish_reason"])
-        except SidecarError as err:
-            outcome.update(error_reason=err.reason.value, error=err.message)
+        except SidecarError as failure:
+            try:
+                typed = await self._typed_engine_fault(failure)
+            except asyncio.CancelledError:
+                # The client went away while the engine's health was being asked.
+                outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
+                if metrics is not None:
+                    metrics.failed(ErrorReason.CANCELLED.value)
+                raise
+            outcome.update(error_reason=typed.reason.value, error=str(typed))
             if metrics is not None:
-                metrics.failed(err.reason.value)
-            await _fail(context, err)
+                metrics.failed(typed.reason.value)
+            await _fail(context, typed)
         except asyncio.CancelledError:
             # The client went away (cancel, deadline, connection lost).
             outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
@@ -472,7 +557,7 @@ class SidecarServer:
             # aborted the engine request). Logged and counted as such, and the call still
             # ends with a status the frontend can read (UNKNOWN, ErrorInfo, not migratable).
             error = self._internal_error("generate", exc)
-            outcome.update(error_reason=error.reason.value, error=error.message)
+            outcome.update(error_reason=error.reason.value, error=str(error))
             if metrics is not None:
                 metrics.failed(error.reason.value)
             await _fail(context, error)

@@ -23,7 +23,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ENGINE_STATUS_TO_REASON, ERROR_DOMAIN, FRONTEND_STATUS, ErrorReason
+from sidecar_common.errors import (
+    ENGINE_STATUS_TO_REASON,
+    ERROR_DOMAIN,
+    FRONTEND_STATUS,
+    ORIGIN_ENGINE,
+    ErrorReason,
+)
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT, Finish, Migration, Refusal, RefusalReason
 
@@ -128,7 +134,12 @@ def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure:
     message = details if isinstance(details, str) and details else "worker error with no details"
     info = _error_info(error)
     if info is not None:
-        return WorkerFailure(info.reason, message, info.metadata.get("migratable") == "true")
+        return WorkerFailure(
+            info.reason,
+            message,
+            info.metadata.get("migratable") == "true",
+            from_engine=info.metadata.get("origin") == ORIGIN_ENGINE,
+        )
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
     if code is grpc.StatusCode.CANCELLED:

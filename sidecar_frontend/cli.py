@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 from sidecar_common.cli import (
@@ -22,6 +23,7 @@ from sidecar_common.cli import (
 )
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
 from sidecar_common.registration_record import RecordError
+from sidecar_common.tls import ClientCredentials, ClientTlsFiles, TlsSettingsError
 from sidecar_common.version import package_version
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
@@ -92,7 +94,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description=(
             "HTTP frontend serving SGLang's /generate and vLLM's /inference/v1/generate "
             "(token in, token out) over sidecars reached by gRPC. Every --flag-name may also be "
-            f"set as {ENV_PREFIX}FLAG_NAME; the flag wins."
+            f"set as {ENV_PREFIX}FLAG_NAME; the flag wins. Traces (W3C traceparent) go on to the "
+            "workers; spans are exported over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -173,6 +176,29 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="gRPC connections to each worker",
     )
+    workers.add_argument(
+        "--worker-tls-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="dial the workers over TLS, trusting the certificates this CA signed (plaintext when "
+        "unset); re-read when the file changes",
+    )
+    workers.add_argument(
+        "--worker-tls-cert",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="this frontend's client certificate (chain) for workers that require mutual TLS "
+        "(--tls-client-ca); needs --worker-tls-key and --worker-tls-ca; re-read when it changes",
+    )
+    workers.add_argument(
+        "--worker-tls-key",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="the private key of --worker-tls-cert; re-read when it changes",
+    )
     add_discovery_arguments(parser)
     ops = parser.add_argument_group("operations")
     ops.add_argument(
@@ -191,6 +217,25 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     annotate_env_help(parser, ENV_PREFIX)
     return parser
+
+
+def _worker_tls(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ClientTlsFiles | None:
+    ca, cert, key = ns.worker_tls_ca, ns.worker_tls_cert, ns.worker_tls_key
+    if (cert is None) != (key is None):
+        missing = "--worker-tls-cert" if cert is None else "--worker-tls-key"
+        parser.error(f"--worker-tls-cert and --worker-tls-key go together: {missing} is missing")
+    if ca is None:
+        if cert is not None:
+            parser.error(
+                "--worker-tls-cert needs --worker-tls-ca (the CA that signed the workers' certificates)"
+            )
+        return None
+    files = ClientTlsFiles(ca=ca, cert=cert, key=key)
+    try:
+        ClientCredentials(files)  # read and checked now: a usage error rather than a dark fleet
+    except TlsSettingsError as err:
+        parser.error(f"--worker-tls-*: {err}")
+    return files
 
 
 def parse_config(
@@ -216,7 +261,12 @@ def parse_config(
             sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
             migration_limit=ns.migration_limit,
         ),
-        worker_set=WorkerSetConfig(connections=ns.worker_connections),
+        worker_set=WorkerSetConfig(
+            connections=ns.worker_connections,
+            tls=_worker_tls(parser, ns),
+            # Calls in flight when the TLS files rotate may finish on the old connections.
+            retire_grace=timeout + 5.0 if timeout > 0 else WorkerSetConfig.retire_grace,
+        ),
         metrics_port=ns.metrics_port,
         drain_timeout=ns.drain_timeout_secs,
         log_format=ns.log_format or default_log_format(),

@@ -38,6 +38,7 @@ from anyio.abc import TaskGroup
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.tracing import SpanKind, Tracing, from_headers, outgoing_metadata
 from sidecar_frontend import disagg
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
 from sidecar_frontend.formats.base import (
@@ -109,6 +110,7 @@ class Frontend:
         clock: Callable[[], float] = time.monotonic,
         new_id: Callable[[], str] = _new_id,
         rand: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         if not formats:
             raise ValueError("at least one format is needed")
@@ -123,6 +125,7 @@ class Frontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self.rand = rand if rand is not None else random.Random()
+        self.tracing = tracing if tracing is not None else Tracing()
         # Each SGLang prefill worker's bootstrap server, learned from its first handoff.
         self.bootstraps: dict[str, disagg.BootstrapAddress] = {}
 
@@ -144,7 +147,11 @@ class Frontend:
                 paths.setdefault(route.path, fmt)
         for path, fmt in paths.items():
             # Registered last, so it only answers the methods no format declared.
-            app.router.add_route("*", path, self._wrong_method(fmt))
+            allowed = ", ".join(sorted(method for method, p in taken if p == path))
+            app.router.add_route("*", path, self._wrong_method(fmt, allowed))
+        # Any other path: the web framework's 404, in the first format's shape (both
+        # FastAPI servers answer {"detail": "Not Found"} as application/json).
+        app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0]))
         return app
 
     @property
@@ -195,7 +202,16 @@ class Frontend:
                     return _response(fmt.error_reply(413, f"request body larger than {limit} bytes"))
                 if route.kind is RouteKind.ABORT:
                     return self._abort(fmt, route, body, request.headers)
-                return await self._generate(fmt, route, body, request)
+                with self.tracing.span(
+                    f"POST {route.path}",
+                    from_headers(request.headers),
+                    kind=SpanKind.SERVER,
+                    attributes={"http.route": route.path, "llm.format": fmt.name},
+                ) as span:
+                    response = await self._generate(fmt, route, body, request)
+                    if span is not None:
+                        span.set_attribute("http.response.status_code", response.status)
+                    return response
             except (asyncio.CancelledError, ConnectionError):
                 raise
             except Exception:
@@ -204,9 +220,17 @@ class Frontend:
 
         return handle
 
-    def _wrong_method(self, fmt: Format) -> Callable[[web.Request], Any]:
+    def _wrong_method(self, fmt: Format, allowed: str) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return _response(fmt.error_reply(405, f"method {request.method} is not allowed"))
+            # Starlette names the route's methods in an Allow header, as HTTP asks of a 405.
+            reply = fmt.error_reply(405, f"method {request.method} is not allowed")
+            return _response(reply, (("Allow", allowed),))
+
+        return handle
+
+    def _not_found(self, fmt: Format) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return _response(fmt.error_reply(404, f"no route for {request.path}"))
 
         return handle
 
@@ -590,8 +614,15 @@ class _Exchange:
         frontend = self.frontend
         timeout = frontend.config.request_timeout
         grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
-        with worker.lease(frontend._lease_changed):
-            call = worker.stub().Generate(request, timeout=grpc_timeout)
+        with (
+            worker.lease(frontend._lease_changed),
+            frontend.tracing.span(
+                "sidecar.v1.Worker/Generate",
+                kind=SpanKind.CLIENT,
+                attributes={"server.address": worker.address, "llm.request_id": request.request_id},
+            ),
+        ):
+            call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
             try:
                 async for output in call:
                     stopped = await consume(output)

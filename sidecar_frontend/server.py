@@ -15,6 +15,7 @@ signal skips the wait. Exit 0: it stopped as asked.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from typing import Final
@@ -25,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar_common.logs import configure_logging
+from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FORMATS, FrontendConfig
 from sidecar_frontend.discovery import run_discovery
@@ -122,7 +124,8 @@ async def _serve_http(
     metrics: Metrics,
     signals: AsyncIterator[signal.Signals],
 ) -> int:
-    frontend = Frontend(formats, workers, config.handler, metrics=metrics)
+    tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
+    frontend = Frontend(formats, workers, config.handler, metrics=metrics, tracing=tracing)
     runner = web.AppRunner(
         frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
     )
@@ -138,12 +141,16 @@ async def _serve_http(
         except OSError as err:
             log.error("start-up failed", error=f"cannot listen: {err}")
             return EXIT_STARTUP_FAILED
-        log.info("serving", port=_bound_port(runner, port), formats=list(config.formats))
+        log.info(
+            "serving", port=_bound_port(runner, port), formats=list(config.formats), tracing=tracing.exporting
+        )
         return await _until_stopped(frontend, site, config.drain_timeout, signals)
     finally:
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+        with anyio.move_on_after(_STOP_GRACE, shield=True):
+            await tracing.aclose()  # the spans still queued
 
 
 def _bound_port(runner: web.AppRunner, asked: int) -> int:

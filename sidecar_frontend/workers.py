@@ -6,6 +6,11 @@ against the set's (the first worker to answer ``GetModelInfo`` fixes the model; 
 serves another one is refused with one log line), and its ``GetLoad`` polled on a bounded
 interval. Choice is the power of two choices over a load score (see :meth:`Worker.score`).
 
+With ``WorkerSetConfig.tls`` every worker is dialled over TLS (mutual TLS with a client
+certificate); the files are re-read when they change, and each worker's connections are
+replaced by connections made with the new files (:meth:`WorkerSet._redial`; docs/frontend.md,
+"TLS to the workers").
+
 The set is also the sink of worker discovery: ``add_worker`` / ``drain_worker`` /
 ``addresses`` are all a discovery source (static ``--worker`` flags, etcd, DNS) needs.
 Every per-worker task lives in the set's task group: ``async with WorkerSet(...)``.
@@ -31,6 +36,12 @@ from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import SidecarError
 from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, RetryPolicy
 from sidecar_common.rpc import StubCache, bounded_call
+from sidecar_common.tls import (
+    ClientCredentials,
+    ClientTlsFiles,
+    TlsHandshakeError,
+    tls_connector,
+)
 
 __all__ = ["HEALTH_SERVICE", "Role", "Worker", "WorkerSet", "WorkerSetConfig", "WorkerState"]
 
@@ -52,6 +63,14 @@ class WorkerSetConfig:
     retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(attempt_timeout=5.0, max_interval=1.0))
     # Pause before watching health again after the Watch stream broke.
     rewatch_interval: float = 0.2
+    # Dial the workers over TLS with these files (None: plaintext).
+    tls: ClientTlsFiles | None = None
+    # How often the TLS files are looked at (a stat each) for a rotation.
+    tls_check_interval: float = 5.0
+    # After a rotation, how long calls in flight on the old connections may go on there.
+    retire_grace: float = 3600.0
+    # A worker whose TLS handshake fails is tried again after this, doubling up to the cap.
+    tls_refused_retry: tuple[float, float] = (1.0, 30.0)
 
 
 class _ModelCheck(enum.Enum):
@@ -83,6 +102,11 @@ class Worker:
     own_at_report: int = 0
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     idle: anyio.Event = field(default_factory=anyio.Event)
+    # The TLS files' version the pool's connections were made with (0: plaintext or none yet).
+    tls_version: int = 0
+    # The running health Watch; cancelled when the connections are replaced, so the watch
+    # moves to the new ones without the worker leaving SERVING.
+    rewatch: anyio.CancelScope | None = None
 
     @property
     def eligible(self) -> bool:
@@ -127,6 +151,7 @@ class WorkerSet:
         on_inflight: Callable[[Worker], None] | None = None,
     ) -> None:
         self._config = config if config is not None else WorkerSetConfig()
+        self._credentials = ClientCredentials(self._config.tls) if self._config.tls is not None else None
         self._rand = rand if rand is not None else random.Random()
         self._on_inflight = on_inflight
         self._workers: dict[str, Worker] = {}
@@ -142,6 +167,8 @@ class WorkerSet:
         stack = AsyncExitStack()
         self._group = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
+        if self._credentials is not None:
+            self._group.start_soon(self._follow_tls_files, self._credentials)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -166,10 +193,7 @@ class WorkerSet:
             return
         if self._group is None:
             raise RuntimeError("WorkerSet is not running (use `async with`)")
-        endpoint = parse_endpoint(address)
-        pool = ChannelPool(
-            PoolConfig(endpoint, connections=self._config.connections, retry=self._config.retry)
-        )
+        pool = self._new_pool(address)
         worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))  # type: ignore[arg-type]
         worker.idle.set()
         self._workers[address] = worker
@@ -267,41 +291,78 @@ class WorkerSet:
                 group.start_soon(self._poll_load, worker)
                 await self._watch_health(worker, group)
 
+    def _new_pool(self, address: str) -> ChannelPool:
+        credentials = self._credentials
+        return ChannelPool(
+            PoolConfig(
+                parse_endpoint(address), connections=self._config.connections, retry=self._config.retry
+            ),
+            connector=tls_connector(credentials) if credentials is not None else None,
+        )
+
     async def _connect(self, worker: Worker) -> None:
         round_secs = self._config.connect_round_secs
+        refused_pause, refused_cap = self._config.tls_refused_retry
         while True:
+            version = self._credentials.version if self._credentials is not None else 0
             try:
                 await worker.pool.connect(Deadline.start(worker.pool.clock, round_secs))
+                worker.tls_version = version
                 return
             except SidecarError as err:
                 log.warning("worker unreachable, retrying", worker=worker.address, error=err.message)
+            except TlsHandshakeError as err:
+                # Not eligible until a handshake succeeds (a certificate being reissued);
+                # the other workers serve meanwhile.
+                log.error(
+                    "worker refused: TLS handshake failed",
+                    worker=worker.address,
+                    error=str(err),
+                    retry_in_secs=refused_pause,
+                )
+                await anyio.sleep(refused_pause)
+                refused_pause = min(refused_pause * 2, refused_cap)
 
     async def _watch_health(self, worker: Worker, group: TaskGroup) -> None:
         request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
         while worker.state is not WorkerState.REFUSED:
-            try:
-                stub = health_pb2_grpc.HealthStub(worker.pool.channel())
-                call = stub.Watch(request)
-                try:
-                    async for reply in _responses(call):
-                        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                            self._set_state(worker, WorkerState.NOT_SERVING)
-                            continue
-                        verdict = await self._check_model(worker)
-                        if verdict is _ModelCheck.REFUSED:
-                            group.cancel_scope.cancel()
-                            return
-                        if verdict is _ModelCheck.UNKNOWN:
-                            break  # a fresh Watch restates SERVING, and the check runs again
-                        self._set_state(worker, WorkerState.SERVING)
-                finally:
-                    call.cancel()
-            except (grpc.RpcError, SidecarError) as err:
-                log.debug("health watch ended", worker=worker.address, error=repr(err))
+            with anyio.CancelScope() as rewatch:
+                worker.rewatch = rewatch
+                if await self._watch_once(worker, group, request):
+                    return  # refused: serves another model
+            worker.rewatch = None
+            if rewatch.cancelled_caught:
+                continue  # new connections (TLS files rotated): watch there, state kept
             # Checked again once it serves: a restarted worker may serve another model.
             worker.model = None
             self._set_state(worker, WorkerState.NOT_SERVING)
             await anyio.sleep(self._config.rewatch_interval)
+
+    async def _watch_once(
+        self, worker: Worker, group: TaskGroup, request: health_pb2.HealthCheckRequest
+    ) -> bool:
+        """One health Watch on the worker's connections, until it breaks; True when the
+        worker was refused."""
+        try:
+            stub = health_pb2_grpc.HealthStub(worker.pool.channel())
+            call = stub.Watch(request)
+            try:
+                async for reply in _responses(call):
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        self._set_state(worker, WorkerState.NOT_SERVING)
+                        continue
+                    verdict = await self._check_model(worker)
+                    if verdict is _ModelCheck.REFUSED:
+                        group.cancel_scope.cancel()
+                        return True
+                    if verdict is _ModelCheck.UNKNOWN:
+                        break  # a fresh Watch restates SERVING, and the check runs again
+                    self._set_state(worker, WorkerState.SERVING)
+            finally:
+                call.cancel()
+        except (grpc.RpcError, SidecarError) as err:
+            log.debug("health watch ended", worker=worker.address, error=repr(err))
+        return False
 
     async def _check_model(self, worker: Worker) -> _ModelCheck:
         """Fetch the worker's ModelInfo once; refuse it when it serves another model."""
@@ -351,6 +412,63 @@ class WorkerSet:
             except SidecarError as err:
                 log.debug("worker load poll failed", worker=worker.address, error=err.message)
             await anyio.sleep(self._config.load_poll_interval)
+
+    # ---------------------------------------------------------------- TLS rotation
+
+    async def _follow_tls_files(self, credentials: ClientCredentials) -> None:
+        """Look at the TLS files every ``tls_check_interval``; after a change, replace each
+        connected worker's connections by ones made with the new files (a worker whose
+        replacement fails keeps its connections and is tried again at the next look)."""
+        reported: str | None = None
+        while True:
+            await anyio.sleep(self._config.tls_check_interval)
+            if credentials.refresh():
+                log.info("worker TLS files reloaded", version=credentials.version)
+            if credentials.problem != reported and credentials.problem is not None:
+                log.warning(
+                    "worker TLS files changed but cannot be used; keeping the previous ones",
+                    error=credentials.problem,
+                )
+            reported = credentials.problem
+            stale = [
+                w
+                for w in self._workers.values()
+                if w.tls_version
+                and w.tls_version != credentials.version
+                and w.state is not WorkerState.DRAINING
+            ]
+            if stale:
+                async with anyio.create_task_group() as group:
+                    for worker in stale:
+                        group.start_soon(self._redial, worker, credentials.version)
+
+    async def _redial(self, worker: Worker, version: int) -> None:
+        """New connections to ``worker`` with the current TLS files; once they are up, new
+        calls and the health Watch use them, and calls in flight on the old connections
+        finish there (closed when they end, at most ``retire_grace`` later)."""
+        pool = self._new_pool(worker.address)
+        try:
+            await pool.connect(Deadline.start(pool.clock, self._config.connect_round_secs))
+        except (SidecarError, TlsHandshakeError) as err:
+            await pool.close()
+            log.warning(
+                "worker kept on its connections: dialling with the new TLS files failed",
+                worker=worker.address,
+                error=str(err) if isinstance(err, TlsHandshakeError) else err.message,
+            )
+            return
+        if worker.state is WorkerState.DRAINING or self._workers.get(worker.address) is not worker:
+            await pool.close()
+            return
+        old = worker.pool
+        worker.pool = pool
+        worker.stubs = StubCache(pool, sidecar_pb2_grpc.WorkerStub)
+        worker.tls_version = version
+        if worker.rewatch is not None:
+            worker.rewatch.cancel()
+        log.info("worker reconnected with the new TLS files", worker=worker.address)
+        if self._group is not None:
+            self._group.start_soon(old.close, self._config.retire_grace)
 
     async def _forget_when_idle(self, worker: Worker) -> None:
         while worker.inflight:

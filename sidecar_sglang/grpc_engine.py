@@ -16,9 +16,10 @@ import structlog
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc, sidecar_pb2
 from sidecar_common.config import SidecarConfig
 from sidecar_common.engine import EngineLoad, GenerateCall
-from sidecar_common.errors import SidecarError, from_rpc_error, protocol_error
+from sidecar_common.errors import from_rpc_error, protocol_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
+from sidecar_common.tracing import outgoing_headers
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_grpc
 from sidecar_sglang.discovery import discover, loads_from_json
@@ -155,7 +156,9 @@ class SglangGrpcEngine(SglangAdapterBase):
         pid = call.private_id
         native, state = self._open(call)
         decode = GrpcEventDecoder(native, cumulative=state.cumulative).decode
-        stream = self._generate.next()(to_grpc(native))
+        request = to_grpc(native)
+        request.trace_headers.update(outgoing_headers())  # the request's trace context
+        stream = self._generate.next()(request)
         try:
             async for message in stream:
                 for out in state.feed(decode(message), aborted_by_us=self._live.get(pid, False)):
@@ -179,12 +182,10 @@ class SglangGrpcEngine(SglangAdapterBase):
             return
         if private_id in self._live:
             self._live[private_id] = True
+        # SGLang answers OK for a rid it no longer knows, so a failure here is a real one:
+        # raised for the dispatcher to log and count as a failed abort.
         request = sglang_pb2.AbortRequest(rid=private_id, abort_all=False)
-        try:
-            await self._bounded("Abort", ABORT_TIMEOUT, lambda s, t: s.Abort(request, timeout=t))
-        except SidecarError as err:
-            # Best effort: SGLang may already have dropped a cancelled stream's rid.
-            _log.warning("sglang abort failed", private_id=private_id, error=err.message)
+        await self._bounded("Abort", ABORT_TIMEOUT, lambda s, t: s.Abort(request, timeout=t))
 
     async def load(self) -> EngineLoad:
         reply = await self._bounded(

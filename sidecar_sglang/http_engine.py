@@ -21,6 +21,7 @@ from sidecar_common.endpoint import Endpoint
 from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.pool import Clock, Deadline, NotReady, SystemClock, is_transient, retry_until_deadline
+from sidecar_common.tracing import outgoing_headers
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_http_json
 from sidecar_sglang.convert_response import error_from_http_status, event_from_http
@@ -32,7 +33,10 @@ __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "LOAD_TIMEOUT", "SglangHttpEngine"
 _log = structlog.get_logger(__name__)
 
 ABORT_TIMEOUT: Final = 2.0
-HEALTH_TIMEOUT: Final = 1.5
+# SGLang's /health runs a one-token generation and looks for its answer only after sleeping
+# one second, so it never answers in less than about 1 s: 1.5 s left a loaded machine half a
+# second of slack.
+HEALTH_TIMEOUT: Final = 3.0
 LOAD_TIMEOUT: Final = 2.0
 # After the terminal, how long to wait for SGLang's ``[DONE]`` so the connection can be
 # reused; past it the connection is closed instead.
@@ -202,7 +206,9 @@ class SglangHttpEngine(SglangAdapterBase):
         reusable = False
         try:
             try:
-                resp = await self._http().post(f"{self._base}/generate", json=to_http_json(native))
+                resp = await self._http().post(
+                    f"{self._base}/generate", json=to_http_json(native), headers=outgoing_headers() or None
+                )
             except aiohttp.ClientError as err:
                 raise SidecarError(ErrorReason.CANNOT_CONNECT, f"Generate: POST /generate: {err!r}") from None
             if resp.status != 200:
@@ -272,15 +278,22 @@ class SglangHttpEngine(SglangAdapterBase):
             return
         if private_id in self._live:
             self._live[private_id] = True
+        # SGLang answers 200 for a rid it no longer knows, so a failure here is a real one:
+        # raised for the dispatcher to log and count as a failed abort.
         body = {"rid": private_id, "abort_all": False}
         try:
             with anyio.fail_after(ABORT_TIMEOUT):
                 async with self._control().post(f"{self._base}/abort_request", json=body) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        _log.warning("sglang abort refused", private_id=private_id, status=resp.status)
-        except (TimeoutError, aiohttp.ClientError) as err:
-            _log.warning("sglang abort failed", private_id=private_id, error=repr(err))
+                    answer = await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            raise SidecarError(
+                ErrorReason.CONNECTION_TIMEOUT, f"POST /abort_request: no answer in {ABORT_TIMEOUT:g}s"
+            ) from None
+        except aiohttp.ClientError as err:
+            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"POST /abort_request: {err!r}") from None
+        if status != 200:
+            raise error_from_http_status(status, _error_words(answer), rpc="POST /abort_request")
 
     async def load(self) -> EngineLoad:
         return EngineLoad(ranks=loads_from_json(await self._get_json(("/v1/loads",), None, LOAD_TIMEOUT)))
@@ -289,9 +302,10 @@ class SglangHttpEngine(SglangAdapterBase):
         try:
             await self._health_attempt(HEALTH_TIMEOUT)
         except TimeoutError:
-            # Read by the server's health watch for its "engine unhealthy" line.
+            # Late, not unhealthy (the server's watch tells the two apart). Read by the
+            # server's health watch for its log lines.
             self.health_problem = f"GET /health: no answer within {HEALTH_TIMEOUT:g}s"
-            return False
+            raise TimeoutError(self.health_problem) from None
         except (aiohttp.ClientError, _NotHealthy) as err:
             self.health_problem = f"GET /health: {err}"
             return False

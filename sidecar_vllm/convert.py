@@ -428,7 +428,7 @@ class ResponseState:
                 self._attach_logprobs(out, done.output_logprobs, ids, offset)
                 choice.streamed.extend(ids[offset:])
             if finish == sidecar_pb2.STOP:
-                self._stop_reason(out, done)
+                self._stop_reason(out, done, choice.streamed)
         choice.done = True
         self._open -= 1
         completion = len(choice.streamed)  # a prefill streams nothing: 0
@@ -459,12 +459,18 @@ class ResponseState:
             f"the {len(streamed)} tokens streamed",
         )
 
-    def _stop_reason(self, out: sidecar_pb2.LLMEngineOutput, done: vllm_engine_pb2.GenerateComplete) -> None:
+    def _stop_reason(
+        self, out: sidecar_pb2.LLMEngineOutput, done: vllm_engine_pb2.GenerateComplete, streamed: list[int]
+    ) -> None:
         matched = done.WhichOneof("matched_stop")
         if matched == "matched_stop_str":
             out.stop_string = done.matched_stop_str
         elif matched == "matched_token_id" and done.matched_token_id in self._user_stops:
             out.stop_token_id = done.matched_token_id
+        elif matched is None and streamed and streamed[-1] in self._user_stops:
+            # vLLM checks EOS before the stop ids and reports no match for it; the caller who
+            # listed that token among its stops hears it named, as for any stop id it listed.
+            out.stop_token_id = streamed[-1]
 
     def _attach_logprobs(
         self,

@@ -21,6 +21,7 @@ from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
+from sidecar_common.tracing import outgoing_metadata
 from sidecar_vllm.convert import ResponseState, to_generate_request
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "KV_ROLES", "LOAD_TIMEOUT", "VllmEngine"]
@@ -68,7 +69,9 @@ class _Stub(Protocol):
         self, request: vllm_engine_pb2.AbortRequest, *, timeout: float
     ) -> Awaitable[vllm_engine_pb2.AbortResponse]: ...
 
-    def Generate(self, request: vllm_engine_pb2.GenerateRequest) -> _GenerateCall: ...
+    def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, *, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> _GenerateCall: ...
 
 
 class VllmEngine:
@@ -211,7 +214,8 @@ class VllmEngine:
         else:
             native = self._convert(call.request, call.private_id)
         state = ResponseState(call.request, self._mode)
-        stream = self._stubs.next().Generate(native)
+        # The request's trace context (docs/common.md, "Tracing") as gRPC metadata.
+        stream = self._stubs.next().Generate(native, metadata=outgoing_metadata())
         try:
             async for message in stream:
                 for out in state.feed(message):
@@ -226,12 +230,11 @@ class VllmEngine:
         raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "engine stream ended before the final chunk")
 
     async def abort(self, private_id: str) -> None:
+        # vLLM answers OK for an id it no longer knows, so a failure here is a real one (an
+        # engine that cannot be reached or does not answer): raised for the dispatcher to log
+        # and count as a failed abort.
         request = vllm_engine_pb2.AbortRequest(request_ids=[private_id])
-        try:
-            await bounded_call("Abort", ABORT_TIMEOUT, lambda t: self._stubs.next().Abort(request, timeout=t))
-        except SidecarError as err:
-            # Best effort: the request may be gone already (its stream was closed too).
-            _log.warning("vllm abort failed", private_id=private_id, error=err.message)
+        await bounded_call("Abort", ABORT_TIMEOUT, lambda t: self._stubs.next().Abort(request, timeout=t))
 
     async def load(self) -> EngineLoad:
         reply = await bounded_call(

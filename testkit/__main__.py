@@ -85,6 +85,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
     a("--startup-delay-secs", type=float, default=d.startup_delay_secs, help="refuse connections until then")
     a("--supports-vision", action="store_true")
+    a("--max-logprobs", type=int, default=d.max_logprobs, help="vLLM's --max-logprobs")
     a("--fault", type=fault_arg, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
       help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
     a("--control-listen", type=listen_arg, default=None, help="HOST:PORT of the HTTP control endpoint (off)")
@@ -112,6 +113,7 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
         chunk_tokens=args.chunk_tokens,
         startup_delay_secs=args.startup_delay_secs,
         supports_vision=args.supports_vision,
+        max_logprobs=args.max_logprobs,
     )
 
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["Book", "FinishedRecord", "Outcome"]
+__all__ = ["TRACE_FIELDS", "Book", "FinishedRecord", "Outcome", "trace_fields"]
+
+# The W3C trace context's header (and gRPC metadata) names, as an engine reads them (the
+# sidecar keeps its own in sidecar_common.tracing: the engine is the other party).
+TRACE_FIELDS = ("traceparent", "tracestate")
 
 
 class Outcome(enum.Enum):
@@ -21,6 +26,11 @@ class Outcome(enum.Enum):
     CANCELLED = "cancelled"  # the client left (stream cancelled)
     FAULTED = "faulted"  # a fault plan ended it
     ERROR = "error"  # refused or failed with a status
+
+
+def trace_fields(pairs: Iterable[tuple[str, str | bytes]]) -> dict[str, str]:
+    """The trace context among header or metadata pairs (names matched case-insensitively)."""
+    return {k.lower(): v for k, v in pairs if k.lower() in TRACE_FIELDS and isinstance(v, str)}
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,9 @@ class Book:
     kv_capacity: int | None = None
     received: list[tuple[str, object]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    # The W3C trace context each request arrived with (traceparent, tracestate), by request
+    # id; requests that carried none are not in it.
+    trace_context: dict[str, dict[str, str]] = field(default_factory=dict)
     finished: list[FinishedRecord] = field(default_factory=list)
     _running: dict[str, int] = field(default_factory=dict)  # id -> tokens held in KV
     _waiting: OrderedDict[str, tuple[asyncio.Future[bool], int]] = field(default_factory=OrderedDict)
@@ -51,6 +64,10 @@ class Book:
     # -- what arrived ---------------------------------------------------------------------
     def record_request(self, request_id: str, message: object) -> None:
         self.received.append((request_id, message))
+
+    def record_trace_context(self, request_id: str, fields: dict[str, str]) -> None:
+        if fields:
+            self.trace_context[request_id] = fields
 
     def record_aborts(self, request_ids: list[str]) -> None:
         self.aborts.extend(request_ids)

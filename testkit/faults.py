@@ -10,7 +10,7 @@ Numeric arguments are the token count ``k`` (seconds for ``stall_first_token``);
 argument is the variant (``malformed_terminal``) or the status code name (``error_after``).
 Examples: ``r1.fault=close_after:3``, ``r2.fault=error_after:2:RESOURCE_EXHAUSTED``,
 ``r3.fault=malformed_terminal:negative_id``, ``r4.fault=hang``, ``r5.fault=stall_first_token:0.5``,
-``r6.fault=hold_after_terminal``.
+``r6.fault=hold_after_terminal``, ``r7.fault=engine_dies:5``.
 
 Engines also take ``--fault MATCH=DIRECTIVE`` at start-up (see ``parse_fault_flag``).
 """
@@ -45,6 +45,11 @@ class FaultKind(enum.Enum):
     # the client leaves or the engine stops: the window between a finished request and its
     # closed stream, held open.
     HOLD_AFTER_TERMINAL = "hold_after_terminal"
+    # k tokens, then the engine dies inside its live server, as the real ones do: vLLM's engine
+    # core dies (every stream ends INTERNAL, HealthCheck answers not healthy from then on,
+    # the server stays up); SGLang's scheduler dies (every stream stalls, then the server
+    # process kills itself: its connections go away).
+    ENGINE_DIES = "engine_dies"
 
 
 MALFORMED_VARIANTS = frozenset(

@@ -10,6 +10,12 @@ the configuration in ``sglang_info``, the console entry in ``sglang_cli``; the w
 
 Behaviour copied in spirit (not code) from SGLang 0.5.23, with the choices the spec leaves
 open noted where they are made.
+
+Scheduler death (``scheduler_dies()``, or the ``engine_dies`` fault after k tokens): in SGLang a
+scheduler that raises signals its parent at once, and a watchdog polling every second notices
+one that crashed; the parent then kills its whole process tree, HTTP and gRPC servers included.
+Here every request stalls where it is and, ``SCHEDULER_DEATH_EXIT_SECS`` later, both wires go
+away as in ``kill()`` (the testkit process itself stays up).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from testkit.sglang_core import (
 )
 from testkit.sglang_info import SglangEngineConfig, loads, model_info, server_info
 
-__all__ = ["SglangTestEngine"]
+__all__ = ["SCHEDULER_DEATH_EXIT_SECS", "SglangTestEngine"]
+
+SCHEDULER_DEATH_EXIT_SECS = 0.5
 
 log = logging.getLogger("testkit.sglang")
 
@@ -100,6 +108,8 @@ class SglangTestEngine:
         self._ready = asyncio.Event()
         self._started_at = 0.0
         self._prefix_cache: deque[tuple[int, ...]] = deque(maxlen=256)
+        self._scheduler_dead = asyncio.Event()
+        self._death: asyncio.Task[None] | None = None  # the server going away after it
 
     @property
     def task_count(self) -> int:
@@ -126,6 +136,7 @@ class SglangTestEngine:
 
         cfg = self.config
         self._ready = asyncio.Event()
+        self._scheduler_dead = asyncio.Event()
         self._started_at = time.time()
         self._prefix_cache.clear()  # a (re)started engine has a cold cache
         servers: list[_Server] = []
@@ -181,6 +192,19 @@ class SglangTestEngine:
     async def kill(self) -> None:
         """Engine-wide fault: die now. Streams break mid-way, then connections are refused."""
         await self.stop()
+
+    def scheduler_dies(self) -> None:
+        """Engine-wide fault inside a live server: the scheduler dies (see the module doc)."""
+        if self._scheduler_dead.is_set():
+            return
+        self._scheduler_dead.set()
+
+        async def exit_later() -> None:
+            await asyncio.sleep(SCHEDULER_DEATH_EXIT_SECS)
+            await self.kill()
+
+        # Not one of the engine's own tasks: the kill it makes cancels those.
+        self._death = asyncio.get_running_loop().create_task(exit_later())
 
     async def restart(self, startup_delay_secs: float | None = None) -> tuple[int, int]:
         """Engine-wide fault: die, then come back on the same ports (same book)."""
@@ -325,12 +349,16 @@ class SglangTestEngine:
         if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN:
             await plan.stall(live.abort_evt, plan.stall_secs)
         fault_at = None
-        if plan is not None and plan.kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG):
+        cuts = (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG, FaultKind.ENGINE_DIES)
+        if plan is not None and plan.kind in cuts:
             fault_at = plan.after
         gen = Generator(self.model, req.input_ids, sampling_spec(req))
         latency = self.config.token_latency_ms / 1000.0
         finished: GeneratedToken | None = None
         while True:
+            if self._scheduler_dead.is_set():
+                # Nothing more comes from a dead scheduler; the server goes away soon.
+                await asyncio.Event().wait()
             if len(state.ids) == fault_at and plan is not None:
                 self._flush(live)
                 return await self._apply_fault(live, plan)
@@ -374,6 +402,9 @@ class SglangTestEngine:
         if plan.kind is FaultKind.ERROR_AFTER:
             live.stream.put(Fail(plan.code, plan.error_message))
             return Outcome.FAULTED, True
+        if plan.kind is FaultKind.ENGINE_DIES:
+            self.scheduler_dies()
+            await asyncio.Event().wait()  # stalled until the server goes away
         # HANG: send nothing more and keep the stream open; only an abort frees the slot.
         await live.abort_evt.wait()
         return Outcome.ABORTED, False

@@ -101,6 +101,7 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
         engine = self._engine
         rid = request.rid if request.HasField("rid") else engine.new_rid()
         engine.book.record_request(rid, request)
+        engine.book.record_trace_context(rid, dict(request.trace_headers))
         if rid in self._channels:
             message = f"Failed to submit request: Duplicate active gRPC request id: {rid}"
             engine.book.refused(rid, Outcome.ERROR, message)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from testkit.book import trace_fields
 from testkit.faults import parse_directive
 from testkit.sglang_core import (
     Bootstrap,
@@ -262,6 +263,7 @@ class SglangHttpServer:
             return _bad_request("rid: Input should be a valid string (batches are not served)")
         rid = rid or engine.new_rid()
         engine.book.record_request(rid, body)
+        engine.book.record_trace_context(rid, trace_fields(request.headers.items()))
         try:
             req = native_request_from_json(body, rid, engine.config.bootstrap_port)
         except _BadBody as e:

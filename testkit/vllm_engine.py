@@ -16,7 +16,9 @@ The stream shape follows smg-grpc-servicer's ``VllmEngineServicer`` with ``strea
 * an Abort RPC ends every unfinished choice with an empty ``chunk`` and a ``complete`` of
   finish_reason "abort" (vLLM puts a final abort output on the request's queue); a client
   that cancels its stream gets nothing more and the request is stopped;
-* request errors are INVALID_ARGUMENT before any message (vLLM's ValueError mapping).
+* request errors are INVALID_ARGUMENT before any message (vLLM's ValueError mapping), checked
+  in vLLM's order and worded as vLLM words them (``vllm_wire.sampling_refusal``,
+  ``prompt_refusal``), ``(parameter=…, value=…)`` included.
 
 A primary-EOS stop reports no ``matched_stop`` (vLLM's scheduler sets no stop_reason for it);
 stop token ids, and EOS ids that are not the primary one, report ``matched_token_id``.
@@ -29,6 +31,10 @@ Testkit choices where vLLM has no equivalent:
   kv_producer/kv_both engine its terminal carries a NIXL-shaped handoff. One that says
   ``do_remote_prefill`` is a decode: it must carry remote_host/remote_port/remote_engine_id/
   remote_block_ids (else INVALID_ARGUMENT) and is recorded in ``handoffs``.
+* Engine core death (``core_dies()``, or the ``engine_dies`` fault after k tokens): as vLLM's
+  server, the gRPC server stays up, every stream in flight and every new ``Generate`` ends
+  INTERNAL with the EngineDeadError text, ``HealthCheck`` answers healthy=false and the standard
+  health service NOT_SERVING, until the server is restarted.
 * Faults (testkit.faults): ``after`` counts tokens sent over all choices, and a cut fault
   fires at the first terminal when the stream is shorter; a hung stream ignores Abort (a
   wedged engine) and ends only when the client leaves or the engine stops; the wire's ids are
@@ -55,7 +61,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from testkit.book import Book, Outcome
+from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
 from testkit.vllm_wire import (
@@ -67,12 +73,18 @@ from testkit.vllm_wire import (
     handoff,
     input_logprobs,
     malform,
+    prompt_refusal,
+    sampling_refusal,
     sampling_spec,
 )
 
-__all__ = ["SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
+__all__ = ["ENGINE_DEAD_MESSAGE", "SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+# What vLLM's gRPC servicer sends (INTERNAL) on every stream once the engine core is dead: the
+# text of vLLM's EngineDeadError. Its HealthCheck then answers healthy=false with this message.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+ENGINE_NOT_ALIVE = "Engine is not alive"
 _KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
 
 
@@ -97,6 +109,8 @@ class VllmEngineConfig:
     chunk_tokens: int = 1
     startup_delay_secs: float = 0.0
     supports_vision: bool = False
+    # vLLM's --max-logprobs (its default): more logprobs per position are refused.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:
@@ -134,6 +148,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self._ready = asyncio.Event()
         self._bind_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._core_dead = asyncio.Event()
+        self._health: Any = None
         self._started_at = time.monotonic()
         self._last_receive = 0.0
         self._seen_blocks: set[int] = set()
@@ -148,6 +164,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 s.bind((self.config.host, 0))
                 self.port = int(s.getsockname()[1])
         self._stopping.clear()
+        self._core_dead = asyncio.Event()  # a (re)started server has a live engine core
         if self.config.startup_delay_secs > 0 and not self._ready.is_set():
             self._bind_task = asyncio.create_task(self._bind_later(self.config.startup_delay_secs))
         else:
@@ -173,6 +190,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health = health
         self._server = server
         self._ready.set()
 
@@ -195,6 +213,19 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         """Engine-wide fault: the server goes away now, mid-stream (streams end without status)."""
         await self.stop(0)
 
+    async def core_dies(self) -> None:
+        """Engine-wide fault inside a live server: the engine core dies (see the module doc)."""
+        if self._core_dead.is_set():
+            return
+        self._core_dead.set()
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def core_dead(self) -> bool:
+        return self._core_dead.is_set()
+
     async def restart(self) -> int:
         """Stop, then serve again on the same port; the book and faults are kept."""
         await self.stop(0)
@@ -205,6 +236,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     # -- discovery RPCs -------------------------------------------------------------------
     async def HealthCheck(self, request: pb.HealthCheckRequest, context: Any) -> pb.HealthCheckResponse:
+        if self._core_dead.is_set():
+            return pb.HealthCheckResponse(healthy=False, message=ENGINE_NOT_ALIVE)
         return pb.HealthCheckResponse(healthy=True, message="Health")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
@@ -276,20 +309,18 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     # -- Generate -------------------------------------------------------------------------
     def _check(self, request: pb.GenerateRequest) -> tuple[tuple[int, ...], dict[str, Any] | None]:
+        """vLLM's request checks, in its order and in its words: the sampling parameters
+        (``SamplingParams`` and its ``verify``), then the data-parallel rank, then the prompt's
+        length, then its vocabulary (``InputProcessor.process_inputs``)."""
         c = self.config
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.WhichOneof("input") != "tokenized":
             raise _RequestError(bad, "the testkit engine takes tokenized input only")
         prompt = tuple(request.tokenized.input_ids)
-        if not prompt:
-            raise _RequestError(bad, "prompt cannot be empty")
-        if max(prompt) >= c.vocab_size:
-            raise _RequestError(bad, f"Token id {max(prompt)} is out of vocabulary")
-        if len(prompt) >= c.context_length:
-            raise _RequestError(bad, f"prompt ({len(prompt)} tokens) is too long for {c.context_length}")
         sp = request.sampling_params
-        if sp.HasField("max_tokens") and sp.max_tokens < 1:
-            raise _RequestError(bad, f"max_tokens must be at least 1, got {sp.max_tokens}")
+        refusal = sampling_refusal(sp, c.vocab_size, c.max_logprobs)
+        if refusal is not None:
+            raise _RequestError(bad, refusal)
         if sp.n > c.max_num_seqs:
             # vLLM has no such check (it fans the request out into n sequences); the testkit
             # refuses rather than build millions of generators on its event loop.
@@ -297,7 +328,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if request.HasField("data_parallel_rank") and not (
             0 <= request.data_parallel_rank < c.data_parallel_size
         ):
-            raise _RequestError(bad, f"data_parallel_rank {request.data_parallel_rank} is out of range")
+            rank, size = request.data_parallel_rank, c.data_parallel_size
+            raise _RequestError(bad, f"data_parallel_rank {rank} is out of range [0, {size}).")
+        refusal = prompt_refusal(prompt, c.vocab_size, c.context_length)
+        if refusal is not None:
+            raise _RequestError(bad, refusal)
         has_media = request.HasField("mm_inputs") or request.HasField("media_refs")
         if has_media and not c.supports_vision:
             raise _RequestError(bad, "this model does not support multimodal inputs")
@@ -335,6 +370,12 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         rid = request.request_id
         self._last_receive = time.time()
         self.book.record_request(rid, request)
+        # vLLM's wire carries a request's trace context as gRPC metadata.
+        self.book.record_trace_context(rid, trace_fields(context.invocation_metadata() or ()))
+        if self._core_dead.is_set():
+            self.book.refused(rid, Outcome.FAULTED, ENGINE_DEAD_MESSAGE)
+            await context.abort(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)
+            return
         try:
             prompt, kv = self._check(request)
         except _RequestError as e:
@@ -366,12 +407,22 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     # -- the stream -----------------------------------------------------------------------
     async def _pause(self, live: _Live, secs: float) -> None:
-        """Sleep ``secs`` (or yield once), waking early on an abort."""
+        """Sleep ``secs`` (or yield once), waking early on an abort; raises the engine core's
+        death (INTERNAL) when it dies meanwhile."""
         if secs <= 0:
             await asyncio.sleep(0)
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(live.aborted.wait(), secs)
+        else:
+            waits = [
+                asyncio.ensure_future(live.aborted.wait()),
+                asyncio.ensure_future(self._core_dead.wait()),
+            ]
+            try:
+                await asyncio.wait(waits, timeout=secs, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        if self._core_dead.is_set():
+            raise _FaultError(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)
 
     def _handoff(self, prompt: tuple[int, ...]) -> dict[str, Any]:
         c = self.config
@@ -468,7 +519,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 yield msg
             return
         kind, k = plan.kind, plan.after
-        cut = kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG)
+        cut = kind in (FaultKind.CLOSE_AFTER, FaultKind.ERROR_AFTER, FaultKind.HANG, FaultKind.ENGINE_DIES)
         sent = 0
         first: pb.GenerateResponse | None = None
         async for msg in source:
@@ -495,6 +546,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             await self._stopping.wait()
 
     async def _trip(self, plan: FaultPlan) -> None:
+        if plan.kind is FaultKind.ENGINE_DIES:
+            await self.core_dies()
+            raise _FaultError(grpc.StatusCode.INTERNAL, ENGINE_DEAD_MESSAGE)
         if plan.kind is FaultKind.ERROR_AFTER:
             code = getattr(grpc.StatusCode, plan.code, grpc.StatusCode.INTERNAL)
             raise _FaultError(code, plan.error_message)

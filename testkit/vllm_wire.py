@@ -27,6 +27,8 @@ __all__ = [
     "input_logprobs",
     "malform",
     "output_logprobs",
+    "prompt_refusal",
+    "sampling_refusal",
     "sampling_spec",
 ]
 
@@ -44,6 +46,71 @@ class Choice:
         self.all_lps: list[PositionLogprobs | None] = []
         self.first_sent = False
         self.finish: Finish | None = None
+
+
+def _validation_error(message: str, parameter: str | None = None, value: object = None) -> str:
+    """The text of vLLM's ``VLLMValidationError``: the message, then what it names."""
+    extras = []
+    if parameter is not None:
+        extras.append(f"parameter={parameter}")
+    if value is not None:
+        extras.append(f"value={value}")
+    return f"{message} ({', '.join(extras)})" if extras else message
+
+
+def sampling_refusal(sp: pb.SamplingParams, vocab_size: int, max_logprobs: int) -> str | None:
+    """What vLLM says of a request's sampling parameters, in its order: ``SamplingParams``'
+    own checks, then ``verify`` (logprobs, prompt logprobs, logit_bias, stop_token_ids).
+    None: nothing to say."""
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        return _validation_error(
+            f"max_tokens must be at least 1, got {sp.max_tokens}.", "max_tokens", sp.max_tokens
+        )
+    limits = (("logprobs", "sample"), ("prompt_logprobs", "prompt"))
+    for name, kind in limits:
+        if sp.HasField(name):
+            asked = getattr(sp, name)
+            asked = vocab_size if asked == -1 else asked
+            if asked > max_logprobs:
+                return _validation_error(
+                    f"Requested {kind} logprobs of {asked}, "
+                    f"which is greater than max allowed: {max_logprobs}",
+                    name,
+                    asked,
+                )
+    for name, ids in (("logit_bias", list(sp.logit_bias)), ("stop_token_ids", list(sp.stop_token_ids))):
+        invalid = sorted(t for t in ids if t < 0 or t >= vocab_size)
+        if invalid:
+            return _validation_error(
+                f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab_size}",
+                name,
+                invalid,
+            )
+    return None
+
+
+def prompt_refusal(prompt: tuple[int, ...], vocab_size: int, context_length: int) -> str | None:
+    """What vLLM says of a prompt, in its order: empty, too long, outside the vocabulary."""
+    if not prompt:
+        return "The decoder prompt cannot be empty"
+    length = len(prompt)
+    if length > context_length:
+        return (
+            f"The decoder prompt (length {length}) is longer than the maximum model length of "
+            f"{context_length}. Make sure that `max_model_len` is no smaller than the number of "
+            "text tokens."
+        )
+    if length == context_length:
+        return (
+            f"The decoder prompt (length {length}) plus the number of requested output tokens "
+            f"(at least 1) is longer than the maximum model length of {context_length}. Make sure "
+            "that `max_model_len` is no smaller than the number of text tokens (prompt + requested "
+            "output tokens)."
+        )
+    if max(prompt) >= vocab_size:
+        return f"Token id {max(prompt)} is out of vocabulary"
+    return None
 
 
 def sampling_spec(request: pb.GenerateRequest) -> SamplingSpec:

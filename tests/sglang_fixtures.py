@@ -23,6 +23,7 @@ from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.engine import Engine
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_common.tracing import Tracing
 from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
 from testkit.sglang_engine import SglangTestEngine
@@ -87,6 +88,7 @@ async def sglang_stack(
     engine: SglangTestEngine | None = None,
     mode: DisaggregationMode = "agg",
     connections: int = 2,
+    tracing: Tracing | None = None,
     **engine_config: Any,
 ) -> AsyncIterator[Stack]:
     """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
@@ -98,6 +100,7 @@ async def sglang_stack(
     server = SidecarServer(
         adapter,
         ServerConfig(listen="127.0.0.1:0", hold_decode_cancels=mode == "decode", health_watch_interval=0.2),
+        tracing=tracing,
     )
     channel: grpc.aio.Channel | None = None
     try:

@@ -25,6 +25,7 @@ from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_common.tracing import Tracing
 from sidecar_vllm.engine import VllmEngine
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from tests.e2e_helpers import public_request
@@ -135,6 +136,7 @@ async def vllm_stack(
     mode: DisaggregationMode = "agg",
     *,
     drain_timeout: float = 30.0,
+    tracing: Tracing | None = None,
     **engine_config: Any,
 ) -> AsyncIterator[Stack]:
     """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
@@ -150,6 +152,7 @@ async def vllm_stack(
             hold_decode_cancels=mode == "decode",
             health_watch_interval=0.2,
         ),
+        tracing=tracing,
     )
     channel: grpc.aio.Channel | None = None
     try:

@@ -117,12 +117,15 @@ class WorkerFailure:
     ``reason`` is the ErrorInfo reason (INVALID_ARGUMENT, CANNOT_CONNECT, ENGINE_SHUTDOWN,
     CONNECTION_TIMEOUT, CANCELLED, OVERLOADED, PROTOCOL_ERROR, UNKNOWN) or, for failures the
     frontend itself decides, NO_WORKER (no serving worker) and DEADLINE (the frontend's
-    --request-timeout-secs ran out). ``message`` is the status detail text.
+    --request-timeout-secs ran out). ``message`` is the status detail text. ``from_engine``:
+    the message is the engine's own text, unchanged (ErrorInfo metadata ``origin: engine``),
+    which a format shows to the client as it is.
     """
 
     reason: str
     message: str
     migratable: bool = False
+    from_engine: bool = False
 
 
 @dataclass(frozen=True)

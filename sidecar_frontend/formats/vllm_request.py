@@ -52,7 +52,7 @@ from sidecar_frontend.formats.vllm_lax import (
 )
 from sidecar_frontend.formats.vllm_sampling import SamplingParams, not_an_instance
 
-__all__ = ["REQUEST_ID_PREFIX", "VllmOptions", "parse_generate"]
+__all__ = ["REQUEST_ID_PREFIX", "ChoiceEnd", "VllmOptions", "parse_generate"]
 
 T = TypeVar("T")
 
@@ -60,6 +60,32 @@ REQUEST_ID_PREFIX: Final = "generate-tokens-"
 _INT32: Final = (-(2**31), 2**31 - 1)
 _INT64: Final = (-(2**63), 2**63 - 1)
 _OUTPUT_MODES: Final = ("tokens", "text", "derender")
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """When a choice can end on the tokens it has, from the request alone (no I/O).
+
+    The engine ends a choice on a stop token (the caller's ``stop_token_ids``, and EOS unless
+    ``ignore_eos``) once ``min_tokens`` are out, or when it reaches ``max_tokens`` or the
+    context. A streamed chunk that can be the last is held until the next output says whether
+    it was (vLLM puts ``finish_reason`` on the chunk with the last tokens); any other chunk is
+    written at once. ``None``: that limit is unknown.
+    """
+
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    max_tokens: int | None = None
+    # The context left after the prompt.
+    room: int | None = None
+
+    def may_end(self, generated: int, last_token: int) -> bool:
+        """Whether a choice with ``generated`` tokens, ``last_token`` the latest, may be done."""
+        if self.max_tokens is not None and generated >= self.max_tokens:
+            return True
+        if self.room is not None and generated >= self.room:
+            return True
+        return generated >= self.min_tokens and last_token in self.stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -81,6 +107,7 @@ class VllmOptions:
     created: int = 0
     # The prompt, when prompt logprobs were asked for (each position lists its own token first).
     prompt: tuple[int, ...] = ()
+    end: ChoiceEnd = ChoiceEnd()
 
 
 def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
@@ -210,8 +237,23 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         prompt_token_ids=tuple(token_ids) if return_token_ids else None,
         created=int(ctx.wall_time),
         prompt=tuple(token_ids) if request.output_options.HasField("prompt_logprobs") else (),
+        end=_choice_end(request, ctx.model_info),
     )
     return GenerateCall(requests=(request,), stream=bool(stream), options=options)
+
+
+def _choice_end(request: sidecar_pb2.PreprocessedRequest, info: sidecar_pb2.ModelInfo) -> ChoiceEnd:
+    stop = request.stop_conditions
+    stops = set(stop.stop_token_ids)
+    if not stop.ignore_eos:
+        stops.update(request.eos_token_ids)
+    context = info.max_context_length
+    return ChoiceEnd(
+        stop_token_ids=frozenset(stops),
+        min_tokens=stop.min_tokens,
+        max_tokens=stop.max_tokens if stop.HasField("max_tokens") else None,
+        room=context - len(request.token_ids) if context else None,
+    )
 
 
 def _root_value_error(data: dict[str, object], message: str) -> None:

@@ -15,6 +15,7 @@ SSE event (``{"error": …}`` with spaces, as vLLM writes it).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -32,7 +33,7 @@ from sidecar_frontend.formats.vllm_errors import (
 )
 from sidecar_frontend.formats.vllm_request import VllmOptions
 
-__all__ = ["DONE", "VllmEncoder", "failure_error"]
+__all__ = ["DONE", "VllmEncoder", "engine_param", "failure_error"]
 
 DONE: Final = b"data: [DONE]\n\n"
 LOGPROB_FLOOR: Final = -9999.0
@@ -47,7 +48,6 @@ _FINISH: Final = {
 }
 # Reasons that end a request the way an abort does: the tokens so far stand.
 _ABORTING: Final = frozenset({"CANCELLED", "DEADLINE"})
-_ENGINE_GONE: Final = frozenset({"CANNOT_CONNECT", "ENGINE_SHUTDOWN", "CONNECTION_TIMEOUT", "NO_WORKER"})
 
 
 def failure_error(failure: WorkerFailure) -> VllmError | None:
@@ -55,17 +55,16 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
     if failure.reason in _ABORTING:
         return None
     if failure.reason == "INVALID_ARGUMENT":
-        return VllmError(
-            failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, _vllm_param(failure.message)
-        )
+        param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
+        return VllmError(failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
     if failure.reason == "OVERLOADED":
         return VllmError(
             OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
         )
-    if failure.reason in _ENGINE_GONE:
-        return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
-    # vLLM reports a failed generation with an empty message (EngineGenerateError).
-    return VllmError("", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
+    # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
+    # error without words helps no client, so every 500 says this sentence.)
+    return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 # The sidecars' refusals start with the sidecar.v1 field ("stop_conditions.max_tokens: ...");
@@ -100,9 +99,29 @@ _VLLM_PARAM: Final = {
 }
 
 
+# vLLM's validation errors end their text with `` (parameter=<name>, value=<value>)`` (either
+# part may be missing); the value may hold anything, brackets and commas included.
+_ENGINE_PARAM: Final = re.compile(r" \(parameter=([^,()\s]+)(?:, value=.*)?\)\Z", re.DOTALL)
+
+
+def engine_param(message: str) -> str | None:
+    """The parameter an engine's refusal names by vLLM's convention, else None."""
+    match = _ENGINE_PARAM.search(message)
+    return match.group(1) if match else None
+
+
 def _vllm_param(message: str) -> str | None:
     field_name = message.split(":", 1)[0].split("[", 1)[0]
     return _VLLM_PARAM.get(field_name)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A streamed chunk kept back because it may be its choice's last (see ``ChoiceEnd``)."""
+
+    token_ids: list[int]
+    logprobs: str | None  # its logprob entries as JSON text; None: not asked for
+    generated: int  # the choice's token count with this chunk
 
 
 @dataclass
@@ -124,6 +143,7 @@ class VllmEncoder:
         del started_at  # the handler's monotonic clock; `created` is wall time, taken at parse
         self._choices = {i: _Choice(i) for i in range(options.n)}
         self._first_chunk = True
+        self._held: dict[int, _Held] = {}
         self._error: VllmError | None = None
         self._aborted = False
         self._prompt_logprobs: JSON = None
@@ -158,35 +178,53 @@ class VllmEncoder:
                 stop_reason = output.stop_string
             choice.finish_reason, choice.stop_reason = finish, stop_reason
             self._observe_terminal(output)
-        if not self._o.stream or not (ids or finish):
+        if not self._o.stream:
             return b""
-        logprobs = _logprobs_json(output, ids) if self._o.logprobs else b"null"
-        return self._chunk(choice, ids, logprobs, finish, stop_reason)
+        if not (ids or finish):
+            return b""  # says nothing: a held chunk stays held
+        logprobs = _logprob_entries(output, ids) if self._o.logprobs else None
+        held = self._held.pop(choice.index, None)
+        if finish is not None:
+            if held is not None:
+                # The held chunk was the last one: it carries the finish, with anything new.
+                ids = held.token_ids + ids
+                if logprobs is not None and held.logprobs is not None:
+                    logprobs = _join(held.logprobs, logprobs)
+            return self._chunk(choice, ids, logprobs, finish, stop_reason, choice.generated)
+        written = b"" if held is None else self._write_held(choice, held)
+        if self._o.end.may_end(choice.generated, ids[-1]):
+            # It may be the last chunk: wait for the next output to say so (the terminal comes
+            # right after). Any other chunk is written at once.
+            self._held[choice.index] = _Held(ids, logprobs, choice.generated)
+            return written
+        return written + self._chunk(choice, ids, logprobs, None, None, choice.generated)
 
     def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:
         del index, now
         if self._aborted:
             return b""
         self._aborted = True
+        # Tokens that came before the failure were generated: they are written first.
+        events = [self._flush_held()]
         error = failure_error(failure)
         if error is not None:
             self._error = error
-            return error.sse_event() if self._o.stream else b""
-        events = []
+            return events[0] + error.sse_event() if self._o.stream else b""
         for choice in self._choices.values():
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 if self._o.stream:
-                    logprobs = b'{"content":[]}' if self._o.logprobs else b"null"
-                    events.append(self._chunk(choice, [], logprobs, "abort", None))
+                    logprobs = "" if self._o.logprobs else None
+                    events.append(self._chunk(choice, [], logprobs, "abort", None, choice.generated))
         return b"".join(events)
 
     def close(self) -> bytes:
+        held = self._flush_held()
         if self._o.include_usage and self._error is None:
             usage = self._usage(self._completion_tokens())
             chunk = {"request_id": self._o.request_id, "usage": usage, "output_mode": "tokens", "choices": []}
-            return _event(chunk) + DONE
-        return DONE
+            return held + _event(chunk) + DONE
+        return held + DONE
 
     def reply(self) -> HttpReply:
         if self._error is not None:
@@ -235,23 +273,33 @@ class VllmEncoder:
         prompt = self._o.prompt_tokens
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
+    def _write_held(self, choice: _Choice, held: _Held) -> bytes:
+        return self._chunk(choice, held.token_ids, held.logprobs, None, None, held.generated)
+
+    def _flush_held(self) -> bytes:
+        """Every held chunk, as an ordinary chunk (the request ends without their terminal)."""
+        held, self._held = self._held, {}
+        return b"".join(self._write_held(self._choices[i], h) for i, h in held.items())
+
     def _chunk(
         self,
         choice: _Choice,
         ids: list[int],
-        logprobs: bytes,
+        logprobs: str | None,
         finish: str | None,
         stop_reason: int | str | None,
+        generated: int,
     ) -> bytes:
         """One token chunk, written out directly: it is the per-token hot path.
 
-        The bytes are exactly the compact JSON of vLLM's chunk (keys in its order); the
-        tests re-serialise every chunk to check it.
+        ``logprobs`` are the chunk's entries as JSON text (None: not asked for); ``generated``
+        is the choice's token count with this chunk. The bytes are exactly the compact JSON of
+        vLLM's chunk (keys in its order); the tests re-serialise every chunk to check it.
         """
         usage = b"null"
         if self._o.continuous_usage:
             # vLLM counts only this chunk's choice so far, not the whole request.
-            usage = _continuous_usage(self._o.prompt_tokens, choice.generated)
+            usage = _continuous_usage(self._o.prompt_tokens, generated)
         prompt_ids = b""
         if self._first_chunk and self._o.prompt_token_ids is not None:
             prompt_ids = b',"prompt_token_ids":[' + _ints(self._o.prompt_token_ids) + b"]"
@@ -270,7 +318,7 @@ class VllmEncoder:
                 b',"token_ids":[',
                 _ints(ids),
                 b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
-                logprobs,
+                b"null" if logprobs is None else b'{"content":[' + logprobs.encode() + b"]}",
                 b"}]}\n\n",
             )
         )
@@ -316,8 +364,13 @@ def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[d
     return entries
 
 
-def _logprobs_json(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> bytes:
-    """:func:`_logprobs` as vLLM's compact JSON, written out directly (a stream's per-token path)."""
+def _join(first: str, then: str) -> str:
+    return f"{first},{then}" if first and then else first or then
+
+
+def _logprob_entries(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> str:
+    """:func:`_logprobs` as vLLM's compact JSON entries, comma-separated, written out directly
+    (a stream's per-token path)."""
     parts: list[str] = []
     for i, token in enumerate(ids):
         tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
@@ -336,7 +389,7 @@ def _logprobs_json(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> b
         parts.append(
             f'{{"token_id":{token},"logprob":{value!r},"rank":{_nullable_int(rank)},"top_logprobs":[{candidates}]}}'
         )
-    return ('{"content":[' + ",".join(parts) + "]}").encode()
+    return ",".join(parts)
 
 
 def _nullable_int(value: int | None) -> str:

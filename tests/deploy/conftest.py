@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # What goes into the wheel: pyproject's packages plus the files its metadata reads.
 _SOURCES = (
     "pyproject.toml",
+    "requirements.lock",
     "README.md",
     "sidecar_common",
     "sidecar_vllm",

@@ -5,8 +5,6 @@ certificates made by the test (nothing committed), loopback only."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import ipaddress
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -15,10 +13,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -27,6 +21,7 @@ from sidecar_common.cli import parse_config
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine
 from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, log_lines, process, script, serving_port
+from tests.pki import Pem, make_ca, make_leaf
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,90 +29,6 @@ CONTEXT_LENGTH = 64
 
 
 # --- certificates -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pem:
-    cert: bytes
-    key: bytes
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def make_ca(common_name: str) -> tuple[Pem, x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(_name(common_name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    return Pem(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)), cert, key
-
-
-def make_leaf(
-    common_name: str, ca: tuple[Pem, x509.Certificate, ec.EllipticCurvePrivateKey], *, server: bool
-) -> Pem:
-    _, ca_cert, ca_key = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [
-                    x509.oid.ExtendedKeyUsageOID.SERVER_AUTH
-                    if server
-                    else x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
-                ]
-            ),
-            critical=False,
-        )
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-    cert = builder.sign(ca_key, hashes.SHA256())
-    return Pem(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.engine import Engine
+from sidecar_common.metrics import Metrics
 from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_vllm.engine import VllmEngine
 from testkit.book import Book, Outcome
@@ -120,6 +121,7 @@ async def rig(
     connections: int | None = None,
     server: ServerConfig | None = None,
     channel_options: Sequence[tuple[str, Any]] = (),
+    metrics: Metrics | None = None,
     **engine_config: Any,
 ) -> AsyncIterator[Rig]:
     engine = _engine(kind, engine_config)
@@ -136,7 +138,7 @@ async def rig(
         transport: sglang_fixtures.Transport = "grpc" if kind == "sglang-grpc" else "http"
         adapter = sglang_fixtures.adapter_for(engine, transport, connections=connections)
     config = server or ServerConfig(listen="127.0.0.1:0", health_watch_interval=0.2)
-    sidecar = SidecarServer(adapter, config)
+    sidecar = SidecarServer(adapter, config, metrics=metrics)
     channel: grpc.aio.Channel | None = None
     try:
         await adapter.start()

@@ -8,8 +8,10 @@ import pytest
 from google.rpc import error_details_pb2
 
 from sidecar_common.errors import (
+    EngineOrigin,
     ErrorReason,
     SidecarError,
+    engine_words,
     from_engine_status,
     from_rpc_error,
     invalid_argument,
@@ -64,7 +66,15 @@ def test_engine_status_maps_to_its_reason_keeping_the_rpc_and_engine_words(
 ) -> None:
     error = from_engine_status("Generate", code, "model is warming up")
     assert error.reason is reason
-    assert error.message == f"Generate: model is warming up ({code.name})"
+    if reason is R.INVALID_ARGUMENT:
+        # A refusal: the engine's words are the message, unchanged; the call and the code
+        # travel beside them.
+        assert error.message == "model is warming up"
+        assert error.origin == EngineOrigin("Generate", code.name)
+    else:
+        assert error.message == f"Generate: model is warming up ({code.name})"
+        assert error.origin is None
+    assert str(error) == f"Generate: model is warming up ({code.name})"
 
 
 @pytest.mark.parametrize("details", ["", None])
@@ -121,3 +131,38 @@ def test_helpers_put_the_field_and_the_engine_first() -> None:
     malformed = protocol_error("vllm", "token_ids missing")
     assert malformed.reason is R.PROTOCOL_ERROR
     assert malformed.message == "invalid vllm response: token_ids missing"
+
+
+def test_a_refusal_in_the_engines_words_says_where_it_came_from_beside_them() -> None:
+    words = (
+        "Requested sample logprobs of 21, which is greater than max allowed: 20 "
+        "(parameter=logprobs, value=21)"
+    )
+    error = from_engine_status("Generate", C.INVALID_ARGUMENT, words)
+    status = to_rpc_status(error)
+    assert status.code == C.INVALID_ARGUMENT.value[0]
+    assert status.message == words
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert info.reason == "INVALID_ARGUMENT"
+    assert dict(info.metadata) == {
+        "migratable": "false",
+        "origin": "engine",
+        "engine_call": "Generate",
+        "engine_status": "INVALID_ARGUMENT",
+    }
+
+
+def test_a_refusal_without_words_is_described_by_the_sidecar() -> None:
+    error = from_engine_status("Generate", C.INVALID_ARGUMENT, "")
+    assert error.message == "Generate: engine error with no details (INVALID_ARGUMENT)"
+    assert error.origin is None
+
+
+def test_engine_words_of_another_transport_keep_its_status() -> None:
+    error = engine_words(R.OVERLOADED, "queue is full", "POST /generate", "503")
+    assert (error.message, str(error)) == ("queue is full", "POST /generate: queue is full (503)")
+    info = error_details_pb2.ErrorInfo()
+    assert to_rpc_status(error).details[0].Unpack(info)
+    assert info.metadata["engine_status"] == "503"
+    assert info.metadata["origin"] == "engine"

@@ -154,6 +154,21 @@ def test_eos_or_hidden_stop_token_is_not_reported() -> None:
     assert outs[-1].WhichOneof("stop_reason") is None
 
 
+@pytest.mark.parametrize("stops", [[2], [9, 2]])
+def test_eos_the_caller_listed_among_its_stops_is_reported(stops: list[int]) -> None:
+    # vLLM checks its EOS before the stop ids and reports no match for it (the testkit does
+    # the same): the last token says which stop it was.
+    outs, _ = run([chunk([1, 2]), complete([1, 2], "stop")], stops=stops)
+    assert outs[-1].finish_reason == sidecar_pb2.STOP
+    assert outs[-1].WhichOneof("stop_reason") == "stop_token_id"
+    assert outs[-1].stop_token_id == 2
+
+
+def test_eos_the_caller_did_not_list_is_not_reported() -> None:
+    outs, _ = run([chunk([1, 2]), complete([1, 2], "stop")], stops=[9])
+    assert outs[-1].WhichOneof("stop_reason") is None
+
+
 def test_a_hidden_stop_id_other_than_the_primary_eos_is_not_reported() -> None:
     # The frontend hides the model's extra EOS ids (e.g. <|eot_id|> beside </s>) in
     # stop_token_ids_hidden: matching one is an EOS-like stop, never the user's stop token.

@@ -14,6 +14,7 @@ import aiohttp
 import anyio
 from aiohttp import web
 
+from sidecar_common.tracing import Tracing
 from sidecar_frontend.formats.base import Format
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
@@ -48,6 +49,7 @@ async def frontend_over(
     config: HandlerConfig | None = None,
     serving: int | None = None,
     seed: int = 7,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[FrontendStack]:
     """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve."""
     metrics = Metrics()
@@ -60,7 +62,7 @@ async def frontend_over(
             workers.add_worker(address)
         with anyio.fail_after(20):
             await workers.wait_serving(len(addresses) if serving is None else serving)
-        frontend = Frontend(formats, workers, config or HandlerConfig(), metrics=metrics)
+        frontend = Frontend(formats, workers, config or HandlerConfig(), metrics=metrics, tracing=tracing)
         runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

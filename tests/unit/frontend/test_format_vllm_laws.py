@@ -47,15 +47,18 @@ def generations(draw: st.DrawFn) -> dict[str, Any]:
     """A request's options and its engine outputs for every choice, interleaved in some order."""
     n = draw(st.integers(1, 3))
     logprobs = draw(st.booleans())
+    # Token ids: now and then the EOS (2) or the listed stop id (7), so that chunks that may
+    # end their choice (and are held for its terminal) come up.
+    tokens = st.integers(0, 31999) | st.sampled_from([2, 7])
     choices: list[list[sidecar_pb2.LLMEngineOutput]] = []
     finished = True
     for index in range(n):
-        deltas = draw(st.lists(st.lists(st.integers(0, 31999), max_size=3), max_size=4))
+        deltas = draw(st.lists(st.lists(tokens, max_size=3), max_size=4))
         outputs = [_output(index, ids, logprobs, draw) for ids in deltas]
         terminal = draw(st.sampled_from(TERMINALS))
         finished = finished and terminal is not None
         if terminal is not None:
-            last = _output(index, draw(st.lists(st.integers(0, 31999), max_size=2)), logprobs, draw)
+            last = _output(index, draw(st.lists(tokens, max_size=2)), logprobs, draw)
             _finish(last, terminal)
             outputs.append(last)
         choices.append(outputs)
@@ -73,7 +76,23 @@ def generations(draw: st.DrawFn) -> dict[str, Any]:
         "include_usage": draw(st.booleans()),
         "continuous": draw(st.booleans()),
         "return_token_ids": draw(st.booleans()),
+        "limits": draw(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "max_tokens": st.integers(1, 8),
+                    "min_tokens": st.integers(0, 3),
+                    "stop_token_ids": st.just([7]),
+                    "ignore_eos": st.booleans(),
+                },
+            ).filter(_min_within_max)
+        ),
     }
+
+
+def _min_within_max(limits: dict[str, object]) -> bool:
+    low, high = limits.get("min_tokens", 0), limits.get("max_tokens", 8)
+    return isinstance(low, int) and isinstance(high, int) and low <= high
 
 
 def _output(index: int, ids: list[int], logprobs: bool, draw: st.DrawFn) -> sidecar_pb2.LLMEngineOutput:
@@ -104,7 +123,11 @@ def _finish(out: sidecar_pb2.LLMEngineOutput, terminal: str) -> None:
 def _run(case: dict[str, Any], stream: bool) -> Any:
     body = {
         "token_ids": [5, 6, 7],
-        "sampling_params": {"n": case["n"], **({"logprobs": 2} if case["logprobs"] else {})},
+        "sampling_params": {
+            "n": case["n"],
+            **({"logprobs": 2} if case["logprobs"] else {}),
+            **case["limits"],
+        },
         "stream": stream,
         "stream_options": {
             "include_usage": case["include_usage"],

@@ -271,8 +271,8 @@ def test_continuous_usage_counts_the_chunks_choice_so_far() -> None:
         enc.on_output(0, out, 0.0)
         for out in (
             _out([1], 0),
-            _out([1, 2], 1),
-            _out([2, 3], 0),
+            _out([1, 4], 1),  # not 2: the EOS, whose chunk would wait for its terminal
+            _out([4, 3], 0),
             _out([3], 1, sidecar_pb2.LENGTH),
             _out([], 0, sidecar_pb2.LENGTH),
         )
@@ -310,8 +310,9 @@ FAILURES: list[tuple[str, int, str, str]] = [
         "The server had an error while processing your request.",
     ),
     ("NO_WORKER", 500, "InternalServerError", "The server had an error while processing your request."),
-    ("PROTOCOL_ERROR", 500, "InternalServerError", ""),
-    ("UNKNOWN", 500, "InternalServerError", ""),
+    # vLLM sends "" for an EngineGenerateError; no error of ours is without words.
+    ("PROTOCOL_ERROR", 500, "InternalServerError", "The server had an error while processing your request."),
+    ("UNKNOWN", 500, "InternalServerError", "The server had an error while processing your request."),
 ]
 
 

@@ -8,7 +8,7 @@ import pytest
 from grpc.aio import AioRpcError, Metadata
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError, to_rpc_status
+from sidecar_common.errors import ErrorReason, SidecarError, from_engine_status, to_rpc_status
 from sidecar_frontend.attempts import (
     Attempts,
     Finish,
@@ -133,6 +133,18 @@ def test_the_sidecars_error_info_gives_reason_and_migratable(reason: ErrorReason
     trailing = Metadata(("grpc-status-details-bin", status.SerializeToString()))
     failure = failure_from_rpc_error(rpc_error(error.code, "it broke", trailing))
     assert failure == WorkerFailure(reason.value, "it broke", error.migratable)
+
+
+def test_an_engine_refusal_arrives_in_the_engines_words_marked_as_such() -> None:
+    words = (
+        "Requested sample logprobs of 21, which is greater than max allowed: 20 "
+        "(parameter=logprobs, value=21)"
+    )
+    error = from_engine_status("Generate", grpc.StatusCode.INVALID_ARGUMENT, words)
+    status = to_rpc_status(error)
+    trailing = Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    failure = failure_from_rpc_error(rpc_error(error.code, words, trailing))
+    assert failure == WorkerFailure("INVALID_ARGUMENT", words, False, from_engine=True)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,80 @@
+"""A refusal only the engine can make reaches a vLLM client in the engine's own words.
+
+The sidecar marks such an error (ErrorInfo ``origin: engine``, ``WorkerFailure.from_engine``);
+the vLLM format then shows the message unchanged and reads ``param`` from vLLM's
+``(parameter=…, value=…)`` ending, as vLLM's own error handler fills ``param`` from the
+exception's ``parameter``. The texts below are vLLM 0.33's (``SamplingParams.verify``,
+``InputProcessor``), with the ending ``VLLMValidationError.__str__`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sidecar_frontend.formats.base import WorkerFailure
+from sidecar_frontend.formats.vllm_response import engine_param
+from tests.unit.frontend.test_format_vllm_response import _encoder
+from tests.unit.frontend.test_format_vllm_support import error_of
+
+ENGINE_WORDS: list[tuple[str, str | None]] = [
+    (
+        "Requested sample logprobs of 21, which is greater than max allowed: 20 "
+        "(parameter=logprobs, value=21)",
+        "logprobs",
+    ),
+    (
+        "Requested prompt logprobs of 30, which is greater than max allowed: 20 "
+        "(parameter=prompt_logprobs, value=30)",
+        "prompt_logprobs",
+    ),
+    (
+        "token_id(s) [32000, 40000] in logit_bias contain out-of-vocab token ids. Vocabulary size: 32000 "
+        "(parameter=logit_bias, value=[32000, 40000])",
+        "logit_bias",
+    ),
+    ("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"),
+    ("prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1).", None),
+    ("some check (parameter=top_k)", "top_k"),  # a parameter without a value
+    ("some check (value=3)", None),  # a value without a parameter names nothing
+    ("data_parallel_rank 3 is out of range [0, 2).", None),
+    ("Token id 32000 is out of vocabulary", None),
+    ("The decoder prompt cannot be empty", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize(("message", "param"), ENGINE_WORDS)
+def test_param_comes_from_vllms_parameter_ending(message: str, param: str | None) -> None:
+    assert engine_param(message) == param
+
+
+@pytest.mark.parametrize(("message", "param"), [w for w in ENGINE_WORDS if w[0]])
+def test_an_engine_refusal_is_a_400_in_the_engines_words(message: str, param: str | None) -> None:
+    failure = WorkerFailure("INVALID_ARGUMENT", message, from_engine=True)
+    unary = _encoder()
+    unary.on_failure(0, failure, 0.0)
+    assert unary.reply().status == 400
+    assert error_of(unary.reply()) == {
+        "message": message,
+        "type": "BadRequestError",
+        "param": param,
+        "code": 400,
+    }
+
+    stream = _encoder(stream=True)
+    event = stream.on_failure(0, failure, 0.0)
+    expected = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+    assert event == b"data: " + json.dumps(expected).encode() + b"\n\n"
+    assert stream.close() == b"data: [DONE]\n\n"
+
+
+def test_the_sidecars_own_refusal_is_read_by_its_field_not_by_vllms_ending() -> None:
+    # Not the engine's words: the message starts with the sidecar.v1 field it names.
+    failure = WorkerFailure(
+        "INVALID_ARGUMENT", "sampling_options.seed: 4294967296 does not fit (parameter=x)"
+    )
+    enc = _encoder()
+    enc.on_failure(0, failure, 0.0)
+    assert error_of(enc.reply())["param"] == "seed"
