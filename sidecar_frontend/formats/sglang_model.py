@@ -22,7 +22,7 @@ from pydantic import PlainValidator, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from sidecar_frontend.formats.base import HttpReply
-from sidecar_frontend.formats.sglang_checks import _input_ids_error as input_ids_error
+from sidecar_frontend.formats.sglang_checks import input_ids_error
 from sidecar_frontend.formats.sglang_wire import bounded_repr, dumps
 
 __all__ = ["GenerateReqInput", "ModelErrors", "validate_generate"]
