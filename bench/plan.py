@@ -134,9 +134,11 @@ def hop_argv(hop: HopSpec, listen: str, engine_grpc: str, engine_http: str | Non
         return [_script("sidecar-vllm"), "--grpc-endpoint", engine_grpc, "--listen", listen, *quiet]
     transport = hop.path.removeprefix("sidecar-")
     assert engine_http is not None
-    # --http-endpoint belongs to the HTTP transport only (the CLI refuses it with gRPC).
-    http = ["--http-endpoint", f"http://{engine_http}"] if transport == "http" else []
+    # Each transport has its own endpoint flag (the CLI refuses the other one).
+    if transport == "http":
+        dial = ["--http-endpoint", f"http://{engine_http}"]
+    else:
+        dial = ["--grpc-endpoint", engine_grpc]
     return [
-        _script("sidecar-sglang"), "--transport", transport, "--grpc-endpoint", engine_grpc,
-        *http, "--listen", listen, *quiet,
+        _script("sidecar-sglang"), "--transport", transport, *dial, "--listen", listen, *quiet,
     ]  # fmt: skip

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
+import ssl
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, NoReturn, cast
+from typing import Final, cast
 
+from sidecar_common import flags
 from sidecar_common.config import DEFAULT_MAX_REQUEST_BYTES, EngineSpec, SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
@@ -39,6 +40,7 @@ __all__ = [
     "ENV_PREFIX",
     "annotate_env_help",
     "build_parser",
+    "endpoint_arg",
     "env_var_for",
     "load_spec",
     "main",
@@ -66,80 +68,13 @@ FRONTEND: Final = "frontend"
 # grpc's message length option is a C int.
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
 
-_TRUE: Final = frozenset({"1", "true", "yes", "on"})
-_FALSE: Final = frozenset({"0", "false", "no", "off", ""})
-
 
 def env_var_for(option: str, prefix: str = ENV_PREFIX) -> str:
     """``--grpc-endpoint`` -> ``SIDECAR_GRPC_ENDPOINT``."""
-    return prefix + option.lstrip("-").replace("-", "_").upper()
+    return flags.env_var_for(option, prefix)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _seconds(*, allow_zero: bool) -> Callable[[str], float]:
-    bound = ">= 0" if allow_zero else "> 0"
-
-    def convert(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected seconds {bound}, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {text}")
-        return value
-
-    convert.__name__ = "seconds"
-    return convert
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
-
-
-def parse_listen(text: str) -> str:
-    """Validate ``host:port`` (IPv6 in brackets); port 0 asks the OS for a free one."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise argparse.ArgumentTypeError(f"expected host:port, got {text!r}")
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
-    elif ":" in host:
-        raise argparse.ArgumentTypeError(f"an IPv6 host needs brackets, e.g. [::]:50061, got {text!r}")
-    if any(c.isspace() or c in "/?#@" for c in host):
-        raise argparse.ArgumentTypeError(f"not a host name or address: {host!r}")
-    if not port_text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a numeric port, got {port_text!r}")
-    port = int(port_text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return f"{host}:{port}"
-
-
-def _bind_host(text: str) -> str:
-    """A host name or address to bind (IPv6 with or without brackets), brackets removed."""
-    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-    if not host or any(c.isspace() or c in "/?#@[]" for c in host):
-        raise argparse.ArgumentTypeError(f"not a host name or address: {text!r}")
-    return host
-
-
-def _endpoint(text: str) -> Endpoint:
+def endpoint_arg(text: str) -> Endpoint:
     # Parsed as the flag's type so that a refusal is a usage error naming the flag (or its
     # variable), before anything touches the network.
     try:
@@ -171,7 +106,7 @@ def _advertise(text: str) -> str:
 
 def _lease_ttl(text: str) -> int:
     # etcd grants whole seconds; below 2 s a keepalive every third of it is a busy loop.
-    value = _positive_int(text)
+    value = flags.positive_int_arg(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be >= 2 seconds, got {value}")
     return value
@@ -187,9 +122,42 @@ def _tls_config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> TlsF
             check_pem(files.key, "private key")
             if files.client_ca is not None:
                 check_pem(files.client_ca, "certificate")
+            _check_key_pair(files)
     except TlsSettingsError as err:
         parser.error(str(err))
     return files
+
+
+def _check_key_pair(files: TlsFiles) -> None:
+    """The key must be the certificate's (and not encrypted: grpc takes no passphrase);
+    grpc would only fail to bind the port."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A passphrase callback that gives none: an encrypted key fails here, never prompts.
+        context.load_cert_chain(files.cert, files.key, password=lambda: b"")
+    except ssl.SSLError as err:
+        why = err.reason or str(err)
+        raise TlsSettingsError(
+            f"--tls-key {files.key} does not go with --tls-cert {files.cert} ({why}; "
+            "the key must be the certificate's, unencrypted)"
+        ) from None
+    except OSError as err:
+        raise TlsSettingsError(f"cannot read --tls-cert or --tls-key: {err.strerror or err}") from None
+
+
+def _refuse_inapplicable_common(ns: argparse.Namespace) -> None:
+    """The common flags that only mean something beside another one (docs/common.md, "Flags
+    that do not apply")."""
+    flags.refuse_inapplicable(
+        ns, "metrics_host", applies=ns.metrics_port is not None, rule="needs --metrics-port (metrics are off)"
+    )
+    for dest in ("etcd_prefix", "advertise", "etcd_lease_ttl_secs"):
+        flags.refuse_inapplicable(
+            ns,
+            dest,
+            applies=ns.etcd_endpoints is not None,
+            rule="needs --etcd-endpoints (registration in etcd is off)",
+        )
 
 
 def _registration_config(
@@ -220,7 +188,7 @@ def _pem_file(text: str) -> Path:
 
 
 def _byte_count(text: str) -> int:
-    value = _positive_int(text)
+    value = flags.positive_int_arg(text)
     if value > _GRPC_MAX_MESSAGE_BYTES:
         raise argparse.ArgumentTypeError(
             f"must be at most {_GRPC_MAX_MESSAGE_BYTES} (gRPC's limit), got {value}"
@@ -235,15 +203,22 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
         type=_pem_file,
         default=None,
         metavar="PEM",
-        help="serve TLS with this certificate (chain); needs --tls-key (plaintext when unset)",
+        help="serve TLS with this certificate (chain); needs --tls-key (default: unset: plaintext)",
     )
-    security.add_argument("--tls-key", type=_pem_file, default=None, metavar="PEM", help="its private key")
+    security.add_argument(
+        "--tls-key",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="the private key of --tls-cert (default: unset: plaintext)",
+    )
     security.add_argument(
         "--tls-client-ca",
         type=_pem_file,
         default=None,
         metavar="PEM",
-        help="mutual TLS: refuse clients without a certificate signed by this CA",
+        help="mutual TLS: refuse clients without a certificate signed by this CA "
+        "(default: unset: any client)",
     )
     security.add_argument(
         "--no-reflection",
@@ -261,55 +236,57 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.ArgumentParser:
     """The common flags of docs/common.md, then the engine's own."""
-    parser = argparse.ArgumentParser(
+    parser = flags.FlagParser(
         prog=prog or f"sidecar-{spec.name}",
+        env_prefix=ENV_PREFIX,
         description=(
             f"gRPC sidecar between an LLM serving frontend and a {spec.name} engine. "
             f"Every --flag-name may also be set as {ENV_PREFIX}FLAG_NAME; the flag wins."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     engine = parser.add_argument_group("engine connection")
     engine.add_argument(
         "--grpc-endpoint",
-        type=_endpoint,
+        type=endpoint_arg,
         default=None,
         metavar="HOST:PORT",
-        help="the engine's gRPC address: host:port, grpc://host:port or http://host:port",
+        help="the engine's gRPC address: host:port, grpc://host:port or http://host:port "
+        "(default: unset: required)",
     )
     engine.add_argument(
         "--grpc-connections",
-        type=_positive_int,
+        type=flags.positive_int_arg,
         default=8,
         metavar="N",
         help="independent HTTP/2 connections to the engine",
     )
     engine.add_argument(
         "--grpc-connect-attempt-timeout-secs",
-        type=_seconds(allow_zero=False),
+        type=flags.seconds_arg(allow_zero=False),
         default=30.0,
         metavar="SECS",
         help="bound on one connection attempt",
     )
     engine.add_argument(
         "--grpc-retry-interval-secs",
-        type=_seconds(allow_zero=False),
+        type=flags.seconds_arg(allow_zero=False),
         default=1.0,
         metavar="SECS",
         help="cap of the backoff between connection attempts",
     )
     engine.add_argument(
         "--grpc-startup-deadline-secs",
-        type=_seconds(allow_zero=False),
+        type=flags.seconds_arg(allow_zero=False),
         default=1800.0,
         metavar="SECS",
-        help="one deadline for connecting every connection and discovering the engine",
+        help="one deadline for connecting every connection and discovering the engine; while "
+        "waiting, each failed attempt is logged, at a growing interval",
     )
     serve = parser.add_argument_group("serving")
     serve.add_argument(
         "--listen",
-        type=parse_listen,
+        type=flags.listen_arg,
         default="0.0.0.0:50061",
         metavar="HOST:PORT",
         help="gRPC listen address",
@@ -322,7 +299,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     )
     serve.add_argument(
         "--drain-timeout-secs",
-        type=_seconds(allow_zero=True),
+        type=flags.seconds_arg(allow_zero=True),
         default=30.0,
         metavar="SECS",
         help="on SIGTERM, how long in-flight generations may finish before they are cancelled",
@@ -334,119 +311,69 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         type=_etcd_endpoints,
         default=None,
         metavar="HOST:PORT[,HOST:PORT...]",
-        help="register this worker in etcd once serving (off when unset)",
+        help="register this worker in etcd once serving (default: unset: off)",
     )
     fleet.add_argument(
         "--etcd-prefix",
         type=_etcd_prefix,
         default=DEFAULT_PREFIX,
         metavar="PREFIX",
-        help="key prefix of the worker registrations",
+        help="key prefix of the worker registrations; needs --etcd-endpoints",
     )
     fleet.add_argument(
         "--advertise",
         type=_advertise,
         default=None,
         metavar="HOST:PORT",
-        help="address frontends dial, written into etcd; default: --listen (refused if a wildcard)",
+        help="address frontends dial, written into etcd; needs --etcd-endpoints "
+        "(default: --listen, refused if a wildcard)",
     )
     fleet.add_argument(
         "--etcd-lease-ttl-secs",
         type=_lease_ttl,
         default=10,
         metavar="SECS",
-        help="how long the registration outlives a sidecar that died without withdrawing",
+        help="how long the registration outlives a sidecar that died without withdrawing; "
+        "needs --etcd-endpoints",
     )
     ops = parser.add_argument_group("operations")
     ops.add_argument(
         "--metrics-port",
-        type=_port,
+        type=flags.port_arg,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics on this port (off when unset)",
+        help="serve Prometheus metrics on this port (default: unset: off)",
     )
     ops.add_argument(
         "--metrics-host",
-        type=_bind_host,
+        type=flags.bind_host_arg,
         default=None,
         metavar="HOST",
-        help="address the metrics endpoint binds; default: the host of --listen",
+        help="address the metrics endpoint binds; needs --metrics-port (default: the host of --listen)",
     )
     ops.add_argument(
         "--log-format",
         choices=("json", "console"),
         default=None,
-        help="json lines, or human-readable; default: console on a terminal, else json",
+        help="json lines, or human-readable (default: console on a terminal, else json)",
     )
-    ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
+    ops.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe lines logged",
+    )
     spec.add_arguments(parser)
-    annotate_env_help(parser)
     return parser
 
 
 def annotate_env_help(parser: argparse.ArgumentParser, prefix: str = ENV_PREFIX) -> None:
-    """Add each flag's environment variable to its --help line."""
-    for action, var in _env_actions(parser, prefix):
-        if action.help != argparse.SUPPRESS:
-            action.help = f"{action.help or ''} [env {var}]".lstrip()
-
-
-class _FromEnv:
-    """Marks a destination no command-line flag has set, so its variable may fill it."""
-
-    def __init__(self, var: str) -> None:
-        self.var = var
-
-    def __repr__(self) -> str:  # what --help shows as the default
-        return f"${self.var}"
-
-
-def _env_actions(
-    parser: argparse.ArgumentParser, prefix: str = ENV_PREFIX
-) -> list[tuple[argparse.Action, str]]:
-    found: list[tuple[argparse.Action, str]] = []
-    for action in parser._actions:
-        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
-            continue
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if longs:
-            found.append((action, env_var_for(longs[0], prefix)))
-    return found
-
-
-def _from_env(
-    parser: argparse.ArgumentParser, action: argparse.Action, var: str, raw: str, default: Any
-) -> Any:
-    """The value an environment variable gives ``action`` (``default`` when it switches a
-    flag off), or a usage error naming ``var``."""
-
-    def refuse(problem: str) -> NoReturn:
-        parser.error(f"environment variable {var}={raw!r}: {problem}")
-
-    if action.nargs == 0:
-        # store_true / store_false / store_const: the variable switches the flag on or off.
-        word = raw.strip().lower()
-        if word in _TRUE:
-            return action.const
-        if word in _FALSE:
-            return default
-        refuse("expected true/false, 1/0, yes/no or on/off")
-    convert = action.type if callable(action.type) else str
-    words = raw.split() if action.nargs in ("*", "+") or isinstance(action.nargs, int) else [raw]
-    values: list[Any] = []
-    for word in words:
-        try:
-            value = convert(word)
-        except argparse.ArgumentTypeError as err:
-            refuse(str(err))
-        except (TypeError, ValueError):
-            refuse(f"invalid {getattr(convert, '__name__', 'value')} value")
-        if action.choices is not None and value not in action.choices:
-            refuse(f"invalid choice (choose from {', '.join(map(str, action.choices))})")
-        values.append(value)
-    if isinstance(action, argparse._AppendAction):
-        return values
-    return values if action.nargs in ("*", "+") or isinstance(action.nargs, int) else values[0]
+    """Show each flag's environment variable in --help (the shared style of
+    sidecar_common.flags)."""
+    if isinstance(parser, flags.FlagParser):
+        parser.env_prefix = prefix
+    parser.formatter_class = flags.formatter_for(prefix)
 
 
 def parse_with_env(
@@ -456,33 +383,7 @@ def parse_with_env(
     prefix: str = ENV_PREFIX,
 ) -> argparse.Namespace:
     """Parse ``argv``; a flag no argument set takes its ``<prefix>FLAG_NAME`` variable."""
-    # Destinations backed by a set variable get a marker default and lose `required`, so
-    # argparse itself tells us (marker still there) which ones no flag has set.
-    pending: dict[str, list[tuple[argparse.Action, str, str]]] = {}
-    originals: dict[str, Any] = {}
-    markers: dict[str, object] = {}
-    for action, var in _env_actions(parser, prefix):
-        raw = environ.get(var)
-        if raw is not None:
-            pending.setdefault(action.dest, []).append((action, var, raw))
-    for action in parser._actions:
-        if action.dest in pending:
-            originals.setdefault(action.dest, action.default)
-            # Append actions copy their default into a fresh list, so None is their marker.
-            marker = (
-                None if isinstance(action, argparse._AppendAction) else _FromEnv(pending[action.dest][0][1])
-            )
-            action.default = markers.setdefault(action.dest, marker)
-            action.required = False
-    namespace = parser.parse_args(list(argv))
-    for dest, sources in pending.items():
-        if getattr(namespace, dest) is not markers[dest]:
-            continue  # a flag set it: the flag wins, the variable is not even parsed
-        value = originals[dest]
-        for action, var, raw in sources:
-            value = _from_env(parser, action, var, raw, originals[dest])
-        setattr(namespace, dest, value)
-    return namespace
+    return flags.parse_with_env(parser, argv, environ, prefix)
 
 
 def parse_config(
@@ -498,11 +399,14 @@ def parse_config(
     parser = build_parser(spec, prog=prog)
     ns = parse_with_env(parser, argv, environ)
     endpoint: Endpoint | None = ns.grpc_endpoint
-    if endpoint is None and spec.endpoint_when_unset is not None:
-        try:
+    try:
+        _refuse_inapplicable_common(ns)
+        if spec.check_flags is not None:
+            spec.check_flags(ns)
+        if endpoint is None and spec.endpoint_when_unset is not None:
             endpoint = spec.endpoint_when_unset(ns)
-        except ValueError as error:
-            parser.error(str(error))
+    except ValueError as error:
+        parser.error(str(error))
     if endpoint is None:
         parser.error(f"--grpc-endpoint (or {ENV_PREFIX}GRPC_ENDPOINT) is required")
     log_format: LogFormat = ns.log_format or log_format_default or default_log_format()
@@ -544,7 +448,7 @@ def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = flags.FlagParser(
         prog="sidecar",
         usage="sidecar {%s} [flags...]" % ",".join((*ENGINES, FRONTEND)),  # noqa: UP031
         description="gRPC sidecar between an LLM serving frontend and an inference engine.",
@@ -572,8 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     top = _top_parser()
     if not args or args[0].startswith("-"):
         # `sidecar --help` / `--version` exit 0; anything else without an engine is 2.
-        top.parse_args(args[:1])
-        top.error("an engine name is required")
+        if args and args[0] in ("-h", "--help", "--version"):
+            top.parse_args(args[:1])
+        top.error(f"an engine name is required (choose from {', '.join((*ENGINES, FRONTEND))})")
     name = args[0]
     if name == FRONTEND:
         # Imported on demand, like an engine: the frontend pulls in aiohttp's server.
@@ -581,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return frontend_main(args[1:], prog="sidecar frontend")
     if name not in ENGINES:
-        top.error(f"unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+        top.error(f"unknown engine {name!r} (choose from {', '.join((*ENGINES, FRONTEND))})")
     try:
         spec = load_spec(name)
     except ImportError as err:
@@ -589,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_engine(spec, args[1:], prog=f"sidecar {name}")
 
 
-# Flag types the frontend's command line shares.
-positive_int_arg = _positive_int
-seconds_arg = _seconds
-port_arg = _port
+# Flag types the frontend's command line shares (they live in sidecar_common.flags).
+positive_int_arg = flags.positive_int_arg
+seconds_arg = flags.seconds_arg
+port_arg = flags.port_arg
+parse_listen = flags.listen_arg

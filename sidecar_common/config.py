@@ -47,6 +47,10 @@ class EngineSpec:
     flags, e.g. SGLang's ``--transport``). It must not do I/O; ``Engine.start`` does.
     A bad engine-specific flag value raises ``ValueError`` with a message (usage error).
 
+    ``check_flags`` refuses, at parse time, the engine's flags that contradict each other or
+    do not apply to the chosen mode (raising ValueError: a usage error, exit 2; see
+    ``sidecar_common.flags.refuse_inapplicable``).
+
     ``endpoint_when_unset`` lets an engine whose chosen transport is not gRPC (SGLang over
     HTTP) supply the engine address when ``--grpc-endpoint`` is not given; returning None
     keeps ``--grpc-endpoint`` required.
@@ -56,3 +60,4 @@ class EngineSpec:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     build: Callable[[SidecarConfig, argparse.Namespace], Engine]
     endpoint_when_unset: Callable[[argparse.Namespace], Endpoint | None] | None = None
+    check_flags: Callable[[argparse.Namespace], None] | None = None

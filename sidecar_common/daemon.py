@@ -12,7 +12,10 @@ ENGINE_SHUTDOWN (migratable) after its engine abort; a third stops waiting for t
 Either way the process exits 0, because it stopped as asked.
 
 A start-up failure is one log line (no traceback for an expected failure such as an engine
-that cannot be reached) and exit code 1, after closing whatever had been opened.
+that cannot be reached) and exit code 1, after closing whatever had been opened. When the
+engine's answer shows the configuration cannot work (it speaks another protocol: a wrong port
+or --transport; its disaggregation mode is not ours), the line is "invalid configuration" and
+the exit code 2, as for a bad flag: restarting with the same flags cannot help.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from sidecar_common import systemd
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine
-from sidecar_common.errors import SidecarError
+from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.logs import configure_logging
 from sidecar_common.metrics import Metrics
+from sidecar_common.ports import bind_problem, shown_address
 from sidecar_common.registration import Registration, registered
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.server import ServerConfig, SidecarServer
@@ -59,6 +63,10 @@ _CLOSE_TIMEOUT: Final = 10.0
 # serving, and collections run less often; memory still comes back by reference counting.
 _GC_THRESHOLDS: Final = (20_000, 20, 20)
 _STARTUP_SLACK: Final = 30.0
+# Start-up failures that are the engine's answer to a configuration that cannot work with it
+# (PROTOCOL_ERROR: it does not speak the expected protocol; INVALID_ARGUMENT: what it runs
+# contradicts a flag, e.g. its disaggregation mode). Anything else may pass: exit 1, retried.
+_CONFIGURATION_REASONS: Final = frozenset({ErrorReason.PROTOCOL_ERROR, ErrorReason.INVALID_ARGUMENT})
 
 log = structlog.get_logger("sidecar_common.daemon")
 
@@ -122,7 +130,10 @@ def _listen_host(listen: str) -> str:
 def _start_metrics_http(host: str, port: int, metrics: Metrics) -> Callable[[], Awaitable[None]]:
     from prometheus_client import start_http_server
 
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    shown = shown_address(host, port)
+    problem = bind_problem(host, port)
+    if problem is not None:
+        raise _StartupFailed(problem.replace("cannot listen on", "cannot serve metrics on", 1))
     try:
         httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as err:
@@ -224,6 +235,14 @@ async def _serve(
                 systemd.notify("STOPPING=1")
                 return EXIT_OK
             message = err.message if isinstance(err, SidecarError) else str(err)
+            if isinstance(err, SidecarError) and err.reason in _CONFIGURATION_REASONS:
+                log.error(
+                    "invalid configuration",
+                    engine=spec.name,
+                    endpoint=str(endpoint),
+                    error=f"the {spec.name} engine at {endpoint} answered: {message}",
+                )
+                return EXIT_USAGE
             log.error("start-up failed", engine=spec.name, endpoint=str(endpoint), error=message)
             return EXIT_STARTUP_FAILED
         except Exception:
@@ -306,6 +325,10 @@ def _engine_status(spec: EngineSpec, config: SidecarConfig) -> Callable[[bool, s
 async def _start(
     spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack
 ) -> SidecarServer:
+    problem = bind_problem(_listen_host(config.listen), int(config.listen.rpartition(":")[2]))
+    if problem is not None:
+        # Asked first: grpc would report only "Failed to bind" (and print its own C++ line).
+        raise _StartupFailed(problem)
     metrics: Metrics | None = None
     if config.metrics_port is not None:
         metrics = Metrics(spec.name, version=package_version())

@@ -22,6 +22,7 @@ __all__ = [
     "ENGINE_STATUS_TO_REASON",
     "ERROR_DOMAIN",
     "FRONTEND_STATUS",
+    "NOT_SENT",
     "ORIGIN_ENGINE",
     "EngineOrigin",
     "ErrorReason",
@@ -40,6 +41,9 @@ __all__ = [
 ERROR_DOMAIN: Final = "sidecar"
 # ErrorInfo metadata ``origin`` of an error whose message is the engine's own text.
 ORIGIN_ENGINE: Final = "engine"
+# ``engine_status`` of an engine's refusal the sidecar makes itself, in the engine's words,
+# before any call (it knows the engine would refuse: its fixed rule, or what discovery told).
+NOT_SENT: Final = "not sent"
 
 
 class ErrorReason(enum.Enum):

@@ -2,7 +2,8 @@
 
 Both sidecars call :func:`check_sampling_limits` while converting a request, before any engine
 call, so a value the engine would refuse is refused here the same way for every engine:
-INVALID_ARGUMENT, the message starting with the field's path in ``PreprocessedRequest``.
+INVALID_ARGUMENT, the message starting with the field's path in ``PreprocessedRequest`` (one
+exception: vLLM's refusal of max_tokens 0 is in vLLM's own words, see docs/limits.md).
 Where the engines accept different ranges the table has one column per engine; the code and
 the field name of the refusal are the same for both. The ranges are the engines' own
 sampling-parameter checks (see docs/limits.md).
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import invalid_argument
+from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 
 __all__ = [
     "MAX_TOKENS_MINIMUM",
@@ -34,6 +35,7 @@ __all__ = [
     "check_media",
     "check_sampling_limits",
     "exact_integer",
+    "vllm_max_tokens_refusal",
 ]
 
 EngineKind = Literal["vllm", "sglang"]
@@ -99,9 +101,9 @@ TOP_K_MINIMUM: Final[dict[EngineKind, int]] = {"vllm": 0, "sglang": 1}
 # SGLang turns a temperature in [0, this) into greedy sampling (top_k 1) before it checks
 # top_k, so any top_k passes then.
 SGLANG_GREEDY_BELOW: Final = 1e-6
-# vLLM refuses max_tokens below 1; SGLang would run a request of 0 new tokens, which no client
-# means: one rule for both.
-MAX_TOKENS_MINIMUM: Final = 1
+# The fewest new tokens each engine serves. SGLang runs a request of 0 new tokens (prefill
+# only: how clients score a prompt, with its input logprobs); vLLM refuses anything below 1.
+MAX_TOKENS_MINIMUM: Final[dict[EngineKind, int]] = {"vllm": 1, "sglang": 0}
 
 
 def check_sampling_limits(request: sidecar_pb2.PreprocessedRequest, engine: EngineKind) -> None:
@@ -118,7 +120,7 @@ def check_sampling_limits(request: sidecar_pb2.PreprocessedRequest, engine: Engi
             raise invalid_argument(limit.field, f"must be in {span} for {engine} (got {value:g})")
     if s.HasField("top_k"):
         _check_top_k(s, engine)
-    _check_token_counts(request.stop_conditions)
+    _check_token_counts(request.stop_conditions, engine)
 
 
 def _check_top_k(s: sidecar_pb2.SamplingOptions, engine: EngineKind) -> None:
@@ -134,11 +136,21 @@ def _check_top_k(s: sidecar_pb2.SamplingOptions, engine: EngineKind) -> None:
     )
 
 
-def _check_token_counts(stop: sidecar_pb2.StopConditions) -> None:
+def vllm_max_tokens_refusal(max_tokens: int) -> str:
+    """vLLM's own sentence for a max_tokens below its minimum (``SamplingParams._verify_args``,
+    a validation error naming the parameter and the value), so a client hears the engine."""
+    return (
+        f"max_tokens must be at least {MAX_TOKENS_MINIMUM['vllm']}, got {max_tokens}. "
+        f"(parameter=max_tokens, value={max_tokens})"
+    )
+
+
+def _check_token_counts(stop: sidecar_pb2.StopConditions, engine: EngineKind) -> None:
     has_max = stop.HasField("max_tokens")
-    if has_max and stop.max_tokens < MAX_TOKENS_MINIMUM:
-        raise invalid_argument(
-            "stop_conditions.max_tokens", f"must be at least {MAX_TOKENS_MINIMUM} (got {stop.max_tokens})"
+    if has_max and stop.max_tokens < MAX_TOKENS_MINIMUM[engine]:
+        # Only vLLM has a minimum above 0: the refusal is vLLM's, in its words (not sent to it).
+        raise engine_words(
+            ErrorReason.INVALID_ARGUMENT, vllm_max_tokens_refusal(stop.max_tokens), "Generate", NOT_SENT
         )
     if has_max and stop.HasField("min_tokens") and stop.min_tokens > stop.max_tokens:
         raise invalid_argument(

@@ -73,7 +73,11 @@ def configure_logging(log_format: LogFormat, level: str = "info", *, stream: Tex
     if log_format == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=_wants_colour(stream))
+        # Plain tracebacks: rich's default (boxes, source, every local) turned one bug into
+        # hundreds of lines, and locals may hold what a log must not.
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=_wants_colour(stream), exception_formatter=structlog.dev.plain_traceback
+        )
 
     target = sys.stdout if stream is None else stream
     formatter = structlog.stdlib.ProcessorFormatter(

@@ -9,6 +9,7 @@ cannot stall start-up, whatever the connector does with its timeout.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,6 +18,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 import anyio
 import grpc
+import structlog
 import tenacity
 
 from sidecar_common.endpoint import Endpoint
@@ -31,6 +33,7 @@ __all__ = [
     "Deadline",
     "NotReady",
     "PoolConfig",
+    "ReportSchedule",
     "RetryPolicy",
     "SystemClock",
     "backoff_interval",
@@ -40,6 +43,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+_log = structlog.get_logger(__name__)
 
 
 class Clock(Protocol):
@@ -89,6 +94,8 @@ class PoolConfig:
     connections: int = 8  # --grpc-connections
     startup_deadline: float = 1800.0  # --grpc-startup-deadline-secs
     retry: RetryPolicy = RetryPolicy()
+    # What the pool dials, as its errors name it (the frontend's pools dial workers).
+    peer: str = "engine"
 
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -236,6 +243,102 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+# While an engine does not answer, the wait is said at once, then after 2 s, 4 s... never more
+# than 30 s apart: an operator sees where it dials and why it fails within seconds, and a
+# model that loads for ten minutes costs about twenty lines, not one per attempt.
+_FIRST_REPORT_SECS: Final = 2.0
+_MAX_REPORT_SECS: Final = 30.0
+# An attempt running longer than this is reported as hanging rather than by the last failure.
+_HANGING_SECS: Final = 1.0
+
+
+@dataclass
+class ReportSchedule:
+    """When a wait that keeps failing is reported: the first time at once, then after
+    ``first`` seconds, the interval doubling up to ``cap``. Pure: the caller passes the time."""
+
+    first: float = _FIRST_REPORT_SECS
+    cap: float = _MAX_REPORT_SECS
+    _next_at: float | None = None
+    _interval: float = 0.0
+
+    def due(self, now: float) -> float | None:
+        """None when no report is due at ``now``; else the interval to the next one (the
+        report is then considered made)."""
+        if self._next_at is None:
+            self._interval = self.first
+        elif now >= self._next_at:
+            self._interval = min(self._interval * 2, self.cap)
+        else:
+            return None
+        self._next_at = now + self._interval
+        return self._interval
+
+    def wait(self, now: float) -> float:
+        """Seconds until the next report may be due (``first`` before any)."""
+        return self.first if self._next_at is None else max(0.0, self._next_at - now)
+
+
+class _WaitReporter:
+    """Says, at the ReportSchedule's pace, where a retry loop dials and why it has not
+    succeeded yet: after a failed attempt, and while an attempt hangs (a peer that accepts the
+    connection and never answers would otherwise be silent for the whole attempt timeout)."""
+
+    def __init__(self, what: str, deadline: Deadline, peer: str = "engine") -> None:
+        self._what = what
+        self._peer = peer
+        self._deadline = deadline
+        self._schedule = ReportSchedule()
+        self._last_error: str | None = None
+
+    def failed(self, error: BaseException, attempts: int) -> None:
+        self._last_error = _describe(error)
+        self._report(attempts, error=self._last_error)
+
+    def watch(self, attempts: int) -> Callable[[], None]:
+        """Report the attempt now starting while it hangs; returns what stops that (call it
+        when the attempt ends). A timer on the event loop, not a task: a task group around the
+        attempt would add a checkpoint after it succeeded, where a cancellation could drop
+        what it opened (a channel nobody would close)."""
+        clock = self._deadline.clock
+        started_at = clock.monotonic()
+        loop = asyncio.get_running_loop()
+
+        timers: list[asyncio.TimerHandle] = []
+
+        def fire() -> None:
+            running = clock.monotonic() - started_at
+            if running >= _HANGING_SECS or self._last_error is None:
+                self._report(attempts, error=f"no answer yet (attempt running for {running:.1f}s)")
+            else:
+                # Attempts that fail quickly: the last failure says why.
+                self._report(attempts - 1, error=self._last_error)
+            # Loop time, not the injectable clock: a test clock standing still must not spin.
+            timers[0] = loop.call_later(self._schedule.wait(clock.monotonic()), fire)
+
+        timers.append(loop.call_later(self._schedule.wait(started_at), fire))
+
+        def stop() -> None:
+            timers[0].cancel()
+
+        return stop
+
+    def _report(self, attempts: int, *, error: str) -> None:
+        deadline = self._deadline
+        interval = self._schedule.due(deadline.clock.monotonic())
+        if interval is None:
+            return
+        _log.warning(
+            f"waiting for {self._peer}",
+            dialling=self._what,
+            error=error,
+            attempts=attempts,
+            waited_secs=round(deadline.elapsed(), 3),
+            deadline_left_secs=round(deadline.remaining(), 3),
+            next_report_secs=interval,
+        )
+
+
 async def retry_until_deadline(
     what: str,
     attempt: Callable[[float], Awaitable[T]],
@@ -244,6 +347,7 @@ async def retry_until_deadline(
     *,
     rand: Callable[[], float] = random.random,
     transient: Callable[[BaseException], bool] = is_transient,
+    peer: str = "engine",
 ) -> T:
     """Call ``attempt(timeout)`` until it returns, each bounded by min(attempt_timeout,
     remaining); back off with jitter between attempts, capped, never past the deadline.
@@ -260,6 +364,7 @@ async def retry_until_deadline(
     began = clock.monotonic()
     attempts = 0
     last: Exception | None = None
+    reporter = _WaitReporter(what, deadline, peer)
 
     async def one_attempt() -> T:
         nonlocal attempts, last
@@ -271,11 +376,17 @@ async def retry_until_deadline(
             # The attempt is told its timeout and should honour it with its own, more telling
             # error; this bound (a hair later, so the attempt's error wins) catches one that
             # does not.
-            with anyio.move_on_after(timeout + _ENFORCEMENT_GRACE_SECS):
-                return await attempt(timeout)
+            stop_watching = reporter.watch(attempts)
+            try:
+                with anyio.move_on_after(timeout + _ENFORCEMENT_GRACE_SECS):
+                    return await attempt(timeout)
+            finally:
+                stop_watching()
             raise _AttemptTimedOut(timeout)
         except Exception as error:
             last = error
+            if transient(error):
+                reporter.failed(error, attempts)
             raise
 
     # No stop condition: the deadline ends the loop, since once it has passed the backoff
@@ -338,7 +449,9 @@ class ChannelPool:
     async def connect(self, deadline: Deadline) -> None:
         """Slot 1 first, then the rest concurrently, all within ``deadline``."""
         if self._closed:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool is closed")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is closed"
+            )
         if self._channels:
             return
         n = self._config.connections
@@ -350,10 +463,11 @@ class ChannelPool:
             target = self._config.endpoint.target
             try:
                 opened[index] = await retry_until_deadline(
-                    f"engine {target} slot {index + 1}/{n}",
+                    f"{self._config.peer} {target} slot {index + 1}/{n}",
                     lambda timeout: self._connector(target, timeout),
                     deadline,
                     self._config.retry,
+                    peer=self._config.peer,
                 )
             except Exception as error:
                 # The first failure (typed, or a bug raised as it is) is the one reported,
@@ -380,7 +494,9 @@ class ChannelPool:
             raise failure
         if self._closed:
             # close() ran while the slots were connecting (shutdown during start-up).
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool was closed")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool was closed"
+            )
         self._channels = [channel for channel in opened if channel is not None]
 
     def channel(self) -> grpc.aio.Channel:
@@ -390,7 +506,9 @@ class ChannelPool:
         channels = self._channels
         if not channels:
             state = "closed" if self._closed else "not connected"
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, f"the engine connection pool is {state}")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is {state}"
+            )
         count = len(channels)
         first = self._next
         for step in range(count):

@@ -31,6 +31,7 @@ from sidecar_common.engine import Engine, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
 from sidecar_common.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
 from sidecar_common.metrics import Metrics
+from sidecar_common.pool import ReportSchedule
 from sidecar_common.relay import RelayConfig, relay
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata
@@ -208,6 +209,8 @@ class SidecarServer:
         self._engine_ok = True  # the health watch's verdict
         self._engine_problem = ""  # why the engine was last found unhealthy
         self._streak = HealthStreak(config.health_failure_threshold)
+        self._down_since = 0.0  # when the engine was last found unhealthy (monotonic)
+        self._down_reports = ReportSchedule()
         # The probes run after an engine fault; concurrent faults share them.
         self._fault_check: asyncio.Task[tuple[Probe, str]] | None = None
         self._draining = False
@@ -372,7 +375,8 @@ class SidecarServer:
             return SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
         if not self._engine_ok:
             return SidecarError(
-                ErrorReason.CANNOT_CONNECT, f"{self._engine.name} engine is unreachable (health check failed)"
+                ErrorReason.CANNOT_CONNECT,
+                f"{self._engine.name} engine is unhealthy or unreachable: {self._engine_problem}",
             )
         return None
 
@@ -393,6 +397,10 @@ class SidecarServer:
                     failures=streak.failures,
                     threshold=streak.threshold,
                 )
+            elif probe is not Probe.HEALTHY:
+                # Still down: said again at a growing interval (never silence for minutes
+                # while the channels reconnect), with the probe's latest reason.
+                self._report_still_down(why)
 
     async def _probe_engine(self) -> tuple[Probe, str]:
         """One bounded probe of the engine, and why it did not find it healthy."""
@@ -412,6 +420,17 @@ class SidecarServer:
         why = getattr(self._engine, "health_problem", None) or "the health check answered not serving"
         return Probe.UNHEALTHY, why
 
+    def _report_still_down(self, why: str) -> None:
+        now = time.monotonic()
+        interval = self._down_reports.due(now)
+        if interval is not None:
+            _log.warning(
+                "engine still unhealthy: refusing new requests",
+                reason=why,
+                down_secs=round(now - self._down_since, 1),
+                next_report_secs=interval,
+            )
+
     def _set_engine_ok(self, ok: bool, why: str) -> None:
         if ok == self._engine_ok:
             return
@@ -419,6 +438,10 @@ class SidecarServer:
         if ok:
             _log.info("engine healthy again")
         else:
+            # The verdict line is the first report; the schedule spaces out the next ones.
+            self._down_since = time.monotonic()
+            self._down_reports = ReportSchedule()
+            self._down_reports.due(self._down_since)
             self._engine_problem = why
             _log.warning("engine unhealthy: refusing new requests", reason=why)
         if self._metrics is not None:
@@ -478,6 +501,12 @@ class SidecarServer:
                 refusal = self._internal_error("validate", exc)
         if refusal is None:
             refusal = self._refusal()
+        if not request.request_id:
+            # Named before anything is logged: a refused request's line carries an id too.
+            named = sidecar_pb2.PreprocessedRequest()
+            named.CopyFrom(request)
+            named.request_id = new_public_id()
+            request = named
         if refusal is not None:
             if metrics is not None:
                 metrics.refused(refusal.reason.value)
@@ -488,11 +517,6 @@ class SidecarServer:
                 error=str(refusal),
             )
             await _fail(context, refusal)
-        if not request.request_id:
-            named = sidecar_pb2.PreprocessedRequest()
-            named.CopyFrom(request)
-            named.request_id = new_public_id()
-            request = named
         entry = self._registry.register(request.request_id)
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)

@@ -21,6 +21,7 @@ from sidecar_common.cli import (
     positive_int_arg,
     seconds_arg,
 )
+from sidecar_common.flags import FlagParser, refuse_inapplicable
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
 from sidecar_common.registration_record import RecordError
 from sidecar_common.tls import ClientCredentials, ClientTlsFiles, TlsSettingsError
@@ -50,6 +51,7 @@ class FrontendConfig:
     handler: HandlerConfig
     worker_set: WorkerSetConfig
     metrics_port: int | None
+    metrics_host: str | None  # None: the host of --listen
     drain_timeout: float
     log_format: LogFormat
     log_level: str
@@ -78,6 +80,13 @@ def _prefill_workers(text: str) -> tuple[str, ...]:
     return tuple(f"prefill={word}" for word in words)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a model name, got {text!r}")
+    return names
+
+
 def _formats(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [n for n in names if n not in FORMATS]
@@ -88,16 +97,34 @@ def _formats(text: str) -> tuple[str, ...]:
     return names
 
 
+def _refuse_inapplicable(ns: argparse.Namespace) -> None:
+    """Flags the chosen discovery mode or formats do not use (the rule of docs/common.md)."""
+    mode = ns.discovery
+    refuse_inapplicable(
+        ns, "dns_refresh_secs", applies=mode == "dns", rule=f"is used only with --discovery dns, not {mode}"
+    )
+    for dest in ("etcd_endpoints", "etcd_prefix"):
+        refuse_inapplicable(
+            ns, dest, applies=mode == "etcd", rule=f"is used only with --discovery etcd, not {mode}"
+        )
+    refuse_inapplicable(
+        ns,
+        "sglang_incremental_streaming_output",
+        applies="sglang" in ns.formats,
+        rule="is used only when --format includes sglang",
+    )
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog=prog or "sidecar-frontend",
+        env_prefix=ENV_PREFIX,
         description=(
             "HTTP frontend serving SGLang's /generate and vLLM's /inference/v1/generate "
             "(token in, token out) over sidecars reached by gRPC. Every --flag-name may also be "
             f"set as {ENV_PREFIX}FLAG_NAME; the flag wins. Traces (W3C traceparent) go on to the "
             "workers; spans are exported over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     serve = parser.add_argument_group("serving")
@@ -156,7 +183,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         metavar="[ROLE=]HOST:PORT",
         help="a sidecar's gRPC address (--discovery static); ROLE is agg (default), prefill or "
-        "decode; repeatable, or a comma-separated list",
+        "decode; repeatable, or a comma-separated list (default: none)",
     )
     workers.add_argument(
         "--prefill-worker",
@@ -167,7 +194,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="a sidecar in --disaggregation-mode prefill (--discovery static; the same as "
         "--worker prefill=HOST:PORT); with prefill workers, requests are prefilled there and "
-        "decoded on the decode workers; repeatable",
+        "decoded on the decode workers; repeatable (default: none)",
+    )
+    workers.add_argument(
+        "--model",
+        dest="models",
+        type=_names,
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="serve only this model (a worker's served_model_name); workers serving another are "
+        "refused; repeatable, or a comma-separated list; default: every model the workers serve",
     )
     workers.add_argument(
         "--worker-connections",
@@ -206,15 +243,27 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=port_arg,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics on this port (off when unset)",
+        help="serve Prometheus metrics on this port (default: unset: off)",
+    )
+    ops.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="address the metrics endpoint binds; default: the host of --listen",
     )
     ops.add_argument(
         "--log-format",
         choices=("json", "console"),
         default=None,
-        help="json lines, or human-readable; default: console on a terminal, else json",
+        help="json lines, or human-readable (default: console on a terminal, else json)",
     )
-    ops.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
+    ops.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe lines logged",
+    )
     annotate_env_help(parser, ENV_PREFIX)
     return parser
 
@@ -248,6 +297,7 @@ def parse_config(
         parser.error(f"--migration-limit must be 0 or more, got {ns.migration_limit}")
     try:
         discovery = discovery_config_from_args(ns, workers)
+        _refuse_inapplicable(ns)
     except ValueError as err:
         parser.error(str(err))
     timeout: float = ns.request_timeout_secs
@@ -263,11 +313,13 @@ def parse_config(
         ),
         worker_set=WorkerSetConfig(
             connections=ns.worker_connections,
+            models=frozenset(name for group in ns.models or () for name in group),
             tls=_worker_tls(parser, ns),
             # Calls in flight when the TLS files rotate may finish on the old connections.
             retire_grace=timeout + 5.0 if timeout > 0 else WorkerSetConfig.retire_grace,
         ),
         metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
         drain_timeout=ns.drain_timeout_secs,
         log_format=ns.log_format or default_log_format(),
         log_level=ns.log_level,

@@ -5,61 +5,78 @@ from __future__ import annotations
 
 import argparse
 
-from sidecar_common.cli import run_engine
+from sidecar_common.cli import endpoint_arg, run_engine
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.engine import Engine
+from sidecar_common.flags import refuse_inapplicable
 from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
 
-__all__ = ["SPEC", "build", "main"]
+__all__ = ["SPEC", "build", "check_flags", "main"]
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    sglang = parser.add_argument_group("SGLang")
+    sglang.add_argument(
         "--transport",
         choices=("grpc", "http"),
         default="grpc",
         help="SGLang's native wire to use: gRPC (--grpc-endpoint) or HTTP (--http-endpoint)",
     )
-    parser.add_argument(
+    sglang.add_argument(
         "--http-endpoint",
+        type=endpoint_arg,
         default=None,
-        help="SGLang's HTTP server (host:port or http://host:port); required with --transport http",
+        metavar="HOST:PORT",
+        help="SGLang's HTTP server (host:port or http://host:port); only with --transport http, "
+        "where it is required (default: unset)",
     )
 
 
 def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
     """The engine for the chosen transport. A bad flag raises ValueError (a usage error)."""
-    transport = getattr(namespace, "transport", "grpc")
-    if transport == "grpc":
-        _refuse_http_endpoint_on_grpc(namespace)
+    check_flags(namespace)
+    if getattr(namespace, "transport", "grpc") == "grpc":
         return SglangGrpcEngine(config)
-    if transport != "http":
-        raise ValueError(f"--transport must be grpc or http, not {transport!r}")
     endpoint = _http_endpoint(namespace)
     if endpoint is None:
-        raise ValueError("--http-endpoint is required with --transport http")
+        raise ValueError("--transport http needs --http-endpoint (SGLang's HTTP server, host:port)")
     return SglangHttpEngine(config, endpoint)
 
 
 def _http_endpoint(namespace: argparse.Namespace) -> Endpoint | None:
-    text = getattr(namespace, "http_endpoint", None)
-    if not text:
+    value = getattr(namespace, "http_endpoint", None)
+    if not value:
         return None
+    if isinstance(value, Endpoint):
+        return value
     try:
-        return parse_endpoint(text)
+        return parse_endpoint(value)
     except EndpointError as error:
         raise ValueError(f"--http-endpoint: {error}") from error
 
 
-def _refuse_http_endpoint_on_grpc(namespace: argparse.Namespace) -> None:
-    # An operator who gave only the HTTP address most likely forgot --transport http; serving
-    # gRPC while ignoring the flag would dial an engine nobody named.
-    if getattr(namespace, "http_endpoint", None):
-        raise ValueError(
-            "--http-endpoint is used only with --transport http (the transport is grpc, "
-            "which dials --grpc-endpoint)"
+def check_flags(namespace: argparse.Namespace) -> None:
+    """Each transport's flags, refused under the other one (the rule of docs/common.md): an
+    operator who gave only the HTTP address most likely forgot --transport http, and serving
+    while ignoring a flag would dial an engine nobody named."""
+    transport = getattr(namespace, "transport", "grpc")
+    if transport not in ("grpc", "http"):
+        raise ValueError(f"--transport must be grpc or http, not {transport!r}")
+    over_http = transport == "http"
+    refuse_inapplicable(
+        namespace,
+        "http_endpoint",
+        applies=over_http,
+        rule="is used only with --transport http (the transport is grpc, which dials --grpc-endpoint)",
+    )
+    for dest in ("grpc_endpoint", "grpc_connections"):
+        refuse_inapplicable(
+            namespace,
+            dest,
+            applies=not over_http,
+            rule="is used only with --transport grpc (the transport is http, which dials --http-endpoint)",
         )
 
 
@@ -67,7 +84,6 @@ def _endpoint_when_unset(namespace: argparse.Namespace) -> Endpoint | None:
     """Over HTTP the gRPC endpoint is not used: the HTTP one stands in (so logs and the
     start-up deadline name the address really dialled)."""
     if getattr(namespace, "transport", "grpc") != "http":
-        _refuse_http_endpoint_on_grpc(namespace)
         return None
     endpoint = _http_endpoint(namespace)
     if endpoint is None:
@@ -76,7 +92,11 @@ def _endpoint_when_unset(namespace: argparse.Namespace) -> Endpoint | None:
 
 
 SPEC = EngineSpec(
-    name="sglang", add_arguments=_add_arguments, build=build, endpoint_when_unset=_endpoint_when_unset
+    name="sglang",
+    add_arguments=_add_arguments,
+    build=build,
+    endpoint_when_unset=_endpoint_when_unset,
+    check_flags=check_flags,
 )
 
 

@@ -22,7 +22,7 @@ from typing import Final, Literal
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
-from sidecar_common.errors import invalid_argument
+from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits, exact_integer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "RequestSettings",
     "bootstrap_struct",
     "build_native",
+    "lora_disabled_refusal",
     "to_grpc",
     "to_http_json",
 ]
@@ -80,6 +81,8 @@ class RequestSettings:
     # The model's context length (the model card's max_model_len) when the engine does not
     # truncate (server info ``allow_auto_truncate`` false); None: not checked here.
     context_length: int | None = None
+    # Server info ``enable_lora`` (null or false: off); None: not reported, not checked here.
+    lora_enabled: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class NativeSampling:
     json_schema: str | None = None
     regex: str | None = None
     seed: int | None = None
+    # (token id, bias) in the request's order; HTTP only (the gRPC wire has no field).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,9 +163,22 @@ def _opt_float(msg: sidecar_pb2.SamplingOptions, name: str) -> float | None:
     return _shortest_float32(value) if math.isfinite(value) else value
 
 
+def lora_disabled_refusal(adapter: str) -> str:
+    """SGLang's tokenizer manager's sentence for an adapter asked of a server without LoRA."""
+    return (
+        f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch the server "
+        "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
+
+
 def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings) -> None:
     if not request.token_ids:
         raise invalid_argument("token_ids", "the prompt must not be empty")
+    adapter = request.routing.lora_name
+    if adapter and settings.lora_enabled is False:
+        # SGLang refuses it first, before it reads the prompt, but over gRPC with a bare INTERNAL
+        # that nothing tells from a failure: refused here, in SGLang's words, on both wires.
+        raise engine_words(ErrorReason.INVALID_ARGUMENT, lora_disabled_refusal(adapter), "Generate", NOT_SENT)
     check_sampling_limits(request, "sglang")
     s = request.sampling_options
     if s.HasField("n") and s.n != 1:
@@ -175,8 +193,13 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         raise invalid_argument(
             "sampling_options.include_stop_str_in_output", "not supported by SGLang's native API"
         )
-    if s.logit_bias:
-        raise invalid_argument("sampling_options.logit_bias", "not supported by SGLang's native API")
+    if s.logit_bias and settings.transport == "grpc":
+        # SGLang's HTTP /generate takes logit_bias; its gRPC SamplingParams has no such field.
+        raise invalid_argument("sampling_options.logit_bias", "SGLang's gRPC wire cannot carry it (HTTP can)")
+    bad_bias = next((b for b in s.logit_bias.values() if not math.isfinite(b)), None)
+    if bad_bias is not None:
+        # JSON has no NaN or infinity.
+        raise invalid_argument("sampling_options.logit_bias", f"must be finite numbers (got {bad_bias})")
     # One rule for both sidecars: an empty namespace is no namespace.
     if request.routing.HasField("cache_namespace") and request.routing.cache_namespace:
         raise invalid_argument("routing.cache_namespace", "SGLang has no cache namespaces")
@@ -247,6 +270,7 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
         json_schema=json_schema,
         regex=regex,
         seed=s.seed if s.HasField("seed") else None,
+        logit_bias=tuple((token, _shortest_float32(bias)) for token, bias in sorted(s.logit_bias.items())),
     )
     return native
 
@@ -423,6 +447,10 @@ def _http_sampling(sampling: NativeSampling) -> dict[str, object]:
         # SGLang's HTTP schema names it sampling_seed and refuses unknown keys (the gRPC
         # message calls it seed).
         items["sampling_seed"] = items.pop("seed")
+    if sampling.logit_bias:
+        # JSON object keys are text; SGLang reads them back with int() and checks them against
+        # its vocabulary (a 400 in its own words when one is outside).
+        items["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
     return items
 
 

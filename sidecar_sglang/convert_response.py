@@ -9,9 +9,11 @@ Choices the spec leaves open:
 
 * Tokens on an ``abort`` terminal are not forwarded: the stream ends with an error anyway, and
   in incremental mode SGLang repeats the last token there.
-* ``engine_data.prompt_logprobs`` (when prompt logprobs were asked) is one entry per prompt
-  position: null where the engine has none (the first), else a list of
-  ``{"token_id", "logprob"}``, the prompt's own token first, then up to N alternatives.
+* ``engine_data.prompt_logprobs`` (when prompt logprobs were asked) comes once, on the first
+  output after the engine sent them (SGLang does with its first event after prefill), else on
+  the terminal. It is one entry per prompt position: null where the engine has none (the
+  first), else a list of ``{"token_id", "logprob"}``, the prompt's own token first, then up to
+  N alternatives.
 * A terminal whose ``completion_tokens`` disagrees with the tokens streamed is malformed.
 """
 
@@ -25,13 +27,14 @@ from typing import Final
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.errors import ErrorReason, SidecarError, engine_words, protocol_error
 from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
 
 __all__ = [
     "NativeEvent",
     "ResponseState",
+    "abort_reason",
     "error_from_http_status",
     "event_from_http",
 ]
@@ -51,16 +54,33 @@ class NativeEvent:
 
 
 def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> SidecarError:
-    """SGLang HTTP status -> typed error (docs/sglang.md, "The native HTTP wire")."""
+    """SGLang HTTP status -> typed error (docs/sglang.md, "The native HTTP wire"). A refusal
+    (4xx) keeps SGLang's words as they are, for the client."""
     words = f"{rpc}: {message} (HTTP {status})"
     if status in (401, 403):
         # Auth is not configured on the sidecar's side: not the request's fault.
         return SidecarError(ErrorReason.UNKNOWN, words)
     if 400 <= status < 500:
-        return SidecarError(ErrorReason.INVALID_ARGUMENT, words)
+        return engine_words(ErrorReason.INVALID_ARGUMENT, message, rpc, str(status))
     if 502 <= status <= 504:
         return SidecarError(ErrorReason.CANNOT_CONNECT, words)
     return SidecarError(ErrorReason.UNKNOWN, words)
+
+
+# SGLang aborts with 503 what its capacity or its time limits refuse (a full waiting queue,
+# the waiting or running timeout, a request pre-empted by a higher priority, a retraction
+# without a KV backup): the engine is busy, not the request wrong.
+_ABORT_BUSY: Final = 503
+
+
+def abort_reason(status: int | None) -> ErrorReason:
+    """The typed error of an abort SGLang decided on its own, by its ``status_code``: the
+    status class a client of SGLang sees (400 stays a refusal, 503 stays "busy")."""
+    if status is not None and 400 <= status < 500:
+        return ErrorReason.INVALID_ARGUMENT
+    if status == _ABORT_BUSY:
+        return ErrorReason.OVERLOADED
+    return ErrorReason.UNKNOWN
 
 
 def event_from_http(payload: object) -> NativeEvent:
@@ -201,6 +221,7 @@ class ResponseState:
     completion_tokens: int = 0
     _text_offset: int = 0
     _input_meta: dict[str, object] = field(default_factory=dict)
+    _prompt_logprobs_sent: bool = False
 
     def handoff(self) -> sidecar_pb2.LLMEngineOutput:
         """The prefill handoff, before the terminal (HTTP sends it once headers arrive)."""
@@ -214,8 +235,8 @@ class ResponseState:
         if self.done:
             raise protocol_error(_ENGINE, "a message after the terminal")
         for key in ("input_token_logprobs", "input_top_logprobs"):
-            # Incremental streams send the prompt's logprobs once, then empty lists: keep the
-            # fullest list seen.
+            # SGLang repeats the prompt's logprobs on every event after prefill; a server that
+            # sends them once and then empty lists loses nothing: keep the fullest list seen.
             value = event.meta.get(key)
             held = self._input_meta.get(key)
             if isinstance(value, list) and (not isinstance(held, list) or len(value) > len(held)):
@@ -225,7 +246,13 @@ class ResponseState:
             if self.request.prefill:
                 return []
             out = self._delta(event)
-            return [out] if out is not None else []
+            if out is None:
+                return []
+            if self._input_meta.get("input_token_logprobs"):
+                # SGLang sends the prompt's logprobs with the first event after prefill:
+                # they go out with the first output that follows, not only with the last.
+                self._attach_prompt_logprobs(out)
+            return [out]
         finish = _finish(event.meta)
         if finish["type"] == "abort":
             self.done = True
@@ -323,25 +350,31 @@ class ResponseState:
             usage.cached_tokens = min(cached, prompt)
         if self.request.prefill and self.request.bootstrap is not None:
             out.disaggregated_params.CopyFrom(bootstrap_struct(self.request.bootstrap))
-        if self.request.prompt_logprobs is not None:
-            rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
-            if rows is not None:
-                data = struct_pb2.Struct()
-                data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
-                out.engine_data.CopyFrom(data)
+        self._attach_prompt_logprobs(out)
+
+    def _attach_prompt_logprobs(self, out: sidecar_pb2.LLMEngineOutput) -> None:
+        """``engine_data.prompt_logprobs`` once, on the first output that can carry them."""
+        if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return
+        rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
+        if rows is not None:
+            data = struct_pb2.Struct()
+            data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
+            out.engine_data.CopyFrom(data)
+            self._prompt_logprobs_sent = True
 
     def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
         if aborted_by_us:
             return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
         status = exact_integer(finish.get("status_code"))
+        reason = abort_reason(status)
+        said = finish.get("message")
+        if reason is not ErrorReason.UNKNOWN and isinstance(said, str) and said:
+            # A refusal or a busy engine: the client reads SGLang's own sentence.
+            return engine_words(reason, said, "Generate", f"abort status_code={status}")
         parts = [f"type={finish.get('type')}"]
         for key in ("status_code", "err_type"):
             if finish.get(key) is not None:
                 parts.append(f"{key}={finish.get(key)}")
         message = f"Generate: engine aborted the request: {finish.get('message', '')} ({', '.join(parts)})"
-        reason = (
-            ErrorReason.INVALID_ARGUMENT
-            if status is not None and 400 <= status < 500
-            else ErrorReason.UNKNOWN
-        )
         return SidecarError(reason, message)

@@ -146,6 +146,8 @@ def discover(
         context_length=(
             None if _bool(server.get("allow_auto_truncate", False)) else info.max_context_length or None
         ),
+        # SGLang reports its resolved --enable-lora: null (not given) and false both mean off.
+        lora_enabled=_bool(server.get("enable_lora")) if "enable_lora" in server else None,
     )
     return Discovered(info, settings, _bool(server.get("incremental_streaming_output", False)))
 

@@ -160,6 +160,20 @@ class SglangHttpEngine(SglangAdapterBase):
         )
 
     async def _health_attempt(self, timeout: float) -> None:
+        try:
+            await self._health_check(timeout)
+        except aiohttp.ClientResponseError as err:
+            # No HTTP/1.1 answer at all (aiohttp could not parse a status line): a server of
+            # another protocol, typically SGLang's gRPC port. A definite answer, not a
+            # starting engine.
+            first_line = " ".join(line.strip() for line in (err.message or "no status line").splitlines()[:2])
+            raise protocol_error(
+                "sglang",
+                f"GET {self._base}/health: the server does not speak HTTP/1.1 ({first_line}); "
+                "is this SGLang's gRPC port? Over HTTP, --http-endpoint is SGLang's HTTP server (--port)",
+            ) from None
+
+    async def _health_check(self, timeout: float) -> None:
         with anyio.fail_after(timeout):
             async with self._control().get(f"{self._base}/health") as resp:
                 if resp.status >= 500:

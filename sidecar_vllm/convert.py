@@ -37,6 +37,7 @@ __all__ = [
     "MAX_CHOICES",
     "ResponseState",
     "to_generate_request",
+    "wire_seed",
 ]
 
 KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
@@ -47,6 +48,7 @@ LOGPROB_FLOOR: Final = -9999.0
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
+_UINT32_MAX: Final = 2**32 - 1
 _ENGINE: Final = "vllm"
 
 _MEDIA_MODALITY: Final = {
@@ -156,7 +158,7 @@ def _sampling_params(
     if s.HasField("temperature"):
         p.temperature = s.temperature
     if s.HasField("seed"):
-        p.seed = _int32("sampling_options.seed", s.seed)
+        p.seed = wire_seed(s.seed)
     if stop.HasField("max_tokens"):
         p.max_tokens = stop.max_tokens
     if out.HasField("logprobs"):
@@ -172,6 +174,25 @@ def _sampling_params(
         p.max_tokens = 1
         p.min_tokens = 1
     return p
+
+
+def wire_seed(seed: int) -> int:
+    """The engine's 32-bit seed for a seed of the public API.
+
+    The wire carries an int32. Signed and unsigned 32-bit seeds are both common, so both are
+    carried: a seed in [-2^31, 2^32 - 1] becomes the int32 with the same low 32 bits (2^31 and
+    above wrap to seed - 2^32; the rest pass unchanged). A seed and the same bits read signed
+    (s and s - 2^32) therefore give the same sample. A seed needing more than 32 bits is
+    refused: no 32-bit field can carry its difference from every other seed.
+    """
+    if _INT32_MIN <= seed <= _INT32_MAX:
+        return seed
+    if _INT32_MAX < seed <= _UINT32_MAX:
+        return seed - 2**32
+    raise invalid_argument(
+        "sampling_options.seed",
+        f"{seed} needs more than the engine's 32 bits (a seed from {_INT32_MIN} to {_UINT32_MAX} is carried)",
+    )
 
 
 def _int32(name: str, value: int) -> int:
@@ -488,14 +509,17 @@ class ResponseState:
         if len(tops) not in (0, len(ids)):
             raise protocol_error(_ENGINE, "top logprobs are not aligned with the token ids")
         for i in range(offset, len(ids)):
-            sampled, value = ids[i], _clamp(lp.token_logprobs[i])
+            sampled, raw = ids[i], lp.token_logprobs[i]
+            value = _clamp(raw)
             out.log_probs.append(value)
             entries = out.top_logprobs.add().entries
-            entries.add(token_id=sampled, logprob=value)
+            sampled_entry = entries.add(token_id=sampled, logprob=value)
             if tops and self._logprobs > 0:
-                for token, alt in _pairs(tops[i], "top logprobs"):
-                    if token != sampled:
-                        entries.add(token_id=token, logprob=_clamp(alt))
+                ranked = _ranked(raw, sampled, _pairs(tops[i], "top logprobs"))
+                if ranked.own_rank is not None:
+                    sampled_entry.rank = ranked.own_rank
+                for token, alt, rank in ranked.alternatives:
+                    entries.add(token_id=token, logprob=_clamp(alt), rank=rank)
 
 
 def _check_count(what: str, count: int, ids: Sequence[int]) -> None:
@@ -516,6 +540,38 @@ def _pairs(top: vllm_engine_pb2.TopLogProbs, what: str) -> Iterable[tuple[int, f
     return zip(top.token_ids, top.values, strict=True)
 
 
+@dataclass(frozen=True)
+class _Ranked:
+    own_rank: int | None
+    alternatives: list[tuple[int, float, int]]  # token, logprob, rank
+
+
+def _ranked(own_value: float, own: int, top: Iterable[tuple[int, float]]) -> _Ranked:
+    """Ranks for one position's top list, which the wire sends without them.
+
+    vLLM's servicer sends the first k entries of vLLM's per-position dict: the position's own
+    token (sampled, or the prompt's) with its rank, then the top k in rank order without it.
+    So the alternatives are the top k in order, the own token's place left out: those whose
+    logprob is at least the own token's come before it. The own token's rank (vLLM counts the
+    tokens at least as likely, itself included) is known when an alternative is less likely
+    than it: then it is inside the top k and every token before it is on the wire. Otherwise
+    (no alternative below it) it may be the k-th or outside the top k: unknown.
+    """
+    alternatives = [(token, value) for token, value in top if token != own]
+    if math.isnan(own_value):
+        above = len(alternatives)  # no place (vLLM's rank 0): every alternative comes first
+    else:
+        above = sum(1 for _, value in alternatives if value >= own_value)
+    own_rank = above + 1 if above < len(alternatives) else None
+    return _Ranked(
+        own_rank,
+        [
+            (token, value, place if place <= above else place + 1)
+            for place, (token, value) in enumerate(alternatives, 1)
+        ],
+    )
+
+
 def _prompt_logprobs_json(lp: vllm_engine_pb2.InputLogProbs) -> list[JSON]:
     if len(lp.token_logprobs) != len(lp.token_ids) or len(lp.top_logprobs) not in (0, len(lp.token_ids)):
         raise protocol_error(_ENGINE, "prompt logprobs are not aligned with the prompt tokens")
@@ -525,10 +581,14 @@ def _prompt_logprobs_json(lp: vllm_engine_pb2.InputLogProbs) -> list[JSON]:
         if not entry.HasField("value"):
             result.append(None)
             continue
-        position: dict[str, JSON] = {str(token): {"logprob": _clamp(entry.value)}}
+        own: dict[str, JSON] = {"logprob": _clamp(entry.value)}
+        position: dict[str, JSON] = {str(token): own}
         if lp.top_logprobs:
-            for alt, value in _pairs(lp.top_logprobs[i], "prompt top logprobs"):
-                position.setdefault(str(alt), {"logprob": _clamp(value)})
+            ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
+            if ranked.own_rank is not None:
+                own["rank"] = ranked.own_rank
+            for alt, value, rank in ranked.alternatives:
+                position.setdefault(str(alt), {"logprob": _clamp(value), "rank": rank})
         result.append(position)
     return result
 

@@ -11,6 +11,8 @@ import sys
 
 from aiohttp import web
 
+from sidecar_common.flags import FlagParser
+from sidecar_common.ports import bind_problem
 from testkit.book import Book
 from testkit.cli_args import fault_arg, listen_arg
 from testkit.faults import FaultBook, FaultPlan, parse_directive
@@ -18,7 +20,7 @@ from testkit.sglang_cli import add_arguments as add_sglang_arguments
 from testkit.sglang_cli import run as run_sglang
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
-__all__ = ["add_vllm_arguments", "control_app", "main", "run_vllm", "vllm_config_from_args"]
+__all__ = ["add_vllm_arguments", "control_app", "listen_problem", "main", "run_vllm", "vllm_config_from_args"]
 
 _log = logging.getLogger("testkit.vllm")
 
@@ -67,28 +69,96 @@ def control_app(book: Book, faults: FaultBook) -> web.Application:
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     d = VllmEngineConfig()
     a = parser.add_argument
-    a("--listen", type=listen_arg, default=(d.host, 50051), help="HOST:PORT (default 127.0.0.1:50051)")
-    a("--served-model-name", default=d.served_model_name)
-    a("--model-path", default=d.model_path)
-    a("--context-length", type=int, default=d.context_length)
-    a("--vocab-size", type=int, default=d.vocab_size)
-    a("--eos-token-id", type=int, action="append", default=None, help="repeatable; the first is the primary")
-    a("--kv-role", choices=["", "kv_producer", "kv_consumer", "kv_both"], default=d.kv_role)
-    a("--kv-engine-id", default=d.kv_engine_id)
+    a(
+        "--listen",
+        type=listen_arg,
+        default=f"{d.host}:50051",
+        metavar="HOST:PORT",
+        help="gRPC listen address (VllmEngine and gRPC health); port 0 picks a free one",
+    )
+    a("--served-model-name", default=d.served_model_name, help="the model name GetModelInfo reports")
+    a("--model-path", default=d.model_path, help="the model path GetModelInfo reports")
+    a(
+        "--context-length",
+        type=int,
+        default=d.context_length,
+        metavar="TOKENS",
+        help="longest prompt plus output accepted",
+    )
+    a("--vocab-size", type=int, default=d.vocab_size, metavar="N", help="token ids are below this")
+    a(
+        "--eos-token-id",
+        type=int,
+        action="append",
+        default=None,
+        metavar="ID",
+        help=f"end-of-sequence token; repeatable, the first is the primary (default: {d.eos_token_ids[0]})",
+    )
+    a(
+        "--kv-role",
+        choices=["", "kv_producer", "kv_consumer", "kv_both"],
+        default=d.kv_role,
+        help="KV transfer role reported for disaggregation (default: none)",
+    )
+    a("--kv-engine-id", default=d.kv_engine_id, help="engine id announced in a prefill's handoff")
     a("--kv-host", default=d.kv_host, help="host announced in a prefill's handoff")
     a("--kv-port", type=int, default=d.kv_port, help="port announced in a prefill's handoff")
-    a("--data-parallel-size", type=int, default=d.data_parallel_size)
-    a("--block-size", type=int, default=d.block_size)
-    a("--max-running", "--max-num-seqs", dest="max_num_seqs", type=int, default=d.max_num_seqs)
-    a("--total-kv-tokens", type=int, default=d.total_kv_tokens)
-    a("--token-latency-ms", type=float, default=d.token_latency_ms)
-    a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
-    a("--startup-delay-secs", type=float, default=d.startup_delay_secs, help="refuse connections until then")
-    a("--supports-vision", action="store_true")
-    a("--max-logprobs", type=int, default=d.max_logprobs, help="vLLM's --max-logprobs")
-    a("--fault", type=fault_arg, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
-      help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
-    a("--control-listen", type=listen_arg, default=None, help="HOST:PORT of the HTTP control endpoint (off)")
+    a(
+        "--data-parallel-size",
+        type=int,
+        default=d.data_parallel_size,
+        metavar="N",
+        help="data-parallel ranks reported",
+    )
+    a("--block-size", type=int, default=d.block_size, metavar="TOKENS", help="KV cache block size reported")
+    a(
+        "--max-running",
+        "--max-num-seqs",
+        dest="max_num_seqs",
+        type=int,
+        default=d.max_num_seqs,
+        metavar="N",
+        help="requests generated at once; more wait in a queue",
+    )
+    a(
+        "--total-kv-tokens",
+        type=int,
+        default=d.total_kv_tokens,
+        metavar="TOKENS",
+        help="KV cache capacity reported in the load",
+    )
+    a(
+        "--token-latency-ms",
+        type=float,
+        default=d.token_latency_ms,
+        metavar="MS",
+        help="time per generated token",
+    )
+    a("--chunk-tokens", type=int, default=d.chunk_tokens, metavar="N", help="tokens per streamed chunk")
+    a(
+        "--startup-delay-secs",
+        type=float,
+        default=d.startup_delay_secs,
+        metavar="SECS",
+        help="refuse connections until then",
+    )
+    a("--supports-vision", action="store_true", help="report a model that accepts images")
+    a("--max-logprobs", type=int, default=d.max_logprobs, metavar="N", help="vLLM's --max-logprobs")
+    a(
+        "--fault",
+        type=fault_arg,
+        action="append",
+        default=[],
+        metavar="MATCH=KIND[:ARG]...",
+        help="install a fault plan for request ids containing MATCH (repeatable)",
+    )
+    a(
+        "--control-listen",
+        type=listen_arg,
+        default=None,
+        metavar="HOST:PORT",
+        help="HTTP control endpoint: GET /book, POST and DELETE /faults (default: unset: off)",
+    )
 
 
 def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
@@ -158,25 +228,41 @@ async def _serve_vllm(
     return 0
 
 
+def listen_problem(*addresses: tuple[str, int] | None) -> str | None:
+    """Why one of the listen addresses cannot be bound (a taken port...), or None."""
+    for address in addresses:
+        if address is not None:
+            problem = bind_problem(*address)
+            if problem is not None:
+                return problem
+    return None
+
+
 def run_vllm(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0); a bad value exits 2, a failed start-up (a taken
+    port) 1, each with one line, as the sidecars do."""
     try:
         config = vllm_config_from_args(args)
     except ValueError as e:
-        print(f"testkit-engine vllm: {e}", file=sys.stderr)
+        print(f"testkit-engine vllm: error: {e}", file=sys.stderr)
         return 2
+    problem = listen_problem((config.host, config.port), args.control_listen)
+    if problem is not None:
+        print(f"testkit-engine vllm: {problem}", file=sys.stderr)
+        return 1
     try:
         return asyncio.run(_serve_vllm(config, list(args.fault), args.control_listen))
-    except OSError as e:
-        _log.error("testkit-engine vllm: %s", e)
+    except (OSError, RuntimeError) as e:
+        # grpc reports a failed bind as a RuntimeError; another process may take the port
+        # between the check above and the bind.
+        print(f"testkit-engine vllm: cannot start: {e}", file=sys.stderr)
         return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    parser = argparse.ArgumentParser(
-        prog="testkit-engine", description="CPU engines on the real native wires"
-    )
+    parser = FlagParser(prog="testkit-engine", description="CPU engines on the real native wires")
     sub = parser.add_subparsers(dest="engine", metavar="{vllm,sglang}")
     add_vllm_arguments(sub.add_parser("vllm", help="vllm.grpc.engine.VllmEngine + gRPC health"))
     add_sglang_arguments(sub.add_parser("sglang", help="SGLang native gRPC and HTTP"))
@@ -185,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_vllm(args)
     if args.engine == "sglang":
         return run_sglang(args)
-    parser.print_usage(sys.stderr)
-    return 2
+    parser.error("an engine is required (choose from vllm, sglang)")
 
 
 if __name__ == "__main__":

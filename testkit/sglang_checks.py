@@ -18,7 +18,7 @@ from dataclasses import replace
 from testkit.sglang_core import DEFAULT_MAX_NEW_TOKENS, NativeRequest, RequestRejected
 from testkit.sglang_info import SglangEngineConfig
 
-__all__ = ["check_request", "scheduler_refusal", "verify_sampling"]
+__all__ = ["check_request", "lora_disabled_refusal", "scheduler_refusal", "verify_sampling"]
 
 # SamplingParams: a temperature below this samples greedily (top_k forced to 1 first).
 _SAMPLING_EPS = 1e-6
@@ -33,7 +33,7 @@ def _range_error(name: str, value: float, low: float, high: float, low_in: bool,
     return f"{name} must be in {span}, got {value}."
 
 
-def verify_sampling(req: NativeRequest, max_new_tokens: int | None) -> None:
+def verify_sampling(req: NativeRequest, max_new_tokens: int | None, vocab_size: int) -> None:
     """RequestRejected with SGLang's message for what its SamplingParams.verify refuses.
     ``max_new_tokens`` None skips the min/max check (the prefill half drops min_new_tokens)."""
     temperature = 1.0 if req.temperature is None else req.temperature
@@ -72,12 +72,35 @@ def verify_sampling(req: NativeRequest, max_new_tokens: int | None) -> None:
             raise RequestRejected(
                 f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {req.min_new_tokens}."
             )
+    for key, _ in req.logit_bias or ():
+        _check_logit_bias_key(key, vocab_size)
+
+
+def _check_logit_bias_key(key: str, vocab_size: int) -> None:
+    # SGLang calls int() on each key (its ValueError text is then the refusal), then range-checks.
+    try:
+        token = int(key)
+    except ValueError as err:
+        raise RequestRejected(str(err)) from None
+    if not 0 <= token < vocab_size:
+        raise RequestRejected(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+
+
+def lora_disabled_refusal(adapter: str) -> str:
+    """SGLang's sentence for a LoRA adapter asked of a server started without --enable-lora."""
+    return (
+        f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled. Please launch the server "
+        "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
 
 
 def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRequest, str | None]:
     """SGLang's checks in its order. The tokenizer manager's raise (RequestRejected: gRPC
     INTERNAL, HTTP 400); the scheduler's are returned as a message: the request is
     accepted and ends at once with an ``abort`` finish of status 400."""
+    if req.lora_path and not cfg.enable_lora:
+        # The tokenizer manager's first check (before it looks at the prompt).
+        raise RequestRejected(lora_disabled_refusal(req.lora_path))
     ctx = cfg.context_length
     n_in = len(req.input_ids)
     if n_in == 0:
@@ -104,7 +127,7 @@ def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRe
             f"messages and {max_new} tokens for the completion. Please reduce the number of tokens "
             "in the input messages or the completion to fit within the limit."
         )
-    verify_sampling(req, None if cfg.disaggregation_mode == "prefill" else max_new)
+    verify_sampling(req, None if cfg.disaggregation_mode == "prefill" else max_new, cfg.vocab_size)
     if req.n != 1:
         raise RequestRejected("The testkit SGLang engine serves n=1 only.")
     if req.return_logprob and not 0 <= req.top_logprobs_num <= cfg.vocab_size:

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 
+from sidecar_common.ports import bind_problem
 from testkit.cli_args import fault_arg, optional_listen_arg
 from testkit.faults import FaultPlan
 from testkit.sglang_engine import SglangTestEngine
@@ -21,33 +22,128 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``testkit-engine sglang``."""
     d = SglangEngineConfig()
     a = parser.add_argument
-    a("--grpc-listen", type=optional_listen_arg, default=("127.0.0.1", 30001), help="HOST:PORT or 'off'")
-    a("--http-listen", type=optional_listen_arg, default=("127.0.0.1", 30000), help="HOST:PORT or 'off'")
+    a(
+        "--grpc-listen",
+        type=optional_listen_arg,
+        default=f"{d.grpc_host}:30001",
+        metavar="HOST:PORT",
+        help="SglangService (gRPC) listen address, or 'off'",
+    )
+    a(
+        "--http-listen",
+        type=optional_listen_arg,
+        default=f"{d.http_host}:30000",
+        metavar="HOST:PORT",
+        help="HTTP server listen address, or 'off'",
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--incremental", dest="incremental", action="store_true", default=False,
-                      help="stream deltas (SGLang's --incremental-streaming-output)")  # fmt: skip
-    mode.add_argument("--cumulative", dest="incremental", action="store_false",
-                      help="stream cumulative output_ids and text (SGLang's default)")  # fmt: skip
-    a("--model-path", default=d.model_path)
-    a("--served-model-name", default=None, help="default: the model path")
-    a("--eos-token-id", type=int, default=d.eos_token_id)
-    a("--vocab-size", type=int, default=d.vocab_size)
-    a("--context-length", type=int, default=None,
-      help=f"default {d.context_length}; server info reports it only when given")  # fmt: skip
-    a("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens, help="max_total_num_tokens")
-    a("--page-size", type=int, default=d.page_size)
-    a("--max-running-requests", type=int, default=d.max_running_requests)
-    a("--dp-size", type=int, default=d.dp_size)
-    a("--token-latency-ms", type=float, default=d.token_latency_ms)
-    a("--chunk-tokens", type=int, default=d.chunk_tokens, help="tokens per streamed chunk")
-    a("--startup-delay-secs", type=float, default=d.startup_delay_secs)
-    a("--disaggregation-mode", choices=DISAGG_MODES, default=d.disaggregation_mode)
-    a("--disaggregation-bootstrap-port", "--bootstrap-port", dest="bootstrap_port", type=int,
-      default=d.bootstrap_port)  # fmt: skip
-    a("--disconnect-abort-delay-secs", type=float, default=d.disconnect_abort_delay_secs)
-    a("--tokenizer-workers", type=int, default=d.tokenizer_workers)
-    a("--fault", type=fault_arg, action="append", default=[], metavar="MATCH=KIND[:ARG]...",
-      help="install a fault plan for request ids containing MATCH (repeatable)")  # fmt: skip
+    mode.add_argument(
+        "--incremental",
+        dest="incremental",
+        action="store_true",
+        default=False,
+        help="stream deltas (SGLang's --incremental-streaming-output)",
+    )
+    mode.add_argument(
+        "--cumulative",
+        dest="incremental",
+        action="store_false",
+        help="stream cumulative output_ids and text (default: on: SGLang's default)",
+    )
+    a("--model-path", default=d.model_path, help="the model path server info reports")
+    a("--served-model-name", default=None, help="the model name reported (default: the model path)")
+    a("--eos-token-id", type=int, default=d.eos_token_id, metavar="ID", help="end-of-sequence token")
+    a("--vocab-size", type=int, default=d.vocab_size, metavar="N", help="token ids are below this")
+    a(
+        "--context-length",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="longest prompt plus output; server info reports it only when given "
+        f"(default: {d.context_length})",
+    )
+    a(
+        "--kv-capacity-tokens",
+        type=int,
+        default=d.kv_capacity_tokens,
+        metavar="TOKENS",
+        help="max_total_num_tokens reported",
+    )
+    a("--page-size", type=int, default=d.page_size, metavar="TOKENS", help="KV cache page size reported")
+    a(
+        "--max-running-requests",
+        type=int,
+        default=d.max_running_requests,
+        metavar="N",
+        help="requests generated at once; more wait in a queue",
+    )
+    a("--dp-size", type=int, default=d.dp_size, metavar="N", help="data-parallel ranks reported")
+    a(
+        "--token-latency-ms",
+        type=float,
+        default=d.token_latency_ms,
+        metavar="MS",
+        help="time per generated token",
+    )
+    a(
+        "--chunk-tokens",
+        type=int,
+        default=d.chunk_tokens,
+        metavar="N",
+        help="tokens per streamed chunk (SGLang's --stream-interval)",
+    )
+    a(
+        "--startup-delay-secs",
+        type=float,
+        default=d.startup_delay_secs,
+        metavar="SECS",
+        help="health answers not serving until then",
+    )
+    a(
+        "--disaggregation-mode",
+        choices=DISAGG_MODES,
+        default=d.disaggregation_mode,
+        help="disaggregation role reported",
+    )
+    a(
+        "--disaggregation-bootstrap-port",
+        "--bootstrap-port",
+        dest="bootstrap_port",
+        type=int,
+        default=d.bootstrap_port,
+        metavar="PORT",
+        help="bootstrap port reported for prefill/decode handoffs",
+    )
+    a(
+        "--disconnect-abort-delay-secs",
+        type=float,
+        default=d.disconnect_abort_delay_secs,
+        metavar="SECS",
+        help="how long after an HTTP client left its request is aborted, as SGLang does",
+    )
+    a(
+        "--tokenizer-workers",
+        type=int,
+        default=d.tokenizer_workers,
+        metavar="N",
+        help="SGLang's tokenizer workers (with more than one, an abort by rid prefix matches)",
+    )
+    a(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        metavar="N",
+        help="requests that may wait beyond the running ones; one more is refused with 503, "
+        "as SGLang does (default: unset: no bound)",
+    )
+    a(
+        "--fault",
+        type=fault_arg,
+        action="append",
+        default=[],
+        metavar="MATCH=KIND[:ARG]...",
+        help="install a fault plan for request ids containing MATCH (repeatable)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
@@ -69,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         kv_capacity_tokens=args.kv_capacity_tokens,
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         dp_size=args.dp_size,
         token_latency_ms=args.token_latency_ms,
         chunk_tokens=args.chunk_tokens,
@@ -120,10 +217,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as e:
-        print(f"testkit-engine sglang: {e}", file=sys.stderr)
+        print(f"testkit-engine sglang: error: {e}", file=sys.stderr)
         return 2
+    listeners = (args.grpc_listen, args.http_listen)
+    for address in listeners:
+        problem = bind_problem(*address) if address is not None else None
+        if problem is not None:
+            print(f"testkit-engine sglang: {problem}", file=sys.stderr)
+            return 1
     try:
         return asyncio.run(_serve(config, list(args.fault)))
-    except OSError as e:
-        logging.getLogger("testkit.sglang").error("testkit-engine sglang: %s", e)
+    except (OSError, RuntimeError) as e:
+        # grpc reports a failed bind as a RuntimeError; another process may take the port
+        # between the check above and the bind.
+        print(f"testkit-engine sglang: cannot start: {e}", file=sys.stderr)
         return 1

@@ -37,6 +37,7 @@ __all__ = [
     "StreamEvent",
     "abort_out",
     "bad_request_reason",
+    "queue_full_reason",
     "sampling_spec",
 ]
 
@@ -72,6 +73,7 @@ class NativeRequest:
     bootstrap: Bootstrap | None = None
     priority: int | None = None
     routed_dp_rank: int | None = None
+    lora_path: str | None = None
     # Sampling values the generator ignores but SGLang's SamplingParams.verify checks.
     temperature: float | None = None
     top_p: float | None = None
@@ -80,6 +82,9 @@ class NativeRequest:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # {token id as text: bias}, as SGLang's HTTP schema carries it (its gRPC wire has no field).
+    # Checked as SGLang checks it; the deterministic generator does not apply it.
+    logit_bias: tuple[tuple[str, float], ...] | None = None
 
 
 class RequestRejected(Exception):
@@ -173,6 +178,12 @@ def bad_request_reason(message: str) -> dict[str, Any]:
     return {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
 
 
+def queue_full_reason() -> dict[str, Any]:
+    """The finish reason of a request SGLang's scheduler turns away because its waiting queue
+    is full (``--max-queued-requests``): status 503, in the key order the scheduler writes."""
+    return {"type": "abort", "status_code": 503, "message": "The request queue is full."}
+
+
 def abort_out(rid: str, reason: dict[str, Any], elapsed: float) -> dict[str, Any]:
     """The out of a request that ends before producing anything (aborted while waiting,
     refused by the scheduler)."""
@@ -249,11 +260,12 @@ class RequestState:
             inc = self.incremental
             start = self.sent_ids if inc else 0
             meta["output_token_logprobs"] = self.out_lp[start:]
-            first = not inc or self.first is None
-            meta["input_token_logprobs"] = self._input_logprobs(False) if first else []
+            # The prompt's logprobs ride on every event once prefill is done: incremental
+            # streaming cuts only the output lists (SGLang's tokenizer manager).
+            meta["input_token_logprobs"] = self._input_logprobs(False)
             if req.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = self.out_top[start:]
-                meta["input_top_logprobs"] = self._input_logprobs(True) if first else []
+                meta["input_top_logprobs"] = self._input_logprobs(True)
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached

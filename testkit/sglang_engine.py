@@ -47,6 +47,7 @@ from testkit.sglang_core import (
     RequestStream,
     abort_out,
     bad_request_reason,
+    queue_full_reason,
     sampling_spec,
 )
 from testkit.sglang_info import SglangEngineConfig, loads, model_info, server_info
@@ -267,6 +268,15 @@ class SglangTestEngine:
             stream.put(None)
             self.book.refused(req.rid, Outcome.ERROR, refusal)
             return stream
+        if self._queue_full():
+            # As SGLang's scheduler: turned away with a 503 abort (a clean terminal of a stream;
+            # the tokenizer manager raises it as HTTP 503 for a unary request).
+            if not req.stream:
+                raise RequestRejected("The request queue is full.", http_status=503)
+            stream.put(Chunk(abort_out(req.rid, queue_full_reason(), 0.0), True))
+            stream.put(None)
+            self.book.refused(req.rid, Outcome.ERROR, "The request queue is full.")
+            return stream
         state = RequestState(req, self.model, self.config.incremental, time.perf_counter())
         live = _Live(state, stream, plan)
         self._live[req.rid] = live
@@ -274,6 +284,14 @@ class SglangTestEngine:
             self.bootstraps[req.rid] = req.bootstrap
         self.spawn(self._produce(live))
         return stream
+
+    def _queue_full(self) -> bool:
+        """A new request would have to wait, and ``max_queued_requests`` already wait."""
+        limit = self.config.max_queued_requests
+        if limit is None:
+            return False
+        must_wait = self.book.waiting_count > 0 or self.book.running_count >= self.book.max_running
+        return must_wait and self.book.waiting_count >= limit
 
     def abort(self, rid: str, abort_all: bool = False, *, source: str) -> list[str]:
         """The scheduler's abort: every live rid starting with ``rid`` (or all). Returns them."""

@@ -80,6 +80,7 @@ def native_request_from_proto(req: sglang_pb2.GenerateRequest, rid: str) -> Nati
         bootstrap=bootstrap,
         priority=req.priority if req.HasField("priority") else None,
         routed_dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
+        lora_path=req.lora_path if req.HasField("lora_path") else None,
         **{n: getattr(sp, n) for n in _CHECKED_SAMPLING if sp.HasField(n)},  # type: ignore[arg-type]
     )
 
@@ -198,6 +199,9 @@ class SglangGrpcServer:
             options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                # grpcio turns SO_REUSEPORT on by default: a second engine would share a
+                # taken port and split its traffic. Off, the bind fails and start-up says so.
+                ("grpc.so_reuseport", 0),
             ]
         )
         sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Servicer(self._engine), server)

@@ -86,6 +86,26 @@ def _float(body: dict[str, Any], key: str) -> float | None:
     return float(v)
 
 
+def _logit_bias(sp: dict[str, Any]) -> tuple[tuple[str, float], ...] | None:
+    v = sp.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or any(
+        isinstance(b, bool) or not isinstance(b, int | float) for b in v.values()
+    ):
+        raise _BadBody("sampling_params.logit_bias: Input should be a valid dictionary of numbers")
+    return tuple((str(k), float(b)) for k, b in v.items())
+
+
+def _str(body: dict[str, Any], key: str) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _BadBody(f"{key}: Input should be a valid string")
+    return v
+
+
 def _bool(body: dict[str, Any], key: str) -> bool:
     v = body.get(key, False)
     if v is None:
@@ -186,6 +206,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         bootstrap=bootstrap,
         priority=_int(body, "priority"),
         routed_dp_rank=_int(body, "routed_dp_rank"),
+        lora_path=_str(body, "lora_path"),
         temperature=_float(sp, "temperature"),
         top_p=_float(sp, "top_p"),
         top_k=_int(sp, "top_k"),
@@ -193,6 +214,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         frequency_penalty=_float(sp, "frequency_penalty"),
         presence_penalty=_float(sp, "presence_penalty"),
         repetition_penalty=_float(sp, "repetition_penalty"),
+        logit_bias=_logit_bias(sp),
     )
 
 

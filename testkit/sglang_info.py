@@ -35,6 +35,13 @@ class SglangEngineConfig:
     kv_capacity_tokens: int = 1 << 20  # max_total_num_tokens
     page_size: int = 1
     max_running_requests: int = 256
+    # SGLang's --enable-lora as its server info reports it (null when not given: LoRA off).
+    # With LoRA on, any adapter name is served (as if loaded); off, a request naming one is
+    # refused in SGLang's words (gRPC INTERNAL, HTTP 400).
+    enable_lora: bool | None = None
+    # SGLang's --max-queued-requests: a request that must wait while this many already wait is
+    # aborted with status 503 ("The request queue is full."). None: unbounded.
+    max_queued_requests: int | None = None
     dp_size: int = 1
     token_latency_ms: float = 0.0
     chunk_tokens: int = 1  # SGLang's --stream-interval
@@ -51,6 +58,8 @@ class SglangEngineConfig:
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGG_MODES:
             raise ValueError(f"disaggregation_mode must be one of {DISAGG_MODES}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
         if self.chunk_tokens < 1 or self.max_running_requests < 1 or self.dp_size < 1:
             raise ValueError("chunk_tokens, max_running_requests and dp_size must be >= 1")
         if self.token_latency_ms < 0 or self.startup_delay_secs < 0 or self.disconnect_abort_delay_secs < 0:
@@ -80,6 +89,7 @@ def server_info(
         "max_running_requests": cfg.max_running_requests,
         "max_total_tokens": None,
         "dp_size": cfg.dp_size,
+        "enable_lora": cfg.enable_lora,
         "tp_size": 1,
         "pp_size": 1,
         "stream_interval": cfg.chunk_tokens,

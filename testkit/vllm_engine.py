@@ -180,6 +180,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             options=[
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
+                # grpcio turns SO_REUSEPORT on by default: a second engine would share a
+                # taken port and split its traffic. Off, the bind fails and start-up says so.
+                ("grpc.so_reuseport", 0),
             ]
         )
         pb_grpc.add_VllmEngineServicer_to_server(self, server)

@@ -114,6 +114,7 @@ class _Item:
     events: int = 0
     finished_at: float | None = None
     first_at: float | None = None
+    input_logprobs_known: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.plan.prompt)
@@ -126,6 +127,14 @@ class _Item:
         plan = self.plan
         new = list(output.token_ids)
         self.output_ids.extend(new)
+        if (
+            plan.return_logprob
+            and not self.input_logprobs_known
+            and "prompt_logprobs" in output.engine_data.fields
+        ):
+            # SGLang shows the prompt's logprobs from its first event after prefill on: render
+            # them from the first output that carries them.
+            self._input_logprobs(output)
         if plan.return_logprob:
             for k, token in enumerate(new):
                 lp = output.log_probs[k] if k < len(output.log_probs) else None
@@ -140,7 +149,9 @@ class _Item:
         if output.HasField("completion_usage"):
             self.prompt_tokens = usage.prompt_tokens or self.prompt_tokens
             self.cached_tokens = usage.cached_tokens if usage.HasField("cached_tokens") else 0
-        if self.plan.return_logprob:
+        if self.plan.return_logprob and not self.input_logprobs_known:
+            # No output carried them (a worker that sends them with its last output, or none):
+            # the final event has them, with null logprobs where the worker gave none.
             self._input_logprobs(output)
         self.finish = self._finish(output)
 
@@ -165,6 +176,7 @@ class _Item:
     def _input_logprobs(self, output: sidecar_pb2.LLMEngineOutput) -> None:
         plan = self.plan
         start, prompt = plan.logprob_start_len, plan.prompt
+        self.input_logprobs_known = True
         if not 0 <= start < len(prompt):
             return
         rows: object = None

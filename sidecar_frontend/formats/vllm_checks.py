@@ -58,12 +58,7 @@ def check_msgpack(values: list[object]) -> None:
 
 
 def check_prompt(token_ids: list[int], info: sidecar_pb2.ModelInfo) -> None:
-    if info.vocab_size:
-        highest = max(token_ids)
-        if highest >= info.vocab_size:
-            raise Refused(bad_request(f"Token id {highest} is out of vocabulary"))
-    elif max(token_ids) > UINT32_MAX:
-        raise Refused(bad_request(f"Token id {max(token_ids)} is out of vocabulary"))
+    """vLLM's prompt checks, in its order: the length, then the vocabulary."""
     limit = info.max_context_length
     length = len(token_ids)
     if limit and length > limit:
@@ -82,6 +77,12 @@ def check_prompt(token_ids: list[int], info: sidecar_pb2.ModelInfo) -> None:
                 "(prompt + requested output tokens)."
             )
         )
+    if info.vocab_size:
+        highest = max(token_ids)
+        if highest >= info.vocab_size:
+            raise Refused(bad_request(f"Token id {highest} is out of vocabulary"))
+    elif max(token_ids) > UINT32_MAX:
+        raise Refused(bad_request(f"Token id {max(token_ids)} is out of vocabulary"))
 
 
 def dp_rank(text: str | None, dp_size: int) -> int | None:

@@ -4,8 +4,9 @@ Validation runs in vLLM's order, so that the first problem a client hears about 
 the real server would name: transport (content type, JSON), the cache-salt pre-check, field
 types (every problem listed, pydantic-style), the sampling-parameter checks (the first one
 raises), the whole-body checks, the handler's checks (model name, ``n``, stop strings,
-output mode, integer ranges), then the engine's input checks we can make here (vocabulary,
-context length, data-parallel rank). Last come our own refusals: every field this frontend
+output mode, integer ranges), then the engine's input checks we can make here, in the engine's
+order (the sampling parameters' vocabulary checks, the data-parallel rank, the prompt's
+length, the prompt's vocabulary). Last come our own refusals: every field this frontend
 cannot carry to a vLLM sidecar is refused by name, so nothing is dropped silently.
 
 Explicit keys are tracked: a sampling parameter the caller did not send stays absent on the
@@ -162,16 +163,18 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         )
     check_msgpack([*params.integers(), kv_transfer_params])
 
-    # The engine's input checks that what the workers serve lets us make here.
-    check_prompt(token_ids, ctx.model_info)
+    # The engine's input checks that what the workers serve lets us make here, in vLLM's
+    # order: the sampling parameters (SamplingParams.verify: biased ids, stop ids, structured
+    # outputs), then the data-parallel rank, then the prompt's length, then its vocabulary.
     params.check_vocabulary(ctx.model_info.vocab_size)
-    rank = dp_rank(header(headers, "X-data-parallel-rank"), ctx.model_info.data_parallel_size)
     if params.present("structured_outputs") and params.raw("structured_outputs") is not None:
         raise Refused(
             bad_request(
                 "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
             )
         )
+    rank = dp_rank(header(headers, "X-data-parallel-rank"), ctx.model_info.data_parallel_size)
+    check_prompt(token_ids, ctx.model_info)
 
     # What this frontend cannot carry to a vLLM sidecar.
     if ec_transfer_params is not None:

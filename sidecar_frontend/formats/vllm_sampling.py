@@ -203,10 +203,11 @@ class SamplingParams:
         return [v for v in (*scalars, *more, *ids) if v is not None]
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """The engine's vocabulary checks on stop ids and biased ids (skipped when the size is unknown)."""
+        """The engine's vocabulary checks on biased ids, then stop ids, in ``SamplingParams.verify``'s
+        order (without a known size only what 32 bits cannot hold is refused)."""
         for name, ids in (
-            ("stop_token_ids", self.stop_token_ids or []),
             ("logit_bias", list(self.logit_bias or {})),
+            ("stop_token_ids", self.stop_token_ids or []),
         ):
             bad = [t for t in ids if t < 0 or t >= (vocab_size or UINT32_MAX + 1)]
             if bad and not vocab_size:

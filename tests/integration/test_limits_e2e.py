@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from sidecar_common.api import sidecar_pb2
 from tests.e2e_helpers import collect, collect_until_error, public_request, reason_of, terminal
@@ -58,3 +59,29 @@ async def test_every_bad_sampling_value_is_refused_by_name_before_the_engine(kin
             assert reason_of(err) == ("INVALID_ARGUMENT", "false")
         served = sum(1 for _, _, refused_by in BAD_VALUES if engine not in refused_by)
         assert len(s.engine.book.received) == served, "only the values this engine accepts reached it"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_max_tokens_0_scores_the_prompt_on_sglang_and_is_refused_in_vllms_words(kind: Kind) -> None:
+    async with stack_of(kind) as s:
+        req = public_request("score", max_tokens=0)
+        req.output_options.prompt_logprobs = 0
+        call = s.stub.Generate(req, timeout=10)
+        if kind == "vllm":
+            outs, err = await collect_until_error(call)
+            assert outs == []
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details() == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+            assert reason_of(err) == ("INVALID_ARGUMENT", "false")
+            assert s.engine.book.received == [], "refused before the engine"
+            return
+        outs = await collect(call)
+        [end] = outs
+        assert list(end.token_ids) == []
+        assert end.finish_reason == sidecar_pb2.LENGTH
+        usage = end.completion_usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(req.token_ids), 0)
+        rows = json_format.MessageToDict(end.engine_data)["prompt_logprobs"]
+        assert len(rows) == len(req.token_ids)
+        assert rows[0] is None
+        assert [row[0]["token_id"] for row in rows[1:]] == list(req.token_ids[1:])

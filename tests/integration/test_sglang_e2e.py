@@ -10,6 +10,8 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import json_format
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
@@ -157,7 +159,10 @@ async def test_logprobs_and_prompt_logprobs(transport: Transport, incremental: b
                 assert top.entries[0].token_id == tok
                 assert top.entries[0].logprob == pytest.approx(lp)
                 assert len(top.entries) <= 3
-        rows = json_format.MessageToDict(terminal(outs, last=True).engine_data)["prompt_logprobs"]
+        # SGLang sends them with its first event after prefill: so does the sidecar, once.
+        carriers = [o for o in outs if o.HasField("engine_data")]
+        assert carriers == [outs[0]]
+        rows = json_format.MessageToDict(outs[0].engine_data)["prompt_logprobs"]
         assert len(rows) == len(PROMPT)
         assert rows[0] is None
         assert [row[0]["token_id"] for row in rows[1:]] == PROMPT[1:]
@@ -332,6 +337,95 @@ async def test_engine_rejection_is_invalid_argument(transport: Transport) -> Non
         want = grpc.StatusCode.INVALID_ARGUMENT if transport == "http" else grpc.StatusCode.UNKNOWN
         assert err.code() == want
         assert "outside the vocabulary" in (err.details() or "")
+
+
+@TRANSPORTS
+async def test_logit_bias_is_carried_over_http_and_checked_by_the_engine(transport: Transport) -> None:
+    async with sglang_stack(transport) as s:
+        good = public_request("bias", max_tokens=3)
+        good.sampling_options.logit_bias[7] = 2.5
+        bad = public_request("bias-oov", max_tokens=3)
+        bad.sampling_options.logit_bias[s.engine.config.vocab_size] = 1.0
+        if transport == "grpc":
+            for req in (good, bad):
+                outs, err = await collect_until_error(s.stub.Generate(req, timeout=10))
+                assert (outs, err.code()) == ([], grpc.StatusCode.INVALID_ARGUMENT)
+                assert (err.details() or "").startswith("sampling_options.logit_bias: "), err.details()
+            assert s.engine.book.received == [], "SGLang's gRPC wire has no logit_bias: refused before it"
+            return
+        outs = await collect(s.stub.Generate(good, timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=3)
+        [(_, sent)] = s.engine.book.received
+        assert isinstance(sent, dict)
+        assert sent["sampling_params"]["logit_bias"] == {"7": 2.5}
+        outs, err = await collect_until_error(s.stub.Generate(bad, timeout=10))
+        assert (outs, err.code()) == ([], grpc.StatusCode.INVALID_ARGUMENT)
+        vocab = s.engine.config.vocab_size
+        assert f"logit_bias must has keys in [0, {vocab - 1}], got {vocab}." in (err.details() or "")
+
+
+LORA_OFF = (
+    "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
+    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+)
+
+
+def error_metadata(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return dict(info.metadata)
+
+
+@TRANSPORTS
+async def test_a_lora_adapter_while_lora_is_off_is_refused_the_same_on_both_wires(
+    transport: Transport,
+) -> None:
+    # SGLang refuses it with a ValueError: HTTP 400, but gRPC INTERNAL like any failure. Its
+    # server info says LoRA is off, so the sidecar refuses first, in SGLang's words.
+    async with sglang_stack(transport) as s:
+        req = public_request("lora", max_tokens=2)
+        req.routing.lora_name = "sql"
+        outs, err = await collect_until_error(s.stub.Generate(req, timeout=10))
+        assert outs == []
+        assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, LORA_OFF)
+        assert error_metadata(err) == {
+            "migratable": "false",
+            "origin": "engine",
+            "engine_call": "Generate",
+            "engine_status": "not sent",
+        }
+        assert s.engine.book.received == []
+
+
+@TRANSPORTS
+async def test_a_lora_adapter_reaches_an_engine_with_lora_on(transport: Transport) -> None:
+    async with sglang_stack(transport, enable_lora=True) as s:
+        req = public_request("lora", max_tokens=2)
+        req.routing.lora_name = "sql"
+        outs = await collect(s.stub.Generate(req, timeout=10))
+        assert tokens(outs) == expected(s, max_tokens=2)
+        [(_, sent)] = s.engine.book.received
+        lora = sent["lora_path"] if isinstance(sent, dict) else getattr(sent, "lora_path", None)
+        assert lora == "sql"
+
+
+@TRANSPORTS
+async def test_a_full_queue_is_overloaded_in_the_engines_words(transport: Transport) -> None:
+    # SGLang's scheduler turns a request away with a 503 abort when --max-queued-requests wait:
+    # the engine is busy, the request is fine.
+    async with sglang_stack(transport, max_running_requests=1, max_queued_requests=0) as s:
+        s.engine.faults.add("-busy", FaultPlan(FaultKind.HANG, after=1))
+        busy = s.stub.Generate(public_request("busy", max_tokens=20), timeout=20)
+        await busy.read()
+        outs, err = await collect_until_error(s.stub.Generate(public_request("turned-away"), timeout=10))
+        assert outs == []
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert reason_of(err) == ("OVERLOADED", "false")
+        assert "The request queue is full." in (err.details() or "")
+        busy.cancel()
+        await idle(s)
 
 
 # ------------------------------------------------------------------------- cancellation

@@ -290,6 +290,21 @@ async def test_logprobs_shape(make_engine: Factory, grpc_client: Callable[[Sglan
     assert inp[0][0] is None
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_input_logprobs_ride_on_every_event(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], incremental: bool
+) -> None:
+    # SGLang's tokenizer manager sets the accumulated input logprobs on each event's meta;
+    # incremental streaming slices only the output lists.
+    engine = await make_engine(incremental=incremental)
+    req = greq("lp-all", 3, ignore_eos=True, return_logprob=True, logprob_start_len=0)
+    events = await grpc_all(grpc_client(engine), req)
+    assert len(events) == 3
+    inputs = [meta(e)["input_token_logprobs"] for e in events]
+    assert [row[1] for row in inputs[0]] == PROMPT
+    assert inputs == [inputs[0]] * 3
+
+
 # -- aborts, cancels, disconnects ----------------------------------------------------------------
 async def test_grpc_abort_ends_cancelled_without_terminal(
     make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc]
@@ -888,6 +903,35 @@ async def test_sampling_params_sglang_does_not_verify_are_internal_on_grpc_and_4
         assert resp.status == 400
         assert says in (await resp.json())["error"]["message"]
     await assert_serving(engine, client)
+
+
+LORA_OFF = (
+    "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
+    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+)
+
+
+async def test_a_lora_adapter_while_lora_is_off_is_internal_on_grpc_and_400_on_http(
+    make_engine: Factory, grpc_client: Callable[[SglangTestEngine], Grpc], http: aiohttp.ClientSession
+) -> None:
+    # SGLang's tokenizer manager raises a ValueError before it reads the prompt: the Rust gRPC
+    # server ends the stream with INTERNAL and the text; HTTP streams its error event (400).
+    engine = await make_engine()
+    async with http.get(f"{engine.http_url}/server_info") as resp:
+        assert (await resp.json())["enable_lora"] is None
+    client = grpc_client(engine)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(client, greq("lora-g", lora_path="sql"))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INTERNAL, LORA_OFF)
+    async with http.post(f"{engine.http_url}/generate", json=hbody("lora-h", lora_path="sql")) as resp:
+        assert resp.status == 200
+        events, done = await sse(resp)
+    assert done
+    assert events == [
+        {"error": {"message": LORA_OFF, "type": "invalid_request_error", "code": 400, "retryable": False}}
+    ]
+    lora_on = await make_engine(enable_lora=True)
+    assert len(await grpc_all(grpc_client(lora_on), greq("lora-on", 2, lora_path="sql"))) == 2
 
 
 async def test_an_absent_max_new_tokens_is_capped_not_refused_when_the_default_would_overflow(

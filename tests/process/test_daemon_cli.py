@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -181,10 +183,11 @@ def _free_port() -> int:
 # --- the `sidecar` command ------------------------------------------------------------------
 
 
-def test_sidecar_without_engine_prints_usage_and_exits_2() -> None:
+def test_sidecar_without_engine_says_so_in_one_line_and_exits_2() -> None:
     result = _run([_script("sidecar")])
     assert result.returncode == 2
-    assert "usage:" in result.stderr
+    assert result.stderr.startswith("sidecar: error: an engine name is required")
+    assert result.stderr.count("\n") == 1
     assert "vllm" in result.stderr
     assert "sglang" in result.stderr
 
@@ -654,4 +657,336 @@ def test_sidecar_vllm_serves_a_testkit_engine_then_stops_cleanly(
         assert "STOPPING=1" in sock.recv(4096).decode()
         assert daemon.finish() == 0
     finally:
+        daemon.finish()
+
+
+# --- waiting for an engine that does not answer ---------------------------------------------------
+
+
+def _sidecar_vllm(endpoint: str) -> _Daemon:
+    proc = subprocess.Popen(
+        [_script("sidecar-vllm"), "--grpc-endpoint", endpoint, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(SIDECAR_LOG_FORMAT="json"),
+    )
+    return _Daemon.attach(proc)
+
+
+def _three_wait_reports(daemon: _Daemon) -> list[dict[str, object]]:
+    daemon.wait_for("connecting to engine")
+    return [daemon.wait_for("waiting for engine") for _ in range(3)]
+
+
+def test_an_engine_port_nobody_listens_on_is_reported_where_and_why_at_a_growing_interval() -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    daemon = _sidecar_vllm(address)
+    try:
+        reports = _three_wait_reports(daemon)
+        for report in reports:
+            assert report["level"] == "warning"
+            assert address in str(report["dialling"])
+            assert "refused" in str(report["error"])
+        assert reports[0]["attempts"] == 1  # the first failure is said at once
+        assert [r["next_report_secs"] for r in reports] == [2.0, 4.0, 8.0]
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+def test_an_engine_that_accepts_and_never_answers_is_reported_while_the_attempt_hangs(
+    idle_listener: tuple[socket.socket, str],
+) -> None:
+    _, address = idle_listener
+    daemon = _sidecar_vllm(address)  # the attempt timeout is 30 s: the reports come within it
+    try:
+        reports = _three_wait_reports(daemon)
+        for report in reports:
+            assert address in str(report["dialling"])
+            assert "no answer yet" in str(report["error"])
+            assert report["attempts"] == 1
+        assert [r["next_report_secs"] for r in reports] == [2.0, 4.0, 8.0]
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.finish() == 0
+    finally:
+        daemon.finish()
+
+
+# --- configuration mistakes: one clear line, never a traceback, in every daemon ----------------
+
+
+def _self_signed(common_name: str) -> tuple[bytes, bytes]:
+    """A self-signed certificate and its key (PEM)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+@pytest.fixture(scope="module")
+def mistakes_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """What the table's rows refer to: a taken port, TLS files, a testkit SGLang engine."""
+    where = tmp_path_factory.mktemp("mistakes")
+    cert, key = _self_signed("sidecar")
+    _, other_key = _self_signed("someone else")
+    for name, data in (("cert.pem", cert), ("key.pem", key), ("other.key", other_key)):
+        (where / name).write_bytes(data)
+    engine = subprocess.Popen(
+        [_script("testkit-engine"), "sglang", "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        assert engine.stderr is not None
+        grpc_address = ""
+        for line in engine.stderr:
+            if " ready grpc=" in line:
+                grpc_address = line.split("grpc=", 1)[1].split()[0]
+                break
+        assert grpc_address, f"the testkit engine did not come up (exit {engine.poll()})"
+        yield {
+            "taken": f"127.0.0.1:{taken.getsockname()[1]}",
+            "taken_port": str(taken.getsockname()[1]),
+            "free": f"127.0.0.1:{_free_port()}",
+            "cert": str(where / "cert.pem"),
+            "key": str(where / "key.pem"),
+            "other_key": str(where / "other.key"),
+            "sglang_grpc": grpc_address,
+        }
+    finally:
+        taken.close()
+        engine.send_signal(signal.SIGTERM)
+        try:
+            engine.wait(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+            engine.wait(timeout=WAIT)
+
+
+LOCAL = ("--listen", "127.0.0.1:0")
+VLLM = ["sidecar-vllm", "--grpc-endpoint", "{free}"]  # an engine address nobody dials: refused first
+# (argv, environment, exit code, what the one line says); {names} come from mistakes_context.
+MISTAKES: list[tuple[list[str], dict[str, str], int, str]] = [
+    # Flag values, before any I/O: exit 2, one line on stderr.
+    ([*VLLM, "--grpc-connections", "0"], {}, 2, "--grpc-connections"),
+    (["sidecar-vllm", "--grpc-endpoint", "https://{free}"], {}, 2, "TLS"),
+    (["sidecar-vllm", "--grpc-endpoint", "no-port-here"], {}, 2, "--grpc-endpoint"),
+    (["sidecar-vllm"], {}, 2, "--grpc-endpoint (or SIDECAR_GRPC_ENDPOINT) is required"),
+    (["sidecar-vllm"], {"SIDECAR_GRPC_ENDPOINT": "{free}", "SIDECAR_LOG_LEVEL": "loud"}, 2,
+     "SIDECAR_LOG_LEVEL"),
+    (VLLM, {"SIDECAR_NO_REFLECTION": "maybe"}, 2, "SIDECAR_NO_REFLECTION"),
+    ([*VLLM, "--listen", "nowhere"], {}, 2, "--listen"),
+    # TLS files: missing, of the wrong kind, not a pair, half a setting.
+    ([*VLLM, "--tls-cert", "/nonexistent.pem"], {}, 2, "no such file"),
+    ([*VLLM, "--tls-cert", "{key}", "--tls-key", "{key}"], {}, 2,
+     "holds no PEM certificate"),
+    ([*VLLM, "--tls-cert", "{cert}", "--tls-key", "{other_key}"], {}, 2,
+     "does not go with --tls-cert"),
+    (VLLM, {"SIDECAR_TLS_CLIENT_CA": "{cert}"}, 2,
+     "--tls-client-ca comes from SIDECAR_TLS_CLIENT_CA"),
+    # Flags that do not apply to the chosen mode, named with the variable that set them.
+    ([*VLLM, "--metrics-host", "127.0.0.1"], {}, 2,
+     "--metrics-host needs --metrics-port"),
+    (VLLM, {"SIDECAR_ADVERTISE": "h:1"}, 2,
+     "--advertise comes from SIDECAR_ADVERTISE"),
+    (["sidecar", "sglang", "--grpc-endpoint", "{free}"], {"SIDECAR_HTTP_ENDPOINT": "{free}"}, 2,
+     "--http-endpoint comes from SIDECAR_HTTP_ENDPOINT"),
+    (["sidecar-sglang", "--transport", "http", "--http-endpoint", "{free}", "--grpc-endpoint", "{free}"],
+     {}, 2,
+     "--grpc-endpoint is used only with --transport grpc"),
+    (["sidecar-sglang", "--grpc-endpoint", "{free}"], {"SIDECAR_TRANSPORT": "http"}, 2,
+     "--transport comes from SIDECAR_TRANSPORT"),
+    (["sidecar-sglang", "--transport", "http"], {}, 2, "--transport http needs --http-endpoint"),
+    # Found at start-up: one log line. A taken or foreign address may free up (exit 1); an
+    # engine that speaks another protocol is a wrong flag (exit 2).
+    ([*VLLM, "--listen", "{taken}"], {}, 1, "{taken}: the address is in use"),
+    ([*VLLM, *LOCAL, "--metrics-port", "{taken_port}"], {}, 1,
+     "cannot serve metrics on 127.0.0.1:{taken_port}: the address is in use"),
+    ([*VLLM, "--listen", "host.invalid:0"], {}, 1, "does not resolve"),
+    (["sidecar", "sglang", "--transport", "http", "--http-endpoint", "{sglang_grpc}", *LOCAL], {}, 2,
+     "does not speak HTTP/1.1"),
+    # The umbrella command.
+    (["sidecar"], {}, 2, "an engine name is required"),
+    (["sidecar", "nosuch"], {}, 2, "unknown engine 'nosuch'"),
+    (["sidecar", "frontend", "--worker", "nonsense"], {}, 2, "--worker"),
+    # The frontend.
+    (["sidecar-frontend"], {}, 2, "--discovery static needs at least one --worker"),
+    (["sidecar-frontend", "--worker", "{free}"], {"SIDECAR_FRONTEND_DNS_REFRESH_SECS": "9"}, 2,
+     "--dns-refresh-secs comes from SIDECAR_FRONTEND_DNS_REFRESH_SECS"),
+    (["sidecar-frontend", "--worker", "{free}", "--listen", "{taken}"], {}, 1, "address already in use"),
+    # The testkit engines.
+    (["testkit-engine"], {}, 2, "an engine is required"),
+    (["testkit-engine", "vllm", "--listen", "nowhere"], {}, 2, "--listen"),
+    (["testkit-engine", "vllm", "--listen", "127.0.0.1:0", "--chunk-tokens", "0"], {}, 2, "chunk_tokens"),
+    (["testkit-engine", "vllm", "--listen", "{taken}"], {}, 1, "{taken}: the address is in use"),
+    (["testkit-engine", "sglang", "--grpc-listen", "{taken}", "--http-listen", "127.0.0.1:0"], {}, 1,
+     "{taken}: the address is in use"),
+    (["testkit-engine", "sglang", "--grpc-listen", "127.0.0.1:0", "--http-listen", "{taken}"], {}, 1,
+     "{taken}: the address is in use"),
+]  # fmt: skip
+
+
+def _complaints(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """What a run said at error level: its stderr lines and its error-level log lines."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    for line in result.stdout.splitlines():
+        if not line.startswith("{"):
+            lines.append(line)  # nothing but JSON log lines belongs on stdout
+        elif json.loads(line).get("level") in ("error", "critical"):
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "code", "says"), MISTAKES, ids=[" ".join(row[0]) + f" {row[1]}" for row in MISTAKES]
+)
+def test_a_configuration_mistake_is_one_clear_line_and_no_traceback(
+    mistakes_context: dict[str, str], argv: list[str], env: dict[str, str], code: int, says: str
+) -> None:
+    def fill(text: str) -> str:
+        return text.format(**mistakes_context)
+
+    command = [_script(argv[0]), *map(fill, argv[1:])]
+    environment = {"SIDECAR_LOG_FORMAT": "json", "SIDECAR_FRONTEND_LOG_FORMAT": "json"}
+    environment.update({name: fill(value) for name, value in env.items()})
+    result = _run(command, **environment)
+    assert "Traceback" not in result.stdout + result.stderr
+    complaints = _complaints(result)
+    assert len(complaints) == 1, complaints
+    assert fill(says) in complaints[0]
+    assert result.returncode == code, complaints
+
+
+# --- --help: every flag's meaning and default, in one style -------------------------------------
+
+_OPTION_LINE = re.compile(r"^  (-\S.*?)(?: {2,}(\S.*))?$")
+_DEFAULT_LAST = re.compile(
+    r"^(?P<meaning>.*\S) \(default: (?P<default>.+)\)(?: \[env (?P<env>[A-Z0-9_]+)\])?$"
+)
+_ENV_PREFIXES = {"sidecar-frontend": "SIDECAR_FRONTEND_", "sidecar frontend": "SIDECAR_FRONTEND_"}
+
+
+def _console_scripts() -> list[str]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return sorted(tomllib.load(f)["project"]["scripts"])
+
+
+def _help(command: list[str]) -> str:
+    result = _run([_script(command[0]), *command[1:], "--help"], COLUMNS="2000")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _help_pages() -> list[tuple[str, str]]:
+    """(command, --help text) for every console script of pyproject.toml, and for each of its
+    subcommands (the {a,b} choice of its usage line)."""
+    pages = []
+    for script in _console_scripts():
+        text = _help([script])
+        usage = text.split("\n\n", 1)[0]
+        choices = re.search(r"\{([a-z][a-z,]*)\}", usage.split("[", 1)[0] + usage.split("]")[-1])
+        if choices is None:
+            pages.append((script, text))
+            continue
+        for sub in choices.group(1).split(","):
+            pages.append((f"{script} {sub}", _help([script, sub])))
+    return pages
+
+
+def _flags(text: str) -> dict[str, str]:
+    """Each option of a --help page -> its help text (continuation lines joined)."""
+    entries: dict[str, str] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        match = _OPTION_LINE.match(line)
+        if match:
+            current = re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", match.group(1))[0]
+            entries[current] = match.group(2) or ""
+        elif current is not None and line.startswith("   ") and line.strip():
+            entries[current] = f"{entries[current]} {line.strip()}".strip()
+        else:
+            current = None
+    return entries
+
+
+def test_every_console_script_shows_each_flags_meaning_and_default_in_one_style() -> None:
+    pages = _help_pages()
+    commands = [command for command, _ in pages]
+    # The walk reached every daemon, through the umbrella and testkit's subcommands too.
+    for expected in ("sidecar vllm", "sidecar sglang", "sidecar frontend", "sidecar-vllm", "sidecar-sglang",
+                     "sidecar-frontend", "testkit-engine vllm", "testkit-engine sglang"):  # fmt: skip
+        assert expected in commands, commands
+    for command, text in pages:
+        flags = _flags(text)
+        assert len(flags) > 5, (command, text)
+        prefix = _ENV_PREFIXES.get(command, "" if command.startswith("testkit") else "SIDECAR_")
+        for flag, help_text in flags.items():
+            if flag in ("--help", "--version"):
+                continue
+            where = f"{command} {flag}: {help_text!r}"
+            shape = _DEFAULT_LAST.match(help_text)
+            assert shape is not None, f"{where}: not 'meaning (default: ...) [env VAR]'"
+            assert "(default: " not in shape["meaning"], f"{where}: two defaults"
+            assert len(shape["meaning"]) > 3, f"{where}: no meaning"
+            if prefix:
+                assert shape["env"] == prefix + flag[2:].replace("-", "_").upper(), where
+            else:
+                assert shape["env"] is None, where
+
+
+def test_an_engine_that_goes_away_while_serving_is_reported_again_at_a_growing_interval() -> None:
+    port = _free_port()
+    engine = subprocess.Popen(
+        [_script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=_env(),
+    )
+    daemon = _sidecar_vllm(f"127.0.0.1:{port}")
+    try:
+        daemon.wait_for("serving")
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(timeout=WAIT)
+        verdict = daemon.wait_for("engine unhealthy: refusing new requests")
+        reports = [daemon.wait_for("engine still unhealthy: refusing new requests") for _ in range(2)]
+        # The channels redial the engine all along: each report says where and why it fails.
+        for line in (verdict, *reports):
+            assert f"127.0.0.1:{port}" in str(line["reason"]), line
+        assert [r["next_report_secs"] for r in reports] == [4.0, 8.0]
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.finish() == 0
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(timeout=WAIT)
         daemon.finish()

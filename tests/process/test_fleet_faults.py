@@ -5,7 +5,7 @@ drained with SIGTERM, then both are started again (new processes, new ports, sam
 
 Every stream either completes with the no-failure output or ends with a typed error its
 format documents; no request is left running on any engine; the frontend's in-flight count
-returns to zero; each restarted worker takes traffic within 2 s of registering."""
+returns to zero; each restarted worker takes traffic once registered."""
 
 from __future__ import annotations
 
@@ -238,7 +238,6 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
 
         killed, drained = sidecars[0], sidecars[1]
         restarted: list[Proc] = []
-        appeared: list[float] = []
 
         async def scenario() -> dict[int, dict[str, Any]]:
             delivered = Delivered(STREAMS * 3)
@@ -268,10 +267,7 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
 
                 probes = [asyncio.ensure_future(probe(k)) for k in range(8)]
                 for new in restarted:
-                    at, _ = await asyncio.to_thread(
-                        new.first, lambda e: e.get("event") == "registered in etcd"
-                    )
-                    appeared.append(at)
+                    await asyncio.to_thread(new.first, lambda e: e.get("event") == "registered in etcd")
                 results = {n: await task for n, task in tasks.items()}
                 await asyncio.gather(*probes)
             return results
@@ -297,16 +293,10 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
                     assert error["code"] >= 400
         assert completed >= STREAMS * 9 // 10, f"only {completed} streams completed"
 
-        # Each restarted worker took traffic within 2 s of registering.
-        for new, at in zip(restarted, appeared, strict=True):
-            served_at, _ = new.first(lambda e: e.get("event") == "generate started", timeout=5)
-            address = f"127.0.0.1:{new.port()}"
-            added_at, _ = frontend.first(event_line("worker added", address))
-            serving_at, _ = frontend.first(serving_line(address))
-            assert served_at - at < 2.0, (
-                f"first request {served_at - at:.2f}s after registering "
-                f"(added {added_at - at:.2f}s, serving {serving_at - at:.2f}s)"
-            )
+        # Each restarted worker took traffic once registered (how soon after registering is
+        # measured by ``python -m bench.discovery``, not asserted here).
+        for new in restarted:
+            new.first(lambda e: e.get("event") == "generate started", timeout=5)
 
         bounded(lambda: all(engine_running(port) == 0 for port in engine_ports), "no engine runs a request")
         bounded(
@@ -324,13 +314,6 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
         assert migrated > 0, "the killed and drained workers' streams moved"
 
 
-def event_line(event: str, address: str) -> Callable[[dict[str, Any]], bool]:
-    def match(entry: dict[str, Any]) -> bool:
-        return entry.get("event") == event and entry.get("worker") == address
-
-    return match
-
-
 def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:
     def match(entry: dict[str, Any]) -> bool:
         return (entry.get("event"), entry.get("worker"), entry.get("state")) == (
@@ -344,3 +327,114 @@ def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:
 
 def _served(new: Proc) -> bool:
     return any(e.get("event") == "generate started" for _, e in new.lines)
+
+
+# --- a model rollout -----------------------------------------------------------------------------
+
+ROLLOUT_CLIENTS = 8
+
+
+def static_sidecar_argv(engine_port: int, port: int) -> list[str]:
+    return [
+        script("sidecar-vllm"),
+        *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", f"127.0.0.1:{port}"),
+        *("--grpc-connections", "1", "--log-format", "json", "--drain-timeout-secs", "20"),
+    ]
+
+
+def model_line(address: str, model: str) -> Callable[[dict[str, Any]], bool]:
+    def match(entry: dict[str, Any]) -> bool:
+        return serving_line(address)(entry) and entry.get("model") == model
+
+    return match
+
+
+def test_a_rollout_from_model_a_to_model_b_under_traffic_loses_no_request() -> None:
+    """Two workers (``--worker``, fixed addresses) serve model-a; under a steady load of streams
+    (both formats, naming no model) each worker in turn is drained (SIGTERM), its engine
+    replaced by one serving model-b, its sidecar started again at the same address. Every
+    request completes with the exact tokens; afterwards the frontend serves model-b only."""
+    with ExitStack() as stack:
+        engine_ports = [free_port() for _ in range(2)]
+        sidecar_ports = [free_port() for _ in range(2)]
+        latency = ("--token-latency-ms", "10")
+        engines = [
+            start(stack, engine_argv(port, *latency, "--served-model-name", "model-a"))
+            for port in engine_ports
+        ]
+        sidecars = [
+            start(stack, static_sidecar_argv(engine, port))
+            for engine, port in zip(engine_ports, sidecar_ports, strict=True)
+        ]
+        metrics_port = free_port()
+        addresses = [f"127.0.0.1:{port}" for port in sidecar_ports]
+        frontend = start(
+            stack,
+            [
+                script("sidecar-frontend"),
+                *("--listen", "127.0.0.1:0", "--log-format", "json", "--metrics-port", str(metrics_port)),
+                *(arg for address in addresses for arg in ("--worker", address)),
+            ],
+        )
+        url = f"http://127.0.0.1:{frontend.port()}"
+        for address in addresses:
+            frontend.first(model_line(address, "model-a"))
+
+        async def scenario() -> list[tuple[int, dict[str, Any]]]:
+            done: list[tuple[int, dict[str, Any]]] = []
+            stop = asyncio.Event()
+            completed = asyncio.Condition()
+
+            async def client(k: int, http: aiohttp.ClientSession) -> None:
+                n = k
+                while not stop.is_set():
+                    result = await one_stream(http, url, n, Delivered(0), max_tokens=12)
+                    async with completed:
+                        done.append((n, result))
+                        completed.notify_all()
+                    n += ROLLOUT_CLIENTS
+
+            async def more_completed(count: int) -> None:
+                async with completed:
+                    target = len(done) + count
+                    await asyncio.wait_for(completed.wait_for(lambda: len(done) >= target), WAIT)
+
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT)) as http:
+                clients = [asyncio.ensure_future(client(k, http)) for k in range(ROLLOUT_CLIENTS)]
+                await more_completed(ROLLOUT_CLIENTS)
+                for i, (engine_port, port) in enumerate(zip(engine_ports, sidecar_ports, strict=True)):
+                    sidecars[i].popen.send_signal(signal.SIGTERM)
+                    assert await asyncio.to_thread(sidecars[i].popen.wait, WAIT) == 0
+                    await more_completed(ROLLOUT_CLIENTS)  # the other worker alone serves
+                    await asyncio.to_thread(engines[i].stop)
+                    engines[i] = start(
+                        stack, engine_argv(engine_port, *latency, "--served-model-name", "model-b")
+                    )
+                    sidecars[i] = start(stack, static_sidecar_argv(engine_port, port))
+                    await asyncio.to_thread(frontend.first, model_line(addresses[i], "model-b"))
+                    await more_completed(ROLLOUT_CLIENTS)
+                stop.set()
+                await asyncio.gather(*clients)
+            return done
+
+        results = asyncio.run(scenario())
+        assert len(results) >= 5 * ROLLOUT_CLIENTS
+        for n, result in results:
+            assert result["error"] is None, (n, result)
+            want = [t.token_id for t in generate(MODEL, prompt_of(n), SamplingSpec(max_tokens=12))]
+            assert result["tokens"] == want, n
+            assert result["finish"] == "length"
+
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=WAIT) as response:
+            assert [card["id"] for card in json.load(response)["data"]] == ["model-b"]
+        samples = scrape(metrics_port)
+        assert samples['frontend_model_workers{model="model-b",role="agg"}'] == 2
+        assert not any("model-a" in name for name in samples)
+        ok = sum(
+            v for k, v in samples.items() if k.startswith("frontend_requests_total") and 'outcome="ok"' in k
+        )
+        assert (
+            ok
+            == sum(v for k, v in samples.items() if k.startswith("frontend_requests_total"))
+            == len(results)
+        )

@@ -41,8 +41,6 @@ def test_one_streaming_generation_through_the_console_scripts(transport: str) ->
     ]
     sidecar_argv = [
         script("sidecar-sglang"),
-        "--grpc-endpoint",
-        f"127.0.0.1:{grpc_port}",
         "--listen",
         "127.0.0.1:0",
         "--log-format",
@@ -52,6 +50,8 @@ def test_one_streaming_generation_through_the_console_scripts(transport: str) ->
     ]
     if transport == "http":
         sidecar_argv += ["--http-endpoint", f"http://127.0.0.1:{http_port}"]
+    else:
+        sidecar_argv += ["--grpc-endpoint", f"127.0.0.1:{grpc_port}"]
     with process(engine_argv) as engine:
         _wait_for_port(grpc_port if transport == "grpc" else http_port, engine)
         with process(sidecar_argv) as sidecar:
@@ -65,7 +65,7 @@ def test_one_streaming_generation_through_the_console_scripts(transport: str) ->
 
 def test_http_transport_without_http_endpoint_is_a_usage_error() -> None:
     result = subprocess.run(
-        [script("sidecar-sglang"), "--grpc-endpoint", "127.0.0.1:1", "--transport", "http"],
+        [script("sidecar-sglang"), "--transport", "http"],
         capture_output=True,
         text=True,
         timeout=WAIT,

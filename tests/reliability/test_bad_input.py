@@ -17,10 +17,13 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import ORIGIN_ENGINE
 from sidecar_common.server import ServerConfig
 from tests.reliability.harness import KINDS, Ended, Kind, Rig, error_reason, expected_tokens, request, rig
 
@@ -237,10 +240,23 @@ def check(
     assert ended.code is grpc.StatusCode.INVALID_ARGUMENT, (ended.code, details, req)
     assert error_reason(ended.error) == ("INVALID_ARGUMENT", "false"), details
     assert not ended.outs, "a refusal comes before any chunk"
-    if not engine_saw_it:
-        # The sidecar's own refusal names the field (a path into PreprocessedRequest).
+    if not engine_saw_it and not in_the_engines_words(ended.error):
+        # The sidecar's own refusal names the field (a path into PreprocessedRequest); one it
+        # makes for the engine (vLLM's max_tokens 0, SGLang's LoRA while LoRA is off) is in
+        # the engine's words and says so in its ErrorInfo.
         head = details.split(":", 1)[0].split(".", 1)[0].split("[", 1)[0]
         assert head in FIELDS, f"the refusal does not name a field: {details!r}"
+
+
+def in_the_engines_words(err: grpc.aio.AioRpcError) -> bool:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    info = error_details_pb2.ErrorInfo()
+    return (
+        status is not None
+        and bool(status.details)
+        and status.details[0].Unpack(info)
+        and info.metadata.get("origin") == ORIGIN_ENGINE
+    )
 
 
 async def still_healthy(r: Rig) -> None:

@@ -1,7 +1,8 @@
-"""Engine death and return: with 100 streams in flight the engine dies; every stream ends
-quickly with a migratable status, health goes NOT_SERVING, new requests fail fast; the engine
-comes back on the same port and the same sidecar (never restarted) serves again, driven by its
-background health watch (``ServerConfig.health_watch_interval``)."""
+"""Engine death and return: with 100 streams in flight the engine dies; every stream ends with
+a migratable status, health goes NOT_SERVING, new requests fail migratable; the engine comes
+back on the same port and the same sidecar (never restarted) serves again, driven by its
+background health watch (``ServerConfig.health_watch_interval``). How fast the streams end and
+a new request fails is measured by ``python -m bench.fault_timings``, not asserted."""
 
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ from tests.reliability.harness import (
 pytestmark = pytest.mark.timeout(90)
 
 STREAMS = 100
-END_BOUND = 2.0  # every stream ends within this long of the engine's death
 WATCH = 0.2  # the server's health watch period in these tests
 PROMPT = [101, 202, 303]
 MIGRATABLE_ENDS = {"CANNOT_CONNECT", "ENGINE_SHUTDOWN"}
@@ -62,11 +62,9 @@ async def open_streams(stub: Any, count: int) -> list[tuple[Any, Ended]]:
     return opened
 
 
-async def ends_of(opened: list[tuple[Any, Ended]]) -> tuple[list[Ended], float]:
-    """Read every stream to its end; how long the slowest took."""
-    t0 = time.monotonic()
-    ends = await asyncio.gather(*(finish(call, ended) for call, ended in opened))
-    return list(ends), time.monotonic() - t0
+async def ends_of(opened: list[tuple[Any, Ended]]) -> list[Ended]:
+    """Read every stream to its end."""
+    return list(await asyncio.gather(*(finish(call, ended) for call, ended in opened)))
 
 
 def assert_migratable_ends(ends: list[Ended], full: list[int]) -> None:
@@ -93,17 +91,14 @@ async def wait_health(stub: Any, want: int, secs: float) -> None:
     assert status == want, f"health is {status}, want {want} within {secs}s"
 
 
-async def fails_fast(stub: Any) -> None:
-    """A new request while the engine is gone: a migratable status, quickly."""
-    t0 = time.monotonic()
+async def fails_migratable(stub: Any) -> None:
+    """A new request while the engine is gone: a migratable status."""
     ended = await finish(stub.Generate(request("new", PROMPT, 5), timeout=30))
-    took = time.monotonic() - t0
     assert ended.error is not None
     assert not ended.outs
     why = error_reason(ended.error)
     assert why is not None
     assert why[1] == "true", (why, ended.error.details())
-    assert took < END_BOUND, f"a request to a dead engine took {took:.2f}s to fail"
 
 
 async def serves_again(stub: Any, model: ModelSpec, secs: float = 10.0) -> None:
@@ -137,11 +132,10 @@ async def death_and_return(
     opened = await open_streams(stub, STREAMS)
     full = expected_tokens(model, PROMPT, 1000)
     await kill()
-    ends, took = await ends_of(opened)
+    ends = await ends_of(opened)
     assert_migratable_ends(ends, full)
-    assert took < END_BOUND, f"the last of {STREAMS} streams ended {took:.2f}s after the engine died"
     await wait_health(health, NOT_SERVING, 10 * WATCH + 5)
-    await fails_fast(stub)
+    await fails_migratable(stub)
     assert await server.wait_idle(5.0), "the sidecar still counts requests in flight"
     await revive()
     await wait_health(health, SERVING, 10)

@@ -49,7 +49,9 @@ def usage_error(
         parse(argv, environ)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "usage:" in err
+    # One line, never the whole usage: the operator reads what is wrong.
+    assert err.startswith("sidecar-fake: error: ")
+    assert err.count("\n") == 1, err
     return err
 
 
@@ -378,14 +380,16 @@ def test_sglang_transport_and_http_endpoint_mismatches_say_what_is_wrong(
     assert "--grpc-endpoint (or" not in err
 
 
-def test_sglang_http_endpoint_beside_a_grpc_endpoint_needs_transport_http() -> None:
+def test_sglang_http_endpoint_beside_a_grpc_endpoint_needs_transport_http(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from sidecar_sglang.__main__ import SPEC as SGLANG
-    from sidecar_sglang.__main__ import build
 
     argv = ["--http-endpoint", "127.0.0.1:30000", "--grpc-endpoint", "127.0.0.1:30001"]
-    config, ns = parse_config(SGLANG, argv, {}, log_format_default="json")
-    with pytest.raises(ValueError, match="--http-endpoint is used only with --transport http"):
-        build(config, ns)
+    with pytest.raises(SystemExit) as exc:
+        parse_config(SGLANG, argv, {}, log_format_default="json")
+    assert exc.value.code == 2
+    assert "--http-endpoint is used only with --transport http" in capsys.readouterr().err
 
 
 def test_sglang_bad_http_endpoint_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -403,3 +407,21 @@ def test_decode_mode_turns_on_the_decode_hold_of_the_server(mode: str, holds: bo
 
     config, _ = parse(["--grpc-endpoint", "h:1", "--disaggregation-mode", mode])
     assert _server_config(config).hold_decode_cancels is holds
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_console_tracebacks_are_plain_without_locals() -> None:
+    # rich's renderer printed boxes, source and every local: hundreds of lines per traceback,
+    # and whatever the locals held.
+    out = io.StringIO()
+    configure_logging("console", "info", stream=out)
+    try:
+        credentials = {"token": "not-for-logs"}
+        raise RuntimeError(f"boom with {len(credentials)} credential")
+    except RuntimeError:
+        structlog.get_logger("sidecar_common.daemon").exception("crash")
+    text = out.getvalue()
+    assert "Traceback (most recent call last):" in text
+    assert "RuntimeError: boom with 1 credential" in text
+    assert "not-for-logs" not in text
+    assert len(text.splitlines()) < 10

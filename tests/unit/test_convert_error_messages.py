@@ -183,11 +183,8 @@ def test_sglang_dp_rank_out_of_range_names_the_engines_rank_count() -> None:
             ErrorReason.PROTOCOL_ERROR,
             "invalid sglang response: output_ids is not a list",
         ),
-        (
-            {"error": {"message": "too long", "code": 400}},
-            ErrorReason.INVALID_ARGUMENT,
-            "Generate: too long (HTTP 400)",
-        ),
+        # A refusal is SGLang's own words, unchanged (the call and the status ride in ErrorInfo).
+        ({"error": {"message": "too long", "code": 400}}, ErrorReason.INVALID_ARGUMENT, "too long"),
         ({"error": {"code": "503"}}, ErrorReason.CANNOT_CONNECT, "Generate: {'code': '503'} (HTTP 503)"),
         ({"error": "scheduler died"}, ErrorReason.UNKNOWN, "Generate: scheduler died (HTTP 500)"),
         ({"error": {"message": "odd", "code": "4.0e2"}}, ErrorReason.UNKNOWN, "Generate: odd (HTTP 500)"),
@@ -236,9 +233,11 @@ def test_sglang_end_of_stream_words() -> None:
     [
         ({"type": "abort"}, "Generate: engine aborted the request:  (type=abort)"),
         (
-            {"type": "abort", "message": "no room", "status_code": 503, "err_type": "Busy"},
-            "Generate: engine aborted the request: no room (type=abort, status_code=503, err_type=Busy)",
+            {"type": "abort", "message": "no room", "status_code": 500, "err_type": "Busy"},
+            "Generate: engine aborted the request: no room (type=abort, status_code=500, err_type=Busy)",
         ),
+        # A busy engine (503) or a refusal (4xx): SGLang's own words, unchanged.
+        ({"type": "abort", "message": "no room", "status_code": 503, "err_type": None}, "no room"),
     ],
 )
 def test_sglang_engine_abort_words(finish: dict[str, object], message: str) -> None:

@@ -76,7 +76,6 @@ BAD_VALUES: Final[list[tuple[str, float, frozenset[str]]]] = [
     ("sampling_options.repetition_penalty", 2.5, ONLY_SGLANG),
     ("sampling_options.top_k", -2, BOTH),
     ("sampling_options.top_k", 0, ONLY_SGLANG),
-    ("stop_conditions.max_tokens", 0, BOTH),
 ] + [(limit.field, bad, BOTH) for limit in SAMPLING_LIMITS for bad in (math.nan, math.inf, -math.inf)]
 
 
@@ -114,6 +113,7 @@ GOOD_EDGES: Final[list[tuple[str, float]]] = [
     ("sampling_options.top_k", -1),
     ("sampling_options.top_k", 1),
     ("stop_conditions.max_tokens", 1),
+    ("stop_conditions.min_tokens", 0),
 ]
 
 
@@ -148,6 +148,16 @@ def test_sglang_takes_any_top_k_when_it_samples_greedily(temperature: float) -> 
 def test_sglang_refuses_top_k_0_just_above_the_greedy_threshold() -> None:
     req = make(sampling_options__temperature=2e-6, sampling_options__top_k=0)
     assert (refusal("sglang", req) or "").startswith("sampling_options.top_k: ")
+
+
+def test_max_tokens_0_is_served_by_sglang_and_refused_in_vllms_words() -> None:
+    # SGLang runs a prompt-only request (max_new_tokens 0); vLLM's SamplingParams refuses it.
+    req = make(stop_conditions__max_tokens=0)
+    assert refusal("sglang", req) is None
+    native = build_native(req, "priv-1", RequestSettings(transport="http"), room=7)
+    assert native.sampling.max_new_tokens == 0
+    assert to_http_json(native)["sampling_params"] == {"max_new_tokens": 0}
+    assert refusal("vllm", req) == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.health import FAILURE_THRESHOLD
 from sidecar_common.metrics import ABORT_OUTCOMES, Metrics
 from sidecar_common.rpc import NotHealthy, probe
 from sidecar_common.server import ServerConfig, SidecarServer
@@ -266,11 +267,15 @@ async def test_an_abort_rpc_ends_the_request_as_cancelled_in_the_log() -> None:
 async def test_engine_unhealthy_says_why() -> None:
     class FailingProbe(FakeEngine):
         probed: anyio.Event | None = None
+        probes: int = 0
 
         async def healthy(self) -> bool:
             assert self.probed is not None
-            # The watch logs before its next await, so a waiter woken here sees the line.
-            self.probed.set()
+            # The watch acts on a probe before its next await: once the threshold's failures
+            # were made, a waiter woken at the next probe sees the line.
+            self.probes += 1
+            if self.probes > FAILURE_THRESHOLD:
+                self.probed.set()
             raise SidecarError(ErrorReason.CANNOT_CONNECT, "HealthCheck: connection refused (UNAVAILABLE)")
 
     engine = FailingProbe()
@@ -310,7 +315,8 @@ async def test_a_failed_probe_tells_why() -> None:
 
     assert not await probe(not_ready, 1.0, reasons.append)
     assert not await probe(unreachable, 1.0, reasons.append)
-    assert not await probe(silent, 0.01, reasons.append)
+    with pytest.raises(TimeoutError):  # late, which is not unhealthy
+        await probe(silent, 0.01, reasons.append)
     assert await probe(fine, 1.0, reasons.append)
     assert reasons[0] == "engine reports not healthy: loading weights"
     assert "connection refused" in reasons[1]

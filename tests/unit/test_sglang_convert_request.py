@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any
 
@@ -194,6 +195,23 @@ def test_media_refused_on_grpc_carried_on_http() -> None:
     body = http_of(r, RequestSettings(transport="http"))
     assert body["image_data"] == ["https://x/a.png"]
     assert body["audio_data"] == ["data:a"]
+
+
+def test_logit_bias_refused_on_grpc_carried_on_http_with_text_keys() -> None:
+    # SGLang's HTTP schema takes {"<token id>": bias} and checks the keys against its vocabulary;
+    # its gRPC SamplingParams has no logit_bias field.
+    r = req(samplingOptions={"logitBias": {"50": 0.7, "5": -100.0}})
+    assert refused(r) == "sampling_options.logit_bias: SGLang's gRPC wire cannot carry it (HTTP can)"
+    body = http_of(r, RequestSettings(transport="http"))
+    assert body["sampling_params"] == {"logit_bias": {"5": -100.0, "50": 0.7}}
+    assert json.loads(json.dumps(body)) == body
+
+
+@pytest.mark.parametrize("bias", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_logit_bias_is_refused_by_name(bias: str) -> None:
+    r = req(samplingOptions={"logitBias": {"5": bias}})
+    message = refused(r, RequestSettings(transport="http"))
+    assert message.startswith("sampling_options.logit_bias: must be finite numbers (got ")
 
 
 def test_lora_dp_rank_priority() -> None:

@@ -3,14 +3,14 @@ conversion"), in cumulative and incremental modes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import EngineOrigin, ErrorReason, SidecarError
 from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, bootstrap_struct
 from sidecar_sglang.convert_response import (
     NativeEvent,
@@ -120,14 +120,26 @@ def test_abort_we_asked_for_is_cancelled() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "reason"),
-    [(400, ErrorReason.INVALID_ARGUMENT), (None, ErrorReason.UNKNOWN), (500, ErrorReason.UNKNOWN)],
+    ("status", "reason", "exact"),
+    [
+        (400, ErrorReason.INVALID_ARGUMENT, True),
+        (503, ErrorReason.OVERLOADED, True),
+        (None, ErrorReason.UNKNOWN, False),
+        (500, ErrorReason.UNKNOWN, False),
+        (502, ErrorReason.UNKNOWN, False),
+    ],
 )
-def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason) -> None:
+def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason, exact: bool) -> None:
     finish = {"type": "abort", "message": "prompt too long", "status_code": status, "err_type": "BadRequest"}
     with pytest.raises(SidecarError) as info:
         ResponseState(native(), cumulative=False).feed(ev([], finish), aborted_by_us=False)
     assert info.value.reason is reason
+    if exact:
+        # A refusal (4xx) or a busy engine (503): SGLang's sentence as it is, its origin beside.
+        assert info.value.message == "prompt too long"
+        assert info.value.origin == EngineOrigin("Generate", f"abort status_code={status}")
+        return
+    assert info.value.origin is None
     assert "prompt too long" in info.value.message
     assert "type=abort" in info.value.message
     if status is not None:
@@ -199,19 +211,43 @@ def test_logprobs_cumulative_sliced_sampled_first() -> None:
     assert second[1].rank == 1
 
 
-def test_prompt_logprobs_on_terminal() -> None:
+PROMPT_META: Final[dict[str, Any]] = {
+    "input_token_logprobs": [[None, 1, None], triple(-0.5, 2)],
+    "input_top_logprobs": [None, [triple(-0.3, 8)]],
+}
+
+
+def _prompt_rows(out: sidecar_pb2.LLMEngineOutput) -> list[list[float] | None]:
+    data = out.engine_data.fields["prompt_logprobs"].list_value.values
+    return [
+        None
+        if v.WhichOneof("kind") == "null_value"
+        else [e.struct_value.fields["token_id"].number_value for e in v.list_value.values]
+        for v in data
+    ]
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_prompt_logprobs_come_once_with_the_first_output_after_the_engine_sent_them(cumulative: bool) -> None:
+    # SGLang sends the prompt's logprobs with its first event after prefill (and repeats them).
     request = native(return_logprob=True, prompt_logprobs=1)
-    meta: dict[str, Any] = {
-        "input_token_logprobs": [[None, 1, None], triple(-0.5, 2)],
-        "input_top_logprobs": [None, [triple(-0.3, 8)]],
-    }
-    outs = run(ResponseState(request, cumulative=False), [ev([5], **meta), ev([6], "length")])
-    assert not outs[0].HasField("engine_data")
-    data = outs[-1].engine_data.fields["prompt_logprobs"].list_value.values
-    assert data[0].WhichOneof("kind") == "null_value"
-    row = data[1].list_value.values
-    assert [v.struct_value.fields["token_id"].number_value for v in row] == [2, 8]
+    events = [ev([5], **PROMPT_META), ev([5, 6] if cumulative else [6], "length", **PROMPT_META)]
+    outs = run(ResponseState(request, cumulative=cumulative), events)
+    assert _prompt_rows(outs[0]) == [None, [2, 8]]
+    assert not outs[-1].HasField("engine_data"), "once"
     assert not outs[0].log_probs  # output logprobs were not asked
+
+
+def test_prompt_logprobs_wait_for_an_output_that_can_carry_them() -> None:
+    request = native(return_logprob=True, prompt_logprobs=1)
+    outs = run(ResponseState(request, cumulative=False), [ev([], **PROMPT_META), ev([6], "length")])
+    (terminal,) = outs
+    assert _prompt_rows(terminal) == [None, [2, 8]]
+
+
+def test_prompt_logprobs_not_asked_are_not_sent() -> None:
+    outs = run(ResponseState(native(return_logprob=True), cumulative=False), [ev([5], **PROMPT_META)])
+    assert not any(o.HasField("engine_data") for o in outs)
 
 
 def test_prefill_grpc_ignores_chunks_and_hands_off() -> None:
@@ -414,7 +450,7 @@ def test_a_prefill_aborted_at_our_request_is_cancelled_and_hands_nothing_off(cum
 
 @pytest.mark.parametrize(
     ("status", "reason"),
-    [(None, ErrorReason.UNKNOWN), (503, ErrorReason.UNKNOWN), (400, ErrorReason.INVALID_ARGUMENT)],
+    [(None, ErrorReason.UNKNOWN), (503, ErrorReason.OVERLOADED), (400, ErrorReason.INVALID_ARGUMENT)],
 )
 def test_a_prefill_the_engine_aborted_on_its_own_keeps_the_engines_error(
     status: int | None, reason: ErrorReason

@@ -170,3 +170,19 @@ def test_loads_http_and_grpc_shapes() -> None:
     assert ranks[0].HasField("running_requests")
     assert not ranks[0].HasField("waiting_requests")
     assert loads_from_json("nonsense") == ()
+
+
+@pytest.mark.parametrize(
+    ("reported", "enabled"),
+    [
+        ({"enable_lora": None}, False),
+        ({"enable_lora": False}, False),
+        ({"enable_lora": True}, True),
+        ({}, None),
+    ],
+)
+def test_lora_is_off_when_server_info_says_null_or_false(
+    reported: dict[str, Any], enabled: bool | None
+) -> None:
+    # SGLang reports its resolved --enable-lora: null when neither it nor --lora-paths was given.
+    assert run({**SERVER, **reported}).settings.lora_enabled is enabled

@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import NOT_SENT, EngineOrigin, ErrorReason, SidecarError
 from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
 from tests.unit.test_sglang_convert_request import DECODE, PID, req
 
@@ -61,7 +61,7 @@ def params(**values: Any) -> dict[str, Any]:
         (
             {"samplingOptions": {"logitBias": {"5": 1.0}}},
             AGG,
-            "sampling_options.logit_bias: not supported by SGLang's native API",
+            "sampling_options.logit_bias: SGLang's gRPC wire cannot carry it (HTTP can)",
         ),
         (
             {"routing": {"cacheNamespace": "t"}},
@@ -192,3 +192,23 @@ def test_a_float32_sampling_value_reaches_the_engine_as_its_shortest_decimal(
     native = build_native(req(samplingOptions={"temperature": given, "topP": given}), PID, AGG, room=7)
     assert (native.sampling.temperature, native.sampling.top_p) == (sent, sent)
     assert to_http_json(native)["sampling_params"] == {"temperature": sent, "top_p": sent}
+
+
+@pytest.mark.parametrize("lora_enabled", [None, True])
+def test_a_lora_adapter_is_carried_unless_discovery_says_lora_is_off(lora_enabled: bool | None) -> None:
+    request = req(routing={"loraName": "sql"})
+    native = build_native(request, PID, RequestSettings(lora_enabled=lora_enabled), room=1)
+    assert native.lora_path == "sql"
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_a_lora_adapter_while_lora_is_off_is_refused_in_sglangs_words(transport: Any) -> None:
+    request = req(routing={"loraName": "sql"})
+    with pytest.raises(SidecarError) as info:
+        build_native(request, PID, RequestSettings(transport=transport, lora_enabled=False), room=1)
+    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.message == (
+        "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
+        "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+    )
+    assert info.value.origin == EngineOrigin("Generate", NOT_SENT)

@@ -105,7 +105,8 @@ def test_prompt_logprobs_sent_once_survive_the_empty_lists_that_follow() -> None
     first: dict[str, Any] = {"input_token_logprobs": [[None, 1, None], triple(-0.5, 2)]}
     first["input_top_logprobs"] = [None, []]
     later: dict[str, Any] = {"input_token_logprobs": [], "input_top_logprobs": []}
-    outs = run(ResponseState(request, cumulative=False), [ev([5], **first), ev([6], "length", **later)])
+    # The first event brings no token: the logprobs wait for the terminal.
+    outs = run(ResponseState(request, cumulative=False), [ev([], **first), ev([6], "length", **later)])
     rows = outs[-1].engine_data.fields["prompt_logprobs"].list_value.values
     assert len(rows) == 2
     assert rows[1].list_value.values[0].struct_value.fields["logprob"].number_value == -0.5

@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 from google.protobuf import struct_pb2
+from hypothesis import given
+from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_vllm.convert import to_generate_request
+from sidecar_vllm.convert import to_generate_request, wire_seed
 
 Req = sidecar_pb2.PreprocessedRequest
 Mutate = Callable[[Req], None]
@@ -95,6 +97,10 @@ def test_minimal_request_uses_private_id_tokens_stream_and_neutral_values() -> N
         ("seed", 0, "seed", 0),
         ("seed", -(2**31), "seed", -(2**31)),
         ("seed", 2**31 - 1, "seed", 2**31 - 1),
+        # Unsigned 32-bit seeds: the same 32 bits, read signed.
+        ("seed", 2**31, "seed", -(2**31)),
+        ("seed", 3_000_000_000, "seed", 3_000_000_000 - 2**32),
+        ("seed", 2**32 - 1, "seed", -1),
         ("n", 1, "n", 1),
         ("n", 3, "n", 3),
         ("best_of", 1, None, None),
@@ -120,7 +126,8 @@ def test_sampling_option_is_carried(field: str, value: Any, wire_field: str | No
         ("best_of", 0, "sampling_options.best_of"),
         ("use_beam_search", True, "sampling_options.use_beam_search"),
         ("length_penalty", 0.5, "sampling_options.length_penalty"),
-        ("seed", 2**31, "sampling_options.seed"),
+        ("seed", 2**32, "sampling_options.seed"),
+        ("seed", 2**63 - 1, "sampling_options.seed"),
         ("seed", -(2**31) - 1, "sampling_options.seed"),
         ("top_k", -2, "sampling_options.top_k"),
         ("top_p", 0.0, "sampling_options.top_p"),
@@ -491,3 +498,10 @@ def test_decode_refuses_extra_args_kv_transfer_params() -> None:
 def test_informational_fields_are_accepted() -> None:
     req = make(model="m", annotations=["a", "k:v"], eos_token_ids=[2])
     assert convert(req).request_id == "priv-1"
+
+
+@given(st.integers(-(2**31), 2**32 - 1))
+def test_every_32_bit_seed_maps_to_its_own_bits(seed: int) -> None:
+    wire = wire_seed(seed)
+    assert -(2**31) <= wire <= 2**31 - 1
+    assert wire % 2**32 == seed % 2**32, "the same low 32 bits: deterministic, and one seed per bit pattern"

@@ -265,7 +265,10 @@ def test_logprobs_are_aligned_and_top_lists_lead_with_the_sampled_token() -> Non
         [(4, -0.5), (8, -2.0)],
         [(5, -1.5), (9, -0.25)],
     ]
-    assert all(not e.HasField("rank") for t in first.top_logprobs for e in t.entries)
+    ranks = [[e.rank if e.HasField("rank") else None for e in t.entries] for t in first.top_logprobs]
+    # 4 leads 8: ranks 1 and 2. 5 trails 9, the only alternative: 9 is rank 1, and 5 is the
+    # 2nd or beyond the top 2 (the wire keeps k entries): unknown.
+    assert ranks == [[1, 2], [None, 1]]
     assert list(outs[-1].log_probs) == []
 
 
@@ -347,8 +350,8 @@ def test_prompt_logprobs_go_on_the_terminal_engine_data() -> None:
     data = json_format.MessageToDict(outs[-1].engine_data)
     assert data["prompt_logprobs"] == [
         None,
-        {"11": {"logprob": -1.25}, "3": {"logprob": -0.5}},
-        {"12": {"logprob": LOGPROB_FLOOR}, "4": {"logprob": -0.75}},
+        {"11": {"logprob": -1.25}, "3": {"logprob": -0.5, "rank": 1}},
+        {"12": {"logprob": LOGPROB_FLOOR}, "4": {"logprob": -0.75, "rank": 1}},
     ]
 
 
@@ -381,7 +384,7 @@ def test_prompt_logprobs_carried_only_by_the_complete_are_forwarded() -> None:
     outs, _ = run([_complete_with_prompt_lp([1, 2])], prompt_logprobs=1)
     assert tokens(outs) == [1, 2]
     data = json_format.MessageToDict(outs[-1].engine_data)
-    assert data["prompt_logprobs"][1] == {"11": {"logprob": -1.25}, "3": {"logprob": -0.5}}
+    assert data["prompt_logprobs"][1] == {"11": {"logprob": -1.25}, "3": {"logprob": -0.5, "rank": 1}}
 
 
 def test_misaligned_prompt_logprobs_are_a_protocol_error() -> None:
@@ -441,3 +444,46 @@ def test_per_message_count_that_disagrees_with_the_ids_is_a_protocol_error(
     msg: vllm_engine_pb2.GenerateResponse,
 ) -> None:
     assert "completion_tokens" in fails([msg], ErrorReason.PROTOCOL_ERROR)
+
+
+# ------------------------------------------------------------------------------------ ranks
+# vLLM's per-position dict is the own token (sampled, or the prompt's) with its rank, then the
+# top k with ranks 1..k; its servicer sends the first k entries, without ranks. Rows: the
+# wire's entries for k = 3 -> the ranks the sidecar gives them (own token first).
+RANK_ROWS: list[tuple[str, list[tuple[int, float]], list[int | None]]] = [
+    ("own token first of the top 3", [(50, -0.1), (60, -1.0), (70, -2.0)], [1, 2, 3]),
+    ("own token second", [(50, -1.0), (60, -0.1), (70, -2.0)], [2, 1, 3]),
+    ("own token third: the 3rd or beyond, unknown", [(50, -3.0), (60, -0.1), (70, -1.0)], [None, 1, 2]),
+    (
+        "a tie counts the other token first, as vLLM counts rank",
+        [(50, -1.0), (60, -1.0), (70, -2.0)],
+        [2, 1, 3],
+    ),
+]
+
+
+@pytest.mark.parametrize(("wire", "ranks"), [r[1:] for r in RANK_ROWS], ids=[r[0] for r in RANK_ROWS])
+def test_sampled_token_ranks_follow_from_the_wires_order(
+    wire: list[tuple[int, float]], ranks: list[int | None]
+) -> None:
+    token, value = wire[0]
+    lp = output_logprobs([token], [value], [wire])
+    outs, _ = run([chunk([token], logprobs=lp), complete([token], logprobs=lp)], logprobs=3)
+    (top,) = outs[0].top_logprobs
+    assert [(e.token_id, e.rank if e.HasField("rank") else None) for e in top.entries] == [
+        (t, r) for (t, _), r in zip(wire, ranks, strict=True)
+    ]
+
+
+def test_a_prompt_token_outside_the_top_k_arrives_without_the_kth_alternative() -> None:
+    # vLLM's dict for a prompt token of rank 9 with k = 2: {p: rank 9, a: 1, b: 2}. The
+    # servicer keeps the first 2 entries: p and a. b (rank 2) never reaches the sidecar, and
+    # p's rank is unknown: the wire cannot tell it from a p of rank 2.
+    lp = vllm_engine_pb2.InputLogProbs(token_ids=[10, 11])
+    lp.token_logprobs.add()
+    lp.token_logprobs.add(value=-7.0)
+    lp.top_logprobs.add()
+    lp.top_logprobs.add(token_ids=[11, 40], values=[-7.0, -0.25])
+    outs, _ = run([chunk([1], input_logprobs=lp), complete([1])], prompt_logprobs=2)
+    data = json_format.MessageToDict(outs[-1].engine_data)
+    assert data["prompt_logprobs"] == [None, {"11": {"logprob": -7.0}, "40": {"logprob": -0.25, "rank": 1}}]

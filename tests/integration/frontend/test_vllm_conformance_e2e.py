@@ -205,3 +205,79 @@ async def test_an_engine_process_dying_mid_stream_is_vllms_500_event() -> None:
     blocks = raw.split(b"\n\n")
     assert blocks[-2:] == [b"data: [DONE]", b""]
     assert blocks[-3] == b"data: " + json.dumps(DEAD).encode()
+
+
+async def test_unsigned_32_bit_seeds_are_served_and_deterministic() -> None:
+    async def tokens(fe: FrontendStack, seed: int) -> list[int]:
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "seed": seed}}
+        async with fe.http.post(fe.url + GENERATE, json=body) as response:
+            assert response.status == 200
+            ids: list[int] = (await response.json())["choices"][0]["token_ids"]
+            return ids
+
+    async with over_vllm() as fe:
+        big = await tokens(fe, 3_000_000_000)
+        assert big == await tokens(fe, 3_000_000_000), "the same seed, the same sample"
+        assert big == await tokens(fe, 3_000_000_000 - 2**32), "the same 32 bits"
+        assert big != await tokens(fe, 3_000_000_001)
+
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "seed": 2**32}}
+        async with fe.http.post(fe.url + GENERATE, json=body) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+        assert error["param"] == "seed"
+        assert error["message"] == (
+            "sampling_options.seed: 4294967296 needs more than the engine's 32 bits "
+            "(a seed from -2147483648 to 4294967295 is carried)"
+        )
+
+
+async def test_logprob_ranks_follow_the_engines_order() -> None:
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 12, "logprobs": 3}}
+    async with over_vllm() as fe, fe.http.post(fe.url + GENERATE, json=body) as response:
+        assert response.status == 200
+        content = (await response.json())["choices"][0]["logprobs"]["content"]
+    assert len(content) == 12
+    known = 0
+    for entry in content:
+        tops = entry["top_logprobs"]
+        assert tops[0]["token_id"] == entry["token_id"]
+        assert tops[0]["rank"] == entry["rank"]
+        others = tops[1:]
+        assert all(isinstance(t["rank"], int) for t in others), "the top k's ranks are their places"
+        by_logprob = sorted(tops, key=lambda t: -t["logprob"])
+        if entry["rank"] is None:
+            # Last of the list: the k-th, or beyond the top k (the wire cannot say which).
+            assert by_logprob[-1] is tops[0]
+            assert [t["rank"] for t in others] == list(range(1, len(others) + 1))
+        else:
+            known += 1
+            assert [t["rank"] for t in by_logprob] == list(range(1, len(tops) + 1))
+    assert known > 0
+
+
+async def test_prompt_logprob_ranks_are_their_places_in_the_top_k() -> None:
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 2}}
+    async with over_vllm() as fe, fe.http.post(fe.url + GENERATE, json=body) as response:
+        assert response.status == 200
+        positions = (await response.json())["prompt_logprobs"]
+    assert positions[0] is None
+    for token, position in zip(PROMPT[1:], positions[1:], strict=True):
+        first, *others = position.items()
+        assert first[0] == str(token), "the prompt's own token first"
+        ranks = [candidate["rank"] for _, candidate in others]
+        assert all(isinstance(rank, int) for rank in ranks)
+        if first[1]["rank"] is not None:
+            assert sorted([first[1]["rank"], *ranks]) == list(range(1, len(position) + 1))
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/inference/v1/generate/"), ("GET", "/health/")])
+async def test_a_known_path_with_a_trailing_slash_is_starlettes_307(method: str, path: str) -> None:
+    async with (
+        over_vllm() as fe,
+        fe.http.request(method, fe.url + path + "?x=1", allow_redirects=False) as response,
+    ):
+        assert response.status == 307
+        assert response.headers["Location"] == fe.url + path.rstrip("/") + "?x=1"
+        assert await response.read() == b""
+        assert "Content-Type" not in response.headers

@@ -411,6 +411,36 @@ def test_prompt_logprobs_come_from_the_terminal_in_sglangs_shape(rows: list[Any]
     ]
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_stream_shows_input_logprobs_from_the_first_event_that_has_them(incremental: bool) -> None:
+    # SGLang's tokenizer manager puts the prompt's logprobs on its first event after prefill and
+    # on every event after (they are not cut by incremental streaming).
+    call = accepted(
+        {"input_ids": PROMPT, "stream": True, "return_logprob": True, "logprob_start_len": 0},
+        context(incremental=incremental),
+    )
+    outputs = [
+        out([201], logprobs=[-0.1], prompt_logprobs=SGLANG_SIDECAR_ROWS),
+        out([202], logprobs=[-0.2]),
+        out([203], sidecar_pb2.LENGTH, logprobs=[-0.3], usage=(3, 3)),
+    ]
+    written, _ = drive(call, [(0, o, STARTED_AT + 0.5 * (k + 1)) for k, o in enumerate(outputs)])
+    events = sse_events(written)[:-1]
+    expected = [[None, 1, None], [-0.041, 100, None], [-0.072, 200, None]]
+    assert [e["meta_info"]["input_token_logprobs"] for e in events] == [expected] * 3
+
+
+def test_a_stream_whose_worker_sends_input_logprobs_last_shows_them_last() -> None:
+    fields = {"return_logprob": True, "logprob_start_len": 1}
+    events = streamed(
+        fields,
+        out([201], logprobs=[-0.1]),
+        out([202], sidecar_pb2.LENGTH, logprobs=[-0.2], usage=(3, 2), prompt_logprobs=SGLANG_SIDECAR_ROWS),
+    )
+    metas = [e["meta_info"] for e in events[:-1]]
+    assert [m["input_token_logprobs"] for m in metas] == [[], [[None, 100, None], [-0.072, 200, None]]]
+
+
 def test_a_later_logprob_start_still_has_a_null_first_entry() -> None:
     output = out([201], sidecar_pb2.LENGTH, logprobs=[-0.084], prompt_logprobs=SGLANG_SIDECAR_ROWS)
     meta = body(unary({"return_logprob": True, "logprob_start_len": 1}, output))["meta_info"]

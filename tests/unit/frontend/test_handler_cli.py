@@ -33,7 +33,7 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
     env = {
         "SIDECAR_FRONTEND_WORKER": "a:1 b:2",
         "SIDECAR_FRONTEND_LISTEN": "127.0.0.1:9000",
-        "SIDECAR_FRONTEND_FORMAT": "vllm",
+        "SIDECAR_FRONTEND_FORMAT": "sglang",
         "SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "true",
         "SIDECAR_FRONTEND_REQUEST_TIMEOUT_SECS": "0",
         "SIDECAR_FRONTEND_METRICS_PORT": "9100",
@@ -41,7 +41,7 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
     config = parse_config([], env)
     assert [a for a, _ in config.discovery.static_workers] == ["a:1", "b:2"]
     assert config.listen == "127.0.0.1:9000"
-    assert config.formats == ("vllm",)
+    assert config.formats == ("sglang",)
     assert config.handler.sglang_incremental_streaming_output is True
     assert config.handler.request_timeout is None, "0 turns the deadline off"
     assert config.metrics_port == 9100
@@ -57,6 +57,23 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
         (["--worker", "a:1", "--format", "sglang,openai"], {}, "--format"),
         (["--worker", "a:1", "--request-timeout-secs", "-1"], {}, "--request-timeout-secs"),
         (["--worker", "a:1"], {"SIDECAR_FRONTEND_LISTEN": "nowhere"}, "SIDECAR_FRONTEND_LISTEN"),
+        # Flags the chosen mode does not use (docs/common.md), named with their variable.
+        (["--worker", "a:1", "--etcd-prefix", "/p/"], {}, "--etcd-prefix is used only with --discovery etcd"),
+        (
+            ["--worker", "a:1"],
+            {"SIDECAR_FRONTEND_ETCD_ENDPOINTS": "e:2379"},
+            "SIDECAR_FRONTEND_ETCD_ENDPOINTS",
+        ),
+        (
+            ["--worker", "a:1", "--dns-refresh-secs", "9"],
+            {},
+            "--dns-refresh-secs is used only with --discovery dns",
+        ),
+        (
+            ["--worker", "a:1", "--format", "vllm"],
+            {"SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "1"},
+            "comes from SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT",
+        ),
     ],
 )
 def test_usage_errors_exit_2_naming_the_flag_or_variable(
@@ -65,7 +82,10 @@ def test_usage_errors_exit_2_naming_the_flag_or_variable(
     with pytest.raises(SystemExit) as exit_info:
         parse_config(argv, env)
     assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert named in err
+    assert err.startswith("sidecar-frontend: error: ")
+    assert err.count("\n") == 1, "one line, not the whole usage"
 
 
 def test_prefill_workers_join_the_static_list_with_their_role() -> None:
@@ -89,3 +109,17 @@ def test_migration_limit_flag_variable_default_and_negative() -> None:
     assert parse_config(["--worker", "a:1", "--migration-limit", "5"], env).handler.migration_limit == 5
     with pytest.raises(SystemExit):
         parse_config(["--worker", "a:1", "--migration-limit", "-1"], {})
+
+
+def test_metrics_host_and_models_default_to_none_and_the_listen_host_is_used_for_metrics() -> None:
+    config = parse_config(["--worker", "127.0.0.1:50061"], {})
+    assert config.metrics_host is None
+    assert config.worker_set.models == frozenset()
+    config = parse_config(
+        ["--worker", "127.0.0.1:50061", "--metrics-host", "127.0.0.1", "--model", "a,b", "--model", "c"], {}
+    )
+    assert config.metrics_host == "127.0.0.1"
+    assert config.worker_set.models == frozenset({"a", "b", "c"})
+    env = {"SIDECAR_FRONTEND_METRICS_HOST": "::1", "SIDECAR_FRONTEND_MODEL": "m"}
+    config = parse_config(["--worker", "127.0.0.1:50061"], env)
+    assert (config.metrics_host, config.worker_set.models) == ("::1", frozenset({"m"}))

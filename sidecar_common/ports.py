@@ -1,0 +1,44 @@
+"""Whether a listen address can be bound, said in one line before a server tries.
+
+grpc reports a failed bind as a bare RuntimeError (and prints its own line from C++), aiohttp
+as an OSError with the socket's words: the daemons ask here first, so that a taken port, an
+address of another host or a name that does not resolve is one line naming the address. The
+server's own bind stays the final word (another process may take the port in between).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+__all__ = ["bind_problem", "shown_address"]
+
+
+def shown_address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or None when a bind succeeds. Binds (and
+    closes) a socket the way servers do on Linux (SO_REUSEADDR, so that a port whose last
+    connections are in TIME_WAIT counts as free). Port 0 always succeeds: the OS picks one."""
+    where = shown_address(host, port)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        return f"cannot listen on {where}: the host does not resolve ({err.strerror})"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    return f"cannot listen on {where}: the address is in use by another process"
+                if err.errno == errno.EADDRNOTAVAIL:
+                    return f"cannot listen on {where}: not an address of this host"
+                if err.errno == errno.EACCES:
+                    return f"cannot listen on {where}: permission denied (a port below 1024 needs privileges)"
+                return f"cannot listen on {where}: {err.strerror or err}"
+    return None
