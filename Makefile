@@ -58,7 +58,8 @@ $(BUF): $(BUF_DIR)/package.json $(BUF_DIR)/package-lock.json
 	cd $(BUF_DIR) && npm ci --no-audit --no-fund --loglevel=error
 	touch $(BUF)
 
-# Lint the protos, and fail on any change to sidecar.v1 that breaks the released 0.1.0 API.
+# Lint the protos, and fail on any change to sidecar.v1 that breaks the 0.1.0 API (the contract
+# as first published in this repository, kept in tests/data/released).
 buf: $(BUF)
 	$(BUF) lint
 	$(BUF) breaking --against tests/data/released

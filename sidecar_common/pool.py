@@ -94,6 +94,8 @@ class PoolConfig:
     connections: int = 8  # --grpc-connections
     startup_deadline: float = 1800.0  # --grpc-startup-deadline-secs
     retry: RetryPolicy = RetryPolicy()
+    # What the pool dials, as its errors name it (the frontend's pools dial workers).
+    peer: str = "engine"
 
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -282,8 +284,9 @@ class _WaitReporter:
     succeeded yet: after a failed attempt, and while an attempt hangs (a peer that accepts the
     connection and never answers would otherwise be silent for the whole attempt timeout)."""
 
-    def __init__(self, what: str, deadline: Deadline) -> None:
+    def __init__(self, what: str, deadline: Deadline, peer: str = "engine") -> None:
         self._what = what
+        self._peer = peer
         self._deadline = deadline
         self._schedule = ReportSchedule()
         self._last_error: str | None = None
@@ -326,7 +329,7 @@ class _WaitReporter:
         if interval is None:
             return
         _log.warning(
-            "waiting for engine",
+            f"waiting for {self._peer}",
             dialling=self._what,
             error=error,
             attempts=attempts,
@@ -344,6 +347,7 @@ async def retry_until_deadline(
     *,
     rand: Callable[[], float] = random.random,
     transient: Callable[[BaseException], bool] = is_transient,
+    peer: str = "engine",
 ) -> T:
     """Call ``attempt(timeout)`` until it returns, each bounded by min(attempt_timeout,
     remaining); back off with jitter between attempts, capped, never past the deadline.
@@ -360,7 +364,7 @@ async def retry_until_deadline(
     began = clock.monotonic()
     attempts = 0
     last: Exception | None = None
-    reporter = _WaitReporter(what, deadline)
+    reporter = _WaitReporter(what, deadline, peer)
 
     async def one_attempt() -> T:
         nonlocal attempts, last
@@ -445,7 +449,9 @@ class ChannelPool:
     async def connect(self, deadline: Deadline) -> None:
         """Slot 1 first, then the rest concurrently, all within ``deadline``."""
         if self._closed:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool is closed")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is closed"
+            )
         if self._channels:
             return
         n = self._config.connections
@@ -457,10 +463,11 @@ class ChannelPool:
             target = self._config.endpoint.target
             try:
                 opened[index] = await retry_until_deadline(
-                    f"engine {target} slot {index + 1}/{n}",
+                    f"{self._config.peer} {target} slot {index + 1}/{n}",
                     lambda timeout: self._connector(target, timeout),
                     deadline,
                     self._config.retry,
+                    peer=self._config.peer,
                 )
             except Exception as error:
                 # The first failure (typed, or a bug raised as it is) is the one reported,
@@ -487,7 +494,9 @@ class ChannelPool:
             raise failure
         if self._closed:
             # close() ran while the slots were connecting (shutdown during start-up).
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the engine connection pool was closed")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool was closed"
+            )
         self._channels = [channel for channel in opened if channel is not None]
 
     def channel(self) -> grpc.aio.Channel:
@@ -497,7 +506,9 @@ class ChannelPool:
         channels = self._channels
         if not channels:
             state = "closed" if self._closed else "not connected"
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, f"the engine connection pool is {state}")
+            raise SidecarError(
+                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is {state}"
+            )
         count = len(channels)
         first = self._next
         for step in range(count):

@@ -375,7 +375,8 @@ class SidecarServer:
             return SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
         if not self._engine_ok:
             return SidecarError(
-                ErrorReason.CANNOT_CONNECT, f"{self._engine.name} engine is unreachable (health check failed)"
+                ErrorReason.CANNOT_CONNECT,
+                f"{self._engine.name} engine is unhealthy or unreachable: {self._engine_problem}",
             )
         return None
 

@@ -51,6 +51,7 @@ class FrontendConfig:
     handler: HandlerConfig
     worker_set: WorkerSetConfig
     metrics_port: int | None
+    metrics_host: str | None  # None: the host of --listen
     drain_timeout: float
     log_format: LogFormat
     log_level: str
@@ -77,6 +78,13 @@ def _prefill_workers(text: str) -> tuple[str, ...]:
         if "=" in word:
             raise argparse.ArgumentTypeError(f"expected HOST:PORT (the role is prefill), got {word!r}")
     return tuple(f"prefill={word}" for word in words)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a model name, got {text!r}")
+    return names
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -189,6 +197,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "decoded on the decode workers; repeatable (default: none)",
     )
     workers.add_argument(
+        "--model",
+        dest="models",
+        type=_names,
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="serve only this model (a worker's served_model_name); workers serving another are "
+        "refused; repeatable, or a comma-separated list; default: every model the workers serve",
+    )
+    workers.add_argument(
         "--worker-connections",
         type=positive_int_arg,
         default=2,
@@ -227,6 +245,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics on this port (default: unset: off)",
+    )
+    ops.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="address the metrics endpoint binds; default: the host of --listen",
     )
     ops.add_argument(
         "--log-format",
@@ -290,11 +314,13 @@ def parse_config(
         ),
         worker_set=WorkerSetConfig(
             connections=ns.worker_connections,
+            models=frozenset(name for group in ns.models or () for name in group),
             tls=_worker_tls(parser, ns),
             # Calls in flight when the TLS files rotate may finish on the old connections.
             retire_grace=timeout + 5.0 if timeout > 0 else WorkerSetConfig.retire_grace,
         ),
         metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
         drain_timeout=ns.drain_timeout_secs,
         log_format=ns.log_format or default_log_format(),
         log_level=ns.log_level,

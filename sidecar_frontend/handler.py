@@ -23,6 +23,7 @@ attempt is disaggregated: prefill, then decode with the prefill's handoff (``dis
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -52,6 +53,7 @@ from sidecar_frontend.formats.base import (
     Route,
     RouteKind,
     WorkerFailure,
+    requested_model,
 )
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
@@ -151,7 +153,7 @@ class Frontend:
             app.router.add_route("*", path, self._wrong_method(fmt, allowed))
         # Any other path: the web framework's 404, in the first format's shape (both
         # FastAPI servers answer {"detail": "Not Found"} as application/json).
-        app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0]))
+        app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0], frozenset(paths)))
         return app
 
     @property
@@ -180,14 +182,26 @@ class Frontend:
             sub.abort()
         return len(targets)
 
-    def context(self) -> FormatContext:
+    def context(self, model: sidecar_pb2.ModelInfo | None = None) -> FormatContext:
+        """What a format may consult; ``model`` is the one the request runs on (default: the
+        one a request that names none runs on)."""
+        if model is None:
+            model = self.workers.model
         return FormatContext(
             wall_time=time.time(),
-            model_info=self.workers.model or sidecar_pb2.ModelInfo(),
+            model_info=model or sidecar_pb2.ModelInfo(),
             new_id=self.new_id,
             sglang_incremental_streaming_output=self.config.sglang_incremental_streaming_output,
             inflight_ids=self.inflight_ids(),
+            models=tuple(self.workers.models().values()),
         )
+
+    def unavailable(self) -> tuple[str, str]:
+        """Why no generation can be placed now: (reason, message for the client)."""
+        misconfigured = self.workers.misconfiguration()
+        if misconfigured is not None:
+            return "MISCONFIGURED", f"the fleet is misconfigured: {misconfigured}"
+        return "NO_WORKER", "no worker is serving"
 
     # ---------------------------------------------------------------- endpoints
 
@@ -199,7 +213,10 @@ class Frontend:
                 body = await _read_body(request)
                 if body is None:
                     limit = self.config.max_body_bytes
-                    return _response(fmt.error_reply(413, f"request body larger than {limit} bytes"))
+                    reply = fmt.error_reply(413, f"request body larger than {limit} bytes")
+                    if route.kind is RouteKind.GENERATE:
+                        self._refused(fmt, "invalid", "BODY_TOO_LARGE", self.clock(), reply, request.headers)
+                    return _response(reply)
                 if route.kind is RouteKind.ABORT:
                     return self._abort(fmt, route, body, request.headers)
                 with self.tracing.span(
@@ -228,16 +245,24 @@ class Frontend:
 
         return handle
 
-    def _not_found(self, fmt: Format) -> Callable[[web.Request], Any]:
+    def _not_found(self, fmt: Format, paths: frozenset[str]) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
-            return _response(fmt.error_reply(404, f"no route for {request.path}"))
+            path = request.path
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            if path != "/" and other in paths:
+                # Starlette's redirect_slashes (on in both servers): the route without (or
+                # with) the trailing slash, as a 307 that keeps the method and the body.
+                query = f"?{request.query_string}" if request.query_string else ""
+                location = f"{request.scheme}://{request.host}{other}{query}"
+                return web.Response(status=307, headers={"Location": location})
+            return _response(fmt.error_reply(404, f"no route for {path}"))
 
         return handle
 
     def _info(self, fmt: Format, route: Route) -> web.StreamResponse:
         # Nothing about the model is known before a worker serves it.
-        if self.workers.model is None or not self.workers.routable():
-            return _response(fmt.error_reply(503, "no worker is serving"))
+        if not self.workers.routable():
+            return _response(fmt.error_reply(503, self.unavailable()[1]))
         return _response(fmt.info(route, self.context()))
 
     def _abort(self, fmt: Format, route: Route, body: bytes, headers: Mapping[str, str]) -> web.Response:
@@ -254,14 +279,29 @@ class Frontend:
         self, fmt: Format, route: Route, body: bytes, request: web.Request
     ) -> web.StreamResponse:
         started_at = self.clock()
-        parsed = fmt.parse_generate(route, body, request.headers, self.context())
+        models = self.workers.models()
+        # With one model every request runs on it (a format that checks the name, as vLLM
+        # does, refuses another); with several, the request's `model` chooses.
+        named = requested_model(body) if len(models) > 1 else None
+        if named is not None and named not in models:
+            reply = fmt.model_not_found(named, list(models))
+            self._refused(fmt, "invalid", "MODEL_NOT_FOUND", started_at, reply, request.headers, body)
+            return _response(reply)
+        model = named if named is not None else self.workers.default_model()
+        parsed = fmt.parse_generate(
+            route, body, request.headers, self.context(models.get(model) if model is not None else None)
+        )
         if isinstance(parsed, HttpReply):
-            self._record(fmt, "invalid", started_at, status=parsed.status)
+            reason = "MODEL_NOT_FOUND" if parsed.status == 404 else "INVALID_REQUEST"
+            self._refused(fmt, "invalid", reason, started_at, parsed, request.headers, body)
             return _response(parsed)
-        if not self.workers.routable():
-            self._record(fmt, "unavailable", started_at, status=503)
-            return _response(fmt.error_reply(503, "no worker is serving"))
-        exchange = _Exchange(self, fmt, parsed, fmt.new_encoder(parsed, started_at), started_at)
+        if model is None:
+            reason, message = self.unavailable()
+            reply = fmt.error_reply(503, message)
+            ids = sorted({r.request_id for r in parsed.requests})
+            self._refused(fmt, "unavailable", reason, started_at, reply, request.headers, request_ids=ids)
+            return _response(reply)
+        exchange = _Exchange(self, fmt, parsed, fmt.new_encoder(parsed, started_at), started_at, model)
         self._exchanges.add(exchange)
         self._idle.clear()
         try:
@@ -271,13 +311,35 @@ class Frontend:
             if not self._exchanges:
                 self._idle.set()
 
-    def _record(self, fmt: Format, outcome: str, started_at: float, *, status: int) -> None:
+    def _refused(
+        self,
+        fmt: Format,
+        outcome: str,
+        reason: str,
+        started_at: float,
+        reply: HttpReply,
+        headers: Mapping[str, str],
+        body: bytes = b"",
+        request_ids: Sequence[str] = (),
+    ) -> None:
+        """The metrics and the one ``request`` line of a request answered without a worker:
+        why (the reason and the words the client got) and the request's id."""
         duration = self.clock() - started_at
         if self.metrics is not None:
             self.metrics.request(
-                fmt.name, outcome, prompt_tokens=0, completion_tokens=0, ttft=None, duration=duration
+                fmt.name, outcome, reason, prompt_tokens=0, completion_tokens=0, ttft=None, duration=duration
             )
-        log.info("request", format=fmt.name, outcome=outcome, status=status, duration_ms=_ms(duration))
+        ids = list(request_ids) or _client_request_ids(body, headers)
+        log.info(
+            "request",
+            format=fmt.name,
+            request_id=(ids[0] if len(ids) == 1 else ids) if ids else None,
+            outcome=outcome,
+            reason=reason,
+            status=reply.status,
+            error=_reply_message(reply),
+            duration_ms=_ms(duration),
+        )
 
     # ---------------------------------------------------------------- registry
 
@@ -295,6 +357,10 @@ class Frontend:
         if self.metrics is not None:
             self.metrics.set_worker_inflight(worker.address, worker.inflight)
 
+    def _worker_failed(self, worker: Worker, failure: WorkerFailure) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_failed(worker.address, failure.reason)
+
 
 @dataclass(eq=False)
 class _Exchange:
@@ -305,6 +371,7 @@ class _Exchange:
     call: GenerateCall
     encoder: Encoder
     started_at: float
+    model: str = ""  # what every sub-request runs on (its workers serve it)
     response: web.StreamResponse | None = None
     ended: list[bool] = field(default_factory=list)
     attempts: list[Attempts] = field(default_factory=list)
@@ -313,7 +380,11 @@ class _Exchange:
     migrations: int = 0
     first_output_at: float | None = None
     outcome: str = "ok"
+    reason: str = "NONE"  # why it did not end ok (a failure reason, or the frontend's own)
     client_gone: bool = False
+    # Per sub-request: the move (retry or migration) decided after a failure, counted once
+    # a worker takes it.
+    moving: dict[int, tuple[str, WorkerFailure]] = field(default_factory=dict)
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     _stop_failure: WorkerFailure | None = None
     _write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -324,6 +395,7 @@ class _Exchange:
         if self._stop_failure is None:
             self._stop_failure = failure
             self.outcome = outcome
+            self.reason = failure.reason
         self._scope.cancel()
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
@@ -355,7 +427,7 @@ class _Exchange:
             return _response(reply, call.headers)
         except (asyncio.CancelledError, ConnectionError):
             self.client_gone = True
-            self.outcome = "disconnected"
+            self.outcome, self.reason = "disconnected", "CLIENT_GONE"
             raise
         finally:
             self._log(status)
@@ -373,7 +445,7 @@ class _Exchange:
             failure = self._stop_failure
             if failure is None:
                 failure = WorkerFailure("DEADLINE", f"request timed out after {timeout:g}s")
-                self.outcome = "timeout"
+                self.outcome, self.reason = "timeout", failure.reason
             for index, ended in enumerate(self.ended):
                 if not ended and not self.encoder.aborted:
                     self.ended[index] = True
@@ -403,6 +475,9 @@ class _Exchange:
                 if failure is None:
                     break
                 if failure.reason == "NO_WORKER":
+                    move = self.moving.pop(index, None)
+                    if move is not None and move[0] == "migrated":
+                        self._migration_outcome("no_worker", index, move[1], tried)
                     # Say why the last worker failed rather than that no other one was left.
                     failure = previous or failure
                     break
@@ -420,35 +495,27 @@ class _Exchange:
                         self._migration_outcome(following.reason.name.lower(), index, failure, tried)
                     break
                 current = following
-                if delivered:
-                    self.migrations += 1
-                    self._migration_outcome("migrated", index, failure, tried)
-                else:
-                    self.retries += 1
-                    if frontend.metrics is not None:
-                        frontend.metrics.retried(self.fmt.name)
-                    log.info(
-                        "retrying on another worker",
-                        request_id=request.request_id,
-                        worker=tried[-1] if tried else None,
-                        reason=failure.reason,
-                        error=failure.message,
-                    )
+                # Counted once another worker takes it (``_placed``), or as no_worker.
+                self.moving[index] = ("migrated" if delivered else "retry", failure)
         finally:
             sub.scope = None
             frontend._unregister(sub)
+            self.moving.pop(index, None)
         self.ended[index] = True
         if failure is not None:
             if failure.reason == "CANCELLED" and sub.aborted and self.outcome == "ok":
-                self.outcome = "aborted"
+                self.outcome, self.reason = "aborted", failure.reason
             elif self.outcome == "ok":
                 self.outcome = "unavailable" if failure.reason == "NO_WORKER" else "error"
+                self.reason = failure.reason
             if not self.encoder.aborted:
                 await self._write(self.encoder.on_failure(index, failure, frontend.clock()))
             if self.encoder.aborted and self._group is not None:
                 self._group.cancel_scope.cancel()
 
-    def _migration_outcome(self, outcome: str, index: int, failure: WorkerFailure, tried: list[str]) -> None:
+    def _migration_outcome(
+        self, outcome: str, index: int, failure: WorkerFailure, tried: list[str], to: str | None = None
+    ) -> None:
         metrics = self.frontend.metrics
         if metrics is not None:
             metrics.migrated(self.fmt.name, outcome)
@@ -458,19 +525,44 @@ class _Exchange:
             request_id=attempts.request.request_id,
             outcome=outcome,
             worker=tried[-1] if tried else None,
+            to=to,
             reason=failure.reason,
             error=failure.message,
             delivered_tokens=len(attempts.migration.delivered_tokens),
             migrations=attempts.migration.migrations,
         )
 
+    def _placed(self, index: int, chosen: Sequence[Worker], tried: list[str]) -> None:
+        """A worker took sub-request ``index``: the retry or migration decided after its last
+        failure (if any) happened, and is counted now."""
+        move = self.moving.pop(index, None)
+        if move is None:
+            return
+        kind, failure = move
+        to = chosen[-1].address
+        if kind == "migrated":
+            self.migrations += 1
+            self._migration_outcome("migrated", index, failure, tried, to)
+            return
+        self.retries += 1
+        if self.frontend.metrics is not None:
+            self.frontend.metrics.retried(self.fmt.name)
+        log.info(
+            "retrying on another worker",
+            request_id=self.attempts[index].request.request_id,
+            worker=tried[-1] if tried else None,
+            to=to,
+            reason=failure.reason,
+            error=failure.message,
+        )
+
     def _pick(self, role: str, tried: list[str]) -> Worker | None:
         """A worker of ``role``, preferring one this sub-request has not tried; else any but the
         last one that failed (a restarted worker comes back under its old address)."""
         workers = self.frontend.workers
-        worker = workers.pick(role, exclude=frozenset(tried))
+        worker = workers.pick(role, exclude=frozenset(tried), model=self.model)
         if worker is None and tried:
-            worker = workers.pick(role, exclude=frozenset(tried[-1:]))
+            worker = workers.pick(role, exclude=frozenset(tried[-1:]), model=self.model)
         return worker
 
     async def _attempt(
@@ -479,7 +571,8 @@ class _Exchange:
         """One attempt: aggregated, or prefill then decode when the set has prefill workers."""
         chosen = await self._choose(tried)
         if chosen is None:
-            return WorkerFailure("NO_WORKER", "no worker is serving")
+            return WorkerFailure("NO_WORKER", f"no worker is serving {self.model}")
+        self._placed(index, chosen, tried)
         self.workers_used.extend(w.address for w in chosen)
         tried.extend(w.address for w in chosen)
         if len(chosen) == 2:
@@ -494,7 +587,7 @@ class _Exchange:
         with anyio.move_on_after(self.frontend.config.worker_wait if tried else 0.0):
             while True:
                 changed = workers.next_change()
-                if workers.serving("prefill") and workers.serving("decode"):
+                if workers.serving("prefill", self.model) and workers.serving("decode", self.model):
                     prefill = self._pick("prefill", tried)
                     decode = self._pick("decode", tried)
                     if prefill is not None and decode is not None:
@@ -529,7 +622,8 @@ class _Exchange:
 
         failure = await self._call(worker, request, deliver)
         if failure is None and not attempts.complete:
-            return WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
+            failure = WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
+            self.frontend._worker_failed(worker, failure)
         return failure
 
     async def _disaggregated(
@@ -574,6 +668,7 @@ class _Exchange:
             failure = await self._call(prefill, step, take)
             if failure is None and not handoff and not prefill_cancelled:
                 failure = WorkerFailure("PROTOCOL_ERROR", f"prefill worker {prefill.address} gave no handoff")
+                frontend._worker_failed(prefill, failure)
             if failure is not None:
                 prefill_failure.append(failure)
                 group.cancel_scope.cancel()
@@ -614,26 +709,41 @@ class _Exchange:
         frontend = self.frontend
         timeout = frontend.config.request_timeout
         grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
-        with (
-            worker.lease(frontend._lease_changed),
-            frontend.tracing.span(
-                "sidecar.v1.Worker/Generate",
-                kind=SpanKind.CLIENT,
-                attributes={"server.address": worker.address, "llm.request_id": request.request_id},
-            ),
-        ):
-            call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
-            try:
-                async for output in call:
-                    stopped = await consume(output)
-                    if stopped is not None:
-                        return stopped
-            except grpc.RpcError as err:
-                return failure_from_rpc_error(err)
-            finally:
-                # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
-                call.cancel()
-        return None
+        metrics = frontend.metrics
+        began = frontend.clock()
+        first = True
+        failure: WorkerFailure | None = None
+        try:
+            with (
+                worker.lease(frontend._lease_changed),
+                frontend.tracing.span(
+                    "sidecar.v1.Worker/Generate",
+                    kind=SpanKind.CLIENT,
+                    attributes={"server.address": worker.address, "llm.request_id": request.request_id},
+                ),
+            ):
+                call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
+                try:
+                    async for output in call:
+                        if first:
+                            first = False
+                            if metrics is not None:
+                                metrics.worker_first_output(worker.address, frontend.clock() - began)
+                        failure = await consume(output)
+                        if failure is not None:
+                            return failure
+                except grpc.RpcError as err:
+                    failure = failure_from_rpc_error(err)
+                    return failure
+                finally:
+                    # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
+                    call.cancel()
+            return None
+        finally:
+            if metrics is not None:
+                metrics.worker_call(worker.address, frontend.clock() - began)
+                if failure is not None:
+                    metrics.worker_failed(worker.address, failure.reason)
 
     async def _write(self, data: bytes) -> None:
         if not data or self.response is None or self.client_gone:
@@ -644,7 +754,7 @@ class _Exchange:
         except ConnectionError:
             # The client is gone: stop every sub-request (their calls are cancelled).
             self.client_gone = True
-            self.outcome = "disconnected"
+            self.outcome, self.reason = "disconnected", "CLIENT_GONE"
             self._scope.cancel()
 
     def _log(self, status: int) -> None:
@@ -657,6 +767,7 @@ class _Exchange:
             frontend.metrics.request(
                 self.fmt.name,
                 self.outcome,
+                self.reason,
                 prompt_tokens=prompt,
                 completion_tokens=completion,
                 ttft=ttft,
@@ -667,9 +778,11 @@ class _Exchange:
             "request",
             format=self.fmt.name,
             request_id=ids[0] if len(ids) == 1 else ids,
+            model=self.model,
             stream=self.call.stream,
             sub_requests=len(self.call.requests),
             outcome=self.outcome,
+            reason=self.reason,
             status=status,
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -696,6 +809,53 @@ def _response(reply: HttpReply, extra: tuple[tuple[str, str], ...] = ()) -> web.
     for name, value in (*reply.headers, *extra):
         response.headers[name] = value
     return response
+
+
+def _client_request_ids(body: bytes, headers: Mapping[str, str]) -> list[str]:
+    """The id a refused request's client gave, if any: vLLM's ``X-Request-Id`` header or
+    ``request_id``, SGLang's ``rid`` (a string or a list of them). Read only on refusals."""
+    header = next((v for k, v in headers.items() if k.lower() == "x-request-id"), None)
+    if header:
+        return [header]
+    if not body:
+        return []
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    for key in ("rid", "request_id"):
+        value = data.get(key)
+        if isinstance(value, str) and value:
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return [str(v) for v in value]
+    return []
+
+
+def _reply_message(reply: HttpReply, limit: int = 500) -> str | None:
+    """The words a refusal gave the client, from whichever shape the format uses
+    (``{"error": {"message"}}``, ``{"message"}``, ``{"detail"}``), cut to ``limit``."""
+    try:
+        data = json.loads(reply.body) if reply.body else None
+    except (ValueError, RecursionError):
+        data = None
+    text: object = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict):
+            text = error.get("message")
+        elif isinstance(error, str):
+            text = error
+        if text is None:
+            text = data.get("message", data.get("detail"))
+    if text is None:
+        text = reply.body.decode(errors="replace") if reply.body else None
+    if text is None:
+        return None
+    words = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
+    return words if len(words) <= limit else words[:limit] + "…"
 
 
 def _ms(seconds: float) -> float:

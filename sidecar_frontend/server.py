@@ -32,7 +32,7 @@ from sidecar_frontend.cli import FORMATS, FrontendConfig
 from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
-from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "load_formats", "run", "split_listen"]
@@ -60,7 +60,7 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _metrics_runner(metrics: Metrics, port: int) -> web.AppRunner:
+async def _metrics_runner(metrics: Metrics, host: str, port: int) -> web.AppRunner:
     async def scrape(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -70,8 +70,40 @@ async def _metrics_runner(metrics: Metrics, port: int) -> web.AppRunner:
     app.router.add_get("/metrics", scrape)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "0.0.0.0", port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    log.info("metrics endpoint up", host=host, port=port)
     return runner
+
+
+class _WorkerMetrics:
+    """The worker set's observer: refusals counted, a departed worker's series removed."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def worker_refused(self, worker: Worker) -> None:
+        if worker.refusal is not None:
+            self._metrics.worker_refused(worker.refusal.value)
+
+    def worker_forgotten(self, worker: Worker) -> None:
+        self._metrics.forget_worker(worker.address)
+
+
+def _rows(workers: WorkerSet) -> list[WorkerRow]:
+    return [
+        WorkerRow(
+            w.address,
+            w.role,
+            w.state.value,
+            w.served_model,
+            w.refusal.value if w.refusal is not None else "",
+        )
+        for w in workers.workers()
+    ]
 
 
 async def serve(config: FrontendConfig) -> int:
@@ -86,7 +118,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
     except (ImportError, AttributeError) as err:
         log.error("format not available", formats=list(config.formats), error=str(err))
         return EXIT_STARTUP_FAILED
-    metrics = Metrics()
+    metrics = Metrics(version=package_version(), request_timeout=config.handler.request_timeout)
 
     def on_inflight(worker: Worker) -> None:
         metrics.set_worker_inflight(worker.address, worker.inflight)
@@ -101,12 +133,15 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         request_timeout_secs=config.handler.request_timeout,
         drain_timeout_secs=config.drain_timeout,
         metrics_port=config.metrics_port,
+        metrics_host=config.metrics_host,
+        models=sorted(config.worker_set.models) or None,
         sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
     )
     async with (
-        WorkerSet(config.worker_set, on_inflight=on_inflight) as workers,
+        WorkerSet(config.worker_set, on_inflight=on_inflight, observer=_WorkerMetrics(metrics)) as workers,
         anyio.create_task_group() as discovery,
     ):
+        metrics.watch_fleet(lambda: _rows(workers))
         # Serving starts once discovery applied its first view (or its first attempt failed).
         await discovery.start(run_discovery, config.discovery, workers)
         try:
@@ -136,7 +171,8 @@ async def _serve_http(
         site = web.TCPSite(runner, host, port)
         try:
             if config.metrics_port is not None:
-                metrics_runner = await _metrics_runner(metrics, config.metrics_port)
+                metrics_host = config.metrics_host or host
+                metrics_runner = await _metrics_runner(metrics, metrics_host, config.metrics_port)
             await site.start()
         except OSError as err:
             log.error("start-up failed", error=f"cannot listen: {err}")

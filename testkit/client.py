@@ -1,6 +1,6 @@
 """A small client of the sidecar's public API, for trying a sidecar by hand.
 
-    python -m testkit.client --target 127.0.0.1:50061 --prompt 1,2,3 --max-tokens 16
+    python -m testkit.client --target 127.0.0.1:50061 --prompt 1,2,3 --max-tokens 16 --wait-secs 30
 
 Prints each streamed chunk as it arrives, then the finish reason and usage; a failure
 prints the typed status (ErrorInfo reason and the migratable flag) and exits 1.
@@ -101,6 +101,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--request-id", default="")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--wait-secs",
+        type=float,
+        default=0.0,
+        help="first wait up to this long for the sidecar's health to say SERVING (a sidecar just"
+        " started connects to its engine first); 0: call at once (default: 0)",
+    )
     return parser.parse_args(argv)
 
 
@@ -111,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         token_ids=[int(t) for t in args.prompt.split(",") if t.strip()],
         stop_conditions=sidecar_pb2.StopConditions(max_tokens=args.max_tokens),
     )
+    if args.wait_secs > 0:
+        try:
+            asyncio.run(wait_serving(args.target, timeout=args.wait_secs))
+        except TimeoutError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     result = asyncio.run(generate(args.target, request, timeout=args.timeout, echo=True))
     if result.error is not None:
         print(f"error: {result.error}", file=sys.stderr)

@@ -28,6 +28,7 @@ finishes (streaming: writes ``close()``; unary: sends ``reply()``).
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,6 +45,7 @@ __all__ = [
     "Route",
     "RouteKind",
     "WorkerFailure",
+    "requested_model",
 ]
 
 JSON_CONTENT_TYPE = "application/json"
@@ -91,6 +93,9 @@ class FormatContext:
     # carries (SGLang's response_sent_to_client_ts, a model card's created). The encoder's
     # ``now``/``started_at`` stay on the handler's monotonic clock; 0.0: not given.
     wall_time: float = 0.0
+    # Every model the fleet serves now, ``model_info`` among them (``/v1/models`` lists
+    # them); empty: ``model_info`` alone.
+    models: tuple[sidecar_pb2.ModelInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,3 +183,21 @@ class Format(Protocol):
     def error_reply(self, status: int, message: str) -> HttpReply:
         """A handler-level refusal (no worker, overload, bad method) in this format's shape."""
         ...
+
+    def model_not_found(self, model: str, served: Sequence[str]) -> HttpReply:
+        """404: the request names ``model``, which no worker serves (``served`` are)."""
+        ...
+
+
+def requested_model(body: bytes) -> str | None:
+    """The model a generate body names in its top-level ``model`` (vLLM's field; SGLang's
+    server has none and ignores it, while its router, sgl-model-gateway, routes by it), or
+    None when it names none (or the body is not a JSON object: the format refuses it)."""
+    if b'"model"' not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None

@@ -90,8 +90,13 @@ def _server_info(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, o
     }
 
 
-def _models(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
-    card = {
+def _models(ctx: FormatContext) -> dict[str, object]:
+    # One card per model the fleet serves (SGLang lists its one served model).
+    return {"object": "list", "data": [_card(info, ctx) for info in ctx.models or (ctx.model_info,)]}
+
+
+def _card(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
+    return {
         "id": info.served_model_name,
         "object": "model",
         "created": int(ctx.wall_time),
@@ -100,7 +105,6 @@ def _models(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object
         "parent": None,
         "max_model_len": info.max_context_length or None,
     }
-    return {"object": "list", "data": [card]}
 
 
 class SglangFormat:
@@ -155,7 +159,7 @@ class SglangFormat:
         if route.path in ("/server_info", "/get_server_info"):
             return HttpReply(200, dumps(_server_info(info, ctx)))
         if route.path == "/v1/models":
-            return HttpReply(200, dumps(_models(info, ctx)))
+            return HttpReply(200, dumps(_models(ctx)))
         return self.error_reply(404, "Not Found")
 
     def error_reply(self, status: int, message: str) -> HttpReply:
@@ -163,6 +167,10 @@ class SglangFormat:
             # FastAPI's own answers for an unknown path or a wrong method.
             return HttpReply(status, dumps({"detail": HTTPStatus(status).phrase}))
         return status_error(status, message)
+
+    def model_not_found(self, model: str, served: Sequence[str]) -> HttpReply:
+        # SGLang serves one model and has no such answer; its error body for a non-400 status.
+        return status_error(404, f"The model `{model}` does not exist. Served models: {', '.join(served)}.")
 
 
 FORMAT: Final = SglangFormat()

@@ -24,6 +24,7 @@ from sidecar_frontend.formats.sglang_values import (
     INT32_MAX,
     SAMPLING_EPS,
     cannot_carry,
+    check_chosen_ids,
     check_prompt,
     effective_cap,
     max_new_tokens,
@@ -74,6 +75,8 @@ class ItemPlan:
     return_prompt_token_ids: bool = False
     # Streams: the first tokens at once, then an event once this many are unsent, and the end.
     stream_interval: int = 1
+    # SGLang's token_ids_logprob was asked (with return_logprob): its two meta lists are shown.
+    token_ids_logprob: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,22 @@ def _rids(
     return [item or ctx.new_id() for item in rid]
 
 
+def _chosen_ids(data: Mapping[str, object], prompts: int, n: int, single: bool) -> list[object]:
+    """token_ids_logprob per prompt, as SGLang normalises it (checked per prompt later)."""
+    value = data.get("token_ids_logprob")
+    if not value:
+        return [None] * prompts
+    if single or not isinstance(value, list) or not isinstance(value[0], list):
+        # One prompt keeps what it was given; a flat list is every prompt's.
+        return [value] * prompts
+    if n > 1:
+        raise ValueRefusal("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+    if len(value) != prompts:
+        # SGLang fails such a batch with a 500.
+        raise ValueRefusal("The length of token_ids_logprob should be equal to the batch size.")
+    return list(value)
+
+
 def _lora(data: Mapping[str, object], prompts: int, single: bool) -> list[str | None]:
     lora = data.get("lora_path")
     if lora is None or isinstance(lora, str):
@@ -305,6 +324,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
     logprob = _per_item(data, "return_logprob", False, count, n, single)
     start = _per_item(data, "logprob_start_len", -1, count, n, single)
     top = _per_item(data, "top_logprobs_num", 0, count, n, single)
+    chosen = _chosen_ids(data, count, n, single)
     request_refusals(data)
     for rid in rids:
         if rid in ctx.inflight_ids:
@@ -317,6 +337,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
         params = per_prompt[i]
         check_prompt(None if single else i, prompt)
         wanted = max_new_tokens(params, len(prompt), context)
+        check_chosen_ids(chosen[i], info.vocab_size)
         normalize(params)
         verify(params, wanted, info.vocab_size)
         want_logprob = bool(logprob[i])
@@ -338,6 +359,9 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
             template.output_options.logprobs = top_n
             if 0 <= start_len < len(prompt):
                 template.output_options.prompt_logprobs = top_n
+            ids = chosen[i]
+            if isinstance(ids, list):
+                template.output_options.token_ids_logprob.extend(ids)
         if loras[i] is not None:
             template.routing.lora_name = loras[i]  # type: ignore[assignment]
         priority = data.get("priority")
@@ -359,6 +383,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
                     top_logprobs_num=top_n,
                     logprob_start_len=start_len,
                     return_prompt_token_ids=data.get("return_prompt_token_ids") is True,
+                    token_ids_logprob=want_logprob and bool(chosen[i]),
                     stream_interval=_stream_interval(params),
                 )
             )

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Final
 
+from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats.base import (
     AbortCall,
     Encoder,
@@ -94,6 +95,11 @@ class VllmFormat:
     def error_reply(self, status: int, message: str) -> HttpReply:
         return error_reply(status, message)
 
+    def model_not_found(self, model: str, served: Sequence[str]) -> HttpReply:
+        # vLLM's answer for a model it does not serve, listing every served name.
+        message = f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}."
+        return VllmError(message, "NotFoundError", HTTPStatus.NOT_FOUND, "model").reply()
+
 
 def _abort_targets(ids: list[str]) -> tuple[str, ...]:
     """The sidecar ids to abort: the prefixed form of each id, and the id itself if already prefixed.
@@ -110,10 +116,15 @@ def _abort_targets(ids: list[str]) -> tuple[str, ...]:
 
 
 def _models(ctx: FormatContext) -> bytes:
-    info = ctx.model_info
+    # One card per model the fleet serves, as vLLM lists one per served name.
+    body = {"object": "list", "data": [_card(info, ctx) for info in ctx.models or (ctx.model_info,)]}
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _card(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
     # vLLM stamps its model card when the list is asked for: the request's arrival here.
     created = int(ctx.wall_time)
-    card = {
+    return {
         "id": info.served_model_name,
         "object": "model",
         "created": created,
@@ -138,8 +149,6 @@ def _models(ctx: FormatContext) -> bytes:
             }
         ],
     }
-    body = {"object": "list", "data": [card]}
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _bad_request(message: str) -> HttpReply:

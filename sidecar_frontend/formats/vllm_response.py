@@ -56,7 +56,9 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
         return None
     if failure.reason == "INVALID_ARGUMENT":
         param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
-        return VllmError(failure.message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
+        # No error goes out without words, whatever the worker sent.
+        message = failure.message or "the worker refused the request without a reason"
+        return VllmError(message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
     if failure.reason == "OVERLOADED":
         return VllmError(
             OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
@@ -144,6 +146,7 @@ class VllmEncoder:
         self._choices = {i: _Choice(i) for i in range(options.n)}
         self._first_chunk = True
         self._held: dict[int, _Held] = {}
+        self._may_end = options.end.may_end
         self._error: VllmError | None = None
         self._aborted = False
         self._prompt_logprobs: JSON = None
@@ -183,7 +186,7 @@ class VllmEncoder:
         if not (ids or finish):
             return b""  # says nothing: a held chunk stays held
         logprobs = _logprob_entries(output, ids) if self._o.logprobs else None
-        held = self._held.pop(choice.index, None)
+        held = self._held.pop(choice.index, None) if self._held else None
         if finish is not None:
             if held is not None:
                 # The held chunk was the last one: it carries the finish, with anything new.
@@ -192,7 +195,7 @@ class VllmEncoder:
                     logprobs = _join(held.logprobs, logprobs)
             return self._chunk(choice, ids, logprobs, finish, stop_reason, choice.generated)
         written = b"" if held is None else self._write_held(choice, held)
-        if self._o.end.may_end(choice.generated, ids[-1]):
+        if self._may_end(choice.generated, ids[-1]):
             # It may be the last chunk: wait for the next output to say so (the terminal comes
             # right after). Any other chunk is written at once.
             self._held[choice.index] = _Held(ids, logprobs, choice.generated)

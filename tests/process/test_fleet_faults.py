@@ -327,3 +327,114 @@ def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:
 
 def _served(new: Proc) -> bool:
     return any(e.get("event") == "generate started" for _, e in new.lines)
+
+
+# --- a model rollout -----------------------------------------------------------------------------
+
+ROLLOUT_CLIENTS = 8
+
+
+def static_sidecar_argv(engine_port: int, port: int) -> list[str]:
+    return [
+        script("sidecar-vllm"),
+        *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", f"127.0.0.1:{port}"),
+        *("--grpc-connections", "1", "--log-format", "json", "--drain-timeout-secs", "20"),
+    ]
+
+
+def model_line(address: str, model: str) -> Callable[[dict[str, Any]], bool]:
+    def match(entry: dict[str, Any]) -> bool:
+        return serving_line(address)(entry) and entry.get("model") == model
+
+    return match
+
+
+def test_a_rollout_from_model_a_to_model_b_under_traffic_loses_no_request() -> None:
+    """Two workers (``--worker``, fixed addresses) serve model-a; under a steady load of streams
+    (both formats, naming no model) each worker in turn is drained (SIGTERM), its engine
+    replaced by one serving model-b, its sidecar started again at the same address. Every
+    request completes with the exact tokens; afterwards the frontend serves model-b only."""
+    with ExitStack() as stack:
+        engine_ports = [free_port() for _ in range(2)]
+        sidecar_ports = [free_port() for _ in range(2)]
+        latency = ("--token-latency-ms", "10")
+        engines = [
+            start(stack, engine_argv(port, *latency, "--served-model-name", "model-a"))
+            for port in engine_ports
+        ]
+        sidecars = [
+            start(stack, static_sidecar_argv(engine, port))
+            for engine, port in zip(engine_ports, sidecar_ports, strict=True)
+        ]
+        metrics_port = free_port()
+        addresses = [f"127.0.0.1:{port}" for port in sidecar_ports]
+        frontend = start(
+            stack,
+            [
+                script("sidecar-frontend"),
+                *("--listen", "127.0.0.1:0", "--log-format", "json", "--metrics-port", str(metrics_port)),
+                *(arg for address in addresses for arg in ("--worker", address)),
+            ],
+        )
+        url = f"http://127.0.0.1:{frontend.port()}"
+        for address in addresses:
+            frontend.first(model_line(address, "model-a"))
+
+        async def scenario() -> list[tuple[int, dict[str, Any]]]:
+            done: list[tuple[int, dict[str, Any]]] = []
+            stop = asyncio.Event()
+            completed = asyncio.Condition()
+
+            async def client(k: int, http: aiohttp.ClientSession) -> None:
+                n = k
+                while not stop.is_set():
+                    result = await one_stream(http, url, n, Delivered(0), max_tokens=12)
+                    async with completed:
+                        done.append((n, result))
+                        completed.notify_all()
+                    n += ROLLOUT_CLIENTS
+
+            async def more_completed(count: int) -> None:
+                async with completed:
+                    target = len(done) + count
+                    await asyncio.wait_for(completed.wait_for(lambda: len(done) >= target), WAIT)
+
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT)) as http:
+                clients = [asyncio.ensure_future(client(k, http)) for k in range(ROLLOUT_CLIENTS)]
+                await more_completed(ROLLOUT_CLIENTS)
+                for i, (engine_port, port) in enumerate(zip(engine_ports, sidecar_ports, strict=True)):
+                    sidecars[i].popen.send_signal(signal.SIGTERM)
+                    assert await asyncio.to_thread(sidecars[i].popen.wait, WAIT) == 0
+                    await more_completed(ROLLOUT_CLIENTS)  # the other worker alone serves
+                    await asyncio.to_thread(engines[i].stop)
+                    engines[i] = start(
+                        stack, engine_argv(engine_port, *latency, "--served-model-name", "model-b")
+                    )
+                    sidecars[i] = start(stack, static_sidecar_argv(engine_port, port))
+                    await asyncio.to_thread(frontend.first, model_line(addresses[i], "model-b"))
+                    await more_completed(ROLLOUT_CLIENTS)
+                stop.set()
+                await asyncio.gather(*clients)
+            return done
+
+        results = asyncio.run(scenario())
+        assert len(results) >= 5 * ROLLOUT_CLIENTS
+        for n, result in results:
+            assert result["error"] is None, (n, result)
+            want = [t.token_id for t in generate(MODEL, prompt_of(n), SamplingSpec(max_tokens=12))]
+            assert result["tokens"] == want, n
+            assert result["finish"] == "length"
+
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=WAIT) as response:
+            assert [card["id"] for card in json.load(response)["data"]] == ["model-b"]
+        samples = scrape(metrics_port)
+        assert samples['frontend_model_workers{model="model-b",role="agg"}'] == 2
+        assert not any("model-a" in name for name in samples)
+        ok = sum(
+            v for k, v in samples.items() if k.startswith("frontend_requests_total") and 'outcome="ok"' in k
+        )
+        assert (
+            ok
+            == sum(v for k, v in samples.items() if k.startswith("frontend_requests_total"))
+            == len(results)
+        )

@@ -161,7 +161,7 @@ def test_metrics_port_serves_the_frontends_metrics(vllm_frontend: tuple[str, int
     assert status == 200
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=WAIT) as response:
         text = response.read().decode()
-    assert 'frontend_requests_total{format="sglang",outcome="ok"}' in text
+    assert 'frontend_requests_total{format="sglang",outcome="ok",reason="NONE"}' in text
     assert "frontend_time_to_first_token_seconds_bucket" in text
 
 

@@ -2,7 +2,8 @@
 
 A fixture saturates every core with a busy-looping process at the sidecar's own priority (as
 other work on a shared machine would), then the engine-death, soak (at a reduced scale) and
-fleet scenarios run, and every fault-free request must succeed: a busy engine answers its
+fleet (in process, and as real processes) scenarios run, and every fault-free request must
+succeed: a busy engine answers its
 health probes late, which is not death (docs/common.md, "Engine health")."""
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ import random
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from typing import Any
 
+import aiohttp
+import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sidecar_common.server import ServerConfig
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from testkit.faults import FaultBook, FaultKind, FaultPlan
+from tests.e2e_helpers import WAIT, free_port, script
+from tests.integration.fleet.helpers import engine_argv
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over
 from tests.integration.frontend.test_migration_e2e import MAX_TOKENS, request_body, summary
+from tests.process.test_fleet_faults import serving_line, start
 from tests.reliability.harness import KINDS, Kind, expected_tokens, outcomes, rig, until
 from tests.reliability.test_engine_death import WATCH, death_and_return
 from tests.reliability.test_soak import Tally, check_one, decide, make_plans, run_batch
@@ -137,4 +144,71 @@ async def test_a_fleet_under_a_cpu_hog_completes_every_stream(cpu_hog: list[subp
         for n, result in enumerate(results):
             assert result == reference, n  # the migrated stream too, token for token
         assert any(getattr(s.engine, "core_dead", False) for s in fe.sidecars), "the engine died"
+    assert_hogging(cpu_hog)
+
+
+def test_a_process_fleet_under_a_cpu_hog_completes_every_stream(
+    cpu_hog: list[subprocess.Popen[bytes]],
+) -> None:
+    """Every part a real process (two testkit vLLM engines, their sidecars, a frontend with
+    static workers): 60 streams, 20 of which make the first engine's core die under them (that
+    engine alone has the fault installed), all complete with the no-failure output."""
+    with ExitStack() as stack:
+        engine_ports = [free_port() for _ in range(2)]
+        for index, port in enumerate(engine_ports):
+            fault = ["--fault", "victim=engine_dies:4"] if index == 0 else []
+            start(stack, engine_argv(port, "--token-latency-ms", "15", *fault))
+        sidecar_ports = [free_port() for _ in range(2)]
+        for engine_port, port in zip(engine_ports, sidecar_ports, strict=True):
+            start(
+                stack,
+                [
+                    script("sidecar-vllm"),
+                    "--grpc-endpoint",
+                    f"127.0.0.1:{engine_port}",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--grpc-connections",
+                    "1",
+                    "--log-format",
+                    "json",
+                ],
+            ).first(lambda e: e.get("event") == "serving")
+        addresses = [f"127.0.0.1:{port}" for port in sidecar_ports]
+        workers = [arg for address in addresses for arg in ("--worker", address)]
+        frontend = start(
+            stack,
+            [script("sidecar-frontend"), "--listen", "127.0.0.1:0", "--log-format", "json", *workers],
+        )
+        url = f"http://127.0.0.1:{frontend.port()}"
+        for address in addresses:
+            frontend.first(serving_line(address))
+
+        async def scenario() -> list[dict[str, Any]]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+
+                async def one(n: int) -> dict[str, Any]:
+                    rid = f"s{n:04d}-victim" if n % 3 == 0 else f"s{n:04d}"
+                    path, body = request_body("vllm", rid)
+                    events: list[dict[str, Any]] = []
+                    async with http.post(url + path, json=body) as response:
+                        assert response.status == 200, await response.text()
+                        async for line in response.content:
+                            text = line.decode().rstrip("\r\n")
+                            if text.startswith("data: ") and text != "data: [DONE]":
+                                events.append(json.loads(text[len("data: ") :]))
+                    return summary("vllm", events)
+
+                return list(await asyncio.gather(*(one(n) for n in range(60))))
+
+        results = asyncio.run(scenario())
+        reference = results[1]
+        assert len(reference["tokens"]) == MAX_TOKENS
+        for n, result in enumerate(results):
+            assert result == reference, n  # the moved streams too, token for token
+        # The first engine's core did die under its streams (its server still answers).
+        with grpc.insecure_channel(f"127.0.0.1:{engine_ports[0]}") as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            reply = stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=WAIT)
+            assert not reply.healthy
     assert_hogging(cpu_hog)

@@ -139,6 +139,9 @@ async def test_after_the_threshold_new_requests_are_refused_migratable() -> None
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await w.stub.Generate(sidecar_pb2.PreprocessedRequest(token_ids=[1])).read()
         assert error_reason(info.value) == ("CANNOT_CONNECT", "true")
+        assert info.value.details() == (
+            "fake engine is unhealthy or unreachable: the health check answered not serving"
+        )
 
 
 async def test_a_probe_that_never_answers_is_late_after_the_probe_timeout() -> None:

@@ -18,6 +18,7 @@ from testkit.faults import (
     ("rid", "expected"),
     [
         ("r1.fault=close_after:3", FaultPlan(FaultKind.CLOSE_AFTER, after=3)),
+        ("r7.fault=engine_dies:5", FaultPlan(FaultKind.ENGINE_DIES, after=5)),
         ("priv-9-r1.fault=fail_open", FaultPlan(FaultKind.FAIL_OPEN)),
         (
             "x.fault=error_after:2:RESOURCE_EXHAUSTED",

@@ -134,5 +134,8 @@ class ProbeFormat:
     def error_reply(self, status: int, message: str) -> HttpReply:
         return _json(status, {"error": message, "status": status})
 
+    def model_not_found(self, model: str, served: Sequence[str]) -> HttpReply:
+        return _json(404, {"error": f"no model {model}", "served": list(served), "status": 404})
+
 
 FORMAT = ProbeFormat()

@@ -17,13 +17,14 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
+import structlog.testing
 from aiohttp import web
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.workers import WorkerSet
+from sidecar_frontend.workers import Worker, WorkerSet, WorkerState
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import until
@@ -243,3 +244,64 @@ async def test_a_prefill_the_engine_aborted_ends_the_request_as_cancelled_withou
         assert result["finish"] == ["abort"]
         assert result["tokens"] == []
         assert decode.engine.book.received == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_sidecar_listed_as_aggregated_is_refused_and_clients_get_503_misconfigured(
+    engine: str,
+) -> None:
+    """``--prefill-worker P --worker D`` with D a decode sidecar: D is refused for its role
+    (one error line, a metric), and a client gets a 503 saying the fleet is misconfigured in its
+    format's shape, never a 400 about kv_transfer_params; no engine sees a request."""
+    async with AsyncExitStack() as stack:
+        prefill = await stack.enter_async_context(sidecar(engine, "prefill"))
+        decode = await stack.enter_async_context(sidecar(engine, "decode"))
+        metrics = Metrics()
+        workers = await stack.enter_async_context(WorkerSet(FAST_WORKERS, observer=RefusalCount(metrics)))
+        decode_address = f"127.0.0.1:{decode.server.port}"
+        workers.add_worker(f"127.0.0.1:{prefill.server.port}", "prefill")
+        workers.add_worker(decode_address, "agg")  # the mistake
+        with anyio.fail_after(20):
+            await workers.wait_serving(1, "prefill")
+        refused = workers.get(decode_address)
+        assert refused is not None
+        await until(lambda: refused.state is WorkerState.REFUSED, "the decode sidecar is refused")
+        frontend = Frontend((SGLANG, VLLM), workers, HandlerConfig(), metrics=metrics)
+        runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)))
+        why = f"the fleet is misconfigured: worker {decode_address} was given as an aggregated worker"
+        for fmt in ("sglang", "vllm"):
+            path, body = body_of(fmt, f"mis-{fmt}", stream=False)
+            body.pop("kv_transfer_params", None)
+            with structlog.testing.capture_logs() as logs:
+                async with http.post(url + path, json=body) as response:
+                    assert response.status == 503
+                    text = await response.text()
+            assert why in text
+            assert "kv_transfer_params" not in text
+            (line,) = [e for e in logs if e["event"] == "request"]
+            assert line["reason"] == "MISCONFIGURED"
+            assert why in line["error"]
+            assert line["request_id"].endswith(f"mis-{fmt}")
+            labels = {"format": fmt, "outcome": "unavailable", "reason": "MISCONFIGURED"}
+            assert metrics.registry.get_sample_value("frontend_requests_total", labels) == 1
+        async with http.get(url + "/health") as response:
+            assert response.status == 503
+        assert metrics.registry.get_sample_value("frontend_worker_refusals_total", {"reason": "role"}) == 1
+        assert prefill.engine.book.received == decode.engine.book.received == []
+
+
+class RefusalCount:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def worker_refused(self, worker: Worker) -> None:
+        assert worker.refusal is not None
+        self.metrics.worker_refused(worker.refusal.value)
+
+    def worker_forgotten(self, worker: Worker) -> None:
+        self.metrics.forget_worker(worker.address)

@@ -15,7 +15,6 @@ import pytest
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
-from sidecar_frontend.workers import WorkerState
 from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
@@ -168,22 +167,56 @@ async def test_a_fault_after_the_first_token_is_the_formats_error() -> None:
         assert len(last["output_ids"]) == 2
 
 
-async def test_a_worker_serving_another_model_is_refused() -> None:
-    async with vllm_stack() as good, vllm_stack(served_model_name="another-model") as other:
-        addresses = [f"127.0.0.1:{good.server.port}", f"127.0.0.1:{other.server.port}"]
-        async with frontend_over(addresses, [good, other], formats=FORMATS, serving=1) as fe:
-            refused = fe.workers.get(addresses[1])
-            first = fe.workers.get(addresses[0])
-            assert refused is not None
-            assert first is not None
-            # Which one fixes the model depends on who answers first; wait for the verdict.
-            await until(lambda: WorkerState.REFUSED in {refused.state, first.state}, "one of them is refused")
-            loser = refused if refused.state is WorkerState.REFUSED else first
-            winner = first if loser is refused else refused
-            for _ in range(4):
-                body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+async def test_workers_of_two_models_are_both_served_and_a_request_runs_on_the_model_it_names() -> None:
+    async with vllm_stack() as first, vllm_stack(served_model_name="another-model") as other:
+        addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{other.server.port}"]
+        async with frontend_over(addresses, [first, other], formats=FORMATS) as fe:
+            assert sorted(fe.workers.models()) == ["another-model", "testkit-model"]
+            sampling = {"max_new_tokens": 2}
+            for model, sidecar in (("another-model", other), ("testkit-model", first)):
+                before = len(sidecar.engine.book.received)
+                body = {"input_ids": PROMPT, "sampling_params": sampling, "model": model}
                 async with fe.http.post(fe.url + "/generate", json=body) as response:
                     assert response.status == 200
-            sidecar_of = {addresses[0]: good, addresses[1]: other}
-            assert sidecar_of[loser.address].engine.book.received == []
-            assert len(sidecar_of[winner.address].engine.book.received) == 4
+                vllm_body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}, "model": model}
+                async with fe.http.post(fe.url + "/inference/v1/generate", json=vllm_body) as response:
+                    assert response.status == 200
+                    assert (await response.json())["model"] == model
+                assert len(sidecar.engine.book.received) == before + 2
+            async with fe.http.get(fe.url + "/v1/models") as response:
+                cards = (await response.json())["data"]
+                assert [card["id"] for card in cards] == ["another-model", "testkit-model"]
+
+
+async def test_a_model_no_worker_serves_is_404_in_each_formats_shape_and_reaches_no_worker() -> None:
+    async with vllm_stack() as first, vllm_stack(served_model_name="another-model") as other:
+        addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{other.server.port}"]
+        async with frontend_over(addresses, [first, other], formats=FORMATS) as fe:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "model": "nobody"}
+            async with fe.http.post(fe.url + "/generate", json=body) as response:
+                assert response.status == 404
+                assert await response.json() == {
+                    "object": "error",
+                    "message": "The model `nobody` does not exist. "
+                    "Served models: another-model, testkit-model.",
+                    "type": "404",
+                    "param": None,
+                    "code": 404,
+                }
+            vllm_body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}, "model": "nobody"}
+            async with fe.http.post(fe.url + "/inference/v1/generate", json=vllm_body) as response:
+                assert response.status == 404
+                assert await response.json() == {
+                    "error": {
+                        "message": "The model `nobody` does not exist. "
+                        "Valid aliases: another-model, testkit-model.",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    }
+                }
+            assert first.engine.book.received == other.engine.book.received == []
+            reason = {"outcome": "invalid", "reason": "MODEL_NOT_FOUND"}
+            for fmt in ("sglang", "vllm"):
+                labels = {"format": fmt, **reason}
+                assert fe.metrics.registry.get_sample_value("frontend_requests_total", labels) == 1

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog.testing
 
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
@@ -58,7 +59,7 @@ async def test_unary_generation_returns_the_engines_tokens() -> None:
         status, body = await post(fe, "/t/generate", {"ids": PROMPT, "max": 5, "rid": "u1"})
         assert status == 200
         assert body == {"outputs": [{"ids": expected(fe, 5), "finish": "LENGTH", "error": None}]}
-        assert metric(fe, "frontend_requests_total", format="test", outcome="ok") == 1
+        assert metric(fe, "frontend_requests_total", format="test", outcome="ok", reason="NONE") == 1
         assert metric(fe, "frontend_completion_tokens_total", format="test") == 5
         assert metric(fe, "frontend_prompt_tokens_total", format="test") == 4
 
@@ -99,7 +100,10 @@ async def test_client_disconnect_cancels_the_call_and_the_engine_aborts_exactly_
         response.close()  # the client goes away mid-stream
         await settled(fe)
         assert len(aborts_for(fe, "gone")) == 1
-        assert metric(fe, "frontend_requests_total", format="test", outcome="disconnected") == 1
+        assert (
+            metric(fe, "frontend_requests_total", format="test", outcome="disconnected", reason="CLIENT_GONE")
+            == 1
+        )
 
 
 async def test_client_disconnect_before_the_first_token_also_aborts_once() -> None:
@@ -126,7 +130,7 @@ async def test_request_timeout_reports_deadline_and_aborts_the_engine_request() 
         assert [t for o in outputs for t in o.get("ids", [])] == expected(fe, 2)
         await settled(fe)
         assert len(aborts_for(fe, "slow")) == 1
-        assert metric(fe, "frontend_requests_total", format="test", outcome="timeout") == 1
+        assert metric(fe, "frontend_requests_total", format="test", outcome="timeout", reason="DEADLINE") == 1
 
 
 async def test_abort_by_id_reaches_every_client_using_that_id_and_only_them() -> None:
@@ -174,7 +178,10 @@ async def test_stop_all_ends_in_flight_requests_with_the_given_failure() -> None
         assert json.loads(events[-2])["error"] == "ENGINE_SHUTDOWN"
         await settled(fe)
         assert len(aborts_for(fe, "late")) == 1
-        assert metric(fe, "frontend_requests_total", format="test", outcome="shutdown") == 1
+        assert (
+            metric(fe, "frontend_requests_total", format="test", outcome="shutdown", reason="ENGINE_SHUTDOWN")
+            == 1
+        )
 
 
 async def test_abort_of_an_unknown_id_aborts_nothing() -> None:
@@ -370,7 +377,10 @@ async def test_a_refusal_by_the_format_reaches_no_worker() -> None:
         status, body = await post(fe, "/t/generate", {"ids": []})
         assert (status, body["error"]) == (400, "ids: required")
         assert fe.sidecars[0].engine.book.received == []
-        assert metric(fe, "frontend_requests_total", format="test", outcome="invalid") == 1
+        assert (
+            metric(fe, "frontend_requests_total", format="test", outcome="invalid", reason="INVALID_REQUEST")
+            == 1
+        )
 
 
 async def test_info_routes_answer_from_the_workers_model() -> None:
@@ -391,3 +401,20 @@ async def test_worker_inflight_gauge_follows_the_generations() -> None:
             assert metric(fe, "frontend_worker_inflight", worker=fe.address(0)) == 1
         await until(lambda: fe.frontend.inflight == 0, "the exchange ended")
         assert metric(fe, "frontend_worker_inflight", worker=fe.address(0)) == 0
+
+
+async def test_the_request_line_of_a_refused_request_says_why_and_carries_its_id() -> None:
+    async with frontend_stack() as fe:
+        with structlog.testing.capture_logs() as logs:
+            status, _ = await post(fe, "/t/generate", {"ids": [], "rid": "bad-1"})
+        assert status == 400
+        lines = [e for e in logs if e["event"] == "request"]
+        assert len(lines) == 1
+        line = lines[0]
+        assert (line["request_id"], line["outcome"], line["reason"], line["status"]) == (
+            "bad-1",
+            "invalid",
+            "INVALID_REQUEST",
+            400,
+        )
+        assert line["error"] == "ids: required"

@@ -259,3 +259,30 @@ async def test_an_engine_abort_on_a_draining_worker_migrates_and_on_a_serving_on
             ]
             assert finishes == ["abort"]
             assert metric(fe, "frontend_migrations_total", format="vllm", outcome="migrated") == 0
+
+
+async def test_a_migration_is_counted_only_when_another_worker_took_it() -> None:
+    """One worker, which fails after two tokens (migratable): nobody can take the rest, so the
+    failure is counted as no_worker, never as migrated, and the request log says no move."""
+    from testkit.faults import FaultKind, FaultPlan
+
+    async with (
+        vllm_stack() as sidecar,
+        frontend_over(
+            [f"127.0.0.1:{sidecar.server.port}"],
+            [sidecar],
+            formats=(SGLANG, VLLM),
+            config=HandlerConfig(worker_wait=0.2),
+        ) as fe,
+    ):
+        sidecar.engine.faults.add("alone", FaultPlan(FaultKind.ERROR_AFTER, after=2, code="UNAVAILABLE"))
+        _path, body = request_body("sglang", "alone")
+        async with fe.http.post(fe.url + "/generate", json=body) as response:
+            events = [json.loads(e) for e in (await sse_events(response))[:-1]]
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert metric(fe, "frontend_migrations_total", format="sglang", outcome="migrated") == 0
+        assert metric(fe, "frontend_migrations_total", format="sglang", outcome="no_worker") == 1
+        address = fe.address(0)
+        assert metric(fe, "frontend_worker_failures_total", worker=address, reason="CANNOT_CONNECT") == 1
+        assert metric(fe, "frontend_worker_request_duration_seconds_count", worker=address) == 1
+        assert metric(fe, "frontend_worker_time_to_first_token_seconds_count", worker=address) == 1

@@ -269,3 +269,15 @@ async def test_prompt_logprob_ranks_are_their_places_in_the_top_k() -> None:
         assert all(isinstance(rank, int) for rank in ranks)
         if first[1]["rank"] is not None:
             assert sorted([first[1]["rank"], *ranks]) == list(range(1, len(position) + 1))
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/inference/v1/generate/"), ("GET", "/health/")])
+async def test_a_known_path_with_a_trailing_slash_is_starlettes_307(method: str, path: str) -> None:
+    async with (
+        over_vllm() as fe,
+        fe.http.request(method, fe.url + path + "?x=1", allow_redirects=False) as response,
+    ):
+        assert response.status == 307
+        assert response.headers["Location"] == fe.url + path.rstrip("/") + "?x=1"
+        assert await response.read() == b""
+        assert "Content-Type" not in response.headers

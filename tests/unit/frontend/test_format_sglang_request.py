@@ -495,7 +495,6 @@ OUR_REFUSALS: list[tuple[dict[str, Any], str]] = [
     (request(session_id="s"), "session_id is not supported by this server"),
     (request(extra_key="k"), "extra_key is not supported by this server"),
     (request(cache_salt="salt"), "cache_salt is not supported by this server"),
-    (request(token_ids_logprob=[5]), "token_ids_logprob is not supported by this server"),
     (request(return_sampling_mask=True), "return_sampling_mask is not supported by this server"),
     (request(return_flat_raw_top_logprobs=True), "return_flat_raw_top_logprobs is not supported"),
     (request(require_reasoning=True), "require_reasoning is not supported by this server"),
@@ -654,7 +653,6 @@ def test_json_is_written_as_sglangs_orjson_writes_it() -> None:
 @pytest.mark.parametrize(
     ("fields", "refused_by_name"),
     [
-        (request(token_ids_logprob=[0]), True),
         (request(bootstrap_room=[0]), True),
         (request(image_data=[None]), False),
         (request(cache_salt=[""]), False),
@@ -675,3 +673,43 @@ def test_samples_without_a_rid_take_the_first_fresh_ids() -> None:
 def test_a_samples_rid_is_still_checked_against_requests_in_flight() -> None:
     reply = refused({"input_ids": [1], "rid": "r", "sampling_params": {"n": 2}}, context(inflight=["r_1"]))
     assert body(reply) == {"error": {"message": "Duplicate request ID detected: r_1"}}
+
+
+# ------------------------------------------------------------------ token_ids_logprob
+
+
+def test_token_ids_logprob_goes_with_return_logprob_to_the_sub_request() -> None:
+    call = accepted(request(token_ids_logprob=[7, 5, 7], return_logprob=True))
+    assert list(call.requests[0].output_options.token_ids_logprob) == [7, 5, 7]
+    alone = accepted(request(token_ids_logprob=[7]))
+    assert list(alone.requests[0].output_options.token_ids_logprob) == []  # SGLang shows none then
+
+
+def test_token_ids_logprob_in_a_batch_is_shared_or_per_prompt() -> None:
+    shared = accepted({"input_ids": [[1], [2]], "token_ids_logprob": [5], "return_logprob": True})
+    assert [list(r.output_options.token_ids_logprob) for r in shared.requests] == [[5], [5]]
+    each = accepted({"input_ids": [[1], [2]], "token_ids_logprob": [[5], []], "return_logprob": True})
+    assert [list(r.output_options.token_ids_logprob) for r in each.requests] == [[5], []]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # SGLang's tokenizer manager, in its words.
+        (request(token_ids_logprob=[[1]]), "token_ids_logprob must be a flat list of integers."),
+        (
+            request(token_ids_logprob=[32000]),
+            "token_ids_logprob contains out-of-vocabulary token id 32000; valid range is [0, 32000).",
+        ),
+        (
+            {"input_ids": [[1], [2]], "token_ids_logprob": [[5]]},
+            "The length of token_ids_logprob should be equal to the batch size.",
+        ),
+        (
+            {"input_ids": [[1], [2]], "token_ids_logprob": [[5], [6]], "sampling_params": {"n": 2}},
+            "Cannot use list token_ids_logprob with parallel_sample_num > 1",
+        ),
+    ],
+)
+def test_token_ids_logprob_refusals(fields: dict[str, Any], message: str) -> None:
+    assert body(refused(fields)) == {"error": {"message": message}}

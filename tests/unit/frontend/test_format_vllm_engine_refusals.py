@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar_frontend.formats.base import WorkerFailure
-from sidecar_frontend.formats.vllm_response import engine_param
+from sidecar_frontend.formats.vllm_response import engine_param, failure_error
 from tests.unit.frontend.test_format_vllm_response import _encoder
 from tests.unit.frontend.test_format_vllm_support import error_of
 
@@ -78,3 +80,31 @@ def test_the_sidecars_own_refusal_is_read_by_its_field_not_by_vllms_ending() -> 
     enc = _encoder()
     enc.on_failure(0, failure, 0.0)
     assert error_of(enc.reply())["param"] == "seed"
+
+
+REASONS = [
+    "INVALID_ARGUMENT",
+    "CANNOT_CONNECT",
+    "CONNECTION_TIMEOUT",
+    "ENGINE_SHUTDOWN",
+    "OVERLOADED",
+    "PROTOCOL_ERROR",
+    "UNKNOWN",
+    "NO_WORKER",
+]
+
+
+@given(st.sampled_from(REASONS) | st.text(), st.text(), st.booleans(), st.booleans())
+def test_no_error_is_without_words(reason: str, message: str, from_engine: bool, stream: bool) -> None:
+    failure = WorkerFailure(reason, message, from_engine=from_engine)
+    error = failure_error(failure)
+    if error is None:
+        assert reason in ("CANCELLED", "DEADLINE")  # an abort, not an error
+        return
+    assert error.message
+    encoder = _encoder(stream=stream)
+    data = encoder.on_failure(0, failure, 0.0)
+    if stream:
+        assert json.loads(data.removeprefix(b"data: "))["error"]["message"]
+    else:
+        assert error_of(encoder.reply())["message"]

@@ -109,3 +109,17 @@ def test_migration_limit_flag_variable_default_and_negative() -> None:
     assert parse_config(["--worker", "a:1", "--migration-limit", "5"], env).handler.migration_limit == 5
     with pytest.raises(SystemExit):
         parse_config(["--worker", "a:1", "--migration-limit", "-1"], {})
+
+
+def test_metrics_host_and_models_default_to_none_and_the_listen_host_is_used_for_metrics() -> None:
+    config = parse_config(["--worker", "127.0.0.1:50061"], {})
+    assert config.metrics_host is None
+    assert config.worker_set.models == frozenset()
+    config = parse_config(
+        ["--worker", "127.0.0.1:50061", "--metrics-host", "127.0.0.1", "--model", "a,b", "--model", "c"], {}
+    )
+    assert config.metrics_host == "127.0.0.1"
+    assert config.worker_set.models == frozenset({"a", "b", "c"})
+    env = {"SIDECAR_FRONTEND_METRICS_HOST": "::1", "SIDECAR_FRONTEND_MODEL": "m"}
+    config = parse_config(["--worker", "127.0.0.1:50061"], env)
+    assert (config.metrics_host, config.worker_set.models) == ("::1", frozenset({"m"}))
