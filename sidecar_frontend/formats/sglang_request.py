@@ -10,15 +10,18 @@ sub-request exists: nothing reaches a worker.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+import orjson
+from pydantic_core import ErrorDetails
+
 from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
-from sidecar_frontend.formats.sglang_checks import check_contract, check_model
+from sidecar_frontend.formats.sglang_checks import check_contract
+from sidecar_frontend.formats.sglang_model import ModelErrors, validate_generate
 from sidecar_frontend.formats.sglang_values import (
     DEFAULT_MAX_NEW_TOKENS,
     INT32_MAX,
@@ -89,20 +92,28 @@ class SglangOptions:
     wall_time: float = 0.0
 
 
-def _load(body: bytes) -> dict[str, object]:
-    def constant(name: str) -> object:
-        raise ValueError(f"{name} is not valid JSON")
+def _body(body: bytes, headers: Mapping[str, str]) -> object:
+    """The body as SGLang's web framework hands it to the request model.
 
+    JSON (parsed with orjson, as SGLang's routes do) when the content type is missing or
+    names JSON, else the raw bytes; an empty body or a JSON null is "no body". Where the
+    framework itself refuses (a JSON syntax error, no body), the refusal has its shape.
+    """
+    if not _json_content(headers):
+        return body
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ParseError(
-            "body", "json_invalid", f"JSON decode error: {err}", body[:100].decode(errors="replace")
-        ) from None
-    if not isinstance(data, dict):
-        raise ParseError(
-            "body", "dataclass_type", "Input should be a dictionary or an instance of GenerateReqInput", data
-        )
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError as err:
+        invalid: ErrorDetails = {
+            "type": "json_invalid",
+            "loc": (err.pos,),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": err.msg},
+        }
+        raise ModelErrors([invalid]) from None
+    if data is None:
+        raise ModelErrors([{"type": "missing", "loc": (), "msg": "Field required", "input": None}])
     return data
 
 
@@ -119,19 +130,15 @@ def _json_content(headers: Mapping[str, str]) -> bool:
 
 def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
     try:
-        if not _json_content(headers):
-            text = body[:100].decode(errors="replace")
-            raise ParseError(
-                "body",
-                "dataclass_type",
-                "Input should be a dictionary or an instance of GenerateReqInput",
-                text,
-            )
-        data = _load(body)
-        check_model(data)
+        data = _body(body, headers)
+        # SGLang's request dataclass, as its framework's pydantic validates it (every problem listed).
+        validate_generate(data)
+        assert isinstance(data, dict)  # the dataclass takes nothing else
         check_contract(data)
     except ParseError as err:
         return parse_error(err)
+    except ModelErrors as err:
+        return err.reply()
     except ContractError as err:
         return contract_error(err)
     stream = data.get("stream") is True
