@@ -35,7 +35,15 @@ from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.workers import Worker, WorkerSet
 
-__all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "load_formats", "run", "split_listen"]
+__all__ = [
+    "EXIT_OK",
+    "EXIT_STARTUP_FAILED",
+    "EXIT_USAGE",
+    "WorkerMetrics",
+    "load_formats",
+    "run",
+    "split_listen",
+]
 
 EXIT_OK: Final = 0
 EXIT_STARTUP_FAILED: Final = 1
@@ -79,7 +87,7 @@ async def _metrics_runner(metrics: Metrics, host: str, port: int) -> web.AppRunn
     return runner
 
 
-class _WorkerMetrics:
+class WorkerMetrics:
     """The worker set's observer: refusals counted, a departed worker's series removed."""
 
     def __init__(self, metrics: Metrics) -> None:
@@ -138,7 +146,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
     )
     async with (
-        WorkerSet(config.worker_set, on_inflight=on_inflight, observer=_WorkerMetrics(metrics)) as workers,
+        WorkerSet(config.worker_set, on_inflight=on_inflight, observer=WorkerMetrics(metrics)) as workers,
         anyio.create_task_group() as discovery,
     ):
         metrics.watch_fleet(lambda: _rows(workers))

@@ -126,6 +126,8 @@ class NativeRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prefill: bool = False
+    # SGLang's token_ids_logprob (HTTP only; sent with return_logprob).
+    token_ids_logprob: tuple[int, ...] = ()
 
 
 def _int32(value: int, name: str, *, minimum: int = INT32_MIN) -> int:
@@ -196,6 +198,16 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
     if s.logit_bias and settings.transport == "grpc":
         # SGLang's HTTP /generate takes logit_bias; its gRPC SamplingParams has no such field.
         raise invalid_argument("sampling_options.logit_bias", "SGLang's gRPC wire cannot carry it (HTTP can)")
+    out = request.output_options
+    if out.token_ids_logprob:
+        if settings.transport == "grpc":
+            # SGLang's HTTP /generate takes token_ids_logprob; its gRPC GenerateRequest does not.
+            raise invalid_argument(
+                "output_options.token_ids_logprob", "SGLang's gRPC wire cannot carry it (HTTP can)"
+            )
+        if not out.HasField("logprobs") and not out.HasField("prompt_logprobs"):
+            # SGLang returns them only with the other logprobs (return_logprob).
+            raise invalid_argument("output_options.token_ids_logprob", "needs logprobs or prompt_logprobs")
     bad_bias = next((b for b in s.logit_bias.values() if not math.isfinite(b)), None)
     if bad_bias is not None:
         # JSON has no NaN or infinity.
@@ -410,6 +422,7 @@ def build_native(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         prefill=prefill,
+        token_ids_logprob=tuple(out.token_ids_logprob),
     )
 
 
@@ -496,6 +509,8 @@ def to_http_json(native: NativeRequest) -> dict[str, object]:
         body["return_logprob"] = True
         body["top_logprobs_num"] = native.top_logprobs_num
         body["logprob_start_len"] = native.logprob_start_len
+        if native.token_ids_logprob:
+            body["token_ids_logprob"] = list(native.token_ids_logprob)
     optional: Mapping[str, object | None] = {
         "lora_path": native.lora_path,
         "routed_dp_rank": native.routed_dp_rank,

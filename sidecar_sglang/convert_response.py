@@ -24,8 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from google.protobuf import struct_pb2
-
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError, engine_words, protocol_error
 from sidecar_common.limits import exact_integer
@@ -192,6 +190,26 @@ def _prompt_logprobs(meta: Mapping[str, object], limit: int) -> list[object] | N
     return out
 
 
+def _chosen_rows(meta: Mapping[str, object], key: str, start: int, count: int | None) -> list[object]:
+    """SGLang's token_ids_logprob rows from ``start`` (``count`` of them; None: all): per
+    position null, or the asked ids in order, each ``{"token_id", "logprob"}``."""
+    rows = _list(meta, key) or []
+    window = rows[start:] if count is None else rows[start : start + count]
+    out: list[object] = []
+    for row in window:
+        if row is None:
+            out.append(None)
+            continue
+        if not isinstance(row, list):
+            raise protocol_error(_ENGINE, f"{key} entry {str(row)[:200]} is not a list")
+        entries: list[object] = []
+        for item in row:
+            lp, tid, _ = _triple(item, key)
+            entries.append({"token_id": tid, "logprob": lp})
+        out.append(entries)
+    return out
+
+
 _FINISH_KINDS: Final = {"stop", "length", "abort"}
 
 
@@ -234,7 +252,7 @@ class ResponseState:
         """The outputs for one event (zero or one). Raises SidecarError; never after done."""
         if self.done:
             raise protocol_error(_ENGINE, "a message after the terminal")
-        for key in ("input_token_logprobs", "input_top_logprobs"):
+        for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
             # SGLang repeats the prompt's logprobs on every event after prefill; a server that
             # sends them once and then empty lists loses nothing: keep the fullest list seen.
             value = event.meta.get(key)
@@ -242,12 +260,14 @@ class ResponseState:
             if isinstance(value, list) and (not isinstance(held, list) or len(value) > len(held)):
                 self._input_meta[key] = value
         finished = event.finished or event.meta.get("finish_reason") is not None
+        start = self.completion_tokens if self.cumulative else 0
         if not finished:
             if self.request.prefill:
                 return []
             out = self._delta(event)
             if out is None:
                 return []
+            self._attach_chosen_ids(out, event.meta, start, len(out.token_ids))
             if self._input_meta.get("input_token_logprobs"):
                 # SGLang sends the prompt's logprobs with the first event after prefill:
                 # they go out with the first output that follows, not only with the last.
@@ -264,6 +284,10 @@ class ResponseState:
                 _ENGINE, f"completion_tokens is {reported} but {self.completion_tokens} tokens were streamed"
             )
         terminal = out if out is not None else sidecar_pb2.LLMEngineOutput()
+        if not self.request.prefill:
+            # Every row left: SGLang's prompt-only request (max_new_tokens 0) has one for the
+            # position after the prompt, with no token.
+            self._attach_chosen_ids(terminal, event.meta, start, None)
         self._terminal(terminal, finish, event.meta)
         self.done = True
         return [terminal]
@@ -358,10 +382,31 @@ class ResponseState:
             return
         rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
         if rows is not None:
-            data = struct_pb2.Struct()
-            data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
-            out.engine_data.CopyFrom(data)
+            out.engine_data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
             self._prompt_logprobs_sent = True
+            if self.request.token_ids_logprob:
+                chosen = _chosen_rows(self._input_meta, "input_token_ids_logprobs", 0, None)
+                out.engine_data.update({"prompt_token_ids_logprobs": chosen})  # type: ignore[dict-item]
+
+    def _attach_chosen_ids(
+        self, out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object], start: int, count: int | None
+    ) -> None:
+        """``token_ids_logprobs``: the rows of this output's positions (``count`` of them from
+        ``start``; None: every row left)."""
+        if not self.request.token_ids_logprob or self.request.logprobs is None:
+            return
+        rows = _chosen_rows(meta, "output_token_ids_logprobs", start, count)
+        if count is not None and len(rows) != count:
+            raise protocol_error(
+                _ENGINE, f"output_token_ids_logprobs has {len(rows)} entries for {count} tokens"
+            )
+        for row in rows:
+            entries = out.token_ids_logprobs.add().entries
+            for item in row if isinstance(row, list) else ():
+                assert isinstance(item, dict)
+                if item["logprob"] is None:
+                    raise protocol_error(_ENGINE, "an output_token_ids_logprobs entry has no logprob")
+                entries.add(token_id=item["token_id"], logprob=item["logprob"])
 
     def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
         if aborted_by_us:

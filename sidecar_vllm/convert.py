@@ -109,6 +109,8 @@ def _refuse_uncarried(request: sidecar_pb2.PreprocessedRequest, mode: Disaggrega
         raise invalid_argument("sampling_options.use_beam_search", "beam search is not supported")
     if s.HasField("length_penalty") and s.length_penalty != 1.0:
         raise invalid_argument("sampling_options.length_penalty", "only applies to beam search")
+    if request.output_options.token_ids_logprob:
+        raise invalid_argument("output_options.token_ids_logprob", "the vLLM wire cannot carry it")
     r = request.routing
     # This version of vLLM's wire has no LoRA, priority or cache-salt field: refuse rather
     # than serve the request as if the hint had not been given.

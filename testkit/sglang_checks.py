@@ -76,6 +76,22 @@ def verify_sampling(req: NativeRequest, max_new_tokens: int | None, vocab_size: 
         _check_logit_bias_key(key, vocab_size)
 
 
+def _check_token_ids_logprob(ids: object, vocab_size: int) -> None:
+    # SGLang's tokenizer manager, after the length checks: a flat list of ids in the vocabulary.
+    if not ids:
+        return
+    if not isinstance(ids, list | tuple):
+        raise RequestRejected("token_ids_logprob must be a flat list of integers.")
+    for token in ids:
+        if not isinstance(token, int):
+            raise RequestRejected("token_ids_logprob must be a flat list of integers.")
+        if token < 0 or token >= vocab_size:
+            raise RequestRejected(
+                f"token_ids_logprob contains out-of-vocabulary token id {token}; "
+                f"valid range is [0, {vocab_size})."
+            )
+
+
 def _check_logit_bias_key(key: str, vocab_size: int) -> None:
     # SGLang calls int() on each key (its ValueError text is then the refusal), then range-checks.
     try:
@@ -127,6 +143,7 @@ def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRe
             f"messages and {max_new} tokens for the completion. Please reduce the number of tokens "
             "in the input messages or the completion to fit within the limit."
         )
+    _check_token_ids_logprob(req.token_ids_logprob, cfg.vocab_size)
     verify_sampling(req, None if cfg.disaggregation_mode == "prefill" else max_new, cfg.vocab_size)
     if req.n != 1:
         raise RequestRejected("The testkit SGLang engine serves n=1 only.")

@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
-from testkit.generator import GeneratedToken, ModelSpec, SamplingSpec, prompt_logprobs
+from testkit.generator import GeneratedToken, ModelSpec, PositionLogprobs, SamplingSpec, prompt_logprobs
 
 __all__ = [
+    "CHOSEN_WIDTH",
     "DEFAULT_MAX_NEW_TOKENS",
     "SGLANG_VERSION",
     "AbortRecord",
@@ -37,6 +38,9 @@ __all__ = [
     "StreamEvent",
     "abort_out",
     "bad_request_reason",
+    "chosen_ids",
+    "chosen_row",
+    "logprob_width",
     "queue_full_reason",
     "sampling_spec",
 ]
@@ -85,6 +89,9 @@ class NativeRequest:
     # {token id as text: bias}, as SGLang's HTTP schema carries it (its gRPC wire has no field).
     # Checked as SGLang checks it; the deterministic generator does not apply it.
     logit_bias: tuple[tuple[str, float], ...] | None = None
+    # SGLang's token_ids_logprob as the HTTP body gave it (checked in sglang_checks; the gRPC
+    # wire has no field). None: not asked.
+    token_ids_logprob: object = None
 
 
 class RequestRejected(Exception):
@@ -155,6 +162,30 @@ class Now:
     mono: float
 
 
+# With token_ids_logprob the generator ranks this many ids per position, so that a chosen id
+# near the top has the same logprob there as in a top-k list; the others fall below them all.
+CHOSEN_WIDTH = 32
+
+
+def chosen_ids(req: NativeRequest) -> tuple[int, ...]:
+    """The token_ids_logprob a checked request asks for (() when none)."""
+    ids = req.token_ids_logprob
+    return tuple(ids) if isinstance(ids, list | tuple) and req.return_logprob else ()
+
+
+def logprob_width(req: NativeRequest) -> int:
+    """How many alternatives the generator ranks per position for this request."""
+    return max(req.top_logprobs_num, CHOSEN_WIDTH) if chosen_ids(req) else req.top_logprobs_num
+
+
+def chosen_row(position: PositionLogprobs, ids: tuple[int, ...]) -> list[list[Any]]:
+    """The testkit model's logprob of each asked id at one position (SGLang's triples)."""
+    known = dict(position.top)
+    known[position.token_id] = position.logprob
+    floor = min(known.values()) - 1.0
+    return [[known.get(t, round(floor - (t % 97) / 100.0, 4)), t, None] for t in ids]
+
+
 def sampling_spec(req: NativeRequest) -> SamplingSpec:
     """The generator's view of a request."""
     return SamplingSpec(
@@ -164,7 +195,7 @@ def sampling_spec(req: NativeRequest) -> SamplingSpec:
         stop=req.stop,
         ignore_eos=req.ignore_eos,
         seed=req.seed,
-        logprobs=req.top_logprobs_num if req.return_logprob else None,
+        logprobs=logprob_width(req) if req.return_logprob else None,
     )
 
 
@@ -215,6 +246,7 @@ class RequestState:
     text: str = ""
     out_lp: list[list[Any]] = field(default_factory=list)
     out_top: list[list[list[Any]] | None] = field(default_factory=list)
+    out_chosen: list[list[list[Any]]] = field(default_factory=list)
     sent_ids: int = 0
     sent_text: int = 0
     first: dict[str, Any] | None = None
@@ -229,22 +261,43 @@ class RequestState:
         self.ids.append(tok.token_id)
         self.text += tok.text
         if self.request.return_logprob and tok.logprobs is not None:
-            lp = tok.logprobs
-            self.out_lp.append(_triple(lp.logprob, tok.token_id))
-            self.out_top.append([_triple(v, t) for t, v in lp.top] if self.request.top_logprobs_num else None)
+            self.take_logprobs(tok.logprobs)
+
+    def take_logprobs(self, lp: PositionLogprobs, *, token: bool = True) -> None:
+        """One output position's logprobs; ``token`` False: the position after the prompt of a
+        prompt-only request, which SGLang reports top and chosen ids for, with no token."""
+        req = self.request
+        k = req.top_logprobs_num
+        if token:
+            self.out_lp.append(_triple(lp.logprob, lp.token_id))
+        if k or token:
+            self.out_top.append([_triple(v, t) for t, v in lp.top[:k]] if k else None)
+        ids = chosen_ids(req)
+        if ids:
+            self.out_chosen.append(chosen_row(lp, ids))
 
     @property
     def unsent(self) -> int:
         return len(self.ids) - self.sent_ids
 
-    def _input_logprobs(self, top: bool) -> list[Any]:
+    def _input_logprobs(self, kind: str) -> list[Any]:
+        """``token``, ``top`` or ``chosen`` rows for the prompt from logprob_start_len; the first
+        has no logprob (SGLang's None), whatever the start."""
         req = self.request
         if req.logprob_start_len < 0:
             return []
-        rows = prompt_logprobs(req.input_ids, req.top_logprobs_num, self.model)[req.logprob_start_len :]
-        if top:
-            return [None if p is None else [_triple(v, t) for t, v in p.top] for p in rows]
-        toks = req.input_ids[req.logprob_start_len :]
+        start = req.logprob_start_len
+        rows: list[PositionLogprobs | None] = list(
+            prompt_logprobs(req.input_ids, logprob_width(req), self.model)
+        )
+        rows = [None, *rows[start + 1 :]] if start < len(rows) else []
+        if kind == "top":
+            k = req.top_logprobs_num
+            return [None if p is None else [_triple(v, t) for t, v in p.top[:k]] for p in rows]
+        if kind == "chosen":
+            ids = chosen_ids(req)
+            return [None if p is None else chosen_row(p, ids) for p in rows]
+        toks = req.input_ids[start:]
         return [_triple(None if p is None else p.logprob, t) for p, t in zip(rows, toks, strict=True)]
 
     def _meta(self, finish_reason: dict[str, Any] | None, final: bool, now: Now) -> dict[str, Any]:
@@ -262,10 +315,13 @@ class RequestState:
             meta["output_token_logprobs"] = self.out_lp[start:]
             # The prompt's logprobs ride on every event once prefill is done: incremental
             # streaming cuts only the output lists (SGLang's tokenizer manager).
-            meta["input_token_logprobs"] = self._input_logprobs(False)
+            meta["input_token_logprobs"] = self._input_logprobs("token")
             if req.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = self.out_top[start:]
-                meta["input_top_logprobs"] = self._input_logprobs(True)
+                meta["input_top_logprobs"] = self._input_logprobs("top")
+            if chosen_ids(req):
+                meta["input_token_ids_logprobs"] = self._input_logprobs("chosen")
+                meta["output_token_ids_logprobs"] = self.out_chosen[start:]
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached

@@ -47,6 +47,7 @@ from testkit.sglang_core import (
     RequestStream,
     abort_out,
     bad_request_reason,
+    chosen_ids,
     queue_full_reason,
     sampling_spec,
 )
@@ -371,6 +372,12 @@ class SglangTestEngine:
         if plan is not None and plan.kind in cuts:
             fault_at = plan.after
         gen = Generator(self.model, req.input_ids, sampling_spec(req))
+        if gen.limit <= 0 and chosen_ids(req):
+            # A prompt-only request asking token_ids_logprob: SGLang scores the position after
+            # the prompt (its logprob-only pass), reported with no token.
+            ahead = Generator(self.model, req.input_ids, replace(sampling_spec(req), max_tokens=1)).step()
+            if ahead.logprobs is not None:
+                state.take_logprobs(ahead.logprobs, token=False)
         latency = self.config.token_latency_ms / 1000.0
         finished: GeneratedToken | None = None
         while True:

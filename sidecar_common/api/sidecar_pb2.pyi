@@ -379,20 +379,30 @@ class OutputOptions(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_LOGPROB_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.int
     """Top-N alternatives per output token; 0 returns the sampled token's logprob only."""
     prompt_logprobs: _builtins.int
     skip_special_tokens: _builtins.bool
+    @_builtins.property
+    def token_ids_logprob(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The log-probabilities of these token ids (SGLang's token_ids_logprob), in this order, at
+        every output position (with logprobs: LLMEngineOutput.token_ids_logprobs) and every prompt
+        position (with prompt_logprobs: engine_data.prompt_token_ids_logprobs). Served only where
+        the engine's wire carries it (SGLang over HTTP); other workers refuse it.
+        """
+
     def __init__(
         self,
         *,
         logprobs: _builtins.int | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
         skip_special_tokens: _builtins.bool | None = ...,
+        token_ids_logprob: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens", "token_ids_logprob", b"token_ids_logprob"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
@@ -650,6 +660,7 @@ class LLMEngineOutput(_message.Message):
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _builtins.int
     COMPLETION_USAGE_FIELD_NUMBER: _builtins.int
     ENGINE_DATA_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """"" is kept: text held back during stop-string matching."""
     cum_log_probs: _builtins.float
@@ -671,6 +682,13 @@ class LLMEngineOutput(_message.Message):
     def completion_usage(self) -> Global___CompletionUsage: ...
     @_builtins.property
     def engine_data(self) -> _struct_pb2.Struct: ...
+    @_builtins.property
+    def token_ids_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """With OutputOptions.token_ids_logprob: per token of this chunk, the asked ids' logprobs in
+        the order asked (no ranks). A terminal without tokens may carry one: the position after the
+        prompt of a prompt-only request (max_tokens 0), which SGLang scores too.
+        """
+
     def __init__(
         self,
         *,
@@ -686,10 +704,11 @@ class LLMEngineOutput(_message.Message):
         disaggregated_params: _struct_pb2.Struct | None = ...,
         completion_usage: Global___CompletionUsage | None = ...,
         engine_data: _struct_pb2.Struct | None = ...,
+        token_ids_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "finish_reason", b"finish_reason", "index", b"index", "log_probs", b"log_probs", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "finish_reason", b"finish_reason", "index", b"index", "log_probs", b"log_probs", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "token_ids_logprobs", b"token_ids_logprobs", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cum_log_probs: _TypeAlias = _typing.Literal["cum_log_probs"]  # noqa: Y015
     _WhichOneofArgType__cum_log_probs: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs"]  # noqa: Y015

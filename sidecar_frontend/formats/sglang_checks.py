@@ -1,8 +1,10 @@
-"""SGLang's type gates for a ``/generate`` body (pure): the request-model parse, then the
-JSON contract, each raising with the text the real server writes.
+"""SGLang's checks of a ``/generate`` body that are not pydantic's (pure), with its own text.
 
-Only the fields this frontend reads or refuses are checked; an unknown top-level key is
-ignored, as SGLang does, while an unknown ``sampling_params`` key is refused.
+``input_ids_error`` is the validator SGLang's request dataclass runs on ``input_ids`` (the
+dataclass itself is ``sglang_model``, validated by pydantic); ``check_contract`` is the JSON
+contract gate that follows it. Only the fields this frontend reads or refuses are checked by
+the contract; an unknown top-level key is ignored, as SGLang does, while an unknown
+``sampling_params`` key is refused.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Final
 
-from sidecar_frontend.formats.sglang_wire import ContractError, ParseError
+from sidecar_frontend.formats.sglang_wire import ContractError
 
-__all__ = ["SAMPLING_FIELDS", "check_contract", "check_model"]
+__all__ = ["SAMPLING_FIELDS", "check_contract", "input_ids_error"]
 
 # SGLang's sampling_params schema, in its order (the order its unknown-field text lists).
 SAMPLING_FIELDS: Final = (
@@ -48,7 +50,7 @@ SAMPLING_FIELDS: Final = (
 )
 
 
-# ------------------------------------------------------------------ gate 1: request model
+# ------------------------------------------------ the input_ids validator of the request model
 
 
 def _type_name(value: object) -> str:
@@ -70,7 +72,8 @@ def _row(value: object) -> str | None:
     return None
 
 
-def _input_ids_error(value: object) -> str | None:
+def input_ids_error(value: object) -> str | None:
+    """SGLang's own validator of ``input_ids`` (the request model's one non-pydantic check)."""
     if value is None:
         return None
     if not isinstance(value, list):
@@ -86,58 +89,6 @@ def _input_ids_error(value: object) -> str | None:
                 return f"row {i}: {error}"
         return None
     return f"elements must be int or list; got {_type_name(value[0])}"
-
-
-def _is_str_or_list(value: object, *, allow_none_items: bool = False) -> bool:
-    if isinstance(value, str):
-        return True
-    if isinstance(value, list):
-        return all(isinstance(v, str) or (allow_none_items and v is None) for v in value)
-    return False
-
-
-def _fractional(value: object) -> bool:
-    values = value if isinstance(value, list) else [value]
-    return any(isinstance(v, float) and not v.is_integer() for v in values)
-
-
-_PLAIN_BOOLS: Final = ("stream", "return_text_in_logprobs", "return_prompt_token_ids", "log_metrics")
-
-
-def check_model(body: Mapping[str, object]) -> None:
-    """Gate 1 (SGLang's request dataclass): shapes and a few strict types."""
-    rid = body.get("rid")
-    if rid is not None and not _is_str_or_list(rid):
-        raise ParseError("rid", "string_type", "Input should be a valid string", rid)
-    text = body.get("text")
-    if text is not None and not _is_str_or_list(text):
-        raise ParseError("text", "string_type", "Input should be a valid string", text)
-    ids_error = _input_ids_error(body.get("input_ids"))
-    if ids_error is not None:
-        raise ParseError("input_ids", "value_error", f"Value error, {ids_error}", body.get("input_ids"))
-    sampling = body.get("sampling_params")
-    if sampling is not None and not (
-        isinstance(sampling, dict)
-        or (isinstance(sampling, list) and all(isinstance(s, dict) for s in sampling))
-    ):
-        raise ParseError("sampling_params", "dict_type", "Input should be a valid dictionary", sampling)
-    for name in ("logprob_start_len", "top_logprobs_num", "priority"):
-        if _fractional(body.get(name)):
-            raise ParseError(
-                name,
-                "int_from_float",
-                "Input should be a valid integer, got a number with a fractional part",
-                body.get(name),
-            )
-    for name in _PLAIN_BOOLS:
-        if name in body and body[name] is None:
-            raise ParseError(name, "bool_type", "Input should be a valid boolean", None)
-    lora = body.get("lora_path")
-    if lora is not None and not _is_str_or_list(lora, allow_none_items=True):
-        raise ParseError("lora_path", "string_type", "Input should be a valid string", lora)
-    session = body.get("session_params")
-    if session is not None and not isinstance(session, dict):
-        raise ParseError("session_params", "dict_type", "Input should be a valid dictionary", session)
 
 
 # ------------------------------------------------------------------ gate 2: JSON contract

@@ -10,20 +10,24 @@ sub-request exists: nothing reaches a worker.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+import orjson
+from pydantic_core import ErrorDetails
+
 from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
-from sidecar_frontend.formats.sglang_checks import check_contract, check_model
+from sidecar_frontend.formats.sglang_checks import check_contract
+from sidecar_frontend.formats.sglang_model import ModelErrors, validate_generate
 from sidecar_frontend.formats.sglang_values import (
     DEFAULT_MAX_NEW_TOKENS,
     INT32_MAX,
     SAMPLING_EPS,
     cannot_carry,
+    check_chosen_ids,
     check_prompt,
     effective_cap,
     max_new_tokens,
@@ -74,6 +78,8 @@ class ItemPlan:
     return_prompt_token_ids: bool = False
     # Streams: the first tokens at once, then an event once this many are unsent, and the end.
     stream_interval: int = 1
+    # SGLang's token_ids_logprob was asked (with return_logprob): its two meta lists are shown.
+    token_ids_logprob: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,20 +92,28 @@ class SglangOptions:
     wall_time: float = 0.0
 
 
-def _load(body: bytes) -> dict[str, object]:
-    def constant(name: str) -> object:
-        raise ValueError(f"{name} is not valid JSON")
+def _body(body: bytes, headers: Mapping[str, str]) -> object:
+    """The body as SGLang's web framework hands it to the request model.
 
+    JSON (parsed with orjson, as SGLang's routes do) when the content type is missing or
+    names JSON, else the raw bytes; an empty body or a JSON null is "no body". Where the
+    framework itself refuses (a JSON syntax error, no body), the refusal has its shape.
+    """
+    if not _json_content(headers):
+        return body
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ParseError(
-            "body", "json_invalid", f"JSON decode error: {err}", body[:100].decode(errors="replace")
-        ) from None
-    if not isinstance(data, dict):
-        raise ParseError(
-            "body", "dataclass_type", "Input should be a dictionary or an instance of GenerateReqInput", data
-        )
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError as err:
+        invalid: ErrorDetails = {
+            "type": "json_invalid",
+            "loc": (err.pos,),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": err.msg},
+        }
+        raise ModelErrors([invalid]) from None
+    if data is None:
+        raise ModelErrors([{"type": "missing", "loc": (), "msg": "Field required", "input": None}])
     return data
 
 
@@ -116,19 +130,15 @@ def _json_content(headers: Mapping[str, str]) -> bool:
 
 def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
     try:
-        if not _json_content(headers):
-            text = body[:100].decode(errors="replace")
-            raise ParseError(
-                "body",
-                "dataclass_type",
-                "Input should be a dictionary or an instance of GenerateReqInput",
-                text,
-            )
-        data = _load(body)
-        check_model(data)
+        data = _body(body, headers)
+        # SGLang's request dataclass, as its framework's pydantic validates it (every problem listed).
+        validate_generate(data)
+        assert isinstance(data, dict)  # the dataclass takes nothing else
         check_contract(data)
     except ParseError as err:
         return parse_error(err)
+    except ModelErrors as err:
+        return err.reply()
     except ContractError as err:
         return contract_error(err)
     stream = data.get("stream") is True
@@ -200,6 +210,22 @@ def _rids(
     if duplicates:
         raise ValueRefusal(f"Duplicate request IDs detected within the request: {duplicates}")
     return [item or ctx.new_id() for item in rid]
+
+
+def _chosen_ids(data: Mapping[str, object], prompts: int, n: int, single: bool) -> list[object]:
+    """token_ids_logprob per prompt, as SGLang normalises it (checked per prompt later)."""
+    value = data.get("token_ids_logprob")
+    if not value:
+        return [None] * prompts
+    if single or not isinstance(value, list) or not isinstance(value[0], list):
+        # One prompt keeps what it was given; a flat list is every prompt's.
+        return [value] * prompts
+    if n > 1:
+        raise ValueRefusal("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+    if len(value) != prompts:
+        # SGLang fails such a batch with a 500.
+        raise ValueRefusal("The length of token_ids_logprob should be equal to the batch size.")
+    return list(value)
 
 
 def _lora(data: Mapping[str, object], prompts: int, single: bool) -> list[str | None]:
@@ -305,6 +331,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
     logprob = _per_item(data, "return_logprob", False, count, n, single)
     start = _per_item(data, "logprob_start_len", -1, count, n, single)
     top = _per_item(data, "top_logprobs_num", 0, count, n, single)
+    chosen = _chosen_ids(data, count, n, single)
     request_refusals(data)
     for rid in rids:
         if rid in ctx.inflight_ids:
@@ -317,6 +344,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
         params = per_prompt[i]
         check_prompt(None if single else i, prompt)
         wanted = max_new_tokens(params, len(prompt), context)
+        check_chosen_ids(chosen[i], info.vocab_size)
         normalize(params)
         verify(params, wanted, info.vocab_size)
         want_logprob = bool(logprob[i])
@@ -338,6 +366,9 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
             template.output_options.logprobs = top_n
             if 0 <= start_len < len(prompt):
                 template.output_options.prompt_logprobs = top_n
+            ids = chosen[i]
+            if isinstance(ids, list):
+                template.output_options.token_ids_logprob.extend(ids)
         if loras[i] is not None:
             template.routing.lora_name = loras[i]  # type: ignore[assignment]
         priority = data.get("priority")
@@ -359,6 +390,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
                     top_logprobs_num=top_n,
                     logprob_start_len=start_len,
                     return_prompt_token_ids=data.get("return_prompt_token_ids") is True,
+                    token_ids_logprob=want_logprob and bool(chosen[i]),
                     stream_interval=_stream_interval(params),
                 )
             )

@@ -97,6 +97,29 @@ def _position(entry: object, token: int) -> tuple[float | None, list[tuple[int, 
     return own, [(tid, lp, None) for tid, lp in pairs]
 
 
+def _chosen_rows(output: sidecar_pb2.LLMEngineOutput, key: str) -> list[list[Triple] | None]:
+    """``engine_data[key]``: per position null or ``[{"token_id", "logprob"}, ...]``, as triples."""
+    if not output.HasField("engine_data") or key not in output.engine_data.fields:
+        return []
+    try:
+        rows = json_from_struct(output.engine_data).get(key)
+    except StructError:
+        return []
+    if not isinstance(rows, list):
+        return []
+    out: list[list[Triple] | None] = []
+    for row in rows:
+        if not isinstance(row, list):
+            out.append(None)
+            continue
+        triples: list[Triple] = []
+        for entry in row:
+            if isinstance(entry, dict) and isinstance(entry.get("token_id"), int):
+                triples.append([_float_or_none(entry.get("logprob")), entry["token_id"], None])
+        out.append(triples)
+    return out
+
+
 @dataclass
 class _Item:
     plan: ItemPlan
@@ -106,6 +129,9 @@ class _Item:
     top_logprobs: list[list[Triple]] = field(default_factory=list)
     input_token_logprobs: list[Triple] = field(default_factory=list)
     input_top_logprobs: list[list[Triple] | None] = field(default_factory=list)
+    # token_ids_logprob: per position the asked ids' triples, or None.
+    input_chosen: list[list[Triple] | None] = field(default_factory=list)
+    output_chosen: list[list[Triple] | None] = field(default_factory=list)
     finish: Mapping[str, object] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -135,6 +161,10 @@ class _Item:
             # SGLang shows the prompt's logprobs from its first event after prefill on: render
             # them from the first output that carries them.
             self._input_logprobs(output)
+        if plan.token_ids_logprob:
+            self.output_chosen.extend(
+                [[e.logprob, e.token_id, None] for e in row.entries] for row in output.token_ids_logprobs
+            )
         if plan.return_logprob:
             for k, token in enumerate(new):
                 lp = output.log_probs[k] if k < len(output.log_probs) else None
@@ -186,6 +216,13 @@ class _Item:
             except StructError:
                 rows = None
         table = rows if isinstance(rows, list) else []
+        if plan.token_ids_logprob:
+            chosen = _chosen_rows(output, "prompt_token_ids_logprobs")
+            # SGLang's first entry has no logprobs, whatever the start (as input_token_logprobs).
+            self.input_chosen = [
+                None,
+                *(chosen[p] if p < len(chosen) else None for p in range(start + 1, len(prompt))),
+            ]
         for position in range(start, len(prompt)):
             entry = table[position] if position < len(table) else None
             own, candidates = _position(entry, prompt[position])
@@ -216,6 +253,9 @@ class _Item:
             if plan.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = self.input_top_logprobs
                 meta["output_top_logprobs"] = self.top_logprobs[offset:]
+            if plan.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = self.input_chosen
+                meta["output_token_ids_logprobs"] = self.output_chosen[offset:]
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.output_ids)
         meta["cached_tokens"] = self.cached_tokens

@@ -16,6 +16,7 @@ __all__ = [
     "INT32_MAX",
     "SAMPLING_EPS",
     "cannot_carry",
+    "check_chosen_ids",
     "check_prompt",
     "effective_cap",
     "max_new_tokens",
@@ -100,7 +101,6 @@ _REFUSED: Final[Mapping[str, str]] = {
     "session_id": "sessions are not carried by this frontend",
     "extra_key": "cache keys are not carried by this frontend",
     "cache_salt": "cache namespaces are not carried by this frontend",
-    "token_ids_logprob": "logprobs of chosen token ids are not carried by this frontend",
     "return_sampling_mask": "sampling masks are not carried by this frontend",
     "return_flat_raw_top_logprobs": "flat logprob arrays are not produced by this frontend",
     "return_flat_raw_output_top_logprobs": "flat logprob arrays are not produced by this frontend",
@@ -148,6 +148,22 @@ def check_prompt(index: int | None, prompt: Sequence[int]) -> None:
     bad = next((t for t in prompt if not 0 <= t <= _UINT32_MAX), None)
     if bad is not None:
         raise ValueRefusal(f"{where} contains {bad}, which is not a token id (0 to {_UINT32_MAX}).")
+
+
+def check_chosen_ids(ids: object, vocab_size: int) -> None:
+    """SGLang's check of one prompt's token_ids_logprob (after its length checks)."""
+    if not ids:
+        return
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ValueRefusal("token_ids_logprob must be a flat list of integers.")
+    for token in ids:
+        if vocab_size and not 0 <= token < vocab_size:
+            raise ValueRefusal(
+                f"token_ids_logprob contains out-of-vocabulary token id {token}; "
+                f"valid range is [0, {vocab_size})."
+            )
+        if not 0 <= token <= _UINT32_MAX:
+            raise refuse("token_ids_logprob", f"{token} is not a token id (0 to {_UINT32_MAX})")
 
 
 def max_new_tokens(params: Mapping[str, object], prompt_len: int, context: int) -> int | None:

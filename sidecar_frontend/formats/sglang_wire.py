@@ -47,6 +47,11 @@ def _bounded_repr() -> reprlib.Repr:
 _REPR: Final = _bounded_repr()
 
 
+def bounded_repr(value: object) -> str:
+    """``repr`` bounded in size and depth: an echoed input may be anything the client sent."""
+    return _REPR.repr(value)
+
+
 class ParseError(Exception):
     """Gate 1: the body does not fit the request model (type, shape)."""
 

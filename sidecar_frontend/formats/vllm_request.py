@@ -25,7 +25,6 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import JSON, StructError, struct_from_json
 from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
 from sidecar_frontend.formats.vllm_checks import (
-    check_cache_salt,
     check_msgpack,
     check_prompt,
     dp_rank,
@@ -33,25 +32,14 @@ from sidecar_frontend.formats.vllm_checks import (
     read_body,
 )
 from sidecar_frontend.formats.vllm_errors import (
+    Invalid,
     Refused,
-    ValidationIssue,
     VllmError,
     bad_request,
     uncarried,
     validation_reply,
 )
-from sidecar_frontend.formats.vllm_lax import (
-    Fields,
-    Invalid,
-    as_bool,
-    as_dict,
-    as_int,
-    as_int_list,
-    as_str,
-    literal,
-    nullable,
-)
-from sidecar_frontend.formats.vllm_sampling import SamplingParams, not_an_instance
+from sidecar_frontend.formats.vllm_model import GenerateRequest, validate_generate
 
 __all__ = ["REQUEST_ID_PREFIX", "ChoiceEnd", "VllmOptions", "parse_generate"]
 
@@ -122,34 +110,20 @@ def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) 
 
 def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall:
     data = read_body(body, headers)
-    check_cache_salt(data.get("cache_salt"))
-    fields = Fields(data)
-    request_id = fields.get("request_id", as_str)
-    token_ids = fields.required("token_ids", _token_ids)
-    sampling = fields.required("sampling_params", _sampling_object)
-    params = SamplingParams(sampling, fields) if sampling is not None else None
-    model = fields.get("model", nullable(as_str))
-    fields.get("reasoning_ended", nullable(as_bool))
-    fields.get("reasoning_parser_kwargs", nullable(_reasoning_parser_kwargs))
-    return_token_ids = fields.get("return_token_ids", nullable(as_bool))
-    output_mode = fields.get("output_mode", lambda v, loc: literal(v, loc, _OUTPUT_MODES))
-    stream = fields.get("stream", nullable(as_bool))
-    stream_options = fields.get("stream_options", nullable(_stream_options))
-    fields.get("cache_salt", nullable(as_str))
-    priority = fields.get("priority", _priority)
-    kv_transfer_params = fields.get("kv_transfer_params", nullable(as_dict))
-    ec_transfer_params = fields.get("ec_transfer_params", nullable(as_dict))
-    fields.get("features", nullable(as_dict))
-    content_parts = fields.get("content_parts", nullable(_list_of_dicts))
-    if fields.issues:
-        raise Invalid(*fields.issues)
-    # Both are required: with no issue collected, they are set.
-    assert token_ids is not None
-    assert params is not None
-
-    # Whole-body checks (pydantic model validators: a ValueError at the body's root).
-    if output_mode not in (None, "tokens") and not params.detokenize:
-        _root_value_error(data, f"output_mode={output_mode!r} requires sampling_params.detokenize to be true")
+    # Field types, the cache-salt pre-check and vLLM's sampling checks, as vLLM's own request
+    # model runs them (pydantic lists every type problem; a vLLM check raises on the first).
+    body_model = validate_generate(data)
+    sent = body_model.model_fields_set
+    params = body_model.sampling_params.checked
+    token_ids = body_model.token_ids
+    model = body_model.model
+    return_token_ids = body_model.return_token_ids
+    output_mode = body_model.output_mode if "output_mode" in sent else None
+    stream = body_model.stream
+    stream_options = body_model.stream_options
+    kv_transfer_params = body_model.kv_transfer_params
+    ec_transfer_params = body_model.ec_transfer_params
+    content_parts = body_model.content_parts
 
     # The handler's checks, in vLLM's order.
     served = ctx.model_info.served_model_name
@@ -205,7 +179,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
     # What this frontend cannot carry to a vLLM sidecar.
     if ec_transfer_params is not None:
         raise uncarried("ec_transfer_params", "encoder-cache transfer is not carried to the engine")
-    if fields.raw("features") is not None:
+    if body_model.features is not None:
         raise uncarried("features", "multimodal features are not carried to the engine")
     if content_parts:
         raise uncarried("content_parts", "multimodal content is not carried to the engine")
@@ -213,7 +187,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
 
     base = header(headers, "X-Request-Id")
     if base is None:
-        base = request_id if request_id is not None else ctx.new_id()[:16]
+        base = body_model.request_id if "request_id" in sent else ctx.new_id()[:16]
     public_id = REQUEST_ID_PREFIX + base
     request = sidecar_pb2.PreprocessedRequest(
         request_id=public_id,
@@ -222,18 +196,18 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         eos_token_ids=ctx.model_info.eos_token_ids,
     )
     params.fill(request, len(token_ids), ctx.model_info.max_context_length)
-    _fill_routing(request, fields, priority, rank)
+    _fill_routing(request, body_model, rank)
     if kv_transfer_params is not None:
         _fill_kv_transfer(request, kv_transfer_params, ctx.model_info.disaggregation_mode)
 
-    include_usage = bool(stream_options and stream_options[0])
+    include_usage = bool(stream_options and stream_options.include_usage)
     options = VllmOptions(
         request_id=public_id,
         model=served,
         n=params.n,
         stream=bool(stream),
         include_usage=include_usage,
-        continuous_usage=include_usage and bool(stream_options and stream_options[1]),
+        continuous_usage=include_usage and bool(stream_options and stream_options.continuous_usage_stats),
         logprobs=request.output_options.HasField("logprobs"),
         prompt_logprobs=request.output_options.HasField("prompt_logprobs"),
         prompt_tokens=len(token_ids),
@@ -259,135 +233,14 @@ def _choice_end(request: sidecar_pb2.PreprocessedRequest, info: sidecar_pb2.Mode
     )
 
 
-def _root_value_error(data: dict[str, object], message: str) -> None:
-    raise Invalid(
-        ValidationIssue(
-            "value_error", "body", f"Value error, {message}", data, {"error": ValueError(message)}
-        )
-    )
-
-
-# --------------------------------------------------------------------------------- fields
-
-
-def _token_ids(value: object, loc: str) -> list[int]:
-    ids = as_int_list(value, loc)
-    if not ids:
-        raise Invalid(
-            ValidationIssue(
-                "too_short",
-                loc,
-                "List should have at least 1 item after validation, not 0",
-                value,
-                {"field_type": "List", "min_length": 1, "actual_length": 0},
-            )
-        )
-    if any(t < 0 for t in ids):
-        message = "token_ids must not contain negative values"
-        raise Invalid(
-            ValidationIssue(
-                "value_error", loc, f"Value error, {message}", value, {"error": ValueError(message)}
-            )
-        )
-    return ids
-
-
-def _sampling_object(value: object, loc: str) -> dict[str, object]:
-    if isinstance(value, dict):
-        return value
-    raise Invalid(
-        not_an_instance(value, loc),
-        ValidationIssue("dict_type", loc, "Input should be a valid dictionary", value),
-    )
-
-
-def _reasoning_parser_kwargs(value: object, loc: str) -> dict[str, object]:
-    kwargs = as_dict(value, loc)
-    issues = [
-        ValidationIssue("extra_forbidden", f"{loc}.{key}", "Extra inputs are not permitted", item)
-        for key, item in kwargs.items()
-        if key != "chat_template_kwargs"
-    ]
-    if "chat_template_kwargs" in kwargs and not isinstance(kwargs["chat_template_kwargs"], dict):
-        issues.insert(
-            0,
-            ValidationIssue(
-                "dict_type",
-                f"{loc}.chat_template_kwargs",
-                "Input should be a valid dictionary",
-                kwargs["chat_template_kwargs"],
-            ),
-        )
-    if issues:
-        raise Invalid(*issues)
-    return kwargs
-
-
-def _stream_options(value: object, loc: str) -> tuple[bool, bool]:
-    if not isinstance(value, dict):
-        raise Invalid(
-            ValidationIssue(
-                "model_type",
-                loc,
-                "Input should be a valid dictionary or instance of StreamOptions",
-                value,
-                {"class_name": "StreamOptions"},
-            )
-        )
-    options = Fields(value, loc)
-    include = options.get("include_usage", nullable(as_bool))
-    continuous = options.get("continuous_usage_stats", nullable(as_bool))
-    if options.issues:
-        raise Invalid(*options.issues)
-    return bool(include), bool(continuous)
-
-
-def _priority(value: object, loc: str) -> int:
-    number = as_int(value, loc)
-    low, high = _INT64
-    if number > high:
-        raise Invalid(
-            ValidationIssue(
-                "less_than_equal", loc, f"Input should be less than or equal to {high}", value, {"le": high}
-            )
-        )
-    if number < low:
-        raise Invalid(
-            ValidationIssue(
-                "greater_than_equal",
-                loc,
-                f"Input should be greater than or equal to {low}",
-                value,
-                {"ge": low},
-            )
-        )
-    return number
-
-
-def _list_of_dicts(value: object, loc: str) -> list[object]:
-    if not isinstance(value, list):
-        raise Invalid(ValidationIssue("list_type", loc, "Input should be a valid list", value))
-    issues = [
-        ValidationIssue("dict_type", f"{loc}.{i}", "Input should be a valid dictionary", item)
-        for i, item in enumerate(value)
-        if not isinstance(item, dict)
-    ]
-    if issues:
-        raise Invalid(*issues)
-    return value
-
-
-def _fill_routing(
-    request: sidecar_pb2.PreprocessedRequest, fields: Fields, priority: int | None, rank: int | None
-) -> None:
+def _fill_routing(request: sidecar_pb2.PreprocessedRequest, body: GenerateRequest, rank: int | None) -> None:
     if rank is not None:
         request.routing.dp_rank = rank
-    salt = fields.raw("cache_salt")
-    if isinstance(salt, str):
-        request.routing.cache_namespace = salt
-    if fields.present("priority") and priority is not None:
+    if body.cache_salt is not None:
+        request.routing.cache_namespace = body.cache_salt
+    if "priority" in body.model_fields_set:
         # vLLM: lower runs earlier; sidecar.v1: higher is more urgent.
-        urgency = -priority
+        urgency = -body.priority
         if not _INT32[0] <= urgency <= _INT32[1]:
             raise uncarried("priority", "it must lie within a 32-bit signed integer")
         request.routing.priority = urgency

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from sidecar_frontend.cli import parse_config as parse_frontend_config
 from tests.deploy.conftest import ROOT
 
 IMAGES: dict[str, Any] = yaml.safe_load((ROOT / "deploy" / "images.yaml").read_text())
@@ -208,6 +209,12 @@ def test_frontends_are_replicated_and_probed_where_it_helps(name: str, deploymen
     ports = {p["name"]: p["containerPort"] for p in frontend["ports"]}
     assert ports["http"] == int(env["SIDECAR_FRONTEND_LISTEN"].rsplit(":", 1)[1])
     assert ports["metrics"] == int(env["SIDECAR_FRONTEND_METRICS_PORT"])
+    # The real CLI accepts the container's flags and variables (downward-API values stand in).
+    settings = {name: value for name, value in env.items() if value is not None}
+    flags = [flag.replace("$(POD_NAMESPACE)", "serving") for flag in frontend["args"][1:]]
+    config = parse_frontend_config(flags, settings)
+    assert config.metrics_port == ports["metrics"]
+    assert config.listen.rsplit(":", 1)[1] == str(ports["http"])
     readiness = frontend["readinessProbe"]["httpGet"]
     assert (readiness["path"], readiness["port"]) == ("/health", "http")
     # tests/deploy/test_frontend_probes.py: /metrics answers while /health does not.

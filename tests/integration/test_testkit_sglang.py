@@ -1039,3 +1039,28 @@ async def test_an_error_inside_the_scheduler_fails_that_request_only(
         "boom-h": Outcome.ERROR,
     }
     await assert_serving(engine, client)
+
+
+async def test_token_ids_logprob_is_served_and_checked_on_http(
+    make_engine: Factory, http: aiohttp.ClientSession
+) -> None:
+    engine = await make_engine()
+    body = hbody(
+        "tid", 2, ignore_eos=True, return_logprob=True, logprob_start_len=0, token_ids_logprob=[7, 5]
+    )
+    final = (await http_all(http, engine.http_port, body))[-1]["meta_info"]
+    out, inp = final["output_token_ids_logprobs"], final["input_token_ids_logprobs"]
+    assert len(out) == 2
+    assert all([row[1] for row in r] == [7, 5] for r in out)
+    assert len(inp) == len(PROMPT)
+    assert inp[0] is None
+    assert list(final).index("output_token_ids_logprobs") == list(final).index("input_token_ids_logprobs") + 1
+    # SGLang's tokenizer manager: after the length checks, in its words (HTTP 400).
+    oov = hbody("tid-oov", 2, return_logprob=True, token_ids_logprob=[engine.config.vocab_size])
+    oov["stream"] = False
+    async with http.post(f"{engine.http_url}/generate", json=oov) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["message"] == (
+            f"token_ids_logprob contains out-of-vocabulary token id {engine.config.vocab_size}; "
+            f"valid range is [0, {engine.config.vocab_size})."
+        )

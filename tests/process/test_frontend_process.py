@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 PROMPT = [101, 202, 303, 404]
 
 
-def vllm_sidecar(stack: ExitStack, *engine_flags: str) -> int:
+def vllm_sidecar(stack: ExitStack, *engine_flags: str, sidecar_flags: tuple[str, ...] = ()) -> int:
     """A testkit vLLM engine and its sidecar; the sidecar's port."""
     engine_port = free_port()
     stack.enter_context(
@@ -42,6 +42,7 @@ def vllm_sidecar(stack: ExitStack, *engine_flags: str) -> int:
                 "0.2",
                 "--log-format",
                 "json",
+                *sidecar_flags,
             ]
         )
     )
@@ -255,3 +256,33 @@ def test_a_listen_port_in_use_is_a_start_up_failure() -> None:
         with process([*argv, "--log-format", "json"]) as proc:
             assert proc.wait(timeout=WAIT) == 1
             assert any(e.get("event") == "start-up failed" for e in log_lines(proc))
+
+
+def test_a_decode_sidecar_given_as_an_aggregated_worker_is_refused_in_one_line_and_clients_get_503() -> None:
+    """The operator's mistake: ``--prefill-worker P --worker D`` with D a decode sidecar."""
+    with ExitStack() as stack:
+        prefill = vllm_sidecar(
+            stack, "--kv-role", "kv_producer", sidecar_flags=("--disaggregation-mode", "prefill")
+        )
+        decode = vllm_sidecar(
+            stack, "--kv-role", "kv_consumer", sidecar_flags=("--disaggregation-mode", "decode")
+        )
+        argv = frontend_argv(
+            extra=("--prefill-worker", f"127.0.0.1:{prefill}", "--worker", f"127.0.0.1:{decode}")
+        )
+        proc = stack.enter_context(process(argv))
+        url = f"http://127.0.0.1:{serving_port(proc)}"
+        refused = next(e for e in log_lines(proc) if e.get("event") == "worker refused")
+        assert (refused["level"], refused["worker"], refused["reason"]) == (
+            "error",
+            f"127.0.0.1:{decode}",
+            "role",
+        )
+        assert "--worker decode=127.0.0.1:" in refused["error"]
+        for path, body in (
+            ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}),
+            ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}),
+        ):
+            status, answer = post_json(url + path, body)
+            assert status == 503, answer
+            assert "the fleet is misconfigured" in json.dumps(answer)

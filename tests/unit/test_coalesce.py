@@ -234,3 +234,15 @@ def rich_parts(draw: st.DrawFn) -> list[Out]:
 @given(parts=rich_parts())
 def test_merge_equals_the_field_by_field_rule(parts: list[Out]) -> None:
     assert merge_outputs(parts) == reference_merge(parts)
+
+
+def test_merge_concatenates_the_chosen_ids_logprobs_of_every_token() -> None:
+    # SGLang's token_ids_logprob rows ride on each chunk with its tokens (not in engine_data,
+    # whose last setter wins): a merge keeps every one, in order.
+    parts = []
+    for token, lp in ((5, -1.0), (6, -2.0)):
+        part = sidecar_pb2.LLMEngineOutput(token_ids=[token])
+        part.token_ids_logprobs.add().entries.add(token_id=7, logprob=lp)
+        parts.append(part)
+    merged = merge_outputs(parts)
+    assert [row.entries[0].logprob for row in merged.token_ids_logprobs] == [-1.0, -2.0]

@@ -557,3 +557,14 @@ def test_within_the_context_length_passes(
 ) -> None:
     r = req(tokenIds=list(range(1, tokens + 1)), stopConditions=stop)
     assert len(grpc_of(r, settings).input_ids) == tokens
+
+
+def test_token_ids_logprob_is_carried_over_http_with_the_other_logprobs() -> None:
+    r = req(outputOptions={"logprobs": 0, "tokenIdsLogprob": [7, 5]})
+    body = http_of(r, RequestSettings(transport="http"))
+    assert (body["return_logprob"], body["token_ids_logprob"]) == (True, [7, 5])
+    assert refused(r) == "output_options.token_ids_logprob: SGLang's gRPC wire cannot carry it (HTTP can)"
+    alone = req(outputOptions={"tokenIdsLogprob": [7]})
+    assert refused(alone, RequestSettings(transport="http")) == (
+        "output_options.token_ids_logprob: needs logprobs or prompt_logprobs"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 import pytest
+from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -487,4 +488,55 @@ def test_sglangs_own_prompt_tokens_are_reported_when_they_differ_from_the_reques
         1,
         8,
         3,
+    )
+
+
+def _chosen(out: sidecar_pb2.LLMEngineOutput, key: str = "token_ids_logprobs") -> Any:
+    if key == "token_ids_logprobs":
+        return [
+            [{"token_id": e.token_id, "logprob": e.logprob} for e in row.entries]
+            for row in out.token_ids_logprobs
+        ]
+    return json_format.MessageToDict(out.engine_data).get(key)
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_token_ids_logprobs_ride_with_their_tokens_and_the_prompt_rows_once(cumulative: bool) -> None:
+    request = native(return_logprob=True, logprobs=0, prompt_logprobs=0, token_ids_logprob=(7,))
+    rows = [[[-1.0, 7, None]], [[-2.0, 7, None]]]
+    first: dict[str, Any] = {
+        "output_token_logprobs": [triple(-0.1, 5)],
+        "output_token_ids_logprobs": rows[:1],
+        "input_token_logprobs": [[None, 1, None], triple(-0.5, 2)],
+        "input_token_ids_logprobs": [None, [[-3.0, 7, None]]],
+    }
+    second: dict[str, Any] = {
+        "output_token_logprobs": [triple(-0.1, 5), triple(-0.2, 6)] if cumulative else [triple(-0.2, 6)],
+        "output_token_ids_logprobs": rows if cumulative else rows[1:],
+    }
+    outs = run(
+        ResponseState(request, cumulative=cumulative),
+        [ev([5], **first), ev([5, 6] if cumulative else [6], "length", **second)],
+    )
+    assert _chosen(outs[0]) == [[{"token_id": 7, "logprob": -1.0}]]
+    assert _chosen(outs[0], "prompt_token_ids_logprobs") == [None, [{"token_id": 7, "logprob": -3.0}]]
+    assert _chosen(outs[1]) == [[{"token_id": 7, "logprob": -2.0}]]
+    assert _chosen(outs[1], "prompt_token_ids_logprobs") is None
+
+
+def test_a_prompt_only_terminal_carries_the_row_after_the_prompt() -> None:
+    request = native(return_logprob=True, logprobs=0, token_ids_logprob=(7,))
+    meta: dict[str, Any] = {"output_token_logprobs": [], "output_token_ids_logprobs": [[[-2.0, 7, None]]]}
+    (end,) = run(ResponseState(request, cumulative=True), [ev([], "length", **meta)])
+    assert list(end.token_ids) == []
+    assert _chosen(end) == [[{"token_id": 7, "logprob": -2.0}]]
+
+
+def test_token_ids_logprobs_short_of_the_tokens_are_malformed() -> None:
+    request = native(return_logprob=True, logprobs=0, token_ids_logprob=(7,))
+    meta: dict[str, Any] = {"output_token_logprobs": [triple(-0.1, 5)], "output_token_ids_logprobs": []}
+    with pytest.raises(SidecarError) as info:
+        run(ResponseState(request, cumulative=False), [ev([5], **meta)])
+    assert (
+        info.value.message == "invalid sglang response: output_token_ids_logprobs has 0 entries for 1 tokens"
     )

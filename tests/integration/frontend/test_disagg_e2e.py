@@ -24,7 +24,8 @@ from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.workers import Worker, WorkerSet, WorkerState
+from sidecar_frontend.server import WorkerMetrics
+from sidecar_frontend.workers import WorkerSet, WorkerState
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import until
@@ -257,7 +258,7 @@ async def test_a_decode_sidecar_listed_as_aggregated_is_refused_and_clients_get_
         prefill = await stack.enter_async_context(sidecar(engine, "prefill"))
         decode = await stack.enter_async_context(sidecar(engine, "decode"))
         metrics = Metrics()
-        workers = await stack.enter_async_context(WorkerSet(FAST_WORKERS, observer=RefusalCount(metrics)))
+        workers = await stack.enter_async_context(WorkerSet(FAST_WORKERS, observer=WorkerMetrics(metrics)))
         decode_address = f"127.0.0.1:{decode.server.port}"
         workers.add_worker(f"127.0.0.1:{prefill.server.port}", "prefill")
         workers.add_worker(decode_address, "agg")  # the mistake
@@ -293,15 +294,3 @@ async def test_a_decode_sidecar_listed_as_aggregated_is_refused_and_clients_get_
             assert response.status == 503
         assert metrics.registry.get_sample_value("frontend_worker_refusals_total", {"reason": "role"}) == 1
         assert prefill.engine.book.received == decode.engine.book.received == []
-
-
-class RefusalCount:
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def worker_refused(self, worker: Worker) -> None:
-        assert worker.refusal is not None
-        self.metrics.worker_refused(worker.refusal.value)
-
-    def worker_forgotten(self, worker: Worker) -> None:
-        self.metrics.forget_worker(worker.address)

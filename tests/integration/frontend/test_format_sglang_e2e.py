@@ -17,7 +17,8 @@ import pytest
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.handler import HandlerConfig
 from testkit.faults import FaultKind, FaultPlan
-from testkit.generator import prompt_logprobs
+from testkit.generator import SamplingSpec, generate, prompt_logprobs
+from testkit.sglang_core import CHOSEN_WIDTH, chosen_row
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import vllm_stack
@@ -230,4 +231,54 @@ async def test_a_lora_adapter_while_lora_is_off_is_the_same_400_over_both_transp
                 }
             ]
             assert answer[-1] == "[DONE]"
+        assert sidecar.engine.book.received == []
+
+
+# ------------------------------------------------------------------ token_ids_logprob
+
+
+def chosen(row: Any, ids: tuple[int, ...]) -> Any:
+    return None if row is None else chosen_row(row, ids)
+
+
+@pytest.mark.parametrize("max_new", [3, 0])
+async def test_token_ids_logprob_over_an_sglang_http_worker(max_new: int) -> None:
+    # SGLang's tokenizer manager adds input_token_ids_logprobs (from logprob_start_len, the
+    # first null) and output_token_ids_logprobs (one row per output token; a prompt-only
+    # request has one for the position after the prompt).
+    async with over("sglang-http") as (fe, sidecar):
+        ids = (7, 5, 7)
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": max_new},
+            "return_logprob": True,
+            "logprob_start_len": 1,
+            "token_ids_logprob": list(ids),
+        }
+        status, answer = await post(fe, body)
+        assert status == 200
+        model = sidecar.engine.model
+        wide = SamplingSpec(max_tokens=max(max_new, 1), logprobs=CHOSEN_WIDTH)
+        generated = generate(model, PROMPT, wide, 0)
+        meta = answer["meta_info"]
+        assert answer["output_ids"] == [t.token_id for t in generated][:max_new]
+        rows = [chosen(t.logprobs, ids) for t in generated]
+        assert meta["output_token_ids_logprobs"] == rows[: max(max_new, 1)]
+        prompt_rows = prompt_logprobs(PROMPT, CHOSEN_WIDTH, model)
+        assert meta["input_token_ids_logprobs"] == [None, *(chosen(r, ids) for r in prompt_rows[2:])]
+        assert (
+            list(meta).index("output_token_ids_logprobs")
+            == list(meta).index("output_token_logprobs_length") + 2
+        )
+
+
+@pytest.mark.parametrize("worker", ["sglang-grpc", "vllm"])
+async def test_token_ids_logprob_over_a_worker_whose_wire_cannot_carry_it_is_refused_by_name(
+    worker: str,
+) -> None:
+    async with over(worker) as (fe, sidecar):
+        body = {"input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": [7]}
+        status, answer = await post(fe, body)
+        assert status == 400
+        assert answer["error"]["message"].startswith("output_options.token_ids_logprob: "), answer
         assert sidecar.engine.book.received == []

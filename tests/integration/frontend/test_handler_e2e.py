@@ -10,15 +10,19 @@ from typing import Any
 import anyio
 import pytest
 import structlog.testing
+from prometheus_client import generate_latest
 
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
-from sidecar_frontend.workers import WorkerState
+from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.server import WorkerMetrics
+from sidecar_frontend.workers import WorkerSet, WorkerState
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import SamplingSpec, generate
 from tests.e2e_helpers import until
-from tests.integration.frontend.fixtures import FrontendStack, frontend_stack, sse_events
+from tests.integration.frontend.fixtures import FAST_WORKERS, FrontendStack, frontend_stack, sse_events
+from tests.vllm_fixtures import vllm_stack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -418,3 +422,26 @@ async def test_the_request_line_of_a_refused_request_says_why_and_carries_its_id
             400,
         )
         assert line["error"] == "ids: required"
+
+
+async def test_a_drained_workers_series_leave_the_scrape_with_it() -> None:
+    async with vllm_stack() as first, vllm_stack() as second:
+        metrics = Metrics()
+        addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{second.server.port}"]
+        async with WorkerSet(FAST_WORKERS, observer=WorkerMetrics(metrics)) as workers:
+            for address in addresses:
+                workers.add_worker(address)
+            with anyio.fail_after(20):
+                await workers.wait_serving(2)
+            for address in addresses:
+                metrics.set_worker_inflight(address, 0)
+                metrics.worker_call(address, 0.1)
+                metrics.worker_failed(address, "OVERLOADED")
+            changed = workers.next_change()
+            workers.drain_worker(addresses[0])
+            while addresses[0] in workers.addresses():
+                await changed.wait()
+                changed = workers.next_change()
+        scrape = generate_latest(metrics.registry).decode()
+        assert addresses[0] not in scrape
+        assert addresses[1] in scrape

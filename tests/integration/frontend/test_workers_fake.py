@@ -240,3 +240,25 @@ async def test_a_worker_whose_health_watch_keeps_failing_is_reported_at_a_growin
     assert (first["worker"], first["dialling"]) == (address, address)
     assert "UNAVAILABLE" in first["error"]
     assert [e["next_report_secs"] for e in reports()[:4]] == [0.1, 0.2, 0.4, 0.4]
+
+
+async def test_prefill_workers_without_a_decode_worker_are_warned_about_once() -> None:
+    prefill, aggregated = ScriptedSidecar(mode="prefill"), ScriptedSidecar()
+    with structlog.testing.capture_logs() as logs:
+        async with scripted(prefill) as p, scripted(aggregated) as a, WorkerSet(FAST_WORKERS) as workers:
+            workers.add_worker(p, "prefill")
+            workers.add_worker(a)
+            with anyio.fail_after(10):
+                await workers.wait_serving(1, "prefill")
+                await workers.wait_serving(1, "agg")
+            worker = workers.get(p)
+            assert worker is not None
+            aggregated.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)  # another change
+            await until(lambda: not workers.serving("agg"), "the aggregated worker stopped serving")
+            assert workers.pick("prefill") is worker  # it serves, but nothing sends it work
+    warnings = [
+        e for e in logs if e["event"] == "prefill workers unused: no decode worker serves their model"
+    ]
+    assert len(warnings) == 1
+    assert warnings[0]["prefill_workers"] == [p]
+    assert warnings[0]["log_level"] == "warning"

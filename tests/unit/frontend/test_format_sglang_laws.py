@@ -314,7 +314,6 @@ UNCARRIED: dict[str, st.SearchStrategy[Any]] = {
     "session_id": st.text(min_size=1),
     "extra_key": st.text(min_size=1),
     "cache_salt": st.text(min_size=1),
-    "token_ids_logprob": st.lists(TOKENS, min_size=1),
     "return_sampling_mask": st.just(True),
     "require_reasoning": st.just(True),
     "input_embeds": st.just([[0.5, 0.25]]),

@@ -579,3 +579,54 @@ def test_stream_interval_sends_the_first_token_then_every_n_and_the_end(
         ctx=context(incremental=incremental),
     )
     assert [e["output_ids"] for e in events[:-1]] == expected
+
+
+def test_token_ids_logprobs_follow_the_top_logprobs_in_sglangs_shape() -> None:
+    # SGLang's tokenizer manager: input_token_ids_logprobs (first entry null) and
+    # output_token_ids_logprobs, after the top-logprob keys.
+    first = out([201], logprobs=[-0.1], prompt_logprobs=SGLANG_SIDECAR_ROWS)
+    first.token_ids_logprobs.add().entries.add(token_id=7, logprob=-2.5)
+    first.token_ids_logprobs[0].entries.add(token_id=5, logprob=-3.0)
+    first.engine_data.update(
+        {
+            "prompt_token_ids_logprobs": [
+                None,
+                [{"token_id": 7, "logprob": -1.5}, {"token_id": 5, "logprob": -1.75}],
+                [{"token_id": 7, "logprob": -4.0}, {"token_id": 5, "logprob": -0.5}],
+            ],
+        }
+    )
+    last = out([202], sidecar_pb2.LENGTH, logprobs=[-0.2], usage=(3, 2))
+    last.token_ids_logprobs.add().entries.extend(
+        [sidecar_pb2.TopLogprob(token_id=7, logprob=-0.25), sidecar_pb2.TopLogprob(token_id=5, logprob=-9.0)]
+    )
+    fields = {"return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": [7, 5]}
+    meta = body(unary(fields, first, last))["meta_info"]
+    assert list(meta) == [
+        *META_KEYS[:5],
+        *LOGPROB_KEYS,
+        "input_token_ids_logprobs",
+        "output_token_ids_logprobs",
+        *META_KEYS[5:],
+        "e2e_latency",
+        "response_sent_to_client_ts",
+    ]
+    assert meta["input_token_ids_logprobs"] == [
+        None,
+        [[-1.5, 7, None], [-1.75, 5, None]],
+        [[-4.0, 7, None], [-0.5, 5, None]],
+    ]
+    assert meta["output_token_ids_logprobs"] == [
+        [[-2.5, 7, None], [-3.0, 5, None]],
+        [[-0.25, 7, None], [-9.0, 5, None]],
+    ]
+
+
+def test_a_prompt_only_request_shows_the_row_after_the_prompt() -> None:
+    # max_new_tokens 0: SGLang scores the next position; its row comes without a token.
+    end = out([], sidecar_pb2.LENGTH, usage=(3, 0))
+    end.token_ids_logprobs.add().entries.add(token_id=7, logprob=-2.0)
+    fields = {"return_logprob": True, "token_ids_logprob": [7], "sampling_params": {"max_new_tokens": 0}}
+    meta = body(unary(fields, end))["meta_info"]
+    assert (meta["output_token_logprobs"], meta["output_token_ids_logprobs"]) == ([], [[[-2.0, 7, None]]])
+    assert meta["input_token_ids_logprobs"] == []

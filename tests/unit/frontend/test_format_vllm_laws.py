@@ -299,7 +299,8 @@ def test_a_sampling_key_is_set_downstream_exactly_when_sent(sampling: dict[str, 
 
 UNCARRIED: dict[str, tuple[str, st.SearchStrategy[Any]]] = {
     "ec_transfer_params": ("top", json_objects),
-    "features": ("top", json_objects),
+    # Shaped as vLLM's model requires (an arbitrary object is a validation error there).
+    "features": ("top", st.just({"mm_hashes": {}, "mm_placeholders": {}})),
     "content_parts": ("top", st.lists(json_objects, min_size=1, max_size=2)),
     "logprob_token_ids": ("sampling", st.lists(st.integers(0, 10), max_size=3)),
     "prompt_logprob_token_ids": ("sampling", st.lists(st.lists(st.integers(0, 10), max_size=2), max_size=2)),

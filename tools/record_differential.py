@@ -1,0 +1,403 @@
+"""Record the real servers' answers for tests/integration/frontend/test_differential.py.
+
+Runs the real vLLM 0.33.0 and SGLang 0.5.23 HTTP code (installed from PyPI into a throwaway
+virtualenv outside the repository; nothing of theirs is committed) with only the engine behind
+it replaced, sends each row of ``tests/integration/frontend/differential_{vllm,sglang}.json``
+whose ``how`` is ``"run"`` and writes what came back into the row's ``real``. Rows whose
+``how`` says ``read: ...`` were derived by reading the real code and are left alone.
+
+    python tools/record_differential.py [--venv /tmp/differential-venv] [--format vllm|sglang|all]
+
+What is real and what is a stand-in:
+
+* vLLM: the real FastAPI router (``/inference/v1/generate``), the real request models and
+  their validators, the real exception handlers and the real ``ServingTokens`` request and
+  response code. Replaced: the engine client (``generate`` draws tokens from
+  ``testkit.generator``, the same deterministic model the testkit engines serve, and raises
+  vLLM's own engine exceptions for the fault rows), the renderer (token prompts pass through)
+  and the served-model registry (one model, ``testkit-model``).
+* SGLang: the real FastAPI app of ``sglang.srt.entrypoints.http_server`` (parse stage, JSON
+  contract gate, error handlers, stream error events). Replaced: the tokenizer manager; the
+  stand-in runs the real ``GenerateReqInput.normalize_batch_and_arguments`` and the real
+  ``SamplingParams(...).normalize/verify`` and refuses to go further, so only rows refused by
+  those stages can be recorded by running; the others are ``read:`` rows.
+
+The recording is deterministic except for the fields the test normalises (ids SGLang draws,
+``created``, latencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import struct
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "integration" / "frontend"
+VLLM_VERSION = "0.33.0"
+SGLANG_VERSION = "0.5.23"
+# Import-time needs of the two servers' HTTP code (their full dependency lists pull CUDA
+# wheels); fastapi within vLLM 0.33's pin, torch the CPU build.
+RUNTIME = [
+    "torch",
+    "torchvision",
+    "pydantic>=2.12",
+    "fastapi>=0.133,<0.137",
+    "starlette",
+    "uvicorn",
+    "httpx",
+    "python-multipart",
+    "msgspec",
+    "numpy",
+    "regex",
+    "cachetools",
+    "psutil",
+    "requests",
+    "tqdm",
+    "blake3",
+    "py-cpuinfo",
+    "transformers<5.21",
+    "huggingface_hub",
+    "tokenizers",
+    "safetensors",
+    "protobuf",
+    "orjson",
+    "prometheus_client",
+    "prometheus-fastapi-instrumentator",
+    "pillow",
+    "openai",
+    "pyzmq",
+    "cloudpickle",
+    "pyyaml",
+    "einops",
+    "cbor2",
+    "ijson",
+    "pybase64",
+    "partial-json-parser",
+    "jsonschema",
+    "python-json-logger",
+    "setproctitle",
+    "watchfiles",
+    "aiohttp",
+    "sentencepiece",
+    "filelock",
+    "typing_extensions",
+    "oss-harmony",
+    "uvloop",
+    "xgrammar",
+    "llguidance",
+    "IPython",
+    "dill",
+    "compressed-tensors",
+    "gguf",
+    "soundfile",
+]
+
+
+def ensure_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    marker = venv / ".differential-ready"
+    if marker.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, *RUNTIME], check=True)
+    subprocess.run([*pip, "--no-deps", f"vllm=={VLLM_VERSION}", f"sglang=={SGLANG_VERSION}"], check=True)
+    marker.touch()
+    return python
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def capture(response: Any) -> dict[str, Any]:
+    """Status, the headers a client reads, and the body (JSON text, or the SSE payloads)."""
+    content_type = response.headers.get("content-type")
+    real: dict[str, Any] = {"status": response.status_code, "content_type": content_type}
+    text = response.content.decode()
+    if content_type and content_type.startswith("text/event-stream"):
+        assert text.endswith("\n\n"), text
+        blocks = text.split("\n\n")[:-1]
+        assert all(b.startswith("data: ") for b in blocks), blocks
+        real["events"] = [b[len("data: ") :] for b in blocks]
+    else:
+        real["body"] = text
+    return real
+
+
+def send(client: Any, request: dict[str, Any]) -> Any:
+    headers = dict(request.get("headers", {}))
+    if "json" in request:
+        content = json.dumps(request["json"]).encode()
+        headers.setdefault("content-type", "application/json")
+    else:
+        content = request.get("body", "").encode()
+    return client.request(request.get("method", "POST"), request["path"], content=content, headers=headers)
+
+
+# --------------------------------------------------------------------------------- vLLM
+
+
+def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.scale_out.token_in_token_out.api_router import attach_router
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+    from vllm.exceptions import QueueOverflowError
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from testkit.generator import Generator, ModelSpec, SamplingSpec
+
+    model = ModelSpec(vocab_size=32000, eos_token_ids=(2,), context_length=4096)
+
+    def fault_of(request_id: str) -> dict[str, Any] | None:
+        for key, row in rows_by_id.items():
+            if request_id.endswith(key):
+                fault: dict[str, Any] | None = row.get("fault")
+                return fault
+        return None
+
+    def float32(value: float) -> float:
+        # vLLM's sampler computes logprobs as float32 tensors; .tolist() widens them.
+        return float(struct.unpack("f", struct.pack("f", value))[0])
+
+    def logprobs_at(position: Any) -> dict[int, Logprob]:
+        # The engine's order: the sampled token first, then the top-k by rank.
+        entries = {position.token_id: Logprob(float32(position.logprob), position.rank)}
+        for rank, (token, logprob) in enumerate(position.top, start=1):
+            entries.setdefault(token, Logprob(float32(logprob), rank))
+        return entries
+
+    class Engine:
+        errored = False
+        dead_error = EngineDeadError()
+
+        def __init__(self) -> None:
+            self.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=256))
+            self.admission_fault: dict[str, Any] | None = None
+
+        def check_admission(self, n: int = 1) -> None:
+            if self.admission_fault and self.admission_fault["kind"] == "overloaded":
+                raise QueueOverflowError()
+
+        async def generate(self, engine_input: Any, params: Any, request_id: str, **_: Any) -> Any:
+            prompt = list(engine_input["prompt_token_ids"])
+            fault = fault_of(request_id)
+            stop_ids = tuple(params.stop_token_ids or ())
+            spec = SamplingSpec(
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                stop_token_ids=stop_ids,
+                ignore_eos=params.ignore_eos,
+                seed=params.seed,
+                n=params.n,
+                logprobs=params.logprobs,
+            )
+            delta = params.output_kind == RequestOutputKind.DELTA
+            generators = [Generator(model, tuple(prompt), spec, index) for index in range(params.n)]
+            tokens: list[list[int]] = [[] for _ in generators]
+            logprobs: list[list[dict[int, Logprob]]] = [[] for _ in generators]
+            finishes: list[Any] = [None] * len(generators)
+            sent = 0
+            while not all(g.done for g in generators):
+                for index, generator in enumerate(generators):
+                    if generator.done:
+                        continue
+                    if fault and fault["kind"] == "engine_dead" and sent >= fault["after"]:
+                        raise EngineDeadError()
+                    token = generator.step()
+                    sent += 1
+                    tokens[index].append(token.token_id)
+                    if token.logprobs is not None:
+                        logprobs[index].append(logprobs_at(token.logprobs))
+                    finishes[index] = token.finish
+                    if delta:
+                        yield output(
+                            request_id,
+                            prompt,
+                            index,
+                            [token.token_id],
+                            logprobs[index][-1:],
+                            token.finish,
+                            spec,
+                        )
+            if not delta:
+                outs = [
+                    completion(index, tokens[index], logprobs[index], finishes[index], spec)
+                    for index in range(len(generators))
+                ]
+                yield RequestOutput(request_id, None, prompt, None, outs, finished=True)
+
+    def completion(index: int, token_ids: list[int], lps: list[Any], finish: Any, spec: Any) -> Any:
+        reason = None
+        stop_reason = None
+        if finish is not None:
+            reason = finish.reason
+            # vLLM's check_stop: a stop id the request lists is its stop_reason (EOS listed there
+            # too, the issue-17 observation); an unlisted EOS stops with none.
+            if finish.matched_token_id is not None and finish.matched_token_id in spec.stop_token_ids:
+                stop_reason = finish.matched_token_id
+            elif finish.is_eos and token_ids and token_ids[-1] in spec.stop_token_ids:
+                stop_reason = token_ids[-1]
+        return CompletionOutput(
+            index=index,
+            text="",
+            token_ids=token_ids,
+            cumulative_logprob=None,
+            logprobs=lps if spec.logprobs is not None else None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+        )
+
+    def output(
+        request_id: str, prompt: list[int], index: int, token_ids: list[int], lps: Any, finish: Any, spec: Any
+    ) -> Any:
+        return RequestOutput(
+            request_id,
+            None,
+            prompt,
+            None,
+            [completion(index, token_ids, lps, finish, spec)],
+            finished=finish is not None,
+        )
+
+    class Renderer:
+        async def preprocess_completion(self, request: Any, prompt_input: Any, **_: Any) -> Any:
+            return ({"type": "token", "prompt_token_ids": prompt_input},)
+
+    engine = Engine()
+    serving = ServingTokens.__new__(ServingTokens)
+    served = types.SimpleNamespace(name="testkit-model")
+    serving.__dict__.update(
+        engine_client=engine,
+        models=types.SimpleNamespace(
+            model_name=lambda lora=None: "testkit-model",
+            base_model_paths=[served],
+            lora_requests={},
+            is_base_model=lambda name: name == "testkit-model",
+        ),
+        request_logger=None,
+        force_no_detokenize=True,  # --tokens-only
+        has_tokenizer=False,
+        online_renderer=Renderer(),
+        model_config=types.SimpleNamespace(max_model_len=4096, is_encoder_decoder=False),
+        default_sampling_params={},
+        override_max_tokens=None,
+        enable_prompt_tokens_details=False,
+        enable_log_outputs=False,
+        return_tokens_as_token_ids=False,
+        renderer=types.SimpleNamespace(tokenizer=None),
+    )
+    app = FastAPI()
+    app.state.args = types.SimpleNamespace(tokens_only=True, log_error_stack=False)
+    app.state.serving_tokens = serving
+    app.state.engine_client = engine
+    attach_router(app)
+    init_exception_handler(app)
+    client = TestClient(app, raise_server_exceptions=False)
+    client.engine = engine  # type: ignore[attr-defined]
+    return client
+
+
+# ------------------------------------------------------------------------------- SGLang
+
+
+class StopHere(Exception):
+    """The SGLang stand-in got past every stage it runs for real: the row cannot be recorded."""
+
+
+def sglang_client() -> Any:
+    from fastapi.testclient import TestClient
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    class TokenizerManager:
+        def create_abort_task(self, obj: Any) -> None:
+            return None
+
+        async def generate_request(self, obj: Any, request: Any) -> Any:
+            obj.normalize_batch_and_arguments()
+            params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
+            for sampling in params:
+                checked = SamplingParams(**sampling)
+                checked.normalize(None)
+                checked.verify(32000)
+            raise StopHere(obj)
+            yield  # an async generator, as the real one
+
+    http_server._global_state = types.SimpleNamespace(tokenizer_manager=TokenizerManager())
+    return TestClient(http_server.app, raise_server_exceptions=True)
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def dump_table(table: dict[str, Any]) -> str:
+    """One row a line, so that a re-recording shows as a per-row diff."""
+    head = {key: value for key, value in table.items() if key != "rows"}
+    lines = [json.dumps(row, ensure_ascii=False) for row in table["rows"]]
+    text = json.dumps(head, ensure_ascii=False)[:-1] + ', "rows": [\n'
+    return text + ",\n".join(lines) + "\n]}\n"
+
+
+def request_id_of(row: dict[str, Any]) -> str:
+    body = row["request"].get("json")
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    return request_id if isinstance(request_id, str) else row["name"]
+
+
+def record(fmt: str) -> None:
+    path = DATA / f"differential_{fmt}.json"
+    table = json.loads(path.read_text())
+    rows = table["rows"]
+    if fmt == "vllm":
+        rows_by_id = {request_id_of(row): row for row in rows}
+        client = vllm_client(rows_by_id)
+        version = f"vllm {VLLM_VERSION}"
+    else:
+        client = sglang_client()
+        version = f"sglang {SGLANG_VERSION}"
+    for row in rows:
+        if row["how"] != "run":
+            continue
+        if fmt == "vllm":
+            client.engine.admission_fault = row.get("fault")
+        response = send(client, row["request"])
+        row["real"] = capture(response)
+        print(f"{fmt}: {row['name']}: {row['real']['status']}", file=sys.stderr)
+    import fastapi
+    import pydantic
+
+    table["recorded_with"] = f"{version} (fastapi {fastapi.__version__}, pydantic {pydantic.VERSION})"
+    path.write_text(dump_table(table))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, default=Path("/tmp/differential-venv"))
+    parser.add_argument("--format", choices=["vllm", "sglang", "all"], default="all")
+    parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.inner:
+        python = ensure_venv(args.venv)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        command = [str(python), __file__, "--inner", "--format", args.format]
+        raise SystemExit(subprocess.run(command, env=env, check=False).returncode)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    for fmt in ("vllm", "sglang") if args.format == "all" else (args.format,):
+        record(fmt)
+
+
+if __name__ == "__main__":
+    main()
