@@ -22,7 +22,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats import sglang, sglang_model, vllm, vllm_model
 from sidecar_frontend.formats.base import Format, FormatContext, Route
 from sidecar_frontend.formats.sglang_model import ModelErrors
-from sidecar_frontend.formats.vllm_lax import Invalid
+from sidecar_frontend.formats.vllm_errors import Invalid
 
 __all__ = ["main", "microseconds_per_call"]
 

@@ -234,7 +234,8 @@ async def _serve(
                 log.info("stopped during start-up", engine=spec.name)
                 systemd.notify("STOPPING=1")
                 return EXIT_OK
-            message = err.message if isinstance(err, SidecarError) else str(err)
+            # str(): an error in the engine's own words also names the call and its status.
+            message = str(err)
             if isinstance(err, SidecarError) and err.reason in _CONFIGURATION_REASONS:
                 log.error(
                     "invalid configuration",

@@ -218,8 +218,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PEM",
-        help="dial the workers over TLS, trusting the certificates this CA signed (plaintext when "
-        "unset); re-read when the file changes",
+        help="dial the workers over TLS, trusting the certificates this CA signed; re-read when "
+        "the file changes (default: unset: plaintext)",
     )
     workers.add_argument(
         "--worker-tls-cert",
@@ -227,7 +227,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         metavar="PEM",
         help="this frontend's client certificate (chain) for workers that require mutual TLS "
-        "(--tls-client-ca); needs --worker-tls-key and --worker-tls-ca; re-read when it changes",
+        "(--tls-client-ca); needs --worker-tls-key and --worker-tls-ca; re-read when it changes "
+        "(default: unset: no client certificate)",
     )
     workers.add_argument(
         "--worker-tls-key",

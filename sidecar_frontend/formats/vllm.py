@@ -3,7 +3,7 @@
 Routes: ``POST /inference/v1/generate``; ``POST /inference/v1/abort_requests`` and its legacy
 alias ``POST /abort_requests``; ``GET /health`` and ``GET /v1/models``. Requests are parsed in
 :mod:`.vllm_request` (body and checks outside vLLM's models in :mod:`.vllm_checks`,
-``sampling_params`` in :mod:`.vllm_sampling`, lax coercions in :mod:`.vllm_lax`), responses
+``sampling_params`` in :mod:`.vllm_sampling`, the request model in :mod:`.vllm_model`), responses
 built in :mod:`.vllm_response`, error bodies in :mod:`.vllm_errors`. This module ties them to
 the :class:`~sidecar_frontend.formats.base.Format` contract and answers abort and the info
 routes. ``docs/frontend-vllm.md`` describes the format as served.

@@ -23,6 +23,7 @@ from sidecar_frontend.formats.base import HttpReply
 __all__ = [
     "DEAD_ENGINE_MESSAGE",
     "OVERLOADED_MESSAGE",
+    "Invalid",
     "Refused",
     "ValidationIssue",
     "VllmError",
@@ -77,6 +78,14 @@ def bad_request(message: str, param: str | None = None, value: object = None) ->
         extras.append(f"value={value}")
     text = f"{message} ({', '.join(extras)})" if extras else message
     return VllmError(text, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
+
+
+class Invalid(Exception):
+    """The body fails validation; ``issues`` are the problems, as vLLM lists them."""
+
+    def __init__(self, *issues: ValidationIssue) -> None:
+        super().__init__(issues[0].msg if issues else "invalid")
+        self.issues = issues
 
 
 class Refused(Exception):

@@ -35,8 +35,7 @@ from pydantic import (
 from pydantic_core import core_schema
 
 from sidecar_frontend.formats.vllm_checks import check_cache_salt
-from sidecar_frontend.formats.vllm_errors import ValidationIssue
-from sidecar_frontend.formats.vllm_lax import Fields, Invalid
+from sidecar_frontend.formats.vllm_errors import Invalid, ValidationIssue
 from sidecar_frontend.formats.vllm_sampling import SamplingParams as CheckedSampling
 
 __all__ = ["GenerateRequest", "SamplingParams", "validate_generate"]
@@ -127,7 +126,7 @@ class SamplingParams:
 
     def __init__(self, values: dict[str, object]) -> None:
         self.values = values  # only the keys the client sent, coerced
-        self.checked = CheckedSampling(values, Fields({}))
+        self.checked = CheckedSampling(values)
 
     @classmethod
     def __get_pydantic_core_schema__(

@@ -32,13 +32,13 @@ from sidecar_frontend.formats.vllm_checks import (
     read_body,
 )
 from sidecar_frontend.formats.vllm_errors import (
+    Invalid,
     Refused,
     VllmError,
     bad_request,
     uncarried,
     validation_reply,
 )
-from sidecar_frontend.formats.vllm_lax import Invalid
 from sidecar_frontend.formats.vllm_model import GenerateRequest, validate_generate
 
 __all__ = ["REQUEST_ID_PREFIX", "ChoiceEnd", "VllmOptions", "parse_generate"]

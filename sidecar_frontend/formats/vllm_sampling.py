@@ -1,4 +1,4 @@
-"""vLLM's ``sampling_params`` object: coerced, checked and carried onto ``sidecar.v1`` (pure).
+"""vLLM's ``sampling_params`` object: checked and carried onto ``sidecar.v1`` (pure).
 
 The checks are vLLM's ``SamplingParams`` ones, in its order (the first failure is the
 answer, in vLLM's ``BadRequestError`` form). :meth:`SamplingParams.fill` sets only the keys
@@ -8,23 +8,13 @@ applies its own defaults, as vLLM does for a key the client did not send.
 
 from __future__ import annotations
 
-from typing import Final, TypeVar
+from collections.abc import Mapping
+from typing import Final, TypeVar, cast
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.vllm_errors import Refused, ValidationIssue, bad_request, uncarried
-from sidecar_frontend.formats.vllm_lax import (
-    Fields,
-    Invalid,
-    as_bool,
-    as_dict,
-    as_float,
-    as_int,
-    as_int_list,
-    as_str_list,
-    nullable,
-)
+from sidecar_frontend.formats.vllm_errors import Refused, bad_request, uncarried
 
-__all__ = ["UINT32_MAX", "SamplingParams", "not_an_instance"]
+__all__ = ["UINT32_MAX", "SamplingParams"]
 
 T = TypeVar("T")
 
@@ -49,55 +39,47 @@ _UNCARRIED: Final = (
 
 
 class SamplingParams:
-    """``sampling_params`` coerced field by field, then checked as vLLM's SamplingParams is."""
+    """``sampling_params`` as pydantic validated it (``vllm_model``), checked as vLLM's is.
 
-    def __init__(self, data: dict[str, object], parent: Fields) -> None:
-        f = Fields(data, "body.sampling_params")
-        self._fields = f
-        self._n = f.get("n", as_int)
+    ``values`` holds only the keys the client sent, already of their declared types; the
+    checks below are vLLM's own (``SamplingParams.__post_init__``), not pydantic's.
+    """
+
+    def __init__(self, values: Mapping[str, object]) -> None:
+        self._values = values
+        self._n = _typed(values, "n", int)
         self.n = 1
-        self.presence_penalty = f.get("presence_penalty", as_float)
-        self.frequency_penalty = f.get("frequency_penalty", as_float)
-        self.repetition_penalty = f.get("repetition_penalty", as_float)
-        self.temperature = f.get("temperature", as_float)
-        f.get("watermarking", nullable(as_bool))
-        self.top_p = f.get("top_p", as_float)
-        self.top_k = f.get("top_k", as_int)
-        self.min_p = f.get("min_p", as_float)
-        self.seed = f.get("seed", nullable(as_int))
-        self.stop = f.get("stop", nullable(_stop))
-        self.stop_token_ids = f.get("stop_token_ids", nullable(as_int_list))
-        self.ignore_eos = f.get("ignore_eos", as_bool)
-        self.max_tokens = f.get("max_tokens", nullable(as_int))
-        self.min_tokens = f.get("min_tokens", as_int)
-        self.logprobs = f.get("logprobs", nullable(as_int))
-        self.prompt_logprobs = f.get("prompt_logprobs", nullable(as_int))
-        f.get("prompt_logprob_start", nullable(as_int))
-        f.get("logprob_token_ids", nullable(as_int_list))
-        f.get("flat_logprobs", as_bool)
-        detokenize = f.get("detokenize", as_bool)
+        self.presence_penalty = _typed(values, "presence_penalty", float)
+        self.frequency_penalty = _typed(values, "frequency_penalty", float)
+        self.repetition_penalty = _typed(values, "repetition_penalty", float)
+        self.temperature = _typed(values, "temperature", float)
+        self.top_p = _typed(values, "top_p", float)
+        self.top_k = _typed(values, "top_k", int)
+        self.min_p = _typed(values, "min_p", float)
+        self.seed = _typed(values, "seed", int)
+        stop = values.get("stop")  # a string or a list of them
+        self.stop = [stop] if isinstance(stop, str) else cast("list[str] | None", stop)
+        self.stop_token_ids: list[int] | None = _typed(values, "stop_token_ids", list)
+        self.ignore_eos = _typed(values, "ignore_eos", bool)
+        self.max_tokens = _typed(values, "max_tokens", int)
+        self.min_tokens = _typed(values, "min_tokens", int)
+        self.logprobs = _typed(values, "logprobs", int)
+        self.prompt_logprobs = _typed(values, "prompt_logprobs", int)
+        detokenize = _typed(values, "detokenize", bool)
         self.detokenize = True if detokenize is None else detokenize
-        self.skip_special_tokens = f.get("skip_special_tokens", as_bool)
-        f.get("spaces_between_special_tokens", as_bool)
-        self.include_stop_str_in_output = f.get("include_stop_str_in_output", as_bool)
-        self.stream_interval = f.get("stream_interval", nullable(as_int))
-        f.get("skip_reading_prefix_cache", nullable(as_bool))
-        self.logit_bias = f.get("logit_bias", nullable(_logit_bias))
-        f.get("allowed_token_ids", nullable(as_int_list))
-        self.extra_args = f.get("extra_args", nullable(as_dict))
-        self.bad_words = f.get("bad_words", nullable(as_str_list))
-        if f.issues:
-            # vLLM's schema is "a SamplingParams instance, or an object": both branches report.
-            parent.issues.append(not_an_instance(data, f.loc))
-            parent.issues.extend(f.issues)
-        else:
-            self._verify()
+        self.skip_special_tokens = _typed(values, "skip_special_tokens", bool)
+        self.include_stop_str_in_output = _typed(values, "include_stop_str_in_output", bool)
+        self.stream_interval = _typed(values, "stream_interval", int)
+        self.logit_bias: dict[int, float] | None = _typed(values, "logit_bias", dict)
+        self.extra_args: dict[str, object] | None = _typed(values, "extra_args", dict)
+        self.bad_words: list[str] | None = _typed(values, "bad_words", list)
+        self._verify()
 
     def present(self, name: str) -> bool:
-        return self._fields.present(name)
+        return name in self._values
 
     def raw(self, name: str) -> object:
-        return self._fields.raw(name)
+        return self._values.get(name)
 
     def _verify(self) -> None:
         """vLLM's SamplingParams checks, in its order: the first failure is the answer."""
@@ -286,39 +268,11 @@ def _logprob_count(name: str, value: int) -> int:
     return _fits(name, value, 0, UINT32_MAX)
 
 
-def not_an_instance(value: object, loc: str) -> ValidationIssue:
-    return ValidationIssue(
-        "is_instance_of",
-        loc,
-        "Input should be an instance of SamplingParams",
-        value,
-        {"class": "SamplingParams"},
-    )
-
-
-def _stop(value: object, loc: str) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return as_str_list(value, loc)
-    raise Invalid(
-        ValidationIssue("string_type", loc, "Input should be a valid string", value),
-        ValidationIssue("list_type", loc, "Input should be a valid list", value),
-    )
-
-
-def _logit_bias(value: object, loc: str) -> dict[int, float]:
-    raw = as_dict(value, loc)
-    result: dict[int, float] = {}
-    issues: list[ValidationIssue] = []
-    for key, bias in raw.items():
-        try:
-            result[as_int(key, f"{loc}.{key}")] = as_float(bias, f"{loc}.{key}")
-        except Invalid as err:
-            issues.extend(err.issues)
-    if issues:
-        raise Invalid(*issues)
-    return result
+def _typed(values: Mapping[str, object], name: str, kind: type[T]) -> T | None:
+    """A validated value (pydantic made it ``kind``), or None when not sent or sent as null."""
+    value = values.get(name)
+    assert value is None or isinstance(value, kind), (name, value)
+    return value
 
 
 def _check_extra_args(extra: dict[str, object]) -> None:
