@@ -14,8 +14,9 @@ Either way the process exits 0, because it stopped as asked.
 A start-up failure is one log line (no traceback for an expected failure such as an engine
 that cannot be reached) and exit code 1, after closing whatever had been opened. When the
 engine's answer shows the configuration cannot work (it speaks another protocol: a wrong port
-or --transport; its disaggregation mode is not ours), the line is "invalid configuration" and
-the exit code 2, as for a bad flag: restarting with the same flags cannot help.
+or --transport; it is a server of another kind; its disaggregation mode is not ours), the line
+is "invalid configuration" and the exit code 2, as for a bad flag: restarting with the same
+flags cannot help.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
+import grpc
 import structlog
 from anyio.abc import TaskGroup
 
@@ -69,6 +71,19 @@ _STARTUP_SLACK: Final = 30.0
 _CONFIGURATION_REASONS: Final = frozenset({ErrorReason.PROTOCOL_ERROR, ErrorReason.INVALID_ARGUMENT})
 
 log = structlog.get_logger("sidecar_common.daemon")
+
+
+def _is_configuration_mistake(err: SidecarError) -> bool:
+    """A start-up failure restarting cannot cure: the engine answered, and what it said shows
+    the flags do not fit it."""
+    if err.reason in _CONFIGURATION_REASONS:
+        return True
+    # A server of another kind (SGLang's port given to sidecar-vllm) or without the engine's
+    # service answers its RPCs UNIMPLEMENTED. The typed error (UNKNOWN, as the status table
+    # says) keeps the code only in its words; the grpc error it was made from is its context.
+    context = err.__context__
+    code = getattr(context, "code", None)
+    return isinstance(context, grpc.RpcError) and callable(code) and code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 class _StartupFailed(Exception):
@@ -236,7 +251,7 @@ async def _serve(
                 return EXIT_OK
             # str(): an error in the engine's own words also names the call and its status.
             message = str(err)
-            if isinstance(err, SidecarError) and err.reason in _CONFIGURATION_REASONS:
+            if isinstance(err, SidecarError) and _is_configuration_mistake(err):
                 log.error(
                     "invalid configuration",
                     engine=spec.name,

@@ -338,10 +338,12 @@ def parse_with_env(
         if dest not in unset:
             continue
         unset.discard(dest)  # the first action of a shared destination decides, as in argparse
-        value = _default(parser, action)
+        default = value = _default(parser, action)
         for env_action, var, raw in env_vars.get(dest, ()):
-            value = _from_env(parser, env_action, var, raw, _default(parser, action))
-            from_env[dest] = var
+            value = _from_env(parser, env_action, var, raw, default)
+            # A switch its variable turns off (SIDECAR_X=false) is not a flag someone set.
+            if env_action.nargs != 0 or value != default:
+                from_env[dest] = var
         setattr(namespace, dest, value)
     options: dict[str, str] = {}
     for action in optionals:

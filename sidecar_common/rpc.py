@@ -6,6 +6,7 @@ catches a call that ignores it. Failures come out as typed errors, named after t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Final, Generic, TypeVar
 
@@ -83,17 +84,21 @@ async def probe(
     operator's log lines, in both cases."""
     why = f"no health check answer within {timeout + GRACE:g}s"
     late = True
-    with anyio.move_on_after(timeout + GRACE):
-        try:
+    # asyncio's own timeout: the health watch runs this in a plain asyncio task, where an
+    # anyio scope's cancel could outlive the scope and end the task.
+    try:
+        async with asyncio.timeout(timeout + GRACE):
             await attempt(timeout)
             return True
-        except grpc.RpcError as err:
-            why = from_rpc_error("HealthCheck", err).message
-            late = getattr(err, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED
-        except SidecarError as err:
-            why, late = err.message, False
-        except NotHealthy as err:
-            why, late = str(err), False
+    except TimeoutError:
+        pass
+    except grpc.RpcError as err:
+        why = from_rpc_error("HealthCheck", err).message
+        late = getattr(err, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED
+    except SidecarError as err:
+        why, late = err.message, False
+    except NotHealthy as err:
+        why, late = str(err), False
     if on_failure is not None:
         on_failure(why)
     if late:

@@ -406,7 +406,10 @@ class SidecarServer:
         """One bounded probe of the engine, and why it did not find it healthy."""
         timeout = self._config.health_probe_timeout
         try:
-            with anyio.fail_after(timeout):
+            # asyncio's own timeout, not an anyio scope: these probes run in plain asyncio
+            # tasks, where an anyio scope's repeated cancel delivery could outlive the scope
+            # (seen under CPU starvation: a stray CancelledError ended the probing task).
+            async with asyncio.timeout(timeout):
                 ok = await self._engine.healthy()
         except TimeoutError as exc:
             return Probe.LATE, str(exc) or f"no health check answer within {timeout:g}s"
@@ -461,7 +464,14 @@ class SidecarServer:
         check = self._fault_check
         if check is None or check.done():
             check = self._fault_check = asyncio.get_running_loop().create_task(self._probe_after_fault())
-        probe, why = await asyncio.shield(check)
+        try:
+            probe, why = await asyncio.shield(check)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this call is being cancelled (the client left, the server stops)
+            # Only the shared probing was cut short: no verdict, the failure stands.
+            return error
         return after_engine_fault(error, probe, why) or error
 
     async def _probe_after_fault(self) -> tuple[Probe, str]:
@@ -469,15 +479,20 @@ class SidecarServer:
         probe's outcome. A confirmed departure also turns health NOT_SERVING at once: no new
         request should follow the failed ones there."""
         window = self._config.engine_fault_window
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
         probe, why = Probe.LATE, "no health check answer in time"
-        with anyio.move_on_after(window):
-            while True:
-                probe, why = await self._probe_engine()
-                if probe is Probe.UNHEALTHY:
-                    self._streak.reset(False)
-                    self._set_engine_ok(False, why)
-                    break
-                await anyio.sleep(window / 10)
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    probe, why = await self._probe_engine()
+                    if probe is Probe.UNHEALTHY:
+                        self._streak.reset(False)
+                        self._set_engine_ok(False, why)
+                        break
+                    await asyncio.sleep(window / 10)
+        except TimeoutError:
+            pass  # the window closed: the last probe's outcome stands
         return probe, why
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:

@@ -6,6 +6,7 @@ transport uses; :mod:`sidecar_sglang.sse` frames the byte stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -174,7 +175,9 @@ class SglangHttpEngine(SglangAdapterBase):
             ) from None
 
     async def _health_check(self, timeout: float) -> None:
-        with anyio.fail_after(timeout):
+        # asyncio's own timeout: the server's health watch runs this in a plain asyncio task
+        # (see sidecar_common.rpc.probe).
+        async with asyncio.timeout(timeout):
             async with self._control().get(f"{self._base}/health") as resp:
                 if resp.status >= 500:
                     raise _NotHealthy(f"GET /health answered HTTP {resp.status}")

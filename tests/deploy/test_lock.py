@@ -85,3 +85,14 @@ def test_every_install_path_installs_under_the_lock() -> None:
     assert "--no-build-isolation" in dockerfile, "the wheel is built with the locked setuptools"
     # CI installs through make setup, so through the lock.
     assert "make setup" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_build_survives_setuptools_removing_the_license_table() -> None:
+    # setuptools removes the `license = {text = ...}` table form after 2027-02-18; the SPDX
+    # string (PEP 639) is read from setuptools 77 on. The range has an upper bound, so a later
+    # major release cannot change a build until the bound is moved.
+    assert isinstance(PYPROJECT["project"]["license"], str)
+    (backend,) = [Requirement(r) for r in PYPROJECT["build-system"]["requires"] if r.startswith("setuptools")]
+    assert not backend.specifier.contains("76.1.0")
+    assert backend.specifier.contains("77.0.3")
+    assert any(spec.operator in ("<", "<=", "==", "~=") for spec in backend.specifier), "no upper bound"

@@ -834,6 +834,8 @@ MISTAKES: list[tuple[list[str], dict[str, str], int, str]] = [
     ([*VLLM, "--listen", "host.invalid:0"], {}, 1, "does not resolve"),
     (["sidecar", "sglang", "--transport", "http", "--http-endpoint", "{sglang_grpc}", *LOCAL], {}, 2,
      "does not speak HTTP/1.1"),
+    (["sidecar", "vllm", "--grpc-endpoint", "{sglang_grpc}", *LOCAL], {}, 2,
+     "(HealthCheck): Method not found! (UNIMPLEMENTED)"),
     # The umbrella command.
     (["sidecar"], {}, 2, "an engine name is required"),
     (["sidecar", "nosuch"], {}, 2, "unknown engine 'nosuch'"),

@@ -97,6 +97,12 @@ async def test_a_reduced_soak_under_a_cpu_hog_fails_no_fault_free_request(
         for res in results:
             check_one(res, tally, aborts.get(res.plan.public_id, 0), ends.get(res.plan.public_id))
         # check_one flags any fault-free request that failed ("a fault-free request failed").
+        # It accepts any deadline expiry; here a request with the soak's long deadline that
+        # was not hung by its fault must have ended before it.
+        for res in results:
+            hung = res.plan.fault is not None and res.plan.fault.kind is FaultKind.HANG
+            if res.ended.code is grpc.StatusCode.DEADLINE_EXCEEDED and not hung and res.plan.deadline >= 30:
+                tally.bad(res.plan, "ran into its 30 s deadline although nothing held it")
         assert not tally.problems, "\n".join(tally.problems)
         fault_free_ok = [
             res

@@ -123,3 +123,9 @@ def test_metrics_host_and_models_default_to_none_and_the_listen_host_is_used_for
     env = {"SIDECAR_FRONTEND_METRICS_HOST": "::1", "SIDECAR_FRONTEND_MODEL": "m"}
     config = parse_config(["--worker", "127.0.0.1:50061"], env)
     assert (config.metrics_host, config.worker_set.models) == ("::1", frozenset({"m"}))
+
+
+def test_a_switch_its_variable_turns_off_is_not_a_flag_that_does_not_apply() -> None:
+    off = {"SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "false"}
+    config = parse_config(["--worker", "a:1", "--format", "vllm"], off)
+    assert config.handler.sglang_incremental_streaming_output is False
