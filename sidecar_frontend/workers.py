@@ -94,9 +94,12 @@ class WorkerSetConfig:
     retire_grace: float = 3600.0
     # A worker whose TLS handshake fails is tried again after this, doubling up to the cap.
     tls_refused_retry: tuple[float, float] = (1.0, 30.0)
-    # One connection round (the pool reports as it dials); an unreachable worker is dialled
-    # round after round until drained. Also how long a redial with rotated TLS files may take.
-    connect_round_secs: float = 30.0
+    # One connection round: the pool reports as it dials (at once, then at a doubling
+    # interval up to 30 s), so a long round keeps a dead worker to about two lines a minute;
+    # an unreachable worker is dialled round after round until drained.
+    connect_round_secs: float = 300.0
+    # How long a redial with rotated TLS files may take before the old connections are kept.
+    redial_secs: float = 30.0
 
 
 class WorkerState(enum.Enum):
@@ -737,7 +740,7 @@ class WorkerSet:
         finish there (closed when they end, at most ``retire_grace`` later)."""
         pool = self._new_pool(worker.address)
         try:
-            await pool.connect(Deadline.start(pool.clock, self._config.connect_round_secs))
+            await pool.connect(Deadline.start(pool.clock, self._config.redial_secs))
         except (SidecarError, TlsHandshakeError) as err:
             await pool.close()
             log.warning(
