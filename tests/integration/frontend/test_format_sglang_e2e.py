@@ -235,6 +235,33 @@ async def test_a_lora_adapter_while_lora_is_off_is_the_same_400_over_both_transp
         assert sidecar.engine.book.received == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_adapter_sglang_never_loaded_is_its_400_over_http(stream: bool) -> None:
+    # SGLang's tokenizer manager (_resolve_lora_path) raises a ValueError for a name not in its
+    # lora_ref_cache; the HTTP server answers it as any refusal. (Over SGLang's gRPC wire the
+    # same refusal is INTERNAL: docs/frontend-sglang.md, "Where we differ".)
+    async with over("sglang-http", lora_paths=("sql",)) as (fe, _):
+        words = "Got LoRA adapter that has never been loaded: chat\nAll loaded adapters: dict_keys(['sql'])."
+        status, answer = await post(fe, {"input_ids": PROMPT, "lora_path": "chat", "stream": stream})
+        if not stream:
+            assert (status, answer) == (400, {"error": {"message": words}})
+        else:
+            assert status == 200
+            assert [json.loads(e) for e in answer[:-1]] == [
+                {
+                    "error": {
+                        "message": words,
+                        "type": "invalid_request_error",
+                        "code": 400,
+                        "retryable": False,
+                    }
+                }
+            ]
+            assert answer[-1] == "[DONE]"
+        status, answer = await post(fe, {"input_ids": PROMPT, "lora_path": "sql"})
+        assert status == 200, answer
+
+
 # ------------------------------------------------------------------ token_ids_logprob
 
 
