@@ -587,7 +587,7 @@ class _Exchange:
         with anyio.move_on_after(self.frontend.config.worker_wait if tried else 0.0):
             while True:
                 changed = workers.next_change()
-                if workers.serving("prefill", self.model) and workers.serving("decode", self.model):
+                if workers.has_serving("prefill", self.model) and workers.has_serving("decode", self.model):
                     prefill = self._pick("prefill", tried)
                     decode = self._pick("decode", tried)
                     if prefill is not None and decode is not None:
