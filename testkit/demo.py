@@ -263,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ChildExited, NotReady) as failure:
         print(f"demo failed: {failure}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C reached every child too; the ones still running were stopped on the way out.
+        print("demo interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

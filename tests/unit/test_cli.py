@@ -425,3 +425,55 @@ def test_console_tracebacks_are_plain_without_locals() -> None:
     assert "RuntimeError: boom with 1 credential" in text
     assert "not-for-logs" not in text
     assert len(text.splitlines()) < 10
+
+
+# --- the flag library (sidecar_common.flags) --------------------------------------------------
+
+
+def test_where_each_value_came_from() -> None:
+    from sidecar_common.flags import flag_sources
+
+    _, ns = parse(
+        [*ENDPOINT, "--chunk-tokens", "9"], {"SIDECAR_TRANSPORT": "http", "SIDECAR_CHUNK_TOKENS": "7"}
+    )
+    sources = flag_sources(ns)
+    assert (ns.chunk_tokens, ns.transport) == (9, "http")
+    assert sources.is_set("chunk_tokens")
+    assert "chunk_tokens" not in sources.env  # the flag won
+    assert sources.env["transport"] == "SIDECAR_TRANSPORT"
+    assert not sources.is_set("incremental")  # a default is not set
+    assert sources.option("grpc_endpoint") == "--grpc-endpoint"
+
+
+@pytest.mark.parametrize(
+    ("default", "shown"),
+    [(None, "unset"), (True, "on"), (False, "off"), ([], "none"), (("a", "b"), "a,b"), (30.0, "30"),
+     (0.5, "0.5"), (8, "8"), ("0.0.0.0:1", "0.0.0.0:1")],
+)  # fmt: skip
+def test_defaults_as_help_shows_them(default: object, shown: str) -> None:
+    from sidecar_common.flags import shown_default
+
+    assert shown_default(default) == shown
+
+
+def test_a_shared_destination_takes_the_first_flags_default_as_argparse_does() -> None:
+    from sidecar_common.flags import FlagParser, parse_with_env
+
+    parser = FlagParser(prog="p")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--incremental", dest="incremental", action="store_true", default=False)
+    group.add_argument("--cumulative", dest="incremental", action="store_false")
+    assert parse_with_env(parser, [], {}, None).incremental is False
+    assert parse_with_env(parser, ["--incremental"], {}, None).incremental is True
+    assert parse_with_env(parser, ["--cumulative"], {}, None).incremental is False
+
+
+def test_a_usage_error_names_only_the_variables_of_flags_it_names(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(
+        capsys,
+        ["--grpc-endpoint", "h:1", "--metrics-host", "h"],
+        {"SIDECAR_ADVERTISE": "a:1", "SIDECAR_LISTEN": "b:2"},
+    )
+    # --metrics-host came from the command line: no variable to name; the others are not named.
+    assert "--metrics-host needs --metrics-port" in err
+    assert "SIDECAR_" not in err
