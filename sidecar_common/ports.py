@@ -20,14 +20,18 @@ def shown_address(host: str, port: int) -> str:
 
 
 def bind_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on now, or None when a bind succeeds. Binds (and
-    closes) a socket the way servers do on Linux (SO_REUSEADDR, so that a port whose last
-    connections are in TIME_WAIT counts as free). Port 0 always succeeds: the OS picks one."""
+    """Why ``host:port`` cannot be listened on now, or None. Binds (and closes) a socket per
+    address the host resolves to, the way servers do on Linux (SO_REUSEADDR, so that a port
+    whose last connections are in TIME_WAIT counts as free). As grpc does, one address that
+    binds is enough (``localhost`` in a container without IPv6 still serves on 127.0.0.1),
+    but one that another process holds is a conflict. With port 0 (the OS picks one) only the
+    host is checked."""
     where = shown_address(host, port)
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         return f"cannot listen on {where}: the host does not resolve ({err.strerror})"
+    failures: list[OSError] = []
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -36,9 +40,12 @@ def bind_problem(host: str, port: int) -> str | None:
             except OSError as err:
                 if err.errno == errno.EADDRINUSE:
                     return f"cannot listen on {where}: the address is in use by another process"
-                if err.errno == errno.EADDRNOTAVAIL:
-                    return f"cannot listen on {where}: not an address of this host"
-                if err.errno == errno.EACCES:
-                    return f"cannot listen on {where}: permission denied (a port below 1024 needs privileges)"
-                return f"cannot listen on {where}: {err.strerror or err}"
-    return None
+                failures.append(err)
+    if not failures or len(failures) < len(infos):
+        return None
+    first = failures[0]
+    if first.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {where}: not an address of this host"
+    if first.errno == errno.EACCES:
+        return f"cannot listen on {where}: permission denied (a port below 1024 needs privileges)"
+    return f"cannot listen on {where}: {first.strerror or first}"

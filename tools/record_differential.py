@@ -7,6 +7,12 @@ whose ``how`` is ``"run"`` and writes what came back into the row's ``real``. Ro
 ``how`` says ``read: ...`` were derived by reading the real code and are left alone.
 
     python tools/record_differential.py [--venv /tmp/differential-venv] [--format vllm|sglang|all]
+    python tools/record_differential.py --random 400   # the random-body tables instead
+
+``--random N`` draws N bodies per format from a fixed seed (lax and wrong values for the
+request fields) and records the real answer to each into
+``tests/unit/frontend/data/validation_random_{vllm,sglang}.json``, which
+``tests/unit/frontend/test_format_validation_random.py`` compares with the format plugins.
 
 What is real and what is a stand-in:
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -43,11 +50,13 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "integration" / "frontend"
 VLLM_VERSION = "0.33.0"
 SGLANG_VERSION = "0.5.23"
-# Import-time needs of the two servers' HTTP code (their full dependency lists pull CUDA
-# wheels); fastapi within vLLM 0.33's pin, torch the CPU build.
+# Import-time needs of the two servers' HTTP code (not their full dependency lists); fastapi
+# within vLLM 0.33's pin. torch and torchvision as a pair PyPI builds for each other (SGLang's
+# imports need torchvision; PyPI's torchvision 0.28 does not load on the CPU-only torch 2.13
+# build): about 7 GB of venv, nothing of it used beyond imports.
 RUNTIME = [
-    "torch",
-    "torchvision",
+    "torch==2.14.1",
+    "torchvision==0.29.1",
     "pydantic>=2.12",
     "fastapi>=0.133,<0.137",
     "starlette",
@@ -383,20 +392,107 @@ def record(fmt: str) -> None:
     path.write_text(dump_table(table))
 
 
+# ------------------------------------------------------------------------- random bodies
+
+RANDOM_DATA = REPO / "tests" / "unit" / "frontend" / "data"
+_VALUES: list[Any] = [0, 1, -1, 2, 3, 5.0, 2.5, -0.5, "3", "2.5", "yes", "x", "", True, False, None]
+_VALUES += [2**63, [], {}, [1], ["a"], {"a": 1}, 1e30, [None], [1, "a"], [[1], [2.5]]]
+_VLLM_SAMPLING = [
+    *("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature"),
+    *("watermarking", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"),
+    *("max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens"),
+    *("include_stop_str_in_output", "output_kind", "stream_interval", "logit_bias", "bad_words"),
+    *("extra_args", "structured_outputs", "unknown_key"),
+]
+_VLLM_TOP = [
+    *("request_id", "token_ids", "sampling_params", "model", "reasoning_ended"),
+    *("reasoning_parser_kwargs", "return_token_ids", "output_mode", "stream", "stream_options"),
+    *("priority", "kv_transfer_params", "ec_transfer_params", "content_parts", "features"),
+    *("token_offsets", "unknown"),
+]
+_SGLANG_TOP = [
+    *("rid", "text", "input_ids", "sampling_params", "stream", "return_logprob"),
+    *("logprob_start_len", "top_logprobs_num", "lora_path", "session_params"),
+    *("return_text_in_logprobs", "return_prompt_token_ids", "log_metrics", "priority"),
+    *("custom_logit_processor", "return_hidden_states", "data_parallel_rank", "bootstrap_port"),
+    *("extra_key", "routing_key", "token_ids_logprob", "custom_labels", "modalities"),
+    "max_thinking_tokens",
+]
+
+
+def random_bodies(fmt: str, count: int) -> list[Any]:
+    import random
+
+    rng = random.Random(f"{fmt}-17")
+    bodies: list[Any] = []
+    for _ in range(count):
+        if fmt == "vllm":
+            body: dict[str, Any] = {"token_ids": [5, 6, 7], "sampling_params": {}}
+            for key in rng.sample(_VLLM_TOP, rng.randint(0, 3)):
+                if key == "sampling_params" and rng.random() < 0.8:
+                    names = rng.sample(_VLLM_SAMPLING, rng.randint(1, 4))
+                    body[key] = {name: rng.choice(_VALUES) for name in names}
+                else:
+                    body[key] = rng.choice(_VALUES)
+        else:
+            body = {"input_ids": [5, 6, 7]}
+            for key in rng.sample(_SGLANG_TOP, rng.randint(1, 3)):
+                body[key] = rng.choice(_VALUES)
+        bodies.append(body)
+    return bodies
+
+
+def record_random(fmt: str, count: int) -> None:
+    client = vllm_client({}) if fmt == "vllm" else sglang_client()
+    path = "/inference/v1/generate" if fmt == "vllm" else "/generate"
+    rows = []
+    for body in random_bodies(fmt, count):
+        request = {"method": "POST", "path": path, "json": body}
+        try:
+            real = capture(send(client, request))
+        except StopHere:
+            real = {"status": None}  # past every stage the SGLang stand-in runs
+        if real.get("status") == 200:
+            real = {"status": 200}  # an accepted body: the generation itself is not compared here
+        elif "body" in real and real["body"].startswith('{"object":"error"'):
+            # Cut what FastAPI appends to SGLang's parse-stage message: the server's file path
+            # and line, and the list again (tests/integration/frontend/test_differential.py).
+            error = json.loads(real["body"])
+            error["message"] = error["message"].split("\n\n  File ", 1)[0]
+            real["body"] = json.dumps(error, ensure_ascii=False, separators=(",", ":"))
+        rows.append({"body": body, "real": real})
+    import fastapi
+    import pydantic
+
+    version = VLLM_VERSION if fmt == "vllm" else SGLANG_VERSION
+    table = {
+        "format": fmt,
+        "recorded_with": f"{fmt} {version} (fastapi {fastapi.__version__}, pydantic {pydantic.VERSION})",
+        "rows": rows,
+    }
+    RANDOM_DATA.mkdir(exist_ok=True)
+    (RANDOM_DATA / f"validation_random_{fmt}.json").write_text(dump_table(table))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=Path("/tmp/differential-venv"))
     parser.add_argument("--format", choices=["vllm", "sglang", "all"], default="all")
+    parser.add_argument("--random", type=int, default=0, metavar="N", help="record N random bodies")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.inner:
         python = ensure_venv(args.venv)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        command = [str(python), __file__, "--inner", "--format", args.format]
+        command = [str(python), __file__, "--inner", "--format", args.format, "--random", str(args.random)]
         raise SystemExit(subprocess.run(command, env=env, check=False).returncode)
     asyncio.set_event_loop(asyncio.new_event_loop())
+    logging.disable(logging.CRITICAL)  # the servers log every refusal
     for fmt in ("vllm", "sglang") if args.format == "all" else (args.format,):
-        record(fmt)
+        if args.random:
+            record_random(fmt, args.random)
+        else:
+            record(fmt)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ an object of its fields". This module states the same fields, types, bounds and 
 in our own words, so that pydantic itself produces the error list (its order, types,
 messages and union branches) instead of a hand emulation of it. The field lists follow
 vLLM's ``GenerateRequest`` and ``SamplingParams``; where a nested model of vLLM's is only
-refused or ignored here (``parse_context``'s chat tools, multimodal ``features``), the
-shape is kept and the deep content is not checked (see ``docs/decisions.md``).
+refused or ignored here, its deeper checks are left out (``parse_context``'s typed chat
+fields; the cross-field validators of ``features``, ``structured_outputs`` and
+``repetition_detection``; see ``docs/decisions.md``).
 
 Two kinds of checks are not pydantic's and stay hand code: the cache-salt check vLLM runs
 before validation, and the sampling checks vLLM's ``SamplingParams.__post_init__`` raises as

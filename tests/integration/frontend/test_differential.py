@@ -16,8 +16,9 @@ each answer was obtained is in its row's ``how``:
 Rows that fail today because of a known bug carry ``xfail`` (issue 17's bullet): they are
 marked ``xfail(strict=True)``, so they turn into failures the moment the bug is fixed and the
 marker must come off. Only what the real server itself varies is normalised before comparing
-(vLLM's ``created`` clock, and the server-install-dependent endpoint context FastAPI appends
-to SGLang's parse-stage messages; see ``_normalise``).
+(vLLM's ``created`` clock, SGLang's latencies, and the server-install-dependent endpoint context
+FastAPI appends to SGLang's parse-stage messages; see ``_normalise``). A row's ``compare``
+narrows what is compared, and its ``note`` says why or what in it is the stand-in's.
 
 The requests go over loopback to the frontend (aiohttp) -> sidecar -> testkit engine: vLLM
 rows over a vLLM sidecar, SGLang rows over an SGLang sidecar on SGLang's HTTP transport.
