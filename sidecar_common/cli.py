@@ -3,7 +3,9 @@
 Every flag ``--foo-bar`` (the engine's own included) can also come from ``SIDECAR_FOO_BAR``:
 a flag beats its variable, a variable beats the default, and a variable with a bad value is
 a usage error that names the variable. Every refusal here (bad numbers, a bad endpoint or
-listen address) exits 2 before any network I/O.
+listen address, TLS files that cannot work, a flag the chosen mode does not use) is one line
+and exit 2 before any network I/O; the machinery is sidecar_common.flags, shared with the
+frontend and the testkit.
 """
 
 from __future__ import annotations

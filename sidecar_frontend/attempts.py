@@ -9,6 +9,12 @@ and with what. Two cases, one budget (``--migration-limit`` moves per sub-reques
 * tokens were delivered: :class:`~sidecar_frontend.migration.Migration` continues the
   generation from them when the sidecar marked the failure migratable.
 
+Where the next attempt may run (:attr:`Attempts.patient`): after a worker went away it may wait
+(bounded) for one to serve, the same one back included; after a worker answered busy
+(OVERLOADED) that worker is still there, so only a worker that serves now and has not answered
+this sub-request busy may take it, and none is waited for: with no such worker the client gets
+the busy answer at once, as from the engine itself.
+
 Every output the client is given passes through :meth:`Attempts.delivered`, which rewrites a
 continuation's outputs so that the client sees one uninterrupted generation.
 """
@@ -82,11 +88,18 @@ class Attempts:
         self.progress = Progress()
         self.migration = Migration(request, migration_limit)
         self.retries = 0  # moves before anything was delivered
+        self._last_failure: WorkerFailure | None = None
 
     @property
     def moves(self) -> int:
         """How many times the sub-request moved to another worker."""
         return self.retries + self.migration.migrations
+
+    @property
+    def patient(self) -> bool:
+        """Whether the next attempt may wait for a worker to serve and go back to one that
+        failed it (False after OVERLOADED: see the module docstring)."""
+        return self._last_failure is None or self._last_failure.reason != ErrorReason.OVERLOADED.value
 
     @property
     def choices(self) -> int:
@@ -111,6 +124,7 @@ class Attempts:
 
     def after_failure(self, failure: WorkerFailure) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
         """The current attempt failed: the request to run next, or why there is none."""
+        self._last_failure = failure
         if not self.progress.delivered:
             if not failure.migratable and failure.reason not in _RETRYABLE:
                 return Refusal(RefusalReason.NOT_MIGRATABLE)

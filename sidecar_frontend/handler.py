@@ -556,12 +556,13 @@ class _Exchange:
             error=failure.message,
         )
 
-    def _pick(self, role: str, tried: list[str]) -> Worker | None:
-        """A worker of ``role``, preferring one this sub-request has not tried; else any but the
-        last one that failed (a restarted worker comes back under its old address)."""
+    def _pick(self, role: str, tried: list[str], patient: bool) -> Worker | None:
+        """A worker of ``role``, preferring one this sub-request has not tried; else, when
+        ``patient``, any but the last one that failed (a restarted worker comes back under its
+        old address)."""
         workers = self.frontend.workers
         worker = workers.pick(role, exclude=frozenset(tried), model=self.model)
-        if worker is None and tried:
+        if worker is None and tried and patient:
             worker = workers.pick(role, exclude=frozenset(tried[-1:]), model=self.model)
         return worker
 
@@ -569,7 +570,7 @@ class _Exchange:
         self, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts, tried: list[str]
     ) -> WorkerFailure | None:
         """One attempt: aggregated, or prefill then decode when the set has prefill workers."""
-        chosen = await self._choose(tried)
+        chosen = await self._choose(tried, attempts.patient)
         if chosen is None:
             return WorkerFailure("NO_WORKER", f"no worker is serving {self.model}")
         self._placed(index, chosen, tried)
@@ -580,19 +581,21 @@ class _Exchange:
             return await self._disaggregated(prefill, decode, request, index, attempts)
         return await self._decode(chosen[0], request, index, attempts)
 
-    async def _choose(self, tried: list[str]) -> tuple[Worker] | tuple[Worker, Worker] | None:
+    async def _choose(self, tried: list[str], patient: bool) -> tuple[Worker] | tuple[Worker, Worker] | None:
         """A prefill and a decode worker while both roles serve, else an aggregated one. When
-        none serves, a retry or a migration waits (bounded) for one to."""
+        none serves, a retry or a migration waits (bounded) for one to, unless it must not
+        (``patient`` False: after a worker answered busy, see ``attempts.py``)."""
         workers = self.frontend.workers
-        with anyio.move_on_after(self.frontend.config.worker_wait if tried else 0.0):
+        wait = self.frontend.config.worker_wait if tried and patient else 0.0
+        with anyio.move_on_after(wait):
             while True:
                 changed = workers.next_change()
                 if workers.serving("prefill", self.model) and workers.serving("decode", self.model):
-                    prefill = self._pick("prefill", tried)
-                    decode = self._pick("decode", tried)
+                    prefill = self._pick("prefill", tried, patient)
+                    decode = self._pick("decode", tried, patient)
                     if prefill is not None and decode is not None:
                         return prefill, decode
-                worker = self._pick("agg", tried)
+                worker = self._pick("agg", tried, patient)
                 if worker is not None:
                     return (worker,)
                 await changed.wait()

@@ -161,8 +161,9 @@ async def test_an_engine_abort_with_503_stays_503(worker: str, stream: bool) -> 
     # SGLang's scheduler aborts with 503 when its queue is full (--max-queued-requests). Unary:
     # the tokenizer manager raises HTTPException(503) -> ErrorResponse; stream: the final chunk
     # carries the abort finish reason with its status.
-    # One worker: the frontend's retry on another finds none (a short wait, not the default 5 s).
-    config = HandlerConfig(worker_wait=0.1)
+    # One worker, still serving: SGLang's answer reaches the client at once, whatever the
+    # frontend's worker_wait (one no test outlives: waiting for another worker fails the test).
+    config = HandlerConfig(worker_wait=3600.0)
     async with over(worker, config, max_running_requests=1, max_queued_requests=0) as (fe, sidecar):
         sidecar.engine.faults.add("busy", FaultPlan(FaultKind.HANG, after=1))
         async with fe.http.post(

@@ -235,6 +235,44 @@ async def test_a_worker_error_that_is_not_retryable_is_reported_at_once() -> Non
         assert sum(len(s.engine.book.received) for s in fe.sidecars) == 1
 
 
+# A worker_wait no test outlives: a request that waited for a worker would fail the test.
+NEVER = HandlerConfig(worker_wait=3600.0)
+
+
+async def test_a_busy_answer_with_no_other_worker_reaches_the_client_at_once() -> None:
+    # The engine refuses for capacity (gRPC RESOURCE_EXHAUSTED: the sidecar's OVERLOADED); the
+    # one worker is still serving, so no other can be waited for: answered now, not after the
+    # handler's worker_wait.
+    async with frontend_stack(config=NEVER) as fe:
+        busy = FaultPlan(FaultKind.ERROR_AFTER, after=0, code="RESOURCE_EXHAUSTED")
+        fe.sidecars[0].engine.faults.add("busy", busy)
+        with anyio.fail_after(30):
+            status, body = await post(fe, "/t/generate", {"ids": PROMPT, "max": 3, "rid": "busy"})
+        assert status == 200
+        assert body["outputs"][0]["error"] == "OVERLOADED"
+        assert len(fe.sidecars[0].engine.book.received) == 1
+        assert metric(fe, "frontend_retries_total", format="test") == 0
+
+
+async def test_a_busy_answer_is_retried_on_another_worker_once_each() -> None:
+    async with frontend_stack(2, config=NEVER) as fe:
+        busy = FaultPlan(FaultKind.ERROR_AFTER, after=0, code="RESOURCE_EXHAUSTED")
+        fe.sidecars[0].engine.faults.add("one", busy)
+        for sidecar in fe.sidecars:
+            sidecar.engine.faults.add("both", busy)
+        with anyio.fail_after(30):
+            # Whichever worker is picked first, worker 1 serves it.
+            for n in range(4):
+                status, body = await post(fe, "/t/generate", {"ids": PROMPT, "max": 3, "rid": f"one{n}"})
+                assert body["outputs"][0] == {"ids": expected(fe, 3), "finish": "LENGTH", "error": None}
+            # Both busy: each asked once, then the busy answer (never the first one again).
+            status, body = await post(fe, "/t/generate", {"ids": PROMPT, "max": 3, "rid": "both"})
+        assert status == 200
+        assert body["outputs"][0]["error"] == "OVERLOADED"
+        asked = [[rid for rid, _ in s.engine.book.received if rid.endswith("-both")] for s in fe.sidecars]
+        assert [len(ids) for ids in asked] == [1, 1]
+
+
 async def test_an_encoder_that_aborts_on_a_failure_stops_the_other_sub_requests() -> None:
     async with frontend_stack(engines=[{"token_latency_ms": 30.0}]) as fe:
         fe.sidecars[0].engine.faults.add("fat", FaultPlan(FaultKind.ERROR_AFTER, after=0), times=1)

@@ -52,6 +52,29 @@ def test_before_the_first_output_a_failure_runs_again_only_where_another_worker_
     assert following == (REQUEST if retried else Refusal(RefusalReason.NOT_MIGRATABLE))
 
 
+@pytest.mark.parametrize(
+    ("reason", "patient"),
+    [
+        ("CANNOT_CONNECT", True),  # the worker may come back, or another may be started
+        ("ENGINE_SHUTDOWN", True),
+        ("CONNECTION_TIMEOUT", True),
+        ("OVERLOADED", False),  # the worker is there, busy: answer now if none other serves
+    ],
+)
+def test_a_retry_after_a_busy_worker_neither_waits_nor_goes_back_to_it(reason: str, patient: bool) -> None:
+    attempts = Attempts(REQUEST)
+    assert attempts.patient, "the first attempt: the handler waits for no worker anyway"
+    attempts.after_failure(WorkerFailure(reason, "m", reason != "OVERLOADED"))
+    assert attempts.patient is patient
+
+
+def test_patience_follows_the_last_failure() -> None:
+    attempts = Attempts(REQUEST)
+    attempts.after_failure(WorkerFailure("OVERLOADED", "m", False))
+    attempts.after_failure(WorkerFailure("CANNOT_CONNECT", "m", True))
+    assert attempts.patient
+
+
 def test_before_the_first_output_n_choices_and_guided_requests_are_retried_too() -> None:
     request = sidecar_pb2.PreprocessedRequest(request_id="r", token_ids=[1])
     request.sampling_options.n = 2
