@@ -8,6 +8,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from sidecar_common.errors import (
+    ENGINE_NOT_FOUND,
     EngineOrigin,
     ErrorReason,
     SidecarError,
@@ -166,3 +167,23 @@ def test_engine_words_of_another_transport_keep_its_status() -> None:
     assert to_rpc_status(error).details[0].Unpack(info)
     assert info.metadata["engine_status"] == "503"
     assert info.metadata["origin"] == "engine"
+
+
+@pytest.mark.parametrize(
+    ("code", "not_found"),
+    [
+        (C.NOT_FOUND, True),  # vLLM's servicer for a VLLMNotFoundError (an adapter it cannot find)
+        (C.INVALID_ARGUMENT, False),
+        (C.FAILED_PRECONDITION, False),
+    ],
+)
+def test_a_refusal_for_something_the_engine_lacks_keeps_its_code_for_the_frontend(
+    code: grpc.StatusCode, not_found: bool
+) -> None:
+    error = from_engine_status("Generate", code, "No adapter found for /a/sql")
+    assert error.reason is R.INVALID_ARGUMENT
+    assert error.origin is not None
+    assert (error.origin.status in ENGINE_NOT_FOUND) is not_found
+    info = error_details_pb2.ErrorInfo()
+    assert to_rpc_status(error).details[0].Unpack(info)
+    assert info.metadata["engine_status"] == code.name
