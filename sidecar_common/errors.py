@@ -19,6 +19,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 __all__ = [
+    "ENGINE_NOT_FOUND",
     "ENGINE_STATUS_TO_REASON",
     "ERROR_DOMAIN",
     "FRONTEND_STATUS",
@@ -44,6 +45,11 @@ ORIGIN_ENGINE: Final = "engine"
 # ``engine_status`` of an engine's refusal the sidecar makes itself, in the engine's words,
 # before any call (it knows the engine would refuse: its fixed rule, or what discovery told).
 NOT_SENT: Final = "not sent"
+# ``engine_status`` values of a refusal because the engine does not have what the request
+# names (vLLM's NotFoundError, e.g. a LoRA adapter it cannot find): gRPC NOT_FOUND, HTTP 404.
+# The reason stays INVALID_ARGUMENT (the request is the problem, on any worker); a frontend
+# whose server answers such a refusal with its own status (vLLM: 404) reads it from here.
+ENGINE_NOT_FOUND: Final = frozenset({grpc.StatusCode.NOT_FOUND.name, "404"})
 
 
 class ErrorReason(enum.Enum):

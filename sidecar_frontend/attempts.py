@@ -148,11 +148,13 @@ def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure:
     message = details if isinstance(details, str) and details else "worker error with no details"
     info = _error_info(error)
     if info is not None:
+        from_engine = info.metadata.get("origin") == ORIGIN_ENGINE
         return WorkerFailure(
             info.reason,
             message,
             info.metadata.get("migratable") == "true",
-            from_engine=info.metadata.get("origin") == ORIGIN_ENGINE,
+            from_engine=from_engine,
+            engine_status=info.metadata.get("engine_status", "") if from_engine else "",
         )
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN

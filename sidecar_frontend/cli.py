@@ -21,7 +21,7 @@ from sidecar_common.cli import (
     positive_int_arg,
     seconds_arg,
 )
-from sidecar_common.flags import FlagParser, refuse_inapplicable
+from sidecar_common.flags import FlagParser, bind_host_arg, refuse_inapplicable
 from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
 from sidecar_common.registration_record import RecordError
 from sidecar_common.tls import ClientCredentials, ClientTlsFiles, TlsSettingsError
@@ -112,6 +112,9 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
         "sglang_incremental_streaming_output",
         applies="sglang" in ns.formats,
         rule="is used only when --format includes sglang",
+    )
+    refuse_inapplicable(
+        ns, "metrics_host", applies=ns.metrics_port is not None, rule="needs --metrics-port (metrics are off)"
     )
 
 
@@ -204,7 +207,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="serve only this model (a worker's served_model_name); workers serving another are "
-        "refused; repeatable, or a comma-separated list; default: every model the workers serve",
+        "refused; repeatable, or a comma-separated list (default: every model the workers serve)",
     )
     workers.add_argument(
         "--worker-connections",
@@ -248,9 +251,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     ops.add_argument(
         "--metrics-host",
+        type=bind_host_arg,
         default=None,
         metavar="HOST",
-        help="address the metrics endpoint binds; default: the host of --listen",
+        help="address the metrics endpoint binds (default: the host of --listen)",
     )
     ops.add_argument(
         "--log-format",

@@ -283,14 +283,17 @@ class Frontend:
         # With one model every request runs on it (a format that checks the name, as vLLM
         # does, refuses another); with several, the request's `model` chooses.
         named = requested_model(body) if len(models) > 1 else None
-        if named is not None and named not in models:
-            reply = fmt.model_not_found(named, list(models))
-            self._refused(fmt, "invalid", "MODEL_NOT_FOUND", started_at, reply, request.headers, body)
-            return _response(reply)
-        model = named if named is not None else self.workers.default_model()
+        unknown = named is not None and named not in models
+        model = named if named is not None and not unknown else self.workers.default_model()
         parsed = fmt.parse_generate(
             route, body, request.headers, self.context(models.get(model) if model is not None else None)
         )
+        if named is not None and unknown and not (isinstance(parsed, HttpReply) and parsed.status != 404):
+            # The body's own faults answer first (vLLM checks the model after the body), then
+            # the model no worker serves, naming every one that is served.
+            reply = fmt.model_not_found(named, list(models))
+            self._refused(fmt, "invalid", "MODEL_NOT_FOUND", started_at, reply, request.headers, body)
+            return _response(reply)
         if isinstance(parsed, HttpReply):
             reason = "MODEL_NOT_FOUND" if parsed.status == 404 else "INVALID_REQUEST"
             self._refused(fmt, "invalid", reason, started_at, parsed, request.headers, body)
@@ -590,7 +593,7 @@ class _Exchange:
         with anyio.move_on_after(wait):
             while True:
                 changed = workers.next_change()
-                if workers.serving("prefill", self.model) and workers.serving("decode", self.model):
+                if workers.has_serving("prefill", self.model) and workers.has_serving("decode", self.model):
                     prefill = self._pick("prefill", tried, patient)
                     decode = self._pick("decode", tried, patient)
                     if prefill is not None and decode is not None:

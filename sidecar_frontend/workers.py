@@ -384,6 +384,10 @@ class WorkerSet:
             if w.eligible and w.role == role and (model is None or w.served_model == model)
         ]
 
+    def has_serving(self, role: str, model: str) -> bool:
+        """Whether a worker of ``role`` serves ``model`` now: O(1), from the kept pools."""
+        return any(w.eligible for w in self._eligible_by_model.get((role, model), ()))
+
     def routable(self, model: str | None = None) -> bool:
         """A generation (of ``model``, or of any model) can be placed: an aggregated worker,
         or a prefill and a decode one."""

@@ -18,7 +18,13 @@ from dataclasses import replace
 from testkit.sglang_core import DEFAULT_MAX_NEW_TOKENS, NativeRequest, RequestRejected
 from testkit.sglang_info import SglangEngineConfig
 
-__all__ = ["check_request", "lora_disabled_refusal", "scheduler_refusal", "verify_sampling"]
+__all__ = [
+    "check_request",
+    "lora_disabled_refusal",
+    "lora_not_loaded_refusal",
+    "scheduler_refusal",
+    "verify_sampling",
+]
 
 # SamplingParams: a temperature below this samples greedily (top_k forced to 1 first).
 _SAMPLING_EPS = 1e-6
@@ -110,13 +116,23 @@ def lora_disabled_refusal(adapter: str) -> str:
     )
 
 
+def lora_not_loaded_refusal(adapter: str, loaded: tuple[str, ...]) -> str:
+    """SGLang's sentence for an adapter it has never loaded (the tokenizer manager lists the
+    names it knows as a Python ``dict_keys``)."""
+    known = dict.fromkeys(loaded).keys()
+    return f"Got LoRA adapter that has never been loaded: {adapter}\nAll loaded adapters: {known}."
+
+
 def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRequest, str | None]:
     """SGLang's checks in its order. The tokenizer manager's raise (RequestRejected: gRPC
     INTERNAL, HTTP 400); the scheduler's are returned as a message: the request is
     accepted and ends at once with an ``abort`` finish of status 400."""
-    if req.lora_path and not cfg.enable_lora:
-        # The tokenizer manager's first check (before it looks at the prompt).
-        raise RequestRejected(lora_disabled_refusal(req.lora_path))
+    if req.lora_path:
+        # The tokenizer manager's first checks (before it looks at the prompt).
+        if not cfg.lora_enabled:
+            raise RequestRejected(lora_disabled_refusal(req.lora_path))
+        if req.lora_path not in cfg.lora_paths:
+            raise RequestRejected(lora_not_loaded_refusal(req.lora_path, cfg.lora_paths))
     ctx = cfg.context_length
     n_in = len(req.input_ids)
     if n_in == 0:

@@ -129,6 +129,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SGLang's tokenizer workers (with more than one, an abort by rid prefix matches)",
     )
     a(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (those of --lora-paths; any other is refused, as SGLang does)",
+    )
+    a(
+        "--lora-paths",
+        nargs="+",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="the LoRA adapters loaded at start, by name (given alone, they turn LoRA on)",
+    )
+    a(
         "--max-queued-requests",
         type=int,
         default=d.max_queued_requests,
@@ -166,6 +179,8 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
+        enable_lora=args.enable_lora,
+        lora_paths=tuple(path.split("=", 1)[0] for path in args.lora_paths),
         dp_size=args.dp_size,
         token_latency_ms=args.token_latency_ms,
         chunk_tokens=args.chunk_tokens,

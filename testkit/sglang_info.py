@@ -35,10 +35,13 @@ class SglangEngineConfig:
     kv_capacity_tokens: int = 1 << 20  # max_total_num_tokens
     page_size: int = 1
     max_running_requests: int = 256
-    # SGLang's --enable-lora as its server info reports it (null when not given: LoRA off).
-    # With LoRA on, any adapter name is served (as if loaded); off, a request naming one is
-    # refused in SGLang's words (gRPC INTERNAL, HTTP 400).
+    # SGLang's --enable-lora (None: not given). Off, a request naming an adapter is refused in
+    # SGLang's words (gRPC INTERNAL, HTTP 400).
     enable_lora: bool | None = None
+    # SGLang's --lora-paths, by adapter name: the adapters loaded at start (given alone, they
+    # turn LoRA on, as SGLang resolves an unset --enable-lora). With LoRA on, these are served
+    # (as if loaded) and any other name is refused in SGLang's words, as one never loaded.
+    lora_paths: tuple[str, ...] = ()
     # SGLang's --max-queued-requests: a request that must wait while this many already wait is
     # aborted with status 503 ("The request queue is full."). None: unbounded.
     max_queued_requests: int | None = None
@@ -68,6 +71,11 @@ class SglangEngineConfig:
             raise ValueError("context_length, kv_capacity_tokens and page_size must be positive")
 
     @property
+    def lora_enabled(self) -> bool:
+        """LoRA on, as SGLang resolves it: --enable-lora, or --lora-paths without it."""
+        return bool(self.enable_lora) or (self.enable_lora is None and bool(self.lora_paths))
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
@@ -89,7 +97,8 @@ def server_info(
         "max_running_requests": cfg.max_running_requests,
         "max_total_tokens": None,
         "dp_size": cfg.dp_size,
-        "enable_lora": cfg.enable_lora,
+        # The resolved flag; null when neither flag was given.
+        "enable_lora": cfg.lora_enabled if cfg.enable_lora is not None or cfg.lora_paths else None,
         "tp_size": 1,
         "pp_size": 1,
         "stream_interval": cfg.chunk_tokens,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import ENGINE_NOT_FOUND
 
 __all__ = [
     "AbortCall",
@@ -124,13 +125,21 @@ class WorkerFailure:
     frontend itself decides, NO_WORKER (no serving worker) and DEADLINE (the frontend's
     --request-timeout-secs ran out). ``message`` is the status detail text. ``from_engine``:
     the message is the engine's own text, unchanged (ErrorInfo metadata ``origin: engine``),
-    which a format shows to the client as it is.
+    which a format shows to the client as it is; ``engine_status`` is then what the engine
+    answered (metadata ``engine_status``: a gRPC code name, an HTTP status, ``not sent``).
     """
 
     reason: str
     message: str
     migratable: bool = False
     from_engine: bool = False
+    engine_status: str = ""
+
+    @property
+    def not_found(self) -> bool:
+        """The engine refused because it does not have what the request names (a LoRA
+        adapter, a model): its status was gRPC NOT_FOUND or HTTP 404."""
+        return self.from_engine and self.engine_status in ENGINE_NOT_FOUND
 
 
 @dataclass(frozen=True)

@@ -55,9 +55,13 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
     if failure.reason in _ABORTING:
         return None
     if failure.reason == "INVALID_ARGUMENT":
-        param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
         # No error goes out without words, whatever the worker sent.
         message = failure.message or "the worker refused the request without a reason"
+        if failure.not_found:
+            # vLLM's VLLMNotFoundError (the engine lacks the LoRA adapter or model named): 404
+            # NotFoundError with param null, the engine's words as they are.
+            return VllmError(message, "NotFoundError", HTTPStatus.NOT_FOUND)
+        param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
         return VllmError(message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
     if failure.reason == "OVERLOADED":
         return VllmError(

@@ -401,7 +401,7 @@ async def test_a_lora_adapter_while_lora_is_off_is_refused_the_same_on_both_wire
 
 @TRANSPORTS
 async def test_a_lora_adapter_reaches_an_engine_with_lora_on(transport: Transport) -> None:
-    async with sglang_stack(transport, enable_lora=True) as s:
+    async with sglang_stack(transport, enable_lora=True, lora_paths=("sql",)) as s:
         req = public_request("lora", max_tokens=2)
         req.routing.lora_name = "sql"
         outs = await collect(s.stub.Generate(req, timeout=10))

@@ -844,6 +844,16 @@ def test_cli_flags_make_the_config() -> None:
         parser.parse_args(["--incremental", "--cumulative"])
 
 
+def test_cli_lora_flags_make_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--lora-paths", "sql=/a/sql", "chat"]))
+    assert (cfg.enable_lora, cfg.lora_paths, cfg.lora_enabled) == (None, ("sql", "chat"), True)
+    cfg = config_from_args(parser.parse_args(["--enable-lora"]))
+    assert (cfg.enable_lora, cfg.lora_paths, cfg.lora_enabled) == (True, (), True)
+    assert config_from_args(parser.parse_args([])).lora_enabled is False
+
+
 # -- bad requests: refused as SGLang refuses them, and the engine carries on -------------------
 async def assert_serving(engine: SglangTestEngine, client: Grpc) -> None:
     """Healthy at once, nothing left running or waiting, and a good request is served."""
@@ -930,8 +940,49 @@ async def test_a_lora_adapter_while_lora_is_off_is_internal_on_grpc_and_400_on_h
     assert events == [
         {"error": {"message": LORA_OFF, "type": "invalid_request_error", "code": 400, "retryable": False}}
     ]
-    lora_on = await make_engine(enable_lora=True)
+    lora_on = await make_engine(enable_lora=True, lora_paths=("sql",))
     assert len(await grpc_all(grpc_client(lora_on), greq("lora-on", 2, lora_path="sql"))) == 2
+
+
+def lora_not_loaded(adapter: str, loaded: str) -> str:
+    # SGLang 0.5.23's tokenizer manager (_resolve_lora_path): a ValueError listing its
+    # lora_ref_cache keys (the --lora-paths names and those loaded since) as a dict_keys.
+    return (
+        f"Got LoRA adapter that has never been loaded: {adapter}\nAll loaded adapters: dict_keys({loaded})."
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "loaded"),
+    [
+        ({"enable_lora": True}, "[]"),
+        ({"lora_paths": ("sql", "it's")}, "['sql', \"it's\"]"),  # --lora-paths alone turn LoRA on
+    ],
+)
+async def test_an_adapter_never_loaded_is_refused_as_sglang_does(
+    make_engine: Factory,
+    grpc_client: Callable[[SglangTestEngine], Grpc],
+    http: aiohttp.ClientSession,
+    config: dict[str, Any],
+    loaded: str,
+) -> None:
+    engine = await make_engine(**config)
+    async with http.get(f"{engine.http_url}/server_info") as resp:
+        assert (await resp.json())["enable_lora"] is True
+    words = lora_not_loaded("chat", loaded)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await grpc_all(grpc_client(engine), greq("nl-g", lora_path="chat"))
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INTERNAL, words)
+    unary = {**hbody("nl-u", lora_path="chat"), "stream": False}
+    async with http.post(f"{engine.http_url}/generate", json=unary) as resp:
+        assert (resp.status, await resp.json()) == (400, {"error": {"message": words}})
+    async with http.post(f"{engine.http_url}/generate", json=hbody("nl-h", lora_path="chat")) as resp:
+        assert resp.status == 200
+        events, done = await sse(resp)
+    assert done
+    assert events == [
+        {"error": {"message": words, "type": "invalid_request_error", "code": 400, "retryable": False}}
+    ]
 
 
 async def test_an_absent_max_new_tokens_is_capped_not_refused_when_the_default_would_overflow(

@@ -235,6 +235,33 @@ async def test_a_lora_adapter_while_lora_is_off_is_the_same_400_over_both_transp
         assert sidecar.engine.book.received == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_adapter_sglang_never_loaded_is_its_400_over_http(stream: bool) -> None:
+    # SGLang's tokenizer manager (_resolve_lora_path) raises a ValueError for a name not in its
+    # lora_ref_cache; the HTTP server answers it as any refusal. (Over SGLang's gRPC wire the
+    # same refusal is INTERNAL: docs/frontend-sglang.md, "Where we differ".)
+    async with over("sglang-http", lora_paths=("sql",)) as (fe, _):
+        words = "Got LoRA adapter that has never been loaded: chat\nAll loaded adapters: dict_keys(['sql'])."
+        status, answer = await post(fe, {"input_ids": PROMPT, "lora_path": "chat", "stream": stream})
+        if not stream:
+            assert (status, answer) == (400, {"error": {"message": words}})
+        else:
+            assert status == 200
+            assert [json.loads(e) for e in answer[:-1]] == [
+                {
+                    "error": {
+                        "message": words,
+                        "type": "invalid_request_error",
+                        "code": 400,
+                        "retryable": False,
+                    }
+                }
+            ]
+            assert answer[-1] == "[DONE]"
+        status, answer = await post(fe, {"input_ids": PROMPT, "lora_path": "sql"})
+        assert status == 200, answer
+
+
 # ------------------------------------------------------------------ token_ids_logprob
 
 
@@ -283,3 +310,38 @@ async def test_token_ids_logprob_over_a_worker_whose_wire_cannot_carry_it_is_ref
         assert status == 400
         assert answer["error"]["message"].startswith("output_options.token_ids_logprob: "), answer
         assert sidecar.engine.book.received == []
+
+
+# ------------------------------------------------------------------ wrong method
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        # SGLang 0.5.23's http_server: /generate is an api_route of POST and PUT (Starlette joins
+        # a set, in no fixed order: ours sorts), /abort_request a post, the rest gets (FastAPI
+        # routes do not answer HEAD for them).
+        ("GET", "/generate", "POST, PUT"),
+        ("GET", "/abort_request", "POST"),
+        ("POST", "/health", "GET"),
+        ("HEAD", "/model_info", "GET"),
+        ("DELETE", "/v1/models", "GET"),
+    ],
+)
+async def test_a_wrong_method_is_fastapis_405_with_allow(method: str, path: str, allow: str) -> None:
+    async with over("sglang-http") as (fe, _), fe.http.request(method, fe.url + path) as response:
+        assert response.status == 405
+        assert response.headers["Allow"] == allow
+        if method != "HEAD":
+            assert response.headers["Content-Type"] == "application/json"
+            assert await response.read() == b'{"detail":"Method Not Allowed"}'
+
+
+async def test_a_trailing_slash_is_starlettes_307_to_the_routed_path() -> None:
+    async with (
+        over("sglang-http") as (fe, _),
+        fe.http.post(fe.url + "/generate/?x=1", json={}, allow_redirects=False) as response,
+    ):
+        assert response.status == 307
+        assert response.headers["Location"] == fe.url + "/generate?x=1"
+        assert await response.read() == b""

@@ -215,6 +215,10 @@ async def test_a_model_no_worker_serves_is_404_in_each_formats_shape_and_reaches
                         "code": 404,
                     }
                 }
+            # The body's own faults come first, as vLLM checks the model after the body.
+            bad_body = {"token_ids": [], "sampling_params": {"max_tokens": 2}, "model": "nobody"}
+            async with fe.http.post(fe.url + "/inference/v1/generate", json=bad_body) as response:
+                assert response.status == 400
             assert first.engine.book.received == other.engine.book.received == []
             reason = {"outcome": "invalid", "reason": "MODEL_NOT_FOUND"}
             for fmt in ("sglang", "vllm"):

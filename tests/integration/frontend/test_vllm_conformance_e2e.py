@@ -72,6 +72,33 @@ async def test_an_engine_refusal_reaches_the_client_in_the_engines_words(
         assert raw == b"data: " + json.dumps(expected).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+# vLLM's words for a LoRA adapter it cannot find (LoRAAdapterNotFoundError, a
+# VLLMNotFoundError); its gRPC servicer ends the call with NOT_FOUND and these words. The
+# vLLM wire this sidecar speaks carries no adapter, so the testkit engine is told to answer so.
+LORA_NOT_FOUND = "Loading lora sql failed: No adapter found for /adapters/sql"
+
+
+async def test_an_engine_not_found_is_vllms_404_in_the_engines_words() -> None:
+    async with over_vllm() as fe:
+        plan = FaultPlan(FaultKind.ERROR_AFTER, after=0, code="NOT_FOUND", message=LORA_NOT_FOUND)
+        fe.sidecars[0].engine.faults.add("lora", plan)
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}, "request_id": "lora"}
+        # vLLM's exception handler: create_error_response(VLLMNotFoundError) -> NotFoundError,
+        # 404, param None, the exception's text.
+        expected = {"error": {"message": LORA_NOT_FOUND, "type": "NotFoundError", "param": None, "code": 404}}
+        async with fe.http.post(fe.url + GENERATE, json=body) as response:
+            assert response.status == 404
+            assert response.headers["Content-Type"] == "application/json"
+            assert await response.read() == json.dumps(expected, separators=(",", ":")).encode()
+        # Streamed: the generator's create_streaming_error_response event, then [DONE].
+        async with fe.http.post(fe.url + GENERATE, json={**body, "stream": True}) as response:
+            assert response.status == 200
+            raw = await response.read()
+        assert raw == b"data: " + json.dumps(expected).encode() + b"\n\ndata: [DONE]\n\n"
+        # A refusal: asked once each, never retried elsewhere.
+        assert len(fe.sidecars[0].engine.book.received) == 2
+
+
 async def stream_of(fe: FrontendStack, body: dict[str, Any]) -> list[dict[str, Any]]:
     async with fe.http.post(fe.url + GENERATE, json={**body, "stream": True}) as response:
         assert response.status == 200

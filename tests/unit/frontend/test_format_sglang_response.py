@@ -186,6 +186,31 @@ def test_unary_failures_end_the_response_with_sglangs_error(reason: str, status:
     assert body(reply) == expected
 
 
+# SGLang refuses an adapter it does not have with a ValueError (the tokenizer manager's "Got
+# LoRA adapter that has never been loaded: …"), a 400 like any refusal: an engine's NOT_FOUND
+# (vLLM's, through an SGLang-format frontend) is the same 400 in the engine's words.
+NOT_FOUND = WorkerFailure("INVALID_ARGUMENT", "no adapter sql", from_engine=True, engine_status="NOT_FOUND")
+
+
+def test_an_engine_not_found_is_sglangs_400() -> None:
+    encoder = FORMAT.new_encoder(accepted({"input_ids": PROMPT}), STARTED_AT)
+    assert encoder.on_failure(0, NOT_FOUND, 101.5) == b""
+    reply = encoder.reply()
+    assert (reply.status, body(reply)) == (400, {"error": {"message": "no adapter sql"}})
+    events = streamed({}, NOT_FOUND)
+    assert events == [
+        {
+            "error": {
+                "message": "no adapter sql",
+                "type": "invalid_request_error",
+                "code": 400,
+                "retryable": False,
+            }
+        },
+        "[DONE]",
+    ]
+
+
 def test_a_cancelled_unary_item_ends_with_the_abort_reason_and_the_rest_goes_on() -> None:
     call = accepted({"input_ids": [[1], [2]], "rid": ["a", "b"]})
     encoder = FORMAT.new_encoder(call, STARTED_AT)

@@ -72,6 +72,41 @@ def test_an_engine_refusal_is_a_400_in_the_engines_words(message: str, param: st
     assert stream.close() == b"data: [DONE]\n\n"
 
 
+# vLLM 0.33: a VLLMNotFoundError (LoRAAdapterNotFoundError's words, or the serving layer's
+# "The model `x` does not exist.") goes through create_error_response: NotFoundError, 404,
+# param None, str(exc). Unary: the JSONResponse of the exception handler; streamed: the
+# stream generator's create_streaming_error_response event (json.dumps), then [DONE].
+NOT_FOUND_WORDS = "Loading lora sql failed: No adapter found for /adapters/sql"
+
+
+@pytest.mark.parametrize("engine_status", ["NOT_FOUND", "404"])
+def test_an_engine_not_found_is_vllms_404_not_found_error(engine_status: str) -> None:
+    failure = WorkerFailure(
+        "INVALID_ARGUMENT", NOT_FOUND_WORDS, from_engine=True, engine_status=engine_status
+    )
+    expected = {"message": NOT_FOUND_WORDS, "type": "NotFoundError", "param": None, "code": 404}
+    unary = _encoder()
+    assert unary.on_failure(0, failure, 0.0) == b""
+    assert unary.reply().status == 404
+    assert error_of(unary.reply()) == expected
+
+    stream = _encoder(stream=True)
+    assert (
+        stream.on_failure(0, failure, 0.0) == b"data: " + json.dumps({"error": expected}).encode() + b"\n\n"
+    )
+    assert stream.close() == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("engine_status", ["INVALID_ARGUMENT", "400", "not sent"])
+def test_any_other_engine_refusal_stays_a_400(engine_status: str) -> None:
+    failure = WorkerFailure(
+        "INVALID_ARGUMENT", NOT_FOUND_WORDS, from_engine=True, engine_status=engine_status
+    )
+    enc = _encoder()
+    enc.on_failure(0, failure, 0.0)
+    assert enc.reply().status == 400
+
+
 def test_the_sidecars_own_refusal_is_read_by_its_field_not_by_vllms_ending() -> None:
     # Not the engine's words: the message starts with the sidecar.v1 field it names.
     failure = WorkerFailure(

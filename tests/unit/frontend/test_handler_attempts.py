@@ -158,16 +158,37 @@ def test_the_sidecars_error_info_gives_reason_and_migratable(reason: ErrorReason
     assert failure == WorkerFailure(reason.value, "it broke", error.migratable)
 
 
-def test_an_engine_refusal_arrives_in_the_engines_words_marked_as_such() -> None:
-    words = (
-        "Requested sample logprobs of 21, which is greater than max allowed: 20 "
-        "(parameter=logprobs, value=21)"
-    )
-    error = from_engine_status("Generate", grpc.StatusCode.INVALID_ARGUMENT, words)
+@pytest.mark.parametrize(
+    ("code", "words", "not_found"),
+    [
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "Requested sample logprobs of 21, which is greater than max allowed: 20 "
+            "(parameter=logprobs, value=21)",
+            False,
+        ),
+        # vLLM's gRPC servicer ends a VLLMNotFoundError (e.g. a LoRA adapter it cannot load)
+        # with NOT_FOUND.
+        (grpc.StatusCode.NOT_FOUND, "Loading lora sql failed: No adapter found for /a/sql", True),
+    ],
+)
+def test_an_engine_refusal_arrives_in_the_engines_words_with_what_the_engine_answered(
+    code: grpc.StatusCode, words: str, not_found: bool
+) -> None:
+    error = from_engine_status("Generate", code, words)
     status = to_rpc_status(error)
     trailing = Metadata(("grpc-status-details-bin", status.SerializeToString()))
     failure = failure_from_rpc_error(rpc_error(error.code, words, trailing))
-    assert failure == WorkerFailure("INVALID_ARGUMENT", words, False, from_engine=True)
+    assert failure == WorkerFailure(
+        "INVALID_ARGUMENT", words, False, from_engine=True, engine_status=code.name
+    )
+    assert failure.not_found is not_found
+
+
+def test_only_the_engines_own_words_carry_its_status() -> None:
+    # The sidecar's own refusal names no engine status, whatever its message says.
+    assert not WorkerFailure("INVALID_ARGUMENT", "m", engine_status="NOT_FOUND").not_found
+    assert WorkerFailure("INVALID_ARGUMENT", "m", from_engine=True, engine_status="404").not_found
 
 
 @pytest.mark.parametrize(

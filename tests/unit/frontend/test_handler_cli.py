@@ -115,14 +115,20 @@ def test_metrics_host_and_models_default_to_none_and_the_listen_host_is_used_for
     config = parse_config(["--worker", "127.0.0.1:50061"], {})
     assert config.metrics_host is None
     assert config.worker_set.models == frozenset()
-    config = parse_config(
-        ["--worker", "127.0.0.1:50061", "--metrics-host", "127.0.0.1", "--model", "a,b", "--model", "c"], {}
-    )
+    argv = ["--worker", "127.0.0.1:50061", "--metrics-port", "9100", "--metrics-host", "127.0.0.1"]
+    config = parse_config([*argv, "--model", "a,b", "--model", "c"], {})
     assert config.metrics_host == "127.0.0.1"
     assert config.worker_set.models == frozenset({"a", "b", "c"})
-    env = {"SIDECAR_FRONTEND_METRICS_HOST": "::1", "SIDECAR_FRONTEND_MODEL": "m"}
-    config = parse_config(["--worker", "127.0.0.1:50061"], env)
+    env = {"SIDECAR_FRONTEND_METRICS_HOST": "[::1]", "SIDECAR_FRONTEND_MODEL": "m"}
+    config = parse_config(["--worker", "127.0.0.1:50061", "--metrics-port", "9100"], env)
     assert (config.metrics_host, config.worker_set.models) == ("::1", frozenset({"m"}))
+
+
+def test_metrics_host_without_metrics_port_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--worker", "127.0.0.1:50061", "--metrics-host", "127.0.0.1"], {})
+    assert exit_.value.code == 2
+    assert "--metrics-host needs --metrics-port" in capsys.readouterr().err
 
 
 def test_a_switch_its_variable_turns_off_is_not_a_flag_that_does_not_apply() -> None:
