@@ -200,6 +200,9 @@ def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
             if self.admission_fault and self.admission_fault["kind"] == "overloaded":
                 raise QueueOverflowError()
 
+        async def abort(self, request_ids: Any) -> None:
+            return None
+
         async def generate(self, engine_input: Any, params: Any, request_id: str, **_: Any) -> Any:
             prompt = list(engine_input["prompt_token_ids"])
             fault = fault_of(request_id)
@@ -334,6 +337,9 @@ def sglang_client() -> Any:
     class TokenizerManager:
         def create_abort_task(self, obj: Any) -> None:
             return None
+
+        def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+            return None  # nothing runs: aborting finds nothing, as for an unknown rid
 
         async def generate_request(self, obj: Any, request: Any) -> Any:
             obj.normalize_batch_and_arguments()

@@ -9,7 +9,6 @@ serve and where we deliberately differ from the real server: docs/frontend-sglan
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Final
@@ -24,14 +23,16 @@ from sidecar_frontend.formats.base import (
     Route,
     RouteKind,
 )
+from sidecar_frontend.formats.sglang_model import ModelErrors, validate_abort
 from sidecar_frontend.formats.sglang_request import (
     SglangOptions,
+    read_body,
 )
 from sidecar_frontend.formats.sglang_request import (
     parse_generate as _parse_generate,
 )
 from sidecar_frontend.formats.sglang_response import SglangEncoder
-from sidecar_frontend.formats.sglang_wire import ParseError, dumps, parse_error, status_error
+from sidecar_frontend.formats.sglang_wire import dumps, status_error
 
 __all__ = ["FORMAT", "SglangFormat"]
 
@@ -127,19 +128,12 @@ class SglangFormat:
         return SglangEncoder(call.options, stream=call.stream, started_at=started_at)
 
     def parse_abort(self, route: Route, body: bytes, headers: Mapping[str, str]) -> AbortCall | HttpReply:
+        # SGLang's AbortReq, as its framework's pydantic validates it (lax: "yes" is true).
         try:
-            data = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            return parse_error(ParseError("body", "json_invalid", f"JSON decode error: {err}", None))
-        if not isinstance(data, dict):
-            return parse_error(ParseError("body", "model_type", "Input should be an object", data))
-        rid, abort_all = data.get("rid"), data.get("abort_all", False)
-        if rid is not None and not isinstance(rid, str):
-            return parse_error(ParseError("rid", "string_type", "Input should be a valid string", rid))
-        if not isinstance(abort_all, bool):
-            return parse_error(
-                ParseError("abort_all", "bool_type", "Input should be a valid boolean", abort_all)
-            )
+            request = validate_abort(read_body(body, headers))
+        except ModelErrors as err:
+            return err.reply()
+        rid, abort_all = request.rid, request.abort_all
         if abort_all:
             return AbortCall(all_requests=True)
         # SGLang drops an abort with an empty rid (it would prefix-match every request).

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import PlainValidator, TypeAdapter, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import GetCoreSchemaHandler, PlainValidator, TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails, core_schema
 
 from sidecar_frontend.formats.base import HttpReply
 from sidecar_frontend.formats.sglang_checks import input_ids_error
 from sidecar_frontend.formats.sglang_wire import bounded_repr, dumps
 
-__all__ = ["GenerateReqInput", "ModelErrors", "validate_generate"]
+__all__ = ["AbortReq", "GenerateReqInput", "ModelErrors", "validate_abort", "validate_generate"]
 
 
 def _input_ids(value: Any) -> Any:
@@ -124,6 +124,46 @@ class GenerateReqInput:
 _ADAPTER: TypeAdapter[GenerateReqInput] = TypeAdapter(GenerateReqInput)
 
 
+class AbortReq:
+    """``/abort_request``'s body: SGLang's AbortReq, a msgspec struct, as pydantic sees it.
+
+    SGLang gives its structs the schema "an instance of the struct, or a dict of its fields
+    turned into one" (so both branches are reported), with these fields in this order.
+    """
+
+    FIELDS: ClassVar[dict[str, Any]] = {
+        "rid": str | None,
+        "http_worker_ipc": str | None,
+        "abort_all": bool,
+        "finished_reason": dict[str, str | int | list[int] | None] | None,
+        "abort_message": str | None,
+        "weight_versions": list[dict[str, Any]] | None,
+    }
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.rid: str | None = values.get("rid")
+        self.abort_all: bool = values.get("abort_all", False)
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        fields = {
+            name: core_schema.typed_dict_field(handler.generate_schema(hint), required=False)
+            for name, hint in cls.FIELDS.items()
+        }
+        typed = core_schema.typed_dict_schema(fields, cls_name=cls.__name__, extra_behavior="ignore")
+
+        def build_struct(value: dict[str, Any]) -> AbortReq:  # the name shows in error places
+            return cls(value)
+
+        from_fields = core_schema.no_info_after_validator_function(build_struct, typed)
+        return core_schema.union_schema([core_schema.is_instance_schema(cls), from_fields])
+
+
+_ABORT_ADAPTER: TypeAdapter[AbortReq] = TypeAdapter(AbortReq)
+
+
 class ModelErrors(Exception):
     """The parse stage failed: pydantic's errors, answered in SGLang's parse-stage shape."""
 
@@ -148,6 +188,14 @@ def _entry(error: ErrorDetails) -> str:
     if "ctx" in error:
         text += f", 'ctx': {error['ctx']!r}"
     return text + "}"
+
+
+def validate_abort(body: object) -> AbortReq:
+    """``/abort_request``'s body as SGLang's parse stage takes it; :class:`ModelErrors` if not."""
+    try:
+        return _ABORT_ADAPTER.validate_python(body)
+    except ValidationError as err:
+        raise ModelErrors(err.errors(include_url=False)) from None
 
 
 def validate_generate(body: object) -> GenerateReqInput:

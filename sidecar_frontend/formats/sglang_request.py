@@ -40,10 +40,8 @@ from sidecar_frontend.formats.sglang_values import (
 )
 from sidecar_frontend.formats.sglang_wire import (
     ContractError,
-    ParseError,
     ValueRefusal,
     contract_error,
-    parse_error,
     value_error,
 )
 
@@ -53,6 +51,7 @@ __all__ = [
     "ItemPlan",
     "SglangOptions",
     "parse_generate",
+    "read_body",
 ]
 
 # Sub-requests per prompt: each costs a gRPC stream and per-item response state.
@@ -92,7 +91,7 @@ class SglangOptions:
     wall_time: float = 0.0
 
 
-def _body(body: bytes, headers: Mapping[str, str]) -> object:
+def read_body(body: bytes, headers: Mapping[str, str]) -> object:
     """The body as SGLang's web framework hands it to the request model.
 
     JSON (parsed with orjson, as SGLang's routes do) when the content type is missing or
@@ -130,13 +129,11 @@ def _json_content(headers: Mapping[str, str]) -> bool:
 
 def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
     try:
-        data = _body(body, headers)
+        data = read_body(body, headers)
         # SGLang's request dataclass, as its framework's pydantic validates it (every problem listed).
         validate_generate(data)
         assert isinstance(data, dict)  # the dataclass takes nothing else
         check_contract(data)
-    except ParseError as err:
-        return parse_error(err)
     except ModelErrors as err:
         return err.reply()
     except ContractError as err:

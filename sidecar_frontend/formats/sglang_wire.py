@@ -3,7 +3,7 @@
 SGLang answers a bad ``/generate`` with a different body depending on which of its gates
 refused it (see docs/frontend-sglang.md, "Errors"); each gate has one constructor here:
 
-* :func:`parse_error` - the request-model parse (a pydantic-style body, always HTTP 400);
+* ``sglang_model.ModelErrors.reply`` - the request-model parse (pydantic's list, always 400);
 * :func:`contract_error` - the JSON schema gate (``{"error": "<serde text>"}``, always 400);
 * :func:`value_error` - a value check (unary 400 ``{"error": {"message"}}``; a stream gets
   HTTP 200, one SSE error event and ``data: [DONE]``);
@@ -24,12 +24,11 @@ from sidecar_frontend.formats.base import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, H
 __all__ = [
     "DONE_EVENT",
     "ContractError",
-    "ParseError",
     "ValueRefusal",
+    "bounded_repr",
     "contract_error",
     "dumps",
     "event",
-    "parse_error",
     "status_error",
     "stream_error_event",
     "value_error",
@@ -50,17 +49,6 @@ _REPR: Final = _bounded_repr()
 def bounded_repr(value: object) -> str:
     """``repr`` bounded in size and depth: an echoed input may be anything the client sent."""
     return _REPR.repr(value)
-
-
-class ParseError(Exception):
-    """Gate 1: the body does not fit the request model (type, shape)."""
-
-    def __init__(self, field: str, kind: str, message: str, value: object) -> None:
-        super().__init__(message)
-        self.field = field
-        self.kind = kind
-        self.message = message
-        self.value = value
 
 
 class ContractError(Exception):
@@ -93,22 +81,6 @@ def dumps(value: object) -> bytes:
 
 def event(value: object) -> bytes:
     return b"data: " + dumps(value) + b"\n\n"
-
-
-def parse_error(err: ParseError) -> HttpReply:
-    loc = ("body",) if err.field == "body" else ("body", err.field)
-    # reprlib bounds the echo of the input (size and depth), as the body may be anything.
-    detail = (
-        f"{{'type': {err.kind!r}, 'loc': {loc!r}, 'msg': {err.message!r}, 'input': {_REPR.repr(err.value)}}}"
-    )
-    body = {
-        "object": "error",
-        "message": f"1 validation error:\n  {detail}",
-        "type": "Bad Request",
-        "param": None,
-        "code": 400,
-    }
-    return HttpReply(400, dumps(body))
 
 
 def contract_error(err: ContractError) -> HttpReply:

@@ -498,6 +498,8 @@ ABORTS: list[tuple[bytes, AbortCall]] = [
     (b'{"rid": null}', AbortCall()),
     (b'{"rid": ""}', AbortCall()),
     (b'{"rid": "a", "abort_message": "why", "unknown": 1}', AbortCall(request_ids=("a",))),
+    # SGLang validates the body laxly: "yes" is true (recorded in differential_sglang.json).
+    (b'{"abort_all": "yes"}', AbortCall(all_requests=True)),
 ]
 
 
@@ -506,7 +508,7 @@ def test_abort_bodies(raw: bytes, expected: AbortCall) -> None:
     assert FORMAT.parse_abort(ABORT, raw, {}) == expected
 
 
-@pytest.mark.parametrize("raw", [b'{"rid": 5}', b'{"abort_all": "yes"}', b"not json", b"[]"])
+@pytest.mark.parametrize("raw", [b'{"rid": 5}', b'{"abort_all": "maybe"}', b"not json", b"[]"])
 def test_malformed_abort_bodies_are_the_parse_gates_400(raw: bytes) -> None:
     reply = FORMAT.parse_abort(ABORT, raw, {})
     assert isinstance(reply, HttpReply)
