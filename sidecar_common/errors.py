@@ -36,6 +36,7 @@ __all__ = [
     "invalid_argument",
     "is_engine_fault",
     "protocol_error",
+    "rpc_status",
     "to_rpc_status",
 ]
 
@@ -200,12 +201,17 @@ def to_rpc_status(error: SidecarError) -> status_pb2.Status:
     return status_pb2.Status(code=code_value, message=error.message, details=[detail])
 
 
-def from_rpc_error(rpc: str, error: grpc.RpcError) -> SidecarError:
-    """A failed engine call (grpc.aio.AioRpcError or any RpcError with code/details)."""
+def rpc_status(error: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
+    """A failed call's code and details (grpc.aio.AioRpcError or any RpcError with them)."""
     code_fn = getattr(error, "code", None)
     details_fn = getattr(error, "details", None)
     code = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
     details = details_fn() if callable(details_fn) else None
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
-    return from_engine_status(rpc, code, details if isinstance(details, str) else None)
+    return code, details if isinstance(details, str) else None
+
+
+def from_rpc_error(rpc: str, error: grpc.RpcError) -> SidecarError:
+    """A failed engine call, typed by :func:`from_engine_status`."""
+    return from_engine_status(rpc, *rpc_status(error))

@@ -18,11 +18,12 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.config import SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.engine import EngineLoad, GenerateCall
-from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.errors import ErrorReason, SidecarError, rpc_status
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
 from sidecar_common.tracing import outgoing_metadata
 from sidecar_vllm.convert import ResponseState, to_generate_request
+from sidecar_vllm.refusals import generate_error
 
 __all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "KV_ROLES", "LOAD_TIMEOUT", "VllmEngine"]
 
@@ -223,7 +224,7 @@ class VllmEngine:
                 if state.finished:
                     return
         except grpc.RpcError as err:
-            raise from_rpc_error("Generate", err) from None
+            raise generate_error(*rpc_status(err)) from None
         finally:
             # Leaving early (error, aclose, cancel) must release the HTTP/2 stream now.
             stream.cancel()

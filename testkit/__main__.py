@@ -121,6 +121,20 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests generated at once; more wait in a queue",
     )
     a(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's admission limit: a request past N unfinished ones is refused busy (503)",
+    )
+    a(
+        "--max-num-queued-tokens",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="vLLM's admission limit: refused busy while this many prompt tokens are in prefill",
+    )
+    a(
         "--total-kv-tokens",
         type=int,
         default=d.total_kv_tokens,
@@ -184,6 +198,8 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
         startup_delay_secs=args.startup_delay_secs,
         supports_vision=args.supports_vision,
         max_logprobs=args.max_logprobs,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
     )
 
 

@@ -78,13 +78,30 @@ from testkit.vllm_wire import (
     sampling_spec,
 )
 
-__all__ = ["ENGINE_DEAD_MESSAGE", "SERVICE_NAME", "VllmEngineConfig", "VllmTestEngine"]
+__all__ = [
+    "ENGINE_DEAD_MESSAGE",
+    "MAX_QUEUED_TOKENS_MESSAGE",
+    "QUEUE_OVERFLOW_MESSAGE",
+    "SERVICE_NAME",
+    "VllmEngineConfig",
+    "VllmTestEngine",
+]
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 # What vLLM's gRPC servicer sends (INTERNAL) on every stream once the engine core is dead: the
 # text of vLLM's EngineDeadError. Its HealthCheck then answers healthy=false with this message.
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 ENGINE_NOT_ALIVE = "Engine is not alive"
+# vLLM's admission refusals (vllm/exceptions.py; its HTTP server answers both 503): the texts
+# smg's servicer ends Generate with, as gRPC UNAVAILABLE.
+QUEUE_OVERFLOW_MESSAGE = (
+    "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
+MAX_QUEUED_TOKENS_MESSAGE = (
+    "The engine has reached its prefill token backlog limit. "
+    "Please try again later or on a different instance."
+)
 _KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
 
 
@@ -111,12 +128,19 @@ class VllmEngineConfig:
     supports_vision: bool = False
     # vLLM's --max-logprobs (its default): more logprobs per position are refused.
     max_logprobs: int = 20
+    # vLLM's --max-num-queued-reqs and --max-num-queued-tokens (admission control; None: no
+    # limit, vLLM's default). See ``VllmTestEngine.admission_refusal``.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:
             raise ValueError(f"kv_role must be one of {_KV_ROLES}")
         if self.chunk_tokens < 1 or self.max_num_seqs < 1 or self.data_parallel_size < 1:
             raise ValueError("chunk_tokens, max_num_seqs and data_parallel_size must be >= 1")
+        for limit in (self.max_num_queued_reqs, self.max_num_queued_tokens):
+            if limit is not None and limit < 0:
+                raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
 
     @property
     def model(self) -> ModelSpec:
@@ -132,6 +156,10 @@ class _RequestError(Exception):
 @dataclass
 class _Live:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    # Admission bookkeeping (vLLM's output processor): the sequences the request occupies, and
+    # its prompt tokens while it is still in prefill (0 once its first output went out).
+    seqs: int = 1
+    prefill_tokens: int = 0
 
 
 class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
@@ -154,6 +182,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self._last_receive = 0.0
         self._seen_blocks: set[int] = set()
         self._next_block = 1
+        # The admission limits in force: the config's, changeable on a live engine (a test
+        # makes one worker of a fleet busy without filling it).
+        self.max_num_queued_reqs = self.config.max_num_queued_reqs
+        self.max_num_queued_tokens = self.config.max_num_queued_tokens
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> int:
@@ -311,6 +343,19 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         return pb.AbortResponse()
 
     # -- Generate -------------------------------------------------------------------------
+    def admission_refusal(self, seqs: int) -> str | None:
+        """vLLM's admission check (``AsyncLLM.check_admission``), after the request's own checks:
+        a request whose ``seqs`` sequences would take the unfinished ones past
+        ``max_num_queued_reqs`` is refused (QueueOverflowError), then one arriving while the
+        prompt tokens still in prefill are at ``max_num_queued_tokens`` (MaxQueuedTokensError)."""
+        limit = self.max_num_queued_reqs
+        if limit is not None and sum(live.seqs for live in self._live.values()) + seqs > limit:
+            return QUEUE_OVERFLOW_MESSAGE
+        limit = self.max_num_queued_tokens
+        if limit is not None and sum(live.prefill_tokens for live in self._live.values()) >= limit:
+            return MAX_QUEUED_TOKENS_MESSAGE
+        return None
+
     def _check(self, request: pb.GenerateRequest) -> tuple[tuple[int, ...], dict[str, Any] | None]:
         """vLLM's request checks, in its order and in its words: the sampling parameters
         (``SamplingParams`` and its ``verify``), then the data-parallel rank, then the prompt's
@@ -385,6 +430,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             self.book.refused(rid, Outcome.ERROR, str(e))
             await context.abort(e.code, str(e))
             return
+        refusal = self.admission_refusal(request.sampling_params.n or 1)
+        if refusal is not None:
+            self.book.refused(rid, Outcome.ERROR, refusal)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+            return
         plan = self.faults.plan_for(rid)
         if plan is not None and plan.kind is FaultKind.FAIL_OPEN:
             self.book.refused(rid, Outcome.FAULTED, plan.kind.value)
@@ -392,13 +442,14 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             return
         if kv is not None and kv.get("do_remote_prefill"):
             self.handoffs.append((rid, kv))
-        live = self._live[rid] = _Live()
+        live = self._live[rid] = _Live(seqs=request.sampling_params.n or 1, prefill_tokens=len(prompt))
         outcome, detail = Outcome.CANCELLED, "client left"
         try:
             stall = plan if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN else None
             stream = self._faulted(self._stream(request, prompt, kv, live, stall), plan, live)
             async with contextlib.aclosing(stream):
                 async for msg in stream:
+                    live.prefill_tokens = 0  # its prefill is done: it counts no more as a backlog
                     yield msg
             outcome, detail = self._end_state(live, plan)
         except _FaultError as e:

@@ -64,9 +64,10 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
         param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
         return VllmError(message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
     if failure.reason == "OVERLOADED":
-        return VllmError(
-            OVERLOADED_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE
-        )
+        # vLLM's admission refusals (a full request queue, a prefill backlog) each say their
+        # own sentence: the engine's, when it came with one.
+        message = failure.message if failure.from_engine and failure.message else OVERLOADED_MESSAGE
+        return VllmError(message, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE)
     # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
     # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
     # error without words helps no client, so every 500 says this sentence.)

@@ -18,7 +18,12 @@ from testkit.__main__ import control_app
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, ModelSpec, SamplingSpec, generate
-from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+from testkit.vllm_engine import (
+    MAX_QUEUED_TOKENS_MESSAGE,
+    QUEUE_OVERFLOW_MESSAGE,
+    VllmEngineConfig,
+    VllmTestEngine,
+)
 
 PROMPT = [101, 202, 303, 404]
 Msgs = list[pb.GenerateResponse]
@@ -419,3 +424,51 @@ async def test_non_streamed_request_gets_one_complete_per_choice_with_every_toke
     assert list(by_index[0].output_ids) == expected_ids(5, 0)
     assert list(by_index[1].output_ids) == expected_ids(5, 1)
     assert by_index[1].completion_tokens == 5
+
+
+async def expect_refusal(
+    stub: pb_grpc.VllmEngineStub, req: pb.GenerateRequest
+) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(stub, req)
+    return caught.value.code(), caught.value.details() or ""
+
+
+async def test_past_max_num_queued_reqs_a_request_is_refused_busy_as_vllm_refuses_it() -> None:
+    # vLLM's check_admission: unfinished sequences (a request of n counts n) + this one's > limit
+    # -> QueueOverflowError, which the servicer ends UNAVAILABLE with its text.
+    async with serve(max_num_queued_reqs=3) as (engine, stub, _):
+        engine.faults.add("held", FaultPlan(FaultKind.HANG, after=1))
+        held = stub.Generate(request("held", max_tokens=10, n=2), timeout=10)
+        await held.read()
+        assert await expect_refusal(stub, request("two", max_tokens=2, n=2)) == (
+            grpc.StatusCode.UNAVAILABLE,
+            QUEUE_OVERFLOW_MESSAGE,
+        )
+        assert completes(await collect(stub, request("one", max_tokens=2)))  # 2 + 1 fits
+        # The request's own faults come first: a bad request is a bad request, busy or not.
+        code, _ = await expect_refusal(stub, request("bad", [], max_tokens=2, n=2))
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        held.cancel()
+        await until(lambda: engine.running_count() == 0, "the held request to stop")
+        assert completes(await collect(stub, request("two-now", max_tokens=2, n=2)))
+
+
+async def test_at_max_num_queued_tokens_in_prefill_a_request_is_refused_busy() -> None:
+    # MaxQueuedTokensError: the prompt tokens of requests still in prefill (no output yet) are
+    # at the limit; a request counts no more once its first output went out.
+    async with serve(max_num_queued_tokens=len(PROMPT)) as (engine, stub, _):
+        engine.faults.add("prefilling", FaultPlan(FaultKind.HANG, after=0))
+        stuck = stub.Generate(request("prefilling", max_tokens=10), timeout=10)
+        await until(lambda: engine.running_count() == 1, "the request in prefill")
+        assert await expect_refusal(stub, request("next", max_tokens=2)) == (
+            grpc.StatusCode.UNAVAILABLE,
+            MAX_QUEUED_TOKENS_MESSAGE,
+        )
+        stuck.cancel()
+        await until(lambda: engine.running_count() == 0, "the stuck request to stop")
+        engine.faults.add("decoding", FaultPlan(FaultKind.HANG, after=1))
+        decoding = stub.Generate(request("decoding", max_tokens=10), timeout=10)
+        await decoding.read()  # its prefill is done
+        assert completes(await collect(stub, request("then", max_tokens=2)))
+        decoding.cancel()

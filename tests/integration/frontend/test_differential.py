@@ -61,12 +61,12 @@ def _rows(fmt: str) -> list[Any]:
 
 # The fault rows, as the testkit engine injects them (the recorder raises vLLM's own
 # exception for the same row: engine_dead -> EngineDeadError after k tokens, overloaded ->
-# QueueOverflowError at admission).
+# QueueOverflowError at admission). An engine dead is a fault plan for the row's request; an
+# engine overloaded is the testkit's own admission control (vLLM's --max-num-queued-reqs) at 0
+# while the row runs: it refuses as vLLM does, gRPC UNAVAILABLE with vLLM's sentence.
 def _fault_plan(fault: dict[str, Any]) -> FaultPlan:
     if fault["kind"] == "engine_dead":
         return FaultPlan(FaultKind.ERROR_AFTER, after=fault["after"], code="INTERNAL")
-    if fault["kind"] == "overloaded":
-        return FaultPlan(FaultKind.FAIL_OPEN, code="RESOURCE_EXHAUSTED")
     raise AssertionError(f"unknown fault {fault}")
 
 
@@ -178,10 +178,18 @@ def _comparable(answer: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]
 
 async def _check(fe: FrontendStack, row: dict[str, Any]) -> None:
     assert "real" in row, f"row {row['name']!r} has no recorded answer"
-    if "fault" in row:
+    engine = fe.sidecars[0].engine
+    overloaded = row.get("fault", {}).get("kind") == "overloaded"
+    if "fault" in row and not overloaded:
         request_id = row["request"]["json"]["request_id"]
-        fe.sidecars[0].engine.faults.add(request_id, _fault_plan(row["fault"]))
-    ours = await _answer(fe, row["request"])
+        engine.faults.add(request_id, _fault_plan(row["fault"]))
+    if overloaded:
+        engine.max_num_queued_reqs = 0
+    try:
+        ours = await _answer(fe, row["request"])
+    finally:
+        if overloaded:
+            engine.max_num_queued_reqs = engine.config.max_num_queued_reqs
     keys = tuple(row.get("compare", DEFAULT_COMPARE))
     assert _comparable(ours, keys) == _comparable(row["real"], keys), row["how"]
 

@@ -143,3 +143,36 @@ def test_no_error_is_without_words(reason: str, message: str, from_engine: bool,
         assert json.loads(data.removeprefix(b"data: "))["error"]["message"]
     else:
         assert error_of(encoder.reply())["message"]
+
+
+QUEUE_FULL = (
+    "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
+PREFILL_BACKLOG = (
+    "The engine has reached its prefill token backlog limit. "
+    "Please try again later or on a different instance."
+)
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        # vLLM's two admission refusals, each in its own words (MaxQueuedTokensError is not
+        # QueueOverflowError's sentence).
+        (
+            WorkerFailure("OVERLOADED", PREFILL_BACKLOG, from_engine=True, engine_status="UNAVAILABLE"),
+            PREFILL_BACKLOG,
+        ),
+        (WorkerFailure("OVERLOADED", QUEUE_FULL, from_engine=True, engine_status="UNAVAILABLE"), QUEUE_FULL),
+        # Busy without the engine's words (a sidecar's or a proxy's text): vLLM's sentence.
+        (WorkerFailure("OVERLOADED", "Generate: busy (RESOURCE_EXHAUSTED)"), QUEUE_FULL),
+        (WorkerFailure("OVERLOADED", "", from_engine=True), QUEUE_FULL),
+    ],
+)
+def test_a_busy_refusal_is_vllms_503_in_the_engines_words(failure: WorkerFailure, message: str) -> None:
+    error = failure_error(failure)
+    assert error is not None
+    assert error.body() == {
+        "error": {"message": message, "type": "Service Unavailable", "param": None, "code": 503}
+    }
