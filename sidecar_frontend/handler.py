@@ -392,6 +392,10 @@ class _Exchange:
     _stop_failure: WorkerFailure | None = None
     _write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _group: TaskGroup | None = None
+    _http_request: web.Request | None = None
+    # A stream refused before its first bytes, answered as a plain reply (see
+    # GenerateCall.refused_before_stream).
+    refused_before_stream: bool = False
 
     def stop(self, failure: WorkerFailure, outcome: str) -> None:
         """End the exchange: cancel what runs, report ``failure`` for it."""
@@ -410,20 +414,17 @@ class _Exchange:
         status = 200
         try:
             if call.stream:
-                response = web.StreamResponse(
-                    status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
-                )
-                for name, value in call.headers:
-                    response.headers[name] = value
-                response.enable_chunked_encoding()
-                await response.prepare(request)
-                self.response = response
+                self._http_request = request
+                if not call.refused_before_stream:
+                    await self._start_stream()
             await self._run_all()
-            if call.stream:
-                assert self.response is not None
+            if call.stream and not self.refused_before_stream:
                 if not self.client_gone:
                     await self._write(self.encoder.close())
-                    await self.response.write_eof()
+                if self.response is None:
+                    # Held for the first bytes, and the client left before any: no stream.
+                    raise ConnectionResetError("the client left before the stream started")
+                await self.response.write_eof()
                 return self.response
             reply = self.encoder.reply()
             status = reply.status
@@ -452,7 +453,7 @@ class _Exchange:
             for index, ended in enumerate(self.ended):
                 if not ended and not self.encoder.aborted:
                     self.ended[index] = True
-                    await self._write(self.encoder.on_failure(index, failure, self.frontend.clock()))
+                    await self._write_failure(index, failure)
 
     async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
         frontend = self.frontend
@@ -512,7 +513,7 @@ class _Exchange:
                 self.outcome = "unavailable" if failure.reason == "NO_WORKER" else "error"
                 self.reason = failure.reason
             if not self.encoder.aborted:
-                await self._write(self.encoder.on_failure(index, failure, frontend.clock()))
+                await self._write_failure(index, failure)
             if self.encoder.aborted and self._group is not None:
                 self._group.cancel_scope.cancel()
 
@@ -751,11 +752,42 @@ class _Exchange:
                 if failure is not None:
                     metrics.worker_failed(worker.address, failure.reason)
 
+    async def _start_stream(self) -> None:
+        """Send the stream's 200 and headers (at once, or with its first bytes when held)."""
+        assert self._http_request is not None
+        response = web.StreamResponse(
+            status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
+        )
+        for name, value in self.call.headers:
+            response.headers[name] = value
+        response.enable_chunked_encoding()
+        await response.prepare(self._http_request)
+        self.response = response
+
+    async def _write_failure(self, index: int, failure: WorkerFailure) -> None:
+        data = self.encoder.on_failure(index, failure, self.frontend.clock())
+        if (
+            self.call.stream
+            and self.response is None
+            and self.encoder.aborted
+            and failure.reason in self.call.refused_before_stream
+        ):
+            # Nothing was sent yet and the failure ended the response: the server's own answer
+            # to it comes before any stream, so it is the plain reply (``serve``).
+            self.refused_before_stream = True
+            return
+        await self._write(data)
+
     async def _write(self, data: bytes) -> None:
-        if not data or self.response is None or self.client_gone:
+        if not data or self.client_gone or (self.response is None and not self.call.stream):
             return
         try:
             async with self._write_lock:
+                if self.response is None:
+                    if self.refused_before_stream:
+                        return
+                    await self._start_stream()
+                assert self.response is not None
                 await self.response.write(data)
         except ConnectionError:
             # The client is gone: stop every sub-request (their calls are cancelled).

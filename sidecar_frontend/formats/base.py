@@ -114,6 +114,11 @@ class GenerateCall:
     options: object = None
     # Extra response headers (e.g. vLLM echoes X-Request-Id).
     headers: tuple[tuple[str, str], ...] = ()
+    # Streaming: the failure reasons the server answers before its stream starts (vLLM's
+    # admission refusal). When any, the handler holds the 200 until the first bytes of the
+    # stream; a failure of one of these reasons that ends the response before them is the
+    # plain reply of :meth:`Encoder.reply` instead, as the server's.
+    refused_before_stream: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

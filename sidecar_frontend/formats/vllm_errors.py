@@ -23,6 +23,7 @@ from sidecar_frontend.formats.base import HttpReply
 __all__ = [
     "DEAD_ENGINE_MESSAGE",
     "OVERLOADED_MESSAGE",
+    "REFUSED_BEFORE_STREAM",
     "Invalid",
     "Refused",
     "ValidationIssue",
@@ -41,6 +42,10 @@ OVERLOADED_MESSAGE: Final = (
     "The engine is currently busy and cannot accept new requests. "
     "Please try again later or on a different instance."
 )
+
+# vLLM checks admission before it starts a stream (serving's check_admission): a streamed
+# request it has no room for gets the same 503 JSON as a unary one, never a 200.
+REFUSED_BEFORE_STREAM: Final = frozenset({"OVERLOADED"})
 
 _MAX_REPORTED: Final = 10
 _MAX_INPUT_CHARS: Final = 200

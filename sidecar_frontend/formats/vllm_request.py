@@ -32,6 +32,7 @@ from sidecar_frontend.formats.vllm_checks import (
     read_body,
 )
 from sidecar_frontend.formats.vllm_errors import (
+    REFUSED_BEFORE_STREAM,
     Invalid,
     Refused,
     VllmError,
@@ -216,7 +217,9 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         prompt=tuple(token_ids) if request.output_options.HasField("prompt_logprobs") else (),
         end=_choice_end(request, ctx.model_info),
     )
-    return GenerateCall(requests=(request,), stream=bool(stream), options=options)
+    return GenerateCall(
+        requests=(request,), stream=bool(stream), options=options, refused_before_stream=REFUSED_BEFORE_STREAM
+    )
 
 
 def _choice_end(request: sidecar_pb2.PreprocessedRequest, info: sidecar_pb2.ModelInfo) -> ChoiceEnd:

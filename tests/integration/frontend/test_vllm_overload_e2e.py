@@ -19,6 +19,7 @@ import pytest
 
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
+from testkit.faults import FaultKind, FaultPlan
 from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.vllm_fixtures import vllm_stack
@@ -77,14 +78,30 @@ async def test_one_busy_worker_answers_vllms_503_in_its_own_words_at_once(
         assert not retries  # no other worker to try, none waited for
 
 
-async def test_a_busy_worker_streamed_is_vllms_error_event_after_the_200() -> None:
-    # vLLM answers a stream refused at admission with the same 503 JSON (it checks admission
-    # before it starts the stream); this frontend has sent the 200 by then, so the refusal
-    # is vLLM's in-stream error event: docs/frontend-vllm.md, "Where we differ".
-    async with fleet({"max_num_queued_reqs": 0}) as fe:
-        status, events = await post(fe, "busy-stream", stream=True)
-        assert status == 200
-        assert events == [json.dumps(busy_body(QUEUE_OVERFLOW_MESSAGE)), "[DONE]"]
+@pytest.mark.parametrize("second", [False, True])
+async def test_a_streamed_request_refused_busy_is_the_same_503_and_no_stream(second: bool) -> None:
+    # vLLM checks admission before it starts a stream: the same 503 JSON, never a 200. The
+    # frontend holds a vLLM stream's 200 until its first bytes; with a free second worker the
+    # stream is served there, from its first chunk on.
+    async with fleet({"max_num_queued_reqs": 0}, *([{}] if second else [])) as fe:
+        async with fe.http.post(
+            fe.url + PATH,
+            json={
+                "request_id": "s",
+                "token_ids": PROMPT,
+                "sampling_params": {"max_tokens": 3},
+                "stream": True,
+            },
+        ) as response:
+            if not second:
+                assert response.status == 503
+                assert response.headers["Content-Type"] == "application/json"
+                assert json.loads(await response.read()) == busy_body(QUEUE_OVERFLOW_MESSAGE)
+                return
+            assert response.status == 200
+            events = await sse_events(response)
+        assert [len(json.loads(e)["choices"][0]["token_ids"]) for e in events[:-1]] == [1, 1, 1]
+        assert events[-1] == "[DONE]"
 
 
 async def test_with_a_second_free_worker_the_request_is_served_there() -> None:
@@ -95,3 +112,21 @@ async def test_with_a_second_free_worker_the_request_is_served_there() -> None:
             assert len(body["choices"][0]["token_ids"]) == 3
             assert asked(fe, 0, f"r{n}") <= 1
             assert asked(fe, 1, f"r{n}") == 1
+
+
+async def test_a_held_stream_starts_with_its_first_chunk_not_at_its_end() -> None:
+    # The 200 goes out with the first bytes: a stream whose engine then hangs has its status
+    # and first chunk in the client's hands while it is still open.
+    async with fleet({}) as fe:
+        fe.sidecars[0].engine.faults.add("hangs", FaultPlan(FaultKind.HANG, after=1))
+        body = {
+            "request_id": "hangs",
+            "token_ids": PROMPT,
+            "sampling_params": {"max_tokens": 9},
+            "stream": True,
+        }
+        with anyio.fail_after(30):
+            async with fe.http.post(fe.url + PATH, json=body) as response:
+                assert response.status == 200
+                first = await response.content.readline()
+        assert len(json.loads(first.decode().removeprefix("data: "))["choices"][0]["token_ids"]) == 1
