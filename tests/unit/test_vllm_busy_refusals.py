@@ -11,8 +11,10 @@ from __future__ import annotations
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from hypothesis import given
+from hypothesis import strategies as st
 
-from sidecar_common.errors import ORIGIN_ENGINE, EngineOrigin, ErrorReason, to_rpc_status
+from sidecar_common.errors import ORIGIN_ENGINE, EngineOrigin, ErrorReason, from_engine_status, to_rpc_status
 from sidecar_vllm.refusals import BUSY_REFUSALS, generate_error
 from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 
@@ -70,3 +72,15 @@ def test_every_other_failure_reads_as_before(
 
 def test_the_testkit_refuses_with_exactly_the_sentences_the_sidecar_recognises() -> None:
     assert frozenset({QUEUE_OVERFLOW_MESSAGE, MAX_QUEUED_TOKENS_MESSAGE}) == BUSY_REFUSALS
+
+
+@given(st.sampled_from(list(grpc.StatusCode)), st.none() | st.text() | st.sampled_from(sorted(BUSY_REFUSALS)))
+def test_only_a_busy_sentence_under_unavailable_differs_from_the_shared_table(
+    code: grpc.StatusCode, details: str | None
+) -> None:
+    error = generate_error(code, details)
+    if code is U and details in BUSY_REFUSALS:
+        assert (error.reason, error.message) == (ErrorReason.OVERLOADED, details)
+        return
+    shared = from_engine_status("Generate", code, details)
+    assert (error.reason, error.message, error.origin) == (shared.reason, shared.message, shared.origin)
