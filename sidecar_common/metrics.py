@@ -21,9 +21,11 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-__all__ = ["ABORT_OUTCOMES", "Metrics"]
+__all__ = ["ABORT_OUTCOMES", "LATENCY_BUCKETS", "Metrics"]
 
-_LATENCY_BUCKETS: Final = (
+# Time to first chunk and between chunks, a millisecond to half a minute. The frontend's
+# histograms start from this ladder and extend it to an hour, so it lives here once.
+LATENCY_BUCKETS: Final = (
     0.001,
     0.0025,
     0.005,
@@ -111,14 +113,14 @@ class Metrics:
             "sidecar_time_to_first_token_seconds",
             "From the Generate call to the first chunk sent",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=reg,
         )
         self.inter_chunk_latency = Histogram(
             "sidecar_inter_chunk_latency_seconds",
             "Between consecutive chunks sent to the frontend",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=reg,
         )
         self.engine_connected = Gauge(

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar_common.metrics import LATENCY_BUCKETS
+
 __all__ = ["OUTCOMES", "Metrics", "WorkerRow", "buckets_up_to"]
 
 # How an HTTP generate request ended (the ``outcome`` label); ``reason`` says why.
@@ -34,31 +36,10 @@ OUTCOMES = (
     "shutdown",  # the frontend stopped before it finished (ENGINE_SHUTDOWN)
 )
 
-# Latencies from a millisecond to an hour; a histogram's buckets stop at the request timeout
+# Latencies from a millisecond to an hour (the sidecar's ladder, then on to an hour, since a
+# frontend request can outlast a step of it); a histogram's buckets stop at the request timeout
 # (nothing lasts longer), with the timeout itself as the last finite bucket.
-_LATENCY_BUCKETS: Final = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-    1200.0,
-    1800.0,
-    3600.0,
-)
+_LATENCY_BUCKETS: Final = (*LATENCY_BUCKETS, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 
 
 def buckets_up_to(limit: float | None) -> tuple[float, ...]:
