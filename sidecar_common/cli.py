@@ -23,7 +23,8 @@ from sidecar_common import flags
 from sidecar_common.config import DEFAULT_MAX_REQUEST_BYTES, EngineSpec, SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
-from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
+from sidecar_common.logs import LogFormat, default_log_format
+from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
@@ -150,9 +151,7 @@ def _check_key_pair(files: TlsFiles) -> None:
 def _refuse_inapplicable_common(ns: argparse.Namespace) -> None:
     """The common flags that only mean something beside another one (docs/common.md, "Flags
     that do not apply")."""
-    flags.refuse_inapplicable(
-        ns, "metrics_host", applies=ns.metrics_port is not None, rule="needs --metrics-port (metrics are off)"
-    )
+    refuse_metrics_host_without_port(ns)
     for dest in ("etcd_prefix", "advertise", "etcd_lease_ttl_secs"):
         flags.refuse_inapplicable(
             ns,
@@ -338,34 +337,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         help="how long the registration outlives a sidecar that died without withdrawing; "
         "needs --etcd-endpoints",
     )
-    ops = parser.add_argument_group("operations")
-    ops.add_argument(
-        "--metrics-port",
-        type=flags.port_arg,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics on this port (default: unset: off)",
-    )
-    ops.add_argument(
-        "--metrics-host",
-        type=flags.bind_host_arg,
-        default=None,
-        metavar="HOST",
-        help="address the metrics endpoint binds; needs --metrics-port (default: the host of --listen)",
-    )
-    ops.add_argument(
-        "--log-format",
-        choices=("json", "console"),
-        default=None,
-        help="json lines, or human-readable (default: console on a terminal, else json)",
-    )
-    ops.add_argument(
-        "--log-level",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        default="info",
-        help="the least severe lines logged",
-    )
+    add_operations_arguments(parser)
     spec.add_arguments(parser)
     return parser
 

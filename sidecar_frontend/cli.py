@@ -17,12 +17,12 @@ from sidecar_common.cli import (
     annotate_env_help,
     parse_listen,
     parse_with_env,
-    port_arg,
     positive_int_arg,
     seconds_arg,
 )
-from sidecar_common.flags import FlagParser, bind_host_arg, refuse_inapplicable
-from sidecar_common.logs import LOG_LEVELS, LogFormat, default_log_format
+from sidecar_common.flags import FlagParser, refuse_inapplicable
+from sidecar_common.logs import LogFormat, default_log_format
+from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
 from sidecar_common.registration_record import RecordError
 from sidecar_common.tls import ClientCredentials, ClientTlsFiles, TlsSettingsError
 from sidecar_common.version import package_version
@@ -113,9 +113,7 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
         applies="sglang" in ns.formats,
         rule="is used only when --format includes sglang",
     )
-    refuse_inapplicable(
-        ns, "metrics_host", applies=ns.metrics_port is not None, rule="needs --metrics-port (metrics are off)"
-    )
+    refuse_metrics_host_without_port(ns)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -241,33 +239,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="the private key of --worker-tls-cert; re-read when it changes",
     )
     add_discovery_arguments(parser)
-    ops = parser.add_argument_group("operations")
-    ops.add_argument(
-        "--metrics-port",
-        type=port_arg,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics on this port (default: unset: off)",
-    )
-    ops.add_argument(
-        "--metrics-host",
-        type=bind_host_arg,
-        default=None,
-        metavar="HOST",
-        help="address the metrics endpoint binds (default: the host of --listen)",
-    )
-    ops.add_argument(
-        "--log-format",
-        choices=("json", "console"),
-        default=None,
-        help="json lines, or human-readable (default: console on a terminal, else json)",
-    )
-    ops.add_argument(
-        "--log-level",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        default="info",
-        help="the least severe lines logged",
+    add_operations_arguments(
+        parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
     )
     annotate_env_help(parser, ENV_PREFIX)
     return parser
