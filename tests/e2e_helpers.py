@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +43,8 @@ __all__ = [
     "reason_of",
     "script",
     "serving_port",
+    "start",
+    "stop",
     "terminal",
     "tokens",
     "until",
@@ -158,24 +160,39 @@ def free_port() -> int:
         return port
 
 
-@contextmanager
-def process(argv: Sequence[str]) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(
-        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env()
+def start(argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """A child in the repository, its output piped, in :func:`child_env` plus ``env``."""
+    return subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**child_env(), **(env or {})},
     )
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM and the exit that follows (SIGKILL if none within WAIT); then close the pipes."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
+@contextmanager
+def process(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    proc = start(argv, env)
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=WAIT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=WAIT)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        stop(proc)
 
 
 def log_lines(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:

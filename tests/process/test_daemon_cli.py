@@ -34,6 +34,7 @@ from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine, EngineLoad, GenerateCall
 from sidecar_common.pool import ChannelPool, Deadline, SystemClock, retry_until_deadline
+from tests.e2e_helpers import stop
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -614,12 +615,7 @@ def testkit_vllm() -> Iterator[str]:
         assert address, "the testkit engine did not come up"
         yield address
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=WAIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=WAIT)
+        stop(proc)
 
 
 def test_sidecar_vllm_serves_a_testkit_engine_then_stops_cleanly(
@@ -786,12 +782,7 @@ def mistakes_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         }
     finally:
         taken.close()
-        engine.send_signal(signal.SIGTERM)
-        try:
-            engine.wait(timeout=WAIT)
-        except subprocess.TimeoutExpired:
-            engine.kill()
-            engine.wait(timeout=WAIT)
+        stop(engine)
 
 
 LOCAL = ("--listen", "127.0.0.1:0")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, log_lines, process, script
+from tests.e2e_helpers import WAIT, free_port, log_lines, process, script
 from tests.pki import Ca, Pem, make_ca, make_leaf
 from tests.process.test_frontend_process import PROMPT, post_json, wait_ready
 
@@ -119,25 +119,11 @@ def frontend(workers: list[int], env: dict[str, str]) -> Iterator[tuple[Log, str
     argv = [script("sidecar-frontend"), "--listen", "127.0.0.1:0", "--log-format", "json"]
     for port in workers:
         argv += ["--worker", f"127.0.0.1:{port}"]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**child_env(), **env}
-    )
-    try:
+    with process(argv, env) as proc:
         log = Log(proc)
         url = f"http://127.0.0.1:{int(log.wait_for('serving')['port'])}"
         wait_ready(url)
         yield log, url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=WAIT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=WAIT)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 def generate(url: str, tokens: int = 3) -> None:

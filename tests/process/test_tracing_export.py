@@ -5,8 +5,6 @@ that keeps what it is sent."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, log_lines, script, serving_port
+from tests.e2e_helpers import WAIT, free_port, log_lines, script, serving_port, start, stop
 from tests.process.test_frontend_process import PROMPT, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,26 +52,6 @@ def collector() -> Iterator[tuple[Collector, int]]:
         server.stop(None)
 
 
-def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**child_env(), **env}
-    )
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM, and the exit that follows the flush of the spans still queued."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=WAIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=WAIT)
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            stream.close()
-
-
 def test_frontend_and_sidecar_export_one_trace_over_otlp(collector: tuple[Collector, int]) -> None:
     spans, otlp_port = collector
     otlp = {
@@ -82,9 +60,9 @@ def test_frontend_and_sidecar_export_one_trace_over_otlp(collector: tuple[Collec
     }
     with ExitStack() as stack:
         engine_port = free_port()
-        engine = _start([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}"], {})
-        stack.callback(_stop, engine)
-        sidecar = _start(
+        engine = start([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}"], {})
+        stack.callback(stop, engine)
+        sidecar = start(
             [
                 script("sidecar-vllm"),
                 *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", "127.0.0.1:0"),
@@ -92,16 +70,16 @@ def test_frontend_and_sidecar_export_one_trace_over_otlp(collector: tuple[Collec
             ],
             otlp,
         )
-        stack.callback(_stop, sidecar)
+        stack.callback(stop, sidecar)
         worker = serving_port(sidecar)
-        frontend = _start(
+        frontend = start(
             [
                 script("sidecar-frontend"),
                 *("--listen", "127.0.0.1:0", "--log-format", "json", "--worker", f"127.0.0.1:{worker}"),
             ],
             {**otlp, "OTEL_SERVICE_NAME": "my-frontend"},
         )
-        stack.callback(_stop, frontend)
+        stack.callback(stop, frontend)
         serving = next(e for e in log_lines(frontend) if e.get("event") == "serving")
         assert serving["tracing"] is True
         url = f"http://127.0.0.1:{serving['port']}"
@@ -114,8 +92,9 @@ def test_frontend_and_sidecar_export_one_trace_over_otlp(collector: tuple[Collec
         )
         with urllib.request.urlopen(request, timeout=WAIT) as response:
             assert response.status == 200
-        _stop(frontend)
-        _stop(sidecar)
+        # A SIGTERM'd daemon flushes the spans still queued before it exits.
+        stop(frontend)
+        stop(sidecar)
     with spans.lock:
         got = [(service, span.name, span.trace_id.hex()) for service, span in spans.spans]
     assert ("my-frontend", "POST /generate", CLIENT_TRACE) in got, got
