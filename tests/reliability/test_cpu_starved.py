@@ -14,8 +14,8 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import aiohttp
@@ -25,16 +25,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sidecar_common.server import ServerConfig
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
-from testkit.faults import FaultBook, FaultKind, FaultPlan
+from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import WAIT, free_port, script
 from tests.integration.fleet.helpers import engine_argv
-from tests.integration.frontend.fixtures import FrontendStack, frontend_over
+from tests.integration.frontend.fixtures import sse_json_events, two_workers
 from tests.integration.frontend.test_migration_e2e import MAX_TOKENS, request_body, summary
 from tests.process.test_fleet_faults import serving_line, start
 from tests.reliability.harness import KINDS, Kind, expected_tokens, outcomes, rig, until
 from tests.reliability.test_engine_death import WATCH, death_and_return
 from tests.reliability.test_soak import Tally, check_one, decide, make_plans, run_batch
-from tests.vllm_fixtures import vllm_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -113,36 +112,17 @@ async def test_a_reduced_soak_under_a_cpu_hog_fails_no_fault_free_request(
     assert_hogging(cpu_hog)
 
 
-@asynccontextmanager
-async def starved_fleet() -> AsyncIterator[FrontendStack]:
-    async with AsyncExitStack() as stack:
-        sidecars: list[Any] = [
-            await stack.enter_async_context(vllm_stack(token_latency_ms=15.0)) for _ in range(2)
-        ]
-        shared = FaultBook()
-        for sidecar in sidecars:
-            sidecar.engine.faults = shared
-        addresses = [f"127.0.0.1:{s.server.port}" for s in sidecars]
-        async with frontend_over(addresses, sidecars, formats=(VLLM,)) as fe:
-            yield fe
-
-
 async def test_a_fleet_under_a_cpu_hog_completes_every_stream(cpu_hog: list[subprocess.Popen[bytes]]) -> None:
     streams = 40
-    async with starved_fleet() as fe:
+    async with two_workers("vllm", formats=(VLLM,), shared_faults=True) as fe:
         # One worker's engine dies inside its server mid-way; its streams move to the other.
         fe.sidecars[0].engine.faults.add("-s0007", FaultPlan(FaultKind.ENGINE_DIES, after=6), times=1)
 
         async def one(n: int) -> dict[str, Any]:
             path, body = request_body("vllm", f"s{n:04d}")
-            events: list[dict[str, Any]] = []
             async with fe.http.post(fe.url + path, json=body) as response:
                 assert response.status == 200
-                async for line in response.content:
-                    text = line.decode().rstrip("\r\n")
-                    if text.startswith("data: ") and text != "data: [DONE]":
-                        events.append(json.loads(text[len("data: ") :]))
-            return summary("vllm", events)
+                return summary("vllm", await sse_json_events(response))
 
         results = await asyncio.gather(*(one(n) for n in range(streams)))
         reference = results[0]

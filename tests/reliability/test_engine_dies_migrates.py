@@ -4,56 +4,24 @@ output of a run with no failure, token for token, for both formats and every eng
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
 
-from sidecar_frontend.formats.sglang import FORMAT as SGLANG
-from sidecar_frontend.formats.vllm import FORMAT as VLLM
-from testkit.faults import FaultBook, FaultKind, FaultPlan
-from tests.integration.frontend.fixtures import FrontendStack, frontend_over
+from testkit.faults import FaultKind, FaultPlan
+from tests.integration.frontend.fixtures import FrontendStack, sse_json_events, two_workers
 from tests.integration.frontend.test_migration_e2e import MAX_TOKENS, request_body, summary
-from tests.sglang_fixtures import sglang_stack
-from tests.vllm_fixtures import vllm_stack
 
 pytestmark = pytest.mark.timeout(90)
 
 ENGINES = ["vllm", "sglang-grpc", "sglang-http"]
 
 
-@asynccontextmanager
-async def two_workers(engine: str) -> AsyncIterator[FrontendStack]:
-    async with AsyncExitStack() as stack:
-        sidecars: list[Any] = []
-        for _ in range(2):
-            if engine == "vllm":
-                cm: Any = vllm_stack(token_latency_ms=15.0)
-            else:
-                cm = sglang_stack(engine.removeprefix("sglang-"), token_latency_ms=15.0)  # type: ignore[arg-type]
-            sidecars.append(await stack.enter_async_context(cm))
-        # One book for both engines: the fault fires once, on whichever runs the request first,
-        # and the continuation on the other one runs clean.
-        shared = FaultBook()
-        for sidecar in sidecars:
-            sidecar.engine.faults = shared
-        addresses = [f"127.0.0.1:{s.server.port}" for s in sidecars]
-        async with frontend_over(addresses, sidecars, formats=(SGLANG, VLLM)) as fe:
-            yield fe
-
-
 async def events_of(fe: FrontendStack, fmt: str, rid: str) -> list[dict[str, Any]]:
     path, body = request_body(fmt, rid)
-    events: list[dict[str, Any]] = []
     async with fe.http.post(fe.url + path, json=body) as response:
         assert response.status == 200
-        async for line in response.content:
-            text = line.decode().rstrip("\r\n")
-            if text.startswith("data: ") and text != "data: [DONE]":
-                events.append(json.loads(text[len("data: ") :]))
-    return events
+        return await sse_json_events(response)
 
 
 def migrations(fe: FrontendStack, fmt: str) -> float:
@@ -68,7 +36,7 @@ def migrations(fe: FrontendStack, fmt: str) -> float:
 async def test_a_generation_whose_engine_dies_inside_its_server_completes_elsewhere_unchanged(
     engine: str, fmt: str
 ) -> None:
-    async with two_workers(engine) as fe:
+    async with two_workers(engine, shared_faults=True) as fe:
         reference = await events_of(fe, fmt, "calm")
         fe.sidecars[0].engine.faults.add("-storm", FaultPlan(FaultKind.ENGINE_DIES, after=5), times=1)
         events = await events_of(fe, fmt, "storm")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -16,13 +17,25 @@ from aiohttp import web
 
 from sidecar_common.tracing import Tracing
 from sidecar_frontend.formats.base import Format
+from sidecar_frontend.formats.sglang import FORMAT as SGLANG
+from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.workers import WorkerSet, WorkerSetConfig
+from testkit.faults import FaultBook
 from tests.integration.frontend.plugin import FORMAT as PROBE
+from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import Stack, vllm_stack
 
-__all__ = ["FAST_WORKERS", "FrontendStack", "frontend_over", "frontend_stack", "sse_events"]
+__all__ = [
+    "FAST_WORKERS",
+    "FrontendStack",
+    "frontend_over",
+    "frontend_stack",
+    "sse_events",
+    "sse_json_events",
+    "two_workers",
+]
 
 FAST_WORKERS = WorkerSetConfig(connections=1, rpc_timeout=2.0, load_poll_interval=0.1, rewatch_interval=0.05)
 
@@ -92,6 +105,41 @@ async def frontend_stack(
         addresses = [f"127.0.0.1:{s.server.port}" for s in sidecars]
         async with frontend_over(addresses, list(sidecars), config=config, **kwargs) as fe:
             yield fe
+
+
+@asynccontextmanager
+async def two_workers(
+    engine: str,
+    config: HandlerConfig | None = None,
+    *,
+    formats: Sequence[Format] = (SGLANG, VLLM),
+    shared_faults: bool = False,
+) -> AsyncIterator[FrontendStack]:
+    """Two sidecars of one engine kind ("vllm", "sglang-grpc", "sglang-http"), their testkit
+    engines 15 ms a token, behind one frontend: the migration tests' fleet.
+
+    ``shared_faults``: one fault book for both engines, so a fault fires once, on whichever
+    runs the request first, and the continuation on the other one runs clean."""
+    async with AsyncExitStack() as stack:
+        sidecars: list[Any] = []
+        for _ in range(2):
+            if engine == "vllm":
+                cm: Any = vllm_stack(token_latency_ms=15.0)
+            else:
+                cm = sglang_stack(engine.removeprefix("sglang-"), token_latency_ms=15.0)  # type: ignore[arg-type]
+            sidecars.append(await stack.enter_async_context(cm))
+        if shared_faults:
+            shared = FaultBook()
+            for sidecar in sidecars:
+                sidecar.engine.faults = shared
+        addresses = [f"127.0.0.1:{s.server.port}" for s in sidecars]
+        async with frontend_over(addresses, sidecars, formats=formats, config=config) as fe:
+            yield fe
+
+
+async def sse_json_events(response: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    """Every ``data:`` payload of an SSE response but the closing ``[DONE]``, as JSON, in order."""
+    return [json.loads(event) for event in await sse_events(response) if event != "[DONE]"]
 
 
 async def sse_events(response: aiohttp.ClientResponse) -> list[str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -22,8 +20,7 @@ from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
 from tests.e2e_helpers import until
-from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
-from tests.sglang_fixtures import sglang_stack
+from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events, two_workers
 from tests.vllm_fixtures import vllm_stack
 
 pytestmark = pytest.mark.timeout(90)
@@ -31,21 +28,6 @@ pytestmark = pytest.mark.timeout(90)
 ENGINES = ["vllm", "sglang-grpc", "sglang-http"]
 PROMPT = [101, 202, 303, 404]
 MAX_TOKENS = 24
-
-
-@asynccontextmanager
-async def two_workers(engine: str, config: HandlerConfig | None = None) -> AsyncIterator[FrontendStack]:
-    async with AsyncExitStack() as stack:
-        sidecars: list[Any] = []
-        for _ in range(2):
-            if engine == "vllm":
-                cm: Any = vllm_stack(token_latency_ms=15.0)
-            else:
-                cm = sglang_stack(engine.removeprefix("sglang-"), token_latency_ms=15.0)  # type: ignore[arg-type]
-            sidecars.append(await stack.enter_async_context(cm))
-        addresses = [f"127.0.0.1:{s.server.port}" for s in sidecars]
-        async with frontend_over(addresses, sidecars, formats=(SGLANG, VLLM), config=config) as fe:
-            yield fe
 
 
 def request_body(fmt: str, rid: str) -> tuple[str, dict[str, Any]]:
