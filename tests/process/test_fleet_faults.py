@@ -31,7 +31,7 @@ from testkit.generator import SamplingSpec, generate
 from testkit.vllm_engine import VllmEngineConfig
 from tests.e2e_helpers import WAIT, child_env, free_port, script
 from tests.etcd_fixture import EtcdServer, running_etcd
-from tests.integration.fleet.helpers import engine_argv, sidecar_argv
+from tests.integration.fleet.helpers import engine_argv, sidecar_argv, static_sidecar_argv
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -332,14 +332,8 @@ def _served(new: Proc) -> bool:
 # --- a model rollout -----------------------------------------------------------------------------
 
 ROLLOUT_CLIENTS = 8
-
-
-def static_sidecar_argv(engine_port: int, port: int) -> list[str]:
-    return [
-        script("sidecar-vllm"),
-        *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", f"127.0.0.1:{port}"),
-        *("--grpc-connections", "1", "--log-format", "json", "--drain-timeout-secs", "20"),
-    ]
+# The rollout's sidecars, static workers of the frontend, drain for up to 20 s.
+ROLLOUT_DRAIN = ("--drain-timeout-secs", "20")
 
 
 def model_line(address: str, model: str) -> Callable[[dict[str, Any]], bool]:
@@ -363,7 +357,7 @@ def test_a_rollout_from_model_a_to_model_b_under_traffic_loses_no_request() -> N
             for port in engine_ports
         ]
         sidecars = [
-            start(stack, static_sidecar_argv(engine, port))
+            start(stack, static_sidecar_argv(engine, port, *ROLLOUT_DRAIN))
             for engine, port in zip(engine_ports, sidecar_ports, strict=True)
         ]
         metrics_port = free_port()
@@ -410,7 +404,7 @@ def test_a_rollout_from_model_a_to_model_b_under_traffic_loses_no_request() -> N
                     engines[i] = start(
                         stack, engine_argv(engine_port, *latency, "--served-model-name", "model-b")
                     )
-                    sidecars[i] = start(stack, static_sidecar_argv(engine_port, port))
+                    sidecars[i] = start(stack, static_sidecar_argv(engine_port, port, *ROLLOUT_DRAIN))
                     await asyncio.to_thread(frontend.first, model_line(addresses[i], "model-b"))
                     await more_completed(ROLLOUT_CLIENTS)
                 stop.set()

@@ -9,7 +9,6 @@ health probes late, which is not death (docs/common.md, "Engine health")."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -27,7 +26,7 @@ from sidecar_common.server import ServerConfig
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import WAIT, free_port, script
-from tests.integration.fleet.helpers import engine_argv
+from tests.integration.fleet.helpers import engine_argv, static_sidecar_argv
 from tests.integration.frontend.fixtures import sse_json_events, two_workers
 from tests.integration.frontend.test_migration_e2e import MAX_TOKENS, request_body, summary
 from tests.process.test_fleet_faults import serving_line, start
@@ -146,20 +145,7 @@ def test_a_process_fleet_under_a_cpu_hog_completes_every_stream(
             start(stack, engine_argv(port, "--token-latency-ms", "15", *fault))
         sidecar_ports = [free_port() for _ in range(2)]
         for engine_port, port in zip(engine_ports, sidecar_ports, strict=True):
-            start(
-                stack,
-                [
-                    script("sidecar-vllm"),
-                    "--grpc-endpoint",
-                    f"127.0.0.1:{engine_port}",
-                    "--listen",
-                    f"127.0.0.1:{port}",
-                    "--grpc-connections",
-                    "1",
-                    "--log-format",
-                    "json",
-                ],
-            ).first(lambda e: e.get("event") == "serving")
+            start(stack, static_sidecar_argv(engine_port, port)).first(lambda e: e.get("event") == "serving")
         addresses = [f"127.0.0.1:{port}" for port in sidecar_ports]
         workers = [arg for address in addresses for arg in ("--worker", address)]
         frontend = start(
@@ -176,13 +162,9 @@ def test_a_process_fleet_under_a_cpu_hog_completes_every_stream(
                 async def one(n: int) -> dict[str, Any]:
                     rid = f"s{n:04d}-victim" if n % 3 == 0 else f"s{n:04d}"
                     path, body = request_body("vllm", rid)
-                    events: list[dict[str, Any]] = []
                     async with http.post(url + path, json=body) as response:
                         assert response.status == 200, await response.text()
-                        async for line in response.content:
-                            text = line.decode().rstrip("\r\n")
-                            if text.startswith("data: ") and text != "data: [DONE]":
-                                events.append(json.loads(text[len("data: ") :]))
+                        events = await sse_json_events(response)
                     return summary("vllm", events)
 
                 return list(await asyncio.gather(*(one(n) for n in range(60))))

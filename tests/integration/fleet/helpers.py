@@ -9,7 +9,7 @@ from sidecar_common.registration_record import DEFAULT_PREFIX
 from tests.e2e_helpers import WAIT, script
 from tests.etcd_fixture import EtcdServer
 
-__all__ = ["engine_argv", "sidecar_argv", "wait_key", "worker_key"]
+__all__ = ["engine_argv", "sidecar_argv", "static_sidecar_argv", "wait_key", "worker_key"]
 
 
 def engine_argv(port: int, *extra: str) -> list[str]:
@@ -29,6 +29,17 @@ def sidecar_argv(engine_port: int, etcd: EtcdServer, *extra: str) -> list[str]:
         "json",
         "--etcd-endpoints",
         etcd.endpoint,
+        *extra,
+    ]
+
+
+def static_sidecar_argv(engine_port: int, port: int, *extra: str) -> list[str]:
+    """A vLLM sidecar on ``port`` over the engine on ``engine_port``, without etcd (for a
+    frontend told its workers by --worker or DNS)."""
+    return [
+        script("sidecar-vllm"),
+        *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", f"127.0.0.1:{port}"),
+        *("--grpc-connections", "1", "--log-format", "json"),
         *extra,
     ]
 

@@ -12,24 +12,10 @@ import pytest
 from sidecar_frontend.discovery import DiscoveryConfig, run_discovery
 from sidecar_frontend.discovery_records import DnsTarget
 from sidecar_frontend.workers import WorkerSet
-from tests.e2e_helpers import WAIT, free_port, process, script, until
-from tests.integration.fleet.helpers import engine_argv
+from tests.e2e_helpers import WAIT, free_port, process, until
+from tests.integration.fleet.helpers import engine_argv, static_sidecar_argv
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def sidecar_argv(engine_port: int, port: int) -> list[str]:
-    return [
-        script("sidecar-vllm"),
-        "--grpc-endpoint",
-        f"127.0.0.1:{engine_port}",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--grpc-connections",
-        "1",
-        "--log-format",
-        "json",
-    ]
 
 
 async def test_pods_in_and_out_of_dns_join_and_leave_the_worker_set() -> None:
@@ -47,8 +33,8 @@ async def test_pods_in_and_out_of_dns_join_and_leave_the_worker_set() -> None:
     first, second = f"127.0.0.1:{first_port}", f"127.0.0.1:{second_port}"
     with (
         process(engine_argv(engine_port)),
-        process(sidecar_argv(engine_port, first_port)),
-        process(sidecar_argv(engine_port, second_port)),
+        process(static_sidecar_argv(engine_port, first_port)),
+        process(static_sidecar_argv(engine_port, second_port)),
     ):
         async with WorkerSet() as workers, anyio.create_task_group() as tg:
             await tg.start(
