@@ -41,8 +41,10 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.engine import Engine
 from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
 from sidecar_common.metrics import Metrics
+from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem, shown_address
 from sidecar_common.registration import Registration, registered
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
@@ -142,13 +144,15 @@ def _listen_host(listen: str) -> str:
     return host[1:-1] if host.startswith("[") else host
 
 
-def _start_metrics_http(host: str, port: int, metrics: Metrics) -> Callable[[], Awaitable[None]]:
+def _start_metrics_http(
+    host: str, port: int, metrics: Metrics, sources: FlagSources
+) -> Callable[[], Awaitable[None]]:
     from prometheus_client import start_http_server
 
     shown = shown_address(host, port)
-    problem = bind_problem(host, port)
+    problem = bind_problem(host, port, serving="serve metrics on")
     if problem is not None:
-        raise _StartupFailed(problem.replace("cannot listen on", "cannot serve metrics on", 1))
+        raise _StartupFailed(f"{problem} ({metrics_address_flags(sources)})")
     try:
         httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as err:
@@ -231,7 +235,7 @@ async def _serve(
         closing.push_async_callback(_bounded, "engine close", engine.close, _CLOSE_TIMEOUT)
         try:
             with stopper.startup:
-                server = await _start(spec, config, engine, closing)
+                server = await _start(spec, config, engine, closing, flag_sources(namespace))
                 systemd.notify(f"STATUS=connecting to {spec.name} at {endpoint}")
                 log.info("connecting to engine", engine=spec.name, endpoint=str(endpoint), port=server.port)
                 # engine.start() is bounded by the startup deadline itself; this outer bound
@@ -339,17 +343,17 @@ def _engine_status(spec: EngineSpec, config: SidecarConfig) -> Callable[[bool, s
 
 
 async def _start(
-    spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack
+    spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack, sources: FlagSources
 ) -> SidecarServer:
     problem = bind_problem(_listen_host(config.listen), int(config.listen.rpartition(":")[2]))
     if problem is not None:
         # Asked first: grpc would report only "Failed to bind" (and print its own C++ line).
-        raise _StartupFailed(problem)
+        raise _StartupFailed(f"{problem} ({sources.naming('listen')})")
     metrics: Metrics | None = None
     if config.metrics_port is not None:
         metrics = Metrics(spec.name, version=package_version())
         metrics_host = config.metrics_host or _listen_host(config.listen)
-        stop_metrics = _start_metrics_http(metrics_host, config.metrics_port, metrics)
+        stop_metrics = _start_metrics_http(metrics_host, config.metrics_port, metrics, sources)
         closing.push_async_callback(_bounded, "metrics stop", stop_metrics, _CLOSE_TIMEOUT)
     tracing = Tracing.from_environment(os.environ, service=f"sidecar-{spec.name}")
     if tracing.exporting:

@@ -72,6 +72,14 @@ class FlagSources:
     def option(self, dest: str) -> str:
         return self.options.get(dest, "--" + dest.replace("_", "-"))
 
+    def naming(self, dest: str) -> str:
+        """``--flag``, or ``--flag comes from VAR`` when its variable set the value (the
+        operator reading the command line would not find the flag there)."""
+        option = self.option(dest)
+        if dest in self.env and dest not in self.given:
+            return f"{option} comes from {self.env[dest]}"
+        return option
+
     def variables_named_in(self, message: str, parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
         """(option, variable) for each option ``message`` names whose value came from its
         environment variable, in the order named."""

@@ -14,7 +14,12 @@ from typing import Final
 from sidecar_common import flags
 from sidecar_common.logs import LOG_LEVELS
 
-__all__ = ["METRICS_HOST_HELP", "add_operations_arguments", "refuse_metrics_host_without_port"]
+__all__ = [
+    "METRICS_HOST_HELP",
+    "add_operations_arguments",
+    "metrics_address_flags",
+    "refuse_metrics_host_without_port",
+]
 
 METRICS_HOST_HELP: Final = (
     "address the metrics endpoint binds; needs --metrics-port (default: the host of --listen)"
@@ -62,3 +67,11 @@ def refuse_metrics_host_without_port(ns: argparse.Namespace) -> None:
     flags.refuse_inapplicable(
         ns, "metrics_host", applies=ns.metrics_port is not None, rule="needs --metrics-port (metrics are off)"
     )
+
+
+def metrics_address_flags(sources: flags.FlagSources) -> str:
+    """The flags that chose the metrics address, as a start-up failure names them:
+    ``--metrics-port``, with ``--metrics-host`` when it was set (else the host is the one of
+    ``--listen``), each with its variable when the value came from one."""
+    dests = ("metrics_host", "metrics_port") if sources.is_set("metrics_host") else ("metrics_port",)
+    return ", ".join(sources.naming(dest) for dest in dests)

@@ -19,18 +19,19 @@ def shown_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def bind_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on now, or None. Binds (and closes) a socket per
+def bind_problem(host: str, port: int, *, serving: str = "listen on") -> str | None:
+    """Why ``host:port`` cannot be listened on now, or None: ``cannot <serving> host:port:
+    <why>``. Binds (and closes) a socket per
     address the host resolves to, the way servers do on Linux (SO_REUSEADDR, so that a port
     whose last connections are in TIME_WAIT counts as free). As grpc does, one address that
     binds is enough (``localhost`` in a container without IPv6 still serves on 127.0.0.1),
     but one that another process holds is a conflict. With port 0 (the OS picks one) only the
     host is checked."""
-    where = shown_address(host, port)
+    attempt = f"{serving} {shown_address(host, port)}"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
-        return f"cannot listen on {where}: the host does not resolve ({err.strerror})"
+        return f"cannot {attempt}: the host does not resolve ({err.strerror})"
     failures: list[OSError] = []
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as sock:
@@ -39,13 +40,13 @@ def bind_problem(host: str, port: int) -> str | None:
                 sock.bind(address)
             except OSError as err:
                 if err.errno == errno.EADDRINUSE:
-                    return f"cannot listen on {where}: the address is in use by another process"
+                    return f"cannot {attempt}: the address is in use by another process"
                 failures.append(err)
     if not failures or len(failures) < len(infos):
         return None
     first = failures[0]
     if first.errno == errno.EADDRNOTAVAIL:
-        return f"cannot listen on {where}: not an address of this host"
+        return f"cannot {attempt}: not an address of this host"
     if first.errno == errno.EACCES:
-        return f"cannot listen on {where}: permission denied (a port below 1024 needs privileges)"
-    return f"cannot listen on {where}: {first.strerror or first}"
+        return f"cannot {attempt}: permission denied (a port below 1024 needs privileges)"
+    return f"cannot {attempt}: {first.strerror or first}"

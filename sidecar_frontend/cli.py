@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -20,7 +20,7 @@ from sidecar_common.cli import (
     positive_int_arg,
     seconds_arg,
 )
-from sidecar_common.flags import FlagParser, refuse_inapplicable
+from sidecar_common.flags import FlagParser, FlagSources, flag_sources, refuse_inapplicable
 from sidecar_common.logs import LogFormat, default_log_format
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
 from sidecar_common.registration_record import RecordError
@@ -55,6 +55,8 @@ class FrontendConfig:
     drain_timeout: float
     log_format: LogFormat
     log_level: str
+    # Where each value came from: a start-up failure names the flag, or its variable.
+    sources: FlagSources = field(default_factory=FlagSources)
 
 
 def _workers(text: str) -> tuple[str, ...]:
@@ -301,4 +303,5 @@ def parse_config(
         drain_timeout=ns.drain_timeout_secs,
         log_format=ns.log_format or default_log_format(),
         log_level=ns.log_level,
+        sources=flag_sources(ns),
     )

@@ -3,8 +3,9 @@
 Start-up: logging -> formats -> the worker set, fed by discovery (the ``--worker`` list, DNS
 or etcd; serving starts once its first view is applied or its first attempt failed; workers
 connect in the background, and a request that arrives before one serves gets 503) -> metrics
-endpoint -> HTTP listener -> the ``serving`` log line (with the bound port). A listener that cannot bind
-is one log line and exit 1.
+endpoint -> HTTP listener -> the ``serving`` log line (with the bound port). A listen or metrics
+address that cannot be bound (taken, not of this host, not resolving) is found before the worker
+set starts: one log line naming the address, the cause and the flag (or its variable), exit 1.
 
 The first SIGTERM/SIGINT stops accepting connections at once, lets in-flight requests finish
 within ``--drain-timeout-secs``, then ends what is left (each running sub-request is cancelled,
@@ -26,6 +27,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar_common.logs import configure_logging
+from sidecar_common.operations_flags import metrics_address_flags
+from sidecar_common.ports import bind_problem
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FORMATS, FrontendConfig
@@ -131,6 +134,10 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
     def on_inflight(worker: Worker) -> None:
         metrics.set_worker_inflight(worker.address, worker.inflight)
 
+    problem = _listen_problem(config)
+    if problem is not None:
+        log.error("start-up failed", error=problem)
+        return EXIT_STARTUP_FAILED
     log.info(
         "starting",
         version=package_version(),
@@ -183,6 +190,7 @@ async def _serve_http(
                 metrics_runner = await _metrics_runner(metrics, metrics_host, config.metrics_port)
             await site.start()
         except OSError as err:
+            # Taken between the check and the bind: aiohttp's words, still one line.
             log.error("start-up failed", error=f"cannot listen: {err}")
             return EXIT_STARTUP_FAILED
         log.info(
@@ -195,6 +203,22 @@ async def _serve_http(
             await metrics_runner.cleanup()
         with anyio.move_on_after(_STOP_GRACE, shield=True):
             await tracing.aclose()  # the spans still queued
+
+
+def _listen_problem(config: FrontendConfig) -> str | None:
+    """Why the HTTP or the metrics address cannot be bound, naming the flags (or variables)
+    that chose it, or None. Asked before the worker set starts, as the sidecars do
+    (sidecar_common/ports.py); the bind itself stays the final word."""
+    host, port = split_listen(config.listen)
+    problem = bind_problem(host, port)
+    if problem is not None:
+        return f"{problem} ({config.sources.naming('listen')})"
+    if config.metrics_port is None:
+        return None
+    problem = bind_problem(config.metrics_host or host, config.metrics_port, serving="serve metrics on")
+    if problem is None:
+        return None
+    return f"{problem} ({metrics_address_flags(config.sources)})"
 
 
 def _bound_port(runner: web.AppRunner, asked: int) -> int:

@@ -787,6 +787,7 @@ def mistakes_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
 
 LOCAL = ("--listen", "127.0.0.1:0")
 VLLM = ["sidecar-vllm", "--grpc-endpoint", "{free}"]  # an engine address nobody dials: refused first
+FRONTEND = ["sidecar-frontend", "--worker", "{free}"]
 # (argv, environment, exit code, what the one line says); {names} come from mistakes_context.
 MISTAKES: list[tuple[list[str], dict[str, str], int, str]] = [
     # Flag values, before any I/O: exit 2, one line on stderr.
@@ -821,9 +822,14 @@ MISTAKES: list[tuple[list[str], dict[str, str], int, str]] = [
     (["sidecar-sglang", "--transport", "http"], {}, 2, "--transport http needs --http-endpoint"),
     # Found at start-up: one log line. A taken or foreign address may free up (exit 1); an
     # engine that speaks another protocol is a wrong flag (exit 2).
-    ([*VLLM, "--listen", "{taken}"], {}, 1, "{taken}: the address is in use"),
+    ([*VLLM, "--listen", "{taken}"], {}, 1,
+     "cannot listen on {taken}: the address is in use by another process (--listen)"),
+    (VLLM, {"SIDECAR_LISTEN": "{taken}"}, 1,
+     "cannot listen on {taken}: the address is in use by another process "
+     "(--listen comes from SIDECAR_LISTEN)"),
     ([*VLLM, *LOCAL, "--metrics-port", "{taken_port}"], {}, 1,
-     "cannot serve metrics on 127.0.0.1:{taken_port}: the address is in use"),
+     "cannot serve metrics on 127.0.0.1:{taken_port}: the address is in use by another process "
+     "(--metrics-port)"),
     ([*VLLM, "--listen", "host.invalid:0"], {}, 1, "does not resolve"),
     (["sidecar", "sglang", "--transport", "http", "--http-endpoint", "{sglang_grpc}", *LOCAL], {}, 2,
      "does not speak HTTP/1.1"),
@@ -837,7 +843,23 @@ MISTAKES: list[tuple[list[str], dict[str, str], int, str]] = [
     (["sidecar-frontend"], {}, 2, "--discovery static needs at least one --worker"),
     (["sidecar-frontend", "--worker", "{free}"], {"SIDECAR_FRONTEND_DNS_REFRESH_SECS": "9"}, 2,
      "--dns-refresh-secs comes from SIDECAR_FRONTEND_DNS_REFRESH_SECS"),
-    (["sidecar-frontend", "--worker", "{free}", "--listen", "{taken}"], {}, 1, "address already in use"),
+    # A listen address that cannot be bound: one line naming the address, the cause and the
+    # flag (with its variable when the value came from one); exit 1, as in the sidecars.
+    ([*FRONTEND, "--listen", "{taken}"], {}, 1,
+     "cannot listen on {taken}: the address is in use by another process (--listen)"),
+    (FRONTEND, {"SIDECAR_FRONTEND_LISTEN": "{taken}"}, 1,
+     "cannot listen on {taken}: the address is in use by another process "
+     "(--listen comes from SIDECAR_FRONTEND_LISTEN)"),
+    ([*FRONTEND, *LOCAL, "--metrics-port", "{taken_port}"], {}, 1,
+     "cannot serve metrics on 127.0.0.1:{taken_port}: the address is in use by another process "
+     "(--metrics-port)"),
+    ([*FRONTEND, *LOCAL, "--metrics-host", "127.0.0.1"], {"SIDECAR_FRONTEND_METRICS_PORT": "{taken_port}"}, 1,
+     "cannot serve metrics on 127.0.0.1:{taken_port}: the address is in use by another process "
+     "(--metrics-host, --metrics-port comes from SIDECAR_FRONTEND_METRICS_PORT)"),
+    ([*FRONTEND, *LOCAL, "--metrics-port", "0", "--metrics-host", "192.0.2.1"], {}, 1,
+     "cannot serve metrics on 192.0.2.1:0: not an address of this host (--metrics-host, --metrics-port)"),
+    ([*FRONTEND, "--listen", "host.invalid:0"], {}, 1,
+     "cannot listen on host.invalid:0: the host does not resolve"),
     # The testkit engines.
     (["testkit-engine"], {}, 2, "an engine is required"),
     (["testkit-engine", "vllm", "--listen", "nowhere"], {}, 2, "--listen"),

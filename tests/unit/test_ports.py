@@ -30,6 +30,9 @@ def test_a_taken_port_is_named_as_in_use() -> None:
 def test_an_address_of_another_host_and_an_unresolvable_name() -> None:
     assert bind_problem("192.0.2.1", 0) == "cannot listen on 192.0.2.1:0: not an address of this host"
     assert "does not resolve" in str(bind_problem("host.invalid", 0))
+    assert bind_problem("192.0.2.1", 0, serving="serve metrics on") == (
+        "cannot serve metrics on 192.0.2.1:0: not an address of this host"
+    )
 
 
 def test_ipv6_literals_are_shown_in_brackets() -> None:
