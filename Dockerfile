@@ -16,10 +16,11 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 COPY pyproject.toml README.md requirements.lock ./
 COPY sidecar_common ./sidecar_common
+COPY sidecar_server ./sidecar_server
 COPY sidecar_vllm ./sidecar_vllm
 COPY sidecar_sglang ./sidecar_sglang
 COPY sidecar_frontend ./sidecar_frontend
-COPY testkit ./testkit
+COPY sidecar_command ./sidecar_command
 # The build backend at its locked version, then the wheel built with it (no isolated build
 # environment that would fetch whatever setuptools is newest). Every dependency ships
 # manylinux wheels for CPython 3.11: nothing is compiled here either.

@@ -13,10 +13,10 @@ LOCK := requirements.lock
 
 .PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check lock bench bench-full soak mutation clean
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml testkit/pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c $(LOCK) --upgrade pip
-	$(BIN)/python -m pip install --quiet -c $(LOCK) -e '.[test,dev]'
+	$(BIN)/python -m pip install --quiet -c $(LOCK) -e '.[test,dev]' -e ./testkit
 	touch $(STAMP)
 
 # The tests run a real etcd server and systemd-analyze: installed (Debian packages) when missing.

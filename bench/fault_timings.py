@@ -27,20 +27,20 @@ from typing import Any, Literal
 
 import grpc
 import structlog
-
-from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.config import SidecarConfig
-from sidecar_common.endpoint import parse_endpoint
-from sidecar_common.engine import Engine
-from sidecar_common.pool import PoolConfig, RetryPolicy
-from sidecar_common.server import ServerConfig, SidecarServer
-from sidecar_sglang.grpc_engine import SglangGrpcEngine
-from sidecar_sglang.http_engine import SglangHttpEngine
-from sidecar_vllm.engine import VllmEngine
 from testkit.faults import FaultKind, FaultPlan
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import Engine
+from sidecar_server.server import ServerConfig, SidecarServer
+from sidecar_sglang.grpc_engine import SglangGrpcEngine
+from sidecar_sglang.http_engine import SglangHttpEngine
+from sidecar_vllm.engine import VllmEngine
 
 Kind = Literal["vllm", "sglang-grpc", "sglang-http"]
 KINDS: tuple[Kind, ...] = ("vllm", "sglang-grpc", "sglang-http")

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.dispatch import ChoiceTracker, Generation
-from sidecar_common.engine import GenerateCall
-from sidecar_common.relay import RelayConfig, relay
+from sidecar_server.dispatch import ChoiceTracker, Generation
+from sidecar_server.engine import GenerateCall
+from sidecar_server.relay import RelayConfig, relay
 from sidecar_vllm.convert import ResponseState
 
 __all__ = ["main", "per_chunk_seconds"]

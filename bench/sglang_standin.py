@@ -25,11 +25,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_info import SglangEngineConfig
 
 from sidecar_common.api import sglang_pb2
 from testkit import sglang_grpc
-from testkit.sglang_engine import SglangTestEngine
-from testkit.sglang_info import SglangEngineConfig
 
 __all__ = ["main"]
 

@@ -29,6 +29,7 @@ __all__ = [
     "FlagHelpFormatter",
     "FlagParser",
     "FlagSources",
+    "annotate_env_help",
     "bind_host_arg",
     "env_var_for",
     "flag_sources",
@@ -365,3 +366,10 @@ def parse_with_env(
 
 def _longs(action: argparse.Action) -> Iterable[str]:
     return (o for o in action.option_strings if o.startswith("--"))
+
+
+def annotate_env_help(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """Show each flag's environment variable (``<prefix>FLAG_NAME``) in --help."""
+    if isinstance(parser, FlagParser):
+        parser.env_prefix = prefix
+    parser.formatter_class = formatter_for(prefix)

@@ -27,6 +27,7 @@ LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 # Loggers that follow --log-level; everything else stays at WARNING or above.
 OUR_LOGGERS: Final = (
     "sidecar_common",
+    "sidecar_server",
     "sidecar_vllm",
     "sidecar_sglang",
     "sidecar_frontend",

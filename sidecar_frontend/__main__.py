@@ -8,16 +8,21 @@ from collections.abc import Sequence
 
 from sidecar_frontend.cli import parse_config
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+def run(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run the frontend with ``argv`` (default: the process's arguments); the exit code."""
     config = parse_config(sys.argv[1:] if argv is None else argv, os.environ, prog=prog)
     # Imported late: --help and usage errors need neither aiohttp's server nor grpc.
-    from sidecar_frontend.server import run
+    from sidecar_frontend.server import run as serve
 
-    return run(config)
+    return serve(config)
+
+
+def main() -> None:
+    raise SystemExit(run())
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -1,6 +1,6 @@
 """The frontend's command line: flags, their ``SIDECAR_FRONTEND_*`` mirrors, the config.
 
-Same conventions as the sidecars (sidecar_common/cli.py): a flag beats its variable, a
+Same conventions as the sidecars (sidecar_server/cli.py): a flag beats its variable, a
 variable beats the default, a bad value is a usage error (exit 2) naming the flag or the
 variable, and nothing here does network I/O.
 """
@@ -13,14 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from sidecar_common.cli import (
+from sidecar_common.flags import (
+    FlagParser,
+    FlagSources,
     annotate_env_help,
-    parse_listen,
+    flag_sources,
+    listen_arg,
     parse_with_env,
     positive_int_arg,
+    refuse_inapplicable,
     seconds_arg,
 )
-from sidecar_common.flags import FlagParser, FlagSources, flag_sources, refuse_inapplicable
 from sidecar_common.logs import LogFormat, default_log_format
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
 from sidecar_common.registration_record import RecordError
@@ -132,7 +135,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     serve = parser.add_argument_group("serving")
     serve.add_argument(
-        "--listen", type=parse_listen, default="0.0.0.0:8000", metavar="HOST:PORT", help="HTTP listen address"
+        "--listen", type=listen_arg, default="0.0.0.0:8000", metavar="HOST:PORT", help="HTTP listen address"
     )
     serve.add_argument(
         "--format",

@@ -4,16 +4,17 @@ SGLang's native gRPC (default) or its native HTTP API."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-from sidecar_common.cli import endpoint_arg, run_engine
-from sidecar_common.config import EngineSpec, SidecarConfig
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
-from sidecar_common.engine import Engine
 from sidecar_common.flags import refuse_inapplicable
+from sidecar_server.cli import endpoint_arg, run_engine
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine
 from sidecar_sglang.grpc_engine import SglangGrpcEngine
 from sidecar_sglang.http_engine import SglangHttpEngine
 
-__all__ = ["SPEC", "build", "check_flags", "main"]
+__all__ = ["SPEC", "build", "check_flags", "main", "run"]
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,8 +101,13 @@ SPEC = EngineSpec(
 )
 
 
+def run(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run this sidecar with ``argv`` (default: the process's arguments); the exit code."""
+    return run_engine(SPEC, argv, prog=prog)
+
+
 def main() -> None:
-    raise SystemExit(run_engine(SPEC))
+    raise SystemExit(run())
 
 
 if __name__ == "__main__":

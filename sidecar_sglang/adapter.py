@@ -9,9 +9,9 @@ import secrets
 from collections.abc import Callable
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import SidecarConfig
-from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import GenerateCall
 from sidecar_sglang.convert_request import NativeRequest, RequestSettings, Transport, build_native
 from sidecar_sglang.convert_response import ResponseState
 from sidecar_sglang.discovery import Discovered

@@ -14,12 +14,12 @@ import grpc
 import structlog
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc, sidecar_pb2
-from sidecar_common.config import SidecarConfig
-from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import from_rpc_error, protocol_error
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
 from sidecar_common.tracing import outgoing_headers
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import EngineLoad, GenerateCall
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_grpc
 from sidecar_sglang.discovery import discover, loads_from_json

@@ -17,12 +17,12 @@ import anyio
 import structlog
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import SidecarConfig
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.pool import Clock, Deadline, NotReady, SystemClock, is_transient, retry_until_deadline
 from sidecar_common.tracing import outgoing_headers
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import EngineLoad, GenerateCall
 from sidecar_sglang.adapter import SglangAdapterBase, random_room
 from sidecar_sglang.convert_request import to_http_json
 from sidecar_sglang.convert_response import error_from_http_status, event_from_http

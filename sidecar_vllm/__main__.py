@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-from sidecar_common.cli import run_engine
-from sidecar_common.config import EngineSpec, SidecarConfig
-from sidecar_common.engine import Engine
+from sidecar_server.cli import run_engine
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine
 from sidecar_vllm.engine import VllmEngine
 
-__all__ = ["SPEC", "main"]
+__all__ = ["SPEC", "main", "run"]
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +26,13 @@ def _build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
 SPEC = EngineSpec(name="vllm", add_arguments=_add_arguments, build=_build)
 
 
+def run(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run this sidecar with ``argv`` (default: the process's arguments); the exit code."""
+    return run_engine(SPEC, argv, prog=prog)
+
+
 def main() -> None:
-    raise SystemExit(run_engine(SPEC))
+    raise SystemExit(run())
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ import structlog
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, rpc_status
 from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
 from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
 from sidecar_common.tracing import outgoing_metadata
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import EngineLoad, GenerateCall
 from sidecar_vllm.convert import ResponseState, to_generate_request
 from sidecar_vllm.refusals import generate_error
 

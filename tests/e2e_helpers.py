@@ -21,9 +21,9 @@ import anyio
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from testkit.book import Book
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from testkit.book import Book
 
 __all__ = [
     "BIN",

@@ -16,9 +16,9 @@ import anyio
 import anyio.lowlevel
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.dispatch import choice_count
-from sidecar_common.engine import EngineLoad, GenerateCall
 from sidecar_common.errors import SidecarError, invalid_argument
+from sidecar_server.dispatch import choice_count
+from sidecar_server.engine import EngineLoad, GenerateCall
 
 __all__ = ["HANG", "FakeEngine", "Gate", "Step", "terminal", "tokens"]
 

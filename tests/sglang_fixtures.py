@@ -15,19 +15,19 @@ from typing import Any, Literal
 
 import anyio
 import grpc
-
-from sidecar_common.api import sidecar_pb2_grpc
-from sidecar_common.config import SidecarConfig
-from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.endpoint import parse_endpoint
-from sidecar_common.engine import Engine
-from sidecar_common.pool import PoolConfig, RetryPolicy
-from sidecar_common.server import ServerConfig, SidecarServer
-from sidecar_common.tracing import Tracing
-from sidecar_sglang.grpc_engine import SglangGrpcEngine
-from sidecar_sglang.http_engine import SglangHttpEngine
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
+
+from sidecar_common.api import sidecar_pb2_grpc
+from sidecar_common.disaggregation import DisaggregationMode
+from sidecar_common.endpoint import parse_endpoint
+from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_common.tracing import Tracing
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import Engine
+from sidecar_server.server import ServerConfig, SidecarServer
+from sidecar_sglang.grpc_engine import SglangGrpcEngine
+from sidecar_sglang.http_engine import SglangHttpEngine
 from tests.e2e_helpers import public_request
 
 __all__ = [

@@ -18,16 +18,16 @@ from typing import Any, TypeAlias
 
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
 from sidecar_common.api import sidecar_pb2_grpc
-from sidecar_common.config import SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.pool import PoolConfig, RetryPolicy
-from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_common.tracing import Tracing
+from sidecar_server.config import SidecarConfig
+from sidecar_server.server import ServerConfig, SidecarServer
 from sidecar_vllm.engine import VllmEngine
-from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from tests.e2e_helpers import public_request
 
 __all__ = [

@@ -157,6 +157,7 @@ def send(client: Any, request: dict[str, Any]) -> Any:
 def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
+    from testkit.generator import Generator, ModelSpec, SamplingSpec
     from vllm.entrypoints.scale_out.token_in_token_out.api_router import attach_router
     from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
@@ -165,8 +166,6 @@ def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.exceptions import EngineDeadError
-
-    from testkit.generator import Generator, ModelSpec, SamplingSpec
 
     model = ModelSpec(vocab_size=32000, eos_token_ids=(2,), context_length=4096)
 

@@ -18,10 +18,11 @@ _SOURCES = (
     "requirements.lock",
     "README.md",
     "sidecar_common",
+    "sidecar_server",
     "sidecar_vllm",
     "sidecar_sglang",
     "sidecar_frontend",
-    "testkit",
+    "sidecar_command",
 )
 # Building and installing take a while on a loaded machine (the install fetches the
 # dependencies); far above what they need, never hit when green.

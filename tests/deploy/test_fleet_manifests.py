@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar_common.cli import load_spec, parse_config
-from sidecar_common.config import SidecarConfig
+from sidecar_command import engine_spec
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
+from sidecar_server.cli import parse_config
+from sidecar_server.config import SidecarConfig
 from tests.deploy.conftest import ROOT
 
 DNS = ROOT / "deploy" / "kubernetes" / "fleet-dns.yaml"
@@ -48,7 +49,7 @@ def sidecar_config(pod: dict[str, Any]) -> SidecarConfig:
     sidecar = container(pod, "sidecar")
     engine, *flags = sidecar["args"]
     environ = {e["name"]: expand(e["value"]) for e in sidecar["env"] if "value" in e}
-    config, _ = parse_config(load_spec(engine), flags, environ)
+    config, _ = parse_config(engine_spec(engine), flags, environ)
     return config
 
 

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar_common import daemon
-from sidecar_common.cli import ENGINES, load_spec, parse_config
-from sidecar_common.config import SidecarConfig
-from sidecar_common.server import LIVENESS_SERVICE, WORKER_SERVICE
+from sidecar_command import ENGINES, engine_spec
+from sidecar_server import daemon
+from sidecar_server.cli import parse_config
+from sidecar_server.config import SidecarConfig
+from sidecar_server.server import LIVENESS_SERVICE, WORKER_SERVICE
 from tests.deploy.conftest import ROOT
 
 MANIFEST = ROOT / "deploy" / "kubernetes" / "sidecar.yaml"
@@ -56,7 +57,7 @@ def _sidecar_config(pod: dict[str, Any]) -> SidecarConfig:
     engine_name, *flags = sidecar["args"]
     assert engine_name in ENGINES
     environ = {item["name"]: item["value"] for item in sidecar["env"]}
-    config, _ = parse_config(load_spec(engine_name), flags, environ)
+    config, _ = parse_config(engine_spec(engine_name), flags, environ)
     return config
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar_common import systemd
+from sidecar_server import systemd
 from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, script
 
 

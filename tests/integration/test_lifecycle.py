@@ -22,10 +22,10 @@ from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.dispatch import ChoiceTracker, Generation
-from sidecar_common.engine import EngineLoad, GenerateCall
-from sidecar_common.relay import RelayConfig, relay
-from sidecar_common.server import SidecarServer
+from sidecar_server.dispatch import ChoiceTracker, Generation
+from sidecar_server.engine import EngineLoad, GenerateCall
+from sidecar_server.relay import RelayConfig, relay
+from sidecar_server.server import SidecarServer
 from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
 from tests.integration.test_servicer import Harness, error_info, request, servicer_running
 

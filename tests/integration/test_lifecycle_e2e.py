@@ -18,17 +18,17 @@ from typing import Any
 
 import grpc
 import pytest
-
-from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.engine import Engine
-from sidecar_common.server import ServerConfig, SidecarServer
-from sidecar_sglang import http_engine
-from sidecar_vllm.engine import VllmEngine
 from testkit.book import Book
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_server.engine import Engine
+from sidecar_server.server import ServerConfig, SidecarServer
+from sidecar_sglang import http_engine
+from sidecar_vllm.engine import VllmEngine
 from tests.e2e_helpers import collect_until_error, public_request, tokens, until
 from tests.sglang_fixtures import adapter_for
 from tests.vllm_fixtures import sidecar_config as vllm_sidecar_config

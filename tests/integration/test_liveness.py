@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from sidecar_common.server import LIVENESS_SERVICE, WORKER_SERVICE
+from sidecar_server.server import LIVENESS_SERVICE, WORKER_SERVICE
 from tests.fake_engine import FakeEngine
 from tests.integration.test_servicer import NOT_SERVING, SERVING, servicer_running
 

@@ -16,8 +16,8 @@ from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_common.metrics import Metrics
-from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_server.metrics import Metrics
+from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,13 +12,13 @@ import pytest
 from google.protobuf import json_format
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-
-from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.errors import ErrorReason, SidecarError
 from tests.e2e_helpers import (
     PROMPT,
     collect,

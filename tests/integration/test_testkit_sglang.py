@@ -16,14 +16,14 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-
-from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import EOS_TRIGGER_TOKEN
 from testkit.sglang_cli import add_arguments, config_from_args
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
+
+from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 
 pytestmark = pytest.mark.timeout(30)
 

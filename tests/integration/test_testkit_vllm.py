@@ -13,7 +13,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
-
 from testkit.__main__ import control_app
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan

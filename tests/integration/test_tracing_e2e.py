@@ -16,10 +16,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from testkit.book import Book
 
 from sidecar_common.tracing import Tracing
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
-from testkit.book import Book
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import vllm_stack

@@ -14,13 +14,13 @@ import grpc
 import pytest
 from google.protobuf import json_format
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from testkit.faults import FaultKind, FaultPlan
+from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_vllm.engine import VllmEngine
-from testkit.faults import FaultKind, FaultPlan
-from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, generate
-from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from tests.e2e_helpers import (
     PROMPT,
     collect,

@@ -29,11 +29,11 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from sidecar_common import systemd
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.config import EngineSpec, SidecarConfig
-from sidecar_common.engine import Engine, EngineLoad, GenerateCall
 from sidecar_common.pool import ChannelPool, Deadline, SystemClock, retry_until_deadline
+from sidecar_server import systemd
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine, EngineLoad, GenerateCall
 from tests.e2e_helpers import stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ FAKE_SPEC = EngineSpec(name="fake", add_arguments=_fake_arguments, build=_fake_b
 
 _RUN_FAKE = (
     "import sys; from tests.process.test_daemon_cli import FAKE_SPEC; "
-    "from sidecar_common.cli import run_engine; raise SystemExit(run_engine(FAKE_SPEC))"
+    "from sidecar_server.cli import run_engine; raise SystemExit(run_engine(FAKE_SPEC))"
 )
 
 

@@ -26,9 +26,9 @@ import aiohttp
 import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
-
 from testkit.generator import SamplingSpec, generate
 from testkit.vllm_engine import VllmEngineConfig
+
 from tests.e2e_helpers import WAIT, child_env, free_port, script
 from tests.etcd_fixture import EtcdServer, running_etcd
 from tests.integration.fleet.helpers import engine_argv, sidecar_argv, static_sidecar_argv

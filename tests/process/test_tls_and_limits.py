@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.cli import parse_config
-from sidecar_common.config import EngineSpec, SidecarConfig
-from sidecar_common.engine import Engine
+from sidecar_server.cli import parse_config
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine
 from tests.e2e_helpers import ROOT, WAIT, child_env, free_port, log_lines, process, script, serving_port
 from tests.pki import Pem, make_ca, make_leaf
 

@@ -20,18 +20,18 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-
-from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.engine import Engine
-from sidecar_common.metrics import Metrics
-from sidecar_common.server import ServerConfig, SidecarServer
-from sidecar_vllm.engine import VllmEngine
 from testkit.book import Book, Outcome
 from testkit.faults import FaultBook
 from testkit.generator import ModelSpec, SamplingSpec, generate
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_server.engine import Engine
+from sidecar_server.metrics import Metrics
+from sidecar_server.server import ServerConfig, SidecarServer
+from sidecar_vllm.engine import VllmEngine
 from tests import sglang_fixtures, vllm_fixtures
 
 __all__ = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar_common.metrics import Metrics
+from sidecar_server.metrics import Metrics
 from tests.reliability.harness import KINDS, Ended, Kind, finish, request, rig
 
 pytestmark = pytest.mark.timeout(60)

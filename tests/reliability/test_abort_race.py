@@ -14,7 +14,7 @@ import pytest
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import FakeEngine, tokens
 
 pytestmark = pytest.mark.timeout(30)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ORIGIN_ENGINE
-from sidecar_common.server import ServerConfig
+from sidecar_server.server import ServerConfig
 from tests.reliability.harness import KINDS, Ended, Kind, Rig, error_reason, expected_tokens, request, rig
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 import pytest
-
-from sidecar_common.server import ServerConfig
 from testkit.faults import FaultKind, FaultPlan
+
+from sidecar_server.server import ServerConfig
 from tests.reliability.harness import KINDS, Ended, Kind, expected_tokens, finish, request, rig, until
 
 STREAMS = 1000

@@ -21,10 +21,10 @@ import aiohttp
 import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
-
-from sidecar_common.server import ServerConfig
-from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from testkit.faults import FaultKind, FaultPlan
+
+from sidecar_frontend.formats.vllm import FORMAT as VLLM
+from sidecar_server.server import ServerConfig
 from tests.e2e_helpers import WAIT, free_port, script
 from tests.integration.fleet.helpers import engine_argv, static_sidecar_argv
 from tests.integration.frontend.fixtures import sse_json_events, two_workers

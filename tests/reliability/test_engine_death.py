@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from testkit.generator import ModelSpec
 
 from sidecar_common.api import sidecar_pb2_grpc
-from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_server.server import ServerConfig, SidecarServer
 from sidecar_vllm.engine import VllmEngine
-from testkit.generator import ModelSpec
 from tests import vllm_fixtures
 from tests.reliability.harness import (
     KINDS,

@@ -17,10 +17,10 @@ import anyio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-
-from sidecar_common.server import ServerConfig
 from testkit.faults import FaultKind, FaultPlan
 from testkit.vllm_engine import ENGINE_DEAD_MESSAGE
+
+from sidecar_server.server import ServerConfig
 from tests.reliability.harness import (
     KINDS,
     Ended,

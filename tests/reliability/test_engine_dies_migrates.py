@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from testkit.faults import FaultKind, FaultPlan
+
 from tests.integration.frontend.fixtures import FrontendStack, sse_json_events, two_workers
 from tests.integration.frontend.test_migration_e2e import MAX_TOKENS, request_body, summary
 

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import FakeEngine, Gate, Step, terminal, tokens
 from tests.reliability.harness import error_reason
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
-from sidecar_common.server import ServerConfig
 from testkit.faults import FaultKind, FaultPlan
+
+from sidecar_server.server import ServerConfig
 from tests.reliability.harness import KINDS, Kind, Rig, error_reason, finish, request, rig, until
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.engine import GenerateCall
 from sidecar_common.pool import CHANNEL_OPTIONS
+from sidecar_server.engine import GenerateCall
 from tests.reliability.harness import KINDS, Kind, Rig, request, rig, until
 
 pytestmark = pytest.mark.timeout(60)

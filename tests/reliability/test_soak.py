@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-
-from sidecar_common.errors import FRONTEND_STATUS, ErrorReason
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
+
+from sidecar_common.errors import FRONTEND_STATUS, ErrorReason
 from tests.reliability.harness import (
     KINDS,
     Ended,

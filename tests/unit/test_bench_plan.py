@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import plan
-from sidecar_common.cli import parse_config
+from sidecar_server.cli import parse_config
 from sidecar_sglang.__main__ import SPEC as SGLANG
 from sidecar_vllm.__main__ import SPEC as VLLM
 

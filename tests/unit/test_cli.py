@@ -13,11 +13,13 @@ from datetime import datetime, timedelta
 import pytest
 import structlog
 
-from sidecar_common.cli import build_parser, env_var_for, main, parse_config, parse_listen
-from sidecar_common.config import EngineSpec, SidecarConfig
+from sidecar_command import main
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.engine import Engine
+from sidecar_common.flags import env_var_for, listen_arg
 from sidecar_common.logs import OUR_LOGGERS, configure_logging, default_log_format
+from sidecar_server.cli import ENV_PREFIX, build_parser, parse_config
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine
 
 
 def _add_fake_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +107,7 @@ def test_flag_and_its_environment_mirror(
 ) -> None:
     assert callable(read)
     base = [] if flag == "--grpc-endpoint" else ENDPOINT
-    var = env_var_for(flag)
+    var = env_var_for(flag, ENV_PREFIX)
     assert var == "SIDECAR_" + flag[2:].replace("-", "_").upper()
     # The flag alone, the variable alone, and both (the flag wins).
     assert read(*parse([*base, flag, cli])) == from_cli
@@ -239,7 +241,7 @@ def test_parser_prog_names_the_engine() -> None:
     ("text", "normal"), [("0.0.0.0:1", "0.0.0.0:1"), ("[::]:80", "[::]:80"), ("h:0", "h:0")]
 )
 def test_listen_addresses_accepted(text: str, normal: str) -> None:
-    assert parse_listen(text) == normal
+    assert listen_arg(text) == normal
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -291,18 +293,18 @@ def restore_logging() -> Iterator[None]:
 def test_json_logs_are_one_object_per_line_with_the_standard_keys() -> None:
     out = io.StringIO()
     configure_logging("json", "info", stream=out)
-    structlog.get_logger("sidecar_common.daemon").info("serving", port=50061)
-    structlog.get_logger("sidecar_common.daemon").debug("not at info")
+    structlog.get_logger("sidecar_server.daemon").info("serving", port=50061)
+    structlog.get_logger("sidecar_server.daemon").debug("not at info")
     logging.getLogger("grpc._cython.cygrpc").info("library chatter")
     logging.getLogger("grpc._cython.cygrpc").warning("library trouble %d", 7)
     try:
         raise RuntimeError("boom")
     except RuntimeError:
-        structlog.get_logger("sidecar_common.server").exception("handler crashed")
+        structlog.get_logger("sidecar_server.server").exception("handler crashed")
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [line["event"] for line in lines] == ["serving", "library trouble 7", "handler crashed"]
     first = lines[0]
-    assert (first["level"], first["logger"], first["port"]) == ("info", "sidecar_common.daemon", 50061)
+    assert (first["level"], first["logger"], first["port"]) == ("info", "sidecar_server.daemon", 50061)
     stamp = datetime.fromisoformat(first["timestamp"].replace("Z", "+00:00"))
     assert stamp.utcoffset() == timedelta(0)
     assert (lines[1]["level"], lines[1]["logger"]) == ("warning", "grpc._cython.cygrpc")
@@ -324,7 +326,7 @@ def test_console_format_is_not_json_and_reconfiguring_replaces_the_handler() -> 
     first, second = io.StringIO(), io.StringIO()
     configure_logging("json", "info", stream=first)
     configure_logging("console", "info", stream=second)
-    structlog.get_logger("sidecar_common.daemon").info("serving", port=1)
+    structlog.get_logger("sidecar_server.daemon").info("serving", port=1)
     assert first.getvalue() == ""
     text = second.getvalue()
     assert "serving" in text
@@ -403,7 +405,7 @@ def test_sglang_bad_http_endpoint_is_a_usage_error(capsys: pytest.CaptureFixture
 
 @pytest.mark.parametrize(("mode", "holds"), [("decode", True), ("prefill", False), ("agg", False)])
 def test_decode_mode_turns_on_the_decode_hold_of_the_server(mode: str, holds: bool) -> None:
-    from sidecar_common.daemon import _server_config
+    from sidecar_server.daemon import _server_config
 
     config, _ = parse(["--grpc-endpoint", "h:1", "--disaggregation-mode", mode])
     assert _server_config(config).hold_decode_cancels is holds
@@ -419,7 +421,7 @@ def test_console_tracebacks_are_plain_without_locals() -> None:
         credentials = {"token": "not-for-logs"}
         raise RuntimeError(f"boom with {len(credentials)} credential")
     except RuntimeError:
-        structlog.get_logger("sidecar_common.daemon").exception("crash")
+        structlog.get_logger("sidecar_server.daemon").exception("crash")
     text = out.getvalue()
     assert "Traceback (most recent call last):" in text
     assert "RuntimeError: boom with 1 credential" in text

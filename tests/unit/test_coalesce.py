@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.coalesce import coalesce, merge_outputs
+from sidecar_server.coalesce import coalesce, merge_outputs
 
 Out = sidecar_pb2.LLMEngineOutput
 

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.dispatch import (
+from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_server.dispatch import (
     PRIVATE_ID_HEAD_LEN,
     CancelCause,
     ChoiceTracker,
@@ -25,10 +26,9 @@ from sidecar_common.dispatch import (
     make_private_id,
     run_to_completion,
 )
-from sidecar_common.engine import GenerateCall
-from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_common.metrics import Metrics
-from sidecar_common.relay import RelayConfig, _gather_turns, relay
+from sidecar_server.engine import GenerateCall
+from sidecar_server.metrics import Metrics
+from sidecar_server.relay import RelayConfig, _gather_turns, relay
 from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
 
 Out = sidecar_pb2.LLMEngineOutput

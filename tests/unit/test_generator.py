@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from testkit.generator import (
     EOS_TRIGGER_TOKEN,
     FIRST_ORDINARY_ID,

@@ -1,5 +1,5 @@
 """The engine health rules, pure: the watch's failure threshold and when an engine fault is the
-engine going away (sidecar_common.health, the typing rule in sidecar_common.errors)."""
+engine going away (sidecar_server.health, the typing rule in sidecar_common.errors)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault
-from sidecar_common.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
 from sidecar_common.rpc import NotHealthy
 from sidecar_common.rpc import probe as health_probe
+from sidecar_server.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
 
 H, U, L = Probe.HEALTHY, Probe.UNHEALTHY, Probe.LATE
 

@@ -21,10 +21,10 @@ from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_common.health import FAILURE_THRESHOLD
-from sidecar_common.metrics import ABORT_OUTCOMES, Metrics
 from sidecar_common.rpc import NotHealthy, probe
-from sidecar_common.server import ServerConfig, SidecarServer
+from sidecar_server.health import FAILURE_THRESHOLD
+from sidecar_server.metrics import ABORT_OUTCOMES, Metrics
+from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import HANG, FakeEngine, terminal, tokens
 
 pytestmark = pytest.mark.timeout(30)

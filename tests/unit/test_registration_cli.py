@@ -8,10 +8,10 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from sidecar_common.cli import parse_config
-from sidecar_common.config import EngineSpec, SidecarConfig
-from sidecar_common.engine import Engine
 from sidecar_common.registration_record import DEFAULT_PREFIX, RegistrationConfig
+from sidecar_server.cli import parse_config
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine
 
 
 def _no_build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:

@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from sidecar_common.config import SidecarConfig
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_server.config import SidecarConfig
 from sidecar_sglang.http_engine import SglangHttpEngine
 from tests.fakes_clock import FakeClock
 

@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import SidecarConfig
 from sidecar_common.endpoint import parse_endpoint
-from sidecar_common.engine import GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_server.config import SidecarConfig
+from sidecar_server.engine import GenerateCall
 from sidecar_sglang.http_engine import SglangHttpEngine
 
 pytestmark = pytest.mark.timeout(30)

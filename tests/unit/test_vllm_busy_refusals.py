@@ -13,10 +13,10 @@ import pytest
 from google.rpc import error_details_pb2
 from hypothesis import given
 from hypothesis import strategies as st
+from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 
 from sidecar_common.errors import ORIGIN_ENGINE, EngineOrigin, ErrorReason, from_engine_status, to_rpc_status
 from sidecar_vllm.refusals import BUSY_REFUSALS, generate_error
-from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 
 U = grpc.StatusCode.UNAVAILABLE
 REFUSED = (

@@ -12,7 +12,6 @@ from __future__ import annotations
 import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine, _RequestError
 from testkit.vllm_wire import prompt_refusal, sampling_refusal
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from sidecar_common.registration import Registration, registered
 from sidecar_common.registration_etcd import open_session
 from sidecar_common.registration_record import RegistrationConfig, WorkerRecord, decode_record
+from sidecar_server.registration import Registration, registered
 from tests.e2e_helpers import WAIT, free_port
 from tests.etcd_fixture import EtcdServer
 from tests.integration.fleet.helpers import wait_key

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import anyio
 from aiohttp import web
+from testkit.faults import FaultBook
 
 from sidecar_common.tracing import Tracing
 from sidecar_frontend.formats.base import Format
@@ -22,7 +23,6 @@ from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.workers import WorkerSet, WorkerSetConfig
-from testkit.faults import FaultBook
 from tests.integration.frontend.plugin import FORMAT as PROBE
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import Stack, vllm_stack

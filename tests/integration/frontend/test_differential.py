@@ -36,10 +36,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from testkit.faults import FaultKind, FaultPlan
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
-from testkit.faults import FaultKind, FaultPlan
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import vllm_stack

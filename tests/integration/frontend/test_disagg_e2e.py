@@ -19,6 +19,8 @@ import anyio
 import pytest
 import structlog.testing
 from aiohttp import web
+from testkit.book import Outcome
+from testkit.faults import FaultKind, FaultPlan
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
@@ -26,8 +28,6 @@ from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.server import WorkerMetrics
 from sidecar_frontend.workers import WorkerSet, WorkerState
-from testkit.book import Outcome
-from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS, FrontendStack
 from tests.sglang_fixtures import sglang_stack

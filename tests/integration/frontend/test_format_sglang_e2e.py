@@ -13,12 +13,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-
-from sidecar_frontend.formats.sglang import FORMAT as SGLANG
-from sidecar_frontend.handler import HandlerConfig
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import SamplingSpec, generate, prompt_logprobs
 from testkit.sglang_core import CHOSEN_WIDTH, chosen_row
+
+from sidecar_frontend.formats.sglang import FORMAT as SGLANG
+from sidecar_frontend.handler import HandlerConfig
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import vllm_stack

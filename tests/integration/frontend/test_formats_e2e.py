@@ -11,11 +11,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from testkit.faults import FaultKind, FaultPlan
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
-from testkit.faults import FaultKind, FaultPlan
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.sglang_fixtures import sglang_stack

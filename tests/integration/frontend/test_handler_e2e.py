@@ -11,15 +11,15 @@ import anyio
 import pytest
 import structlog.testing
 from prometheus_client import generate_latest
+from testkit.book import Outcome
+from testkit.faults import FaultKind, FaultPlan
+from testkit.generator import SamplingSpec, generate
 
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.server import WorkerMetrics
 from sidecar_frontend.workers import WorkerSet, WorkerState
-from testkit.book import Outcome
-from testkit.faults import FaultKind, FaultPlan
-from testkit.generator import SamplingSpec, generate
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS, FrontendStack, frontend_stack, sse_events
 from tests.vllm_fixtures import vllm_stack

@@ -22,17 +22,17 @@ import aiohttp
 import anyio
 import pytest
 from aiohttp import web
+from testkit.book import Outcome
+from testkit.generator import SamplingSpec, generate
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
-from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.workers import WorkerSet
+from sidecar_server.server import ServerConfig, SidecarServer
 from sidecar_vllm.engine import VllmEngine
-from testkit.book import Outcome
-from testkit.generator import SamplingSpec, generate
-from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS
 from tests.vllm_fixtures import sidecar_config

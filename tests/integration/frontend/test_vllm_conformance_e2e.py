@@ -10,11 +10,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from testkit.faults import FaultKind, FaultPlan
 
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
-from testkit.faults import FaultKind, FaultPlan
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over
 from tests.vllm_fixtures import vllm_stack
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import anyio
 import pytest
+from testkit.faults import FaultKind, FaultPlan
+from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
-from testkit.faults import FaultKind, FaultPlan
-from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.vllm_fixtures import vllm_stack
 

@@ -24,8 +24,8 @@ import anyio
 import structlog
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.engine import Engine, GenerateCall
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_server.engine import Engine, GenerateCall
 
 __all__ = [
     "PRIVATE_ID_HEAD_LEN",

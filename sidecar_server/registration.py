@@ -30,7 +30,7 @@ from sidecar_common.registration_record import (
 
 __all__ = ["Registration", "registered"]
 
-log = structlog.get_logger("sidecar_common.registration")
+log = structlog.get_logger("sidecar_server.registration")
 
 _FIRST_RETRY_SECS = 0.2
 _MIN_REFRESH_SECS = 0.5

@@ -1,4 +1,4 @@
-"""Command line: the common flags, their environment mirrors, and the ``sidecar`` command.
+"""The sidecar command line: the common flags, their environment mirrors, run one engine.
 
 Every flag ``--foo-bar`` (the engine's own included) can also come from ``SIDECAR_FOO_BAR``:
 a flag beats its variable, a variable beats the default, and a variable with a bad value is
@@ -11,7 +11,6 @@ frontend and the testkit.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import ssl
 import sys
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Final, cast
 
 from sidecar_common import flags
-from sidecar_common.config import DEFAULT_MAX_REQUEST_BYTES, EngineSpec, SidecarConfig
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.logs import LogFormat, default_log_format
@@ -37,44 +35,20 @@ from sidecar_common.registration_record import (
 )
 from sidecar_common.tls import TlsFiles, TlsSettingsError, check_pem, tls_files
 from sidecar_common.version import package_version
+from sidecar_server.config import DEFAULT_MAX_REQUEST_BYTES, EngineSpec, SidecarConfig
 
 __all__ = [
-    "ENGINES",
     "ENV_PREFIX",
-    "annotate_env_help",
     "build_parser",
     "endpoint_arg",
-    "env_var_for",
-    "load_spec",
-    "main",
     "parse_config",
-    "parse_listen",
-    "parse_with_env",
-    "port_arg",
-    "positive_int_arg",
     "run_engine",
-    "seconds_arg",
 ]
 
 ENV_PREFIX: Final = "SIDECAR_"
 
-# Engine name -> module defining ``SPEC: EngineSpec``; imported only when chosen, so that
-# `sidecar vllm` never pays for (or breaks on) the SGLang package, and vice versa.
-ENGINES: Final[Mapping[str, str]] = {
-    "vllm": "sidecar_vllm.__main__",
-    "sglang": "sidecar_sglang.__main__",
-}
-
-# `sidecar frontend ...` runs the HTTP frontend (sidecar_frontend) instead of a sidecar.
-FRONTEND: Final = "frontend"
-
 # grpc's message length option is a C int.
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
-
-
-def env_var_for(option: str, prefix: str = ENV_PREFIX) -> str:
-    """``--grpc-endpoint`` -> ``SIDECAR_GRPC_ENDPOINT``."""
-    return flags.env_var_for(option, prefix)
 
 
 def endpoint_arg(text: str) -> Endpoint:
@@ -342,24 +316,6 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     return parser
 
 
-def annotate_env_help(parser: argparse.ArgumentParser, prefix: str = ENV_PREFIX) -> None:
-    """Show each flag's environment variable in --help (the shared style of
-    sidecar_common.flags)."""
-    if isinstance(parser, flags.FlagParser):
-        parser.env_prefix = prefix
-    parser.formatter_class = flags.formatter_for(prefix)
-
-
-def parse_with_env(
-    parser: argparse.ArgumentParser,
-    argv: Sequence[str],
-    environ: Mapping[str, str],
-    prefix: str = ENV_PREFIX,
-) -> argparse.Namespace:
-    """Parse ``argv``; a flag no argument set takes its ``<prefix>FLAG_NAME`` variable."""
-    return flags.parse_with_env(parser, argv, environ, prefix)
-
-
 def parse_config(
     spec: EngineSpec,
     argv: Sequence[str],
@@ -371,7 +327,7 @@ def parse_config(
     """Flags and environment -> the validated common config, and the namespace (for the
     engine's own flags). Usage errors exit 2 through argparse; nothing here does I/O."""
     parser = build_parser(spec, prog=prog)
-    ns = parse_with_env(parser, argv, environ)
+    ns = flags.parse_with_env(parser, argv, environ, ENV_PREFIX)
     endpoint: Endpoint | None = ns.grpc_endpoint
     try:
         _refuse_inapplicable_common(ns)
@@ -416,60 +372,6 @@ def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str
     config, namespace = parse_config(spec, args, os.environ, prog=prog)
     # Imported late: the daemon pulls in grpc and the server, which --help and usage errors
     # do not need.
-    from sidecar_common.daemon import run
+    from sidecar_server.daemon import run
 
     return run(spec, config, namespace)
-
-
-def _top_parser() -> argparse.ArgumentParser:
-    parser = flags.FlagParser(
-        prog="sidecar",
-        usage="sidecar {%s} [flags...]" % ",".join((*ENGINES, FRONTEND)),  # noqa: UP031
-        description="gRPC sidecar between an LLM serving frontend and an inference engine.",
-        epilog="Run `sidecar ENGINE --help` for the flags of one engine.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    parser.add_argument(
-        "engine", choices=(*ENGINES, FRONTEND), help="the inference engine to serve, or the HTTP frontend"
-    )
-    return parser
-
-
-def load_spec(name: str) -> EngineSpec:
-    """The EngineSpec of a known engine, imported on demand."""
-    module = importlib.import_module(ENGINES[name])
-    spec = getattr(module, "SPEC", None)
-    if not isinstance(spec, EngineSpec):
-        raise ImportError(f"{ENGINES[name]} defines no SPEC")
-    return spec
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``sidecar ENGINE [flags...]``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    top = _top_parser()
-    if not args or args[0].startswith("-"):
-        # `sidecar --help` / `--version` exit 0; anything else without an engine is 2.
-        if args and args[0] in ("-h", "--help", "--version"):
-            top.parse_args(args[:1])
-        top.error(f"an engine name is required (choose from {', '.join((*ENGINES, FRONTEND))})")
-    name = args[0]
-    if name == FRONTEND:
-        # Imported on demand, like an engine: the frontend pulls in aiohttp's server.
-        from sidecar_frontend.__main__ import main as frontend_main
-
-        return frontend_main(args[1:], prog="sidecar frontend")
-    if name not in ENGINES:
-        top.error(f"unknown engine {name!r} (choose from {', '.join((*ENGINES, FRONTEND))})")
-    try:
-        spec = load_spec(name)
-    except ImportError as err:
-        top.exit(2, f"sidecar: engine {name!r} is not available: {err}\n")
-    return run_engine(spec, args[1:], prog=f"sidecar {name}")
-
-
-# Flag types the frontend's command line shares (they live in sidecar_common.flags).
-positive_int_arg = flags.positive_int_arg
-seconds_arg = flags.seconds_arg
-port_arg = flags.port_arg
-parse_listen = flags.listen_arg

@@ -6,7 +6,7 @@ never waits to fill a message, so an idle frontend gets each chunk as it comes a
 one gets fewer, fuller messages. The bounded buffer is the backpressure: when the frontend
 does not drain, the pump stops reading the engine.
 
-Cleanup follows the abort rule of :mod:`sidecar_common.dispatch`: abort once (unless every
+Cleanup follows the abort rule of :mod:`sidecar_server.dispatch`: abort once (unless every
 terminal arrived), then close the engine stream. With the decode hold, a cancel before the
 first token lets the pump keep draining (discarding) until a token, a terminal, an error or
 the hold timeout, and only then aborts.
@@ -23,10 +23,10 @@ import anyio
 import structlog
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.coalesce import coalesce
-from sidecar_common.dispatch import ChoiceTracker, Generation, run_to_completion
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_common.metrics import Metrics
+from sidecar_server.coalesce import coalesce
+from sidecar_server.dispatch import ChoiceTracker, Generation, run_to_completion
+from sidecar_server.metrics import Metrics
 
 __all__ = ["RelayConfig", "Write", "relay"]
 

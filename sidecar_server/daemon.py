@@ -36,21 +36,21 @@ import grpc
 import structlog
 from anyio.abc import TaskGroup
 
-from sidecar_common import systemd
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.config import EngineSpec, SidecarConfig
-from sidecar_common.engine import Engine
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
-from sidecar_common.metrics import Metrics
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem, shown_address
-from sidecar_common.registration import Registration, registered
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
-from sidecar_common.server import ServerConfig, SidecarServer
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
+from sidecar_server import systemd
+from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.engine import Engine
+from sidecar_server.metrics import Metrics
+from sidecar_server.registration import Registration, registered
+from sidecar_server.server import ServerConfig, SidecarServer
 
 __all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
 
@@ -72,7 +72,7 @@ _STARTUP_SLACK: Final = 30.0
 # contradicts a flag, e.g. its disaggregation mode). Anything else may pass: exit 1, retried.
 _CONFIGURATION_REASONS: Final = frozenset({ErrorReason.PROTOCOL_ERROR, ErrorReason.INVALID_ARGUMENT})
 
-log = structlog.get_logger("sidecar_common.daemon")
+log = structlog.get_logger("sidecar_server.daemon")
 
 
 def _is_configuration_mistake(err: SidecarError) -> bool:

@@ -9,10 +9,10 @@ from typing import Final, Literal
 
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.engine import Engine
 from sidecar_common.pool import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
 from sidecar_common.tls import TlsFiles
+from sidecar_server.engine import Engine
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
 

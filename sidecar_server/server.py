@@ -21,20 +21,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.dispatch import (
+from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
+from sidecar_common.pool import ReportSchedule
+from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
+from sidecar_common.tracing import SpanKind, Tracing, from_metadata
+from sidecar_server.dispatch import (
     CancelCause,
     Generation,
     Registry,
     new_public_id,
 )
-from sidecar_common.engine import Engine, GenerateCall
-from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
-from sidecar_common.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
-from sidecar_common.metrics import Metrics
-from sidecar_common.pool import ReportSchedule
-from sidecar_common.relay import RelayConfig, relay
-from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
-from sidecar_common.tracing import SpanKind, Tracing, from_metadata
+from sidecar_server.engine import Engine, GenerateCall
+from sidecar_server.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
+from sidecar_server.metrics import Metrics
+from sidecar_server.relay import RelayConfig, relay
 
 __all__ = ["HEALTH_SERVICES", "LIVENESS_SERVICE", "WORKER_SERVICE", "ServerConfig", "SidecarServer"]
 
