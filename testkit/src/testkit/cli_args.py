@@ -41,6 +41,7 @@ def kv_events_arg(flavor: Flavor) -> Callable[[str], KvEventsConfig]:
         try:
             return parse_kv_events_config(text, flavor)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            # argparse names the flag already.
+            raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
 
     return parse

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from testkit.prefix_cache import BlockExtra, CacheEvent, Cleared, Removed, Stored
+from testkit.prefix_cache import BlockExtra, BlockHasher, CacheEvent, Cleared, Removed, Stored
 
 __all__ = [
     "END_SEQ",
@@ -190,7 +190,7 @@ def _sglang_hash(parent: int | None, tokens: Sequence[int], extra: BlockExtra) -
     return int.from_bytes(_digest(b"testkit-sglang-page", parent, tokens, extra)[:8], "big", signed=True)
 
 
-def block_hasher(flavor: Flavor) -> Any:
+def block_hasher(flavor: Flavor) -> BlockHasher:
     """The engine's block hash: unsigned 64-bit for vLLM, signed int64 for SGLang."""
     return _vllm_hash if flavor == "vllm" else _sglang_hash
 
