@@ -57,6 +57,7 @@ from sidecar_frontend.formats.base import (
 )
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
+from sidecar_frontend.routing.placement import Placement, Placer
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
@@ -113,11 +114,14 @@ class Frontend:
         new_id: Callable[[], str] = _new_id,
         rand: random.Random | None = None,
         tracing: Tracing | None = None,
+        placer: Placer | None = None,
     ) -> None:
         if not formats:
             raise ValueError("at least one format is needed")
         self.formats = tuple(formats)
         self.workers = workers
+        # The worker choice (--routing); without one, the worker set's power of two choices.
+        self.placer = placer if placer is not None else Placer(workers, None, clock=clock)
         self.config = config if config is not None else HandlerConfig()
         self.metrics = metrics
         self.clock = clock
@@ -560,32 +564,37 @@ class _Exchange:
             error=failure.message,
         )
 
-    def _pick(self, role: str, tried: list[str], patient: bool) -> Worker | None:
-        """A worker of ``role``, preferring one this sub-request has not tried; else, when
-        ``patient``, any but the last one that failed (a restarted worker comes back under its
-        old address)."""
-        workers = self.frontend.workers
-        worker = workers.pick(role, exclude=frozenset(tried), model=self.model)
-        if worker is None and tried and patient:
-            worker = workers.pick(role, exclude=frozenset(tried[-1:]), model=self.model)
-        return worker
+    def _pick(
+        self, role: str, request: sidecar_pb2.PreprocessedRequest, tried: list[str], patient: bool
+    ) -> Placement | None:
+        """A worker of ``role`` for ``request``, preferring one this sub-request has not tried;
+        else, when ``patient``, any but the last one that failed (a restarted worker comes back
+        under its old address)."""
+        placer = self.frontend.placer
+        placement = placer.pick(role, request, exclude=frozenset(tried), model=self.model)
+        if placement is None and tried and patient:
+            placement = placer.pick(role, request, exclude=frozenset(tried[-1:]), model=self.model)
+        return placement
 
     async def _attempt(
         self, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts, tried: list[str]
     ) -> WorkerFailure | None:
         """One attempt: aggregated, or prefill then decode when the set has prefill workers."""
-        chosen = await self._choose(tried, attempts.patient)
-        if chosen is None:
+        placed = await self._choose(request, tried, attempts.patient)
+        if placed is None:
             return WorkerFailure("NO_WORKER", f"no worker is serving {self.model}")
+        chosen = [placement.worker for placement in placed]
         self._placed(index, chosen, tried)
         self.workers_used.extend(w.address for w in chosen)
         tried.extend(w.address for w in chosen)
-        if len(chosen) == 2:
-            prefill, decode = chosen
+        if len(placed) == 2:
+            prefill, decode = placed
             return await self._disaggregated(prefill, decode, request, index, attempts)
-        return await self._decode(chosen[0], request, index, attempts)
+        return await self._decode(placed[0], request, index, attempts)
 
-    async def _choose(self, tried: list[str], patient: bool) -> tuple[Worker] | tuple[Worker, Worker] | None:
+    async def _choose(
+        self, request: sidecar_pb2.PreprocessedRequest, tried: list[str], patient: bool
+    ) -> tuple[Placement] | tuple[Placement, Placement] | None:
         """A prefill and a decode worker while both roles serve, else an aggregated one. When
         none serves, a retry or a migration waits (bounded) for one to, unless it must not
         (``patient`` False: after a worker answered busy, see ``attempts.py``)."""
@@ -595,20 +604,21 @@ class _Exchange:
             while True:
                 changed = workers.next_change()
                 if workers.has_serving("prefill", self.model) and workers.has_serving("decode", self.model):
-                    prefill = self._pick("prefill", tried, patient)
-                    decode = self._pick("decode", tried, patient)
+                    prefill = self._pick("prefill", request, tried, patient)
+                    decode = self._pick("decode", request, tried, patient)
                     if prefill is not None and decode is not None:
                         return prefill, decode
-                worker = self._pick("agg", tried, patient)
-                if worker is not None:
-                    return (worker,)
+                placement = self._pick("agg", request, tried, patient)
+                if placement is not None:
+                    return (placement,)
                 await changed.wait()
         return None
 
     async def _decode(
-        self, worker: Worker, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts
+        self, placement: Placement, request: sidecar_pb2.PreprocessedRequest, index: int, attempts: Attempts
     ) -> WorkerFailure | None:
         """A call whose outputs go to the client; None when every choice's terminal arrived."""
+        worker = placement.worker
 
         async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
             if output.finish_reason == sidecar_pb2.CANCELLED and not worker.eligible:
@@ -627,7 +637,7 @@ class _Exchange:
             await self._deliver_output(index, attempts.delivered(output))
             return None
 
-        failure = await self._call(worker, request, deliver)
+        failure = await self._call(placement, request, deliver)
         if failure is None and not attempts.complete:
             failure = WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
             self.frontend._worker_failed(worker, failure)
@@ -635,8 +645,8 @@ class _Exchange:
 
     async def _disaggregated(
         self,
-        prefill: Worker,
-        decode: Worker,
+        prefill_placement: Placement,
+        decode_placement: Placement,
         request: sidecar_pb2.PreprocessedRequest,
         index: int,
         attempts: Attempts,
@@ -645,6 +655,7 @@ class _Exchange:
         first cancels the other (each cancelled call is aborted by its sidecar); a prefill the
         engine aborted ends the sub-request as cancelled, with no decode step."""
         frontend = self.frontend
+        prefill = prefill_placement.worker
         style = disagg.style_of(prefill.model)
         handoff: list[struct_pb2.Struct] = []
         ready = anyio.Event()
@@ -672,7 +683,7 @@ class _Exchange:
             return None
 
         async def run_prefill(group: TaskGroup) -> None:
-            failure = await self._call(prefill, step, take)
+            failure = await self._call(prefill_placement, step, take)
             if failure is None and not handoff and not prefill_cancelled:
                 failure = WorkerFailure("PROTOCOL_ERROR", f"prefill worker {prefill.address} gave no handoff")
                 frontend._worker_failed(prefill, failure)
@@ -686,7 +697,7 @@ class _Exchange:
             await ready.wait()
             if handoff:
                 decode_failure = await self._decode(
-                    decode, disagg.decode_request(request, handoff[0]), index, attempts
+                    decode_placement, disagg.decode_request(request, handoff[0]), index, attempts
                 )
                 if decode_failure is not None:
                     group.cancel_scope.cancel()
@@ -707,13 +718,15 @@ class _Exchange:
 
     async def _call(
         self,
-        worker: Worker,
+        placement: Placement,
         request: sidecar_pb2.PreprocessedRequest,
         consume: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[WorkerFailure | None]],
     ) -> WorkerFailure | None:
-        """One Generate call on ``worker``, each output to ``consume``; the call's failure, if any.
-        Leaving early (a cancel) cancels the call, and the sidecar aborts the engine request."""
+        """One Generate call on the placement's worker, each output to ``consume``; the call's
+        failure, if any. Leaving early (a cancel) cancels the call, and the sidecar aborts the
+        engine request."""
         frontend = self.frontend
+        worker = placement.worker
         timeout = frontend.config.request_timeout
         grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
         metrics = frontend.metrics
@@ -723,6 +736,7 @@ class _Exchange:
         try:
             with (
                 worker.lease(frontend._lease_changed),
+                placement.queued(),
                 frontend.tracing.span(
                     "sidecar.v1.Worker/Generate",
                     kind=SpanKind.CLIENT,
@@ -732,6 +746,7 @@ class _Exchange:
                 call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
                 try:
                     async for output in call:
+                        placement.observe(output)
                         if first:
                             first = False
                             if metrics is not None:

@@ -121,7 +121,8 @@ class Placer:
         """A serving worker of ``role`` (and ``model``) not in ``exclude`` for ``request``."""
         router = self.router
         prompt_tokens = len(request.token_ids)
-        if router is None:
+        if router is None or role == "decode":
+            # A decode worker's prompt comes from its prefill worker's cache, not its own.
             worker = self.workers.pick(role, exclude=exclude, model=model)
             if worker is None:
                 return None
@@ -145,7 +146,9 @@ class Placer:
             worker = by_address[decision.worker]
         if self.metrics is not None:
             self.metrics.decided(role, decision.reason.value)
-        return Placement(worker, decision, prompt_tokens, self.metrics)
+        # A decode worker's cached tokens are the prefill's handoff: not a hit of its own cache.
+        usage_metrics = self.metrics if role != "decode" else None
+        return Placement(worker, decision, prompt_tokens, usage_metrics)
 
     def _target(self, worker: Worker) -> Target:
         streams = self.streams
