@@ -146,9 +146,11 @@ class Placer:
             worker = by_address[decision.worker]
         if self.metrics is not None:
             self.metrics.decided(role, decision.reason.value)
-        # A decode worker's cached tokens are the prefill's handoff: not a hit of its own cache.
-        usage_metrics = self.metrics if role != "decode" else None
-        return Placement(worker, decision, prompt_tokens, usage_metrics)
+        if role == "decode":
+            # It prefills nothing, and its cached tokens are the prefill's handoff, not a hit of
+            # its own cache: neither counts.
+            return Placement(worker, decision, 0, None)
+        return Placement(worker, decision, prompt_tokens, self.metrics)
 
     def _target(self, worker: Worker) -> Target:
         streams = self.streams

@@ -110,12 +110,24 @@ class CacheStreams:
         try:
             while True:
                 stream = await self._ready(worker)
-                failed = await self._watch(stream)
-                if failed:
-                    await anyio.sleep(pause)
-                    pause = min(pause * 2, self._config.retry_max_secs)
-                else:
+                counts = stream.feed.counts
+                applied = counts.snapshots + counts.deltas
+                failure = await self._watch(stream)
+                if counts.snapshots + counts.deltas != applied:
+                    pause = self._config.retry_first_secs  # it worked for a while: a new streak
+                if failure is None:
                     pause = self._config.retry_first_secs
+                    continue
+                if pause == self._config.retry_first_secs:
+                    # Once per streak of failures; the snapshot line says when it is over.
+                    log.warning(
+                        "worker cache stream failed, watching again",
+                        worker=worker.address,
+                        error=failure,
+                        retry_in_secs=pause,
+                    )
+                await anyio.sleep(pause)
+                pause = min(pause * 2, self._config.retry_max_secs)
         finally:
             ended = self._streams.pop(worker.address, None)
             if ended is not None:
@@ -146,8 +158,9 @@ class CacheStreams:
                 else:
                     await anyio.sleep(self._config.ready_check_secs)
 
-    async def _watch(self, stream: _Stream) -> bool:
-        """One WatchKvCache call, until it breaks or shows a gap; whether it failed."""
+    async def _watch(self, stream: _Stream) -> str | None:
+        """One WatchKvCache call, until it breaks or shows a gap; why it failed (None: a gap,
+        or a sidecar that does not serve the stream)."""
         feed = stream.feed
         worker = stream.worker
         request = sidecar_pb2.WatchKvCacheRequest()
@@ -165,7 +178,7 @@ class CacheStreams:
                             worker=worker.address,
                             resume_from=feed.resume_from,
                         )
-                        return False
+                        return None
                     if step is Step.SNAPSHOT:
                         log.info(
                             "worker cache snapshot",
@@ -185,10 +198,10 @@ class CacheStreams:
                     "worker cache stream not served by its sidecar: routing it without its cache",
                     worker=worker.address,
                 )
-                return False
-            log.debug("worker cache stream broke", worker=worker.address, code=str(code))
-            return True
-        return True  # the sidecar ended the stream: it is going away
+                return None
+            details = err.details() if callable(getattr(err, "details", None)) else None
+            return f"{details or 'no details'} ({code.name if code is not None else 'no status'})"
+        return "the sidecar ended the stream"  # it is going away
 
     def _apply(self, stream: _Stream, update: sidecar_pb2.KvCacheUpdate) -> Step:
         feed = stream.feed
