@@ -21,6 +21,8 @@ from typing import Any, Final, Literal, TypeVar
 import aetcd
 import anyio
 
+from sidecar_common.endpoint import parse_host_port
+
 __all__ = [
     "EtcdError",
     "EtcdSession",
@@ -162,10 +164,10 @@ def _describe(err: BaseException) -> str:
 @asynccontextmanager
 async def open_session(endpoint: str, call_timeout: float) -> AsyncIterator[EtcdSession]:
     """A session to ``endpoint`` (host:port), closed on exit (bounded)."""
-    host, _, port = endpoint.rpartition(":")
+    address = parse_host_port(endpoint, port_zero_allowed=False)
     client = aetcd.Client(
-        host=host,  # an IPv6 host keeps its brackets: aetcd dials f"{host}:{port}"
-        port=int(port),
+        host=address.bracketed_host,  # aetcd dials f"{host}:{port}"
+        port=address.port,
         timeout=call_timeout,
         options=dict(_CHANNEL_OPTIONS),
         connect_wait_timeout=max(1, int(call_timeout)),

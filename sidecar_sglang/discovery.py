@@ -8,16 +8,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.endpoint import is_wildcard_host
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import Mode, RequestSettings, Transport
 
 __all__ = ["Discovered", "discover", "loads_from_json"]
-
-_WILDCARD_HOSTS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,7 @@ def discover(
     page = _nonneg(_int(server.get("page_size")))
     total_tokens = _nonneg(_int(server.get("max_total_num_tokens")))
     host = _str(server.get("disaggregation_bootstrap_host")) or _str(server.get("host"))
-    if host is None or host in _WILDCARD_HOSTS:
+    if host is None or is_wildcard_host(host):
         # The engine listens on every interface: the address the sidecar reaches it by is the
         # one a decode worker can use too.
         host = engine_host

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
+from sidecar_common.endpoint import format_host_port
 from testkit.book import Outcome
 from testkit.sglang_core import (
     Bootstrap,
@@ -205,9 +206,9 @@ class SglangGrpcServer:
         sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Servicer(self._engine), server)
         health_servicer = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        bound = server.add_insecure_port(f"{self._host}:{self.port}")
+        bound = server.add_insecure_port(format_host_port(self._host, self.port))
         if bound == 0:
-            raise OSError(f"cannot bind gRPC to {self._host}:{self.port}")
+            raise OSError(f"cannot bind gRPC to {format_host_port(self._host, self.port)}")
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, not_serving)
