@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, cast, get_args
+from typing import Any, Final
 
+from sidecar_common.disaggregation import ROLES, Role, is_role
 from sidecar_common.endpoint import (
     HostPort,
     HostPortError,
@@ -29,10 +30,8 @@ from sidecar_common.endpoint import (
 __all__ = [
     "DEFAULT_PREFIX",
     "RECORD_FIELDS",
-    "ROLES",
     "RecordError",
     "RegistrationConfig",
-    "Role",
     "WorkerRecord",
     "advertise_address",
     "decode_record",
@@ -43,8 +42,6 @@ __all__ = [
     "record_key",
 ]
 
-Role = Literal["agg", "prefill", "decode"]
-ROLES: Final[tuple[str, ...]] = get_args(Role)
 DEFAULT_PREFIX: Final = "/llm-sidecars/workers/"
 RECORD_FIELDS: Final = ("address", "engine", "model", "role", "data_parallel_size", "version")
 
@@ -193,7 +190,7 @@ def decode_record(raw: bytes) -> WorkerRecord:
     if is_wildcard_host(parsed.host):
         raise RecordError(f"address {address!r} is not dialable")
     role = _field(body, "role", str, "agg")
-    if role not in ROLES:
+    if not is_role(role):
         raise RecordError(f"field 'role' must be one of {', '.join(ROLES)}, got {role!r}")
     dp_size = _field(body, "data_parallel_size", int, 1)
     if dp_size < 1:
@@ -202,7 +199,7 @@ def decode_record(raw: bytes) -> WorkerRecord:
         address=str(parsed),
         engine=_field(body, "engine", str),
         model=_field(body, "model", str),
-        role=cast(Role, role),
+        role=role,
         data_parallel_size=dp_size,
         version=_field(body, "version", str, ""),
     )

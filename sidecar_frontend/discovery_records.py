@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from sidecar_common.disaggregation import ROLES, Role, is_role
 from sidecar_common.endpoint import HostPort, HostPortError, HostPortWords, format_host_port, parse_host_port
 from sidecar_common.registration_record import (
-    ROLES,
     RecordError,
-    Role,
     WorkerRecord,
     decode_record,
 )
@@ -68,10 +67,9 @@ def _role_and_rest(text: str, what: str) -> tuple[Role, str]:
     role_text, sep, rest = text.partition("=")
     if not sep:
         return "agg", text
-    if role_text not in ROLES:
+    if not is_role(role_text):
         raise RecordError(f"{what}: role must be one of {', '.join(ROLES)}, got {role_text!r}")
-    role: Role = role_text  # type: ignore[assignment]  # checked against ROLES just above
-    return role, rest
+    return role_text, rest
 
 
 def _flag_words(what: str) -> HostPortWords:

@@ -10,10 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import is_wildcard_host
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.limits import exact_integer
-from sidecar_sglang.convert_request import Mode, RequestSettings, Transport
+from sidecar_sglang.convert_request import RequestSettings, Transport
 
 __all__ = ["Discovered", "discover", "loads_from_json"]
 
@@ -44,7 +45,7 @@ def _nonneg(value: int | None) -> int:
     return value if value is not None and value > 0 else 0
 
 
-def _mode(value: object) -> Mode:
+def _mode(value: object) -> DisaggregationMode:
     text = str(value).strip().lower() if value is not None else "null"
     if text in ("null", "none", ""):
         return "agg"
@@ -90,7 +91,7 @@ def discover(
     server: Mapping[str, object],
     models: Sequence[Mapping[str, object]],
     *,
-    expected_mode: Mode,
+    expected_mode: DisaggregationMode,
     transport: Transport,
     engine_host: str,
 ) -> Discovered:

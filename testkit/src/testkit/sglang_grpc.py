@@ -23,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 from sidecar_common.endpoint import format_host_port
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Outcome
 from testkit.sglang_core import (
     Bootstrap,
@@ -39,7 +40,6 @@ from testkit.sglang_served import ServedEngine
 __all__ = ["SglangGrpcServer", "native_request_from_proto", "response_from_out"]
 
 SERVICE_NAME = "sglang.runtime.v1.SglangService"
-_MAX_MESSAGE = 64 * 1024 * 1024
 
 
 # SamplingParams fields the engine only verifies (absent stays absent: SGLang's defaults apply).
@@ -196,8 +196,8 @@ class SglangGrpcServer:
     async def start(self) -> None:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 # grpcio turns SO_REUSEPORT on by default: a second engine would share a
                 # taken port and split its traffic. Off, the bind fails and start-up says so.
                 ("grpc.so_reuseport", 0),

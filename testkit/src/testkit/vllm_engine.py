@@ -62,6 +62,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from sidecar_common.endpoint import format_host_port
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
@@ -211,8 +212,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
     async def _bind(self) -> None:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 # grpcio turns SO_REUSEPORT on by default: a second engine would share a
                 # taken port and split its traffic. Off, the bind fails and start-up says so.
                 ("grpc.so_reuseport", 0),

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_common.registration_record import RecordError, Role, WorkerRecord, encode_record
+from sidecar_common.disaggregation import Role
+from sidecar_common.registration_record import RecordError, WorkerRecord, encode_record
 from sidecar_frontend.discovery_records import (
     AddWorker,
     Change,
