@@ -92,7 +92,7 @@ async def joined(engine: SglangTestEngine, sub: Subscriber, wire: str = "grpc") 
     async def warm(i: int) -> None:
         await generate(engine, wire, f"warm-{i}", [30000 + 10 * i, 30001 + 10 * i])
 
-    return await sub.join(warm)
+    return await sub.join(warm, lambda: engine.kv_cache.publishers[0].next_seq - 1)
 
 
 @pytest.mark.parametrize("wire", ["grpc", "http"])
@@ -237,7 +237,7 @@ async def test_each_data_parallel_rank_publishes_on_its_port_with_its_rank(
     async def warm(i: int) -> None:
         await generate(engine, "grpc", f"w{i}", [900 + 10 * i, 901 + 10 * i], routed_dp_rank=1)
 
-    seq = await sub.join(warm)
+    seq = await sub.join(warm, lambda: engine.kv_cache.publishers[1].next_seq - 1)
     assert sub.batches[seq].attn_dp_rank == 1
     # Rank 0's cache never saw it.
     assert await generate(engine, "grpc", "r0", [900, 901, 902], routed_dp_rank=0) == 0

@@ -82,7 +82,7 @@ async def joined(engine: VllmTestEngine, stub: pb_grpc.VllmEngineStub, sub: Subs
     async def warm(i: int) -> None:  # one block each
         await generate(stub, f"warm-{i}", prompt_of(size + 1, base=20000 + 100 * i), max_tokens=1)
 
-    return await sub.join(warm)
+    return await sub.join(warm, lambda: engine.kv_cache.publishers[0].next_seq - 1)
 
 
 async def test_a_request_publishes_its_full_blocks_and_a_repeat_reports_them_cached() -> None:
