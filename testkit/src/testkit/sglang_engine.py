@@ -475,6 +475,7 @@ class SglangTestEngine:
             http_port=self.http_port,
             grpc_port=self.grpc_port,
             started_at=self._started_at,
+            kv_events=self.kv_cache.sglang_descriptor(),
         )
 
     def model_info(self, *, http: bool) -> dict[str, Any]:
