@@ -92,7 +92,7 @@ async def joined(engine: SglangTestEngine, sub: Subscriber, wire: str = "grpc") 
     async def warm(i: int) -> None:
         await generate(engine, wire, f"warm-{i}", [30000 + 10 * i, 30001 + 10 * i])
 
-    return await sub.join(warm)
+    return await sub.join(warm, lambda: engine.kv_cache.publishers[0].next_seq - 1)
 
 
 @pytest.mark.parametrize("wire", ["grpc", "http"])
@@ -237,7 +237,43 @@ async def test_each_data_parallel_rank_publishes_on_its_port_with_its_rank(
     async def warm(i: int) -> None:
         await generate(engine, "grpc", f"w{i}", [900 + 10 * i, 901 + 10 * i], routed_dp_rank=1)
 
-    seq = await sub.join(warm)
+    seq = await sub.join(warm, lambda: engine.kv_cache.publishers[1].next_seq - 1)
     assert sub.batches[seq].attn_dp_rank == 1
     # Rank 0's cache never saw it.
     assert await generate(engine, "grpc", "r0", [900, 901, 902], routed_dp_rank=0) == 0
+
+
+async def test_server_info_describes_the_publisher_as_sglang_does(make_engine: Factory) -> None:
+    base = free_port_pair()
+    engine = await make_engine(
+        events=events_config(endpoint=f"tcp://*:{base}", topic="kv"), page_size=4, dp_size=2
+    )
+    replay_port = int(engine.kv_cache.publishers[0].local_replay_endpoint.rpartition(":")[2])  # type: ignore[union-attr]
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session,
+        session.get(f"http://127.0.0.1:{engine.http_port}/get_server_info") as resp,
+    ):
+        info = await resp.json()
+    assert info["kv_events"] == {
+        "publisher": "zmq",
+        "endpoint_host": "*",
+        "endpoint_port_base": base,
+        "topic": "kv",
+        "block_size": 4,
+        "dp_size": 2,
+        "replay_endpoint_port_base": replay_port,
+    }
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{engine.grpc_port}") as channel:
+        stub = sglang_pb2_grpc.SglangServiceStub(channel)
+        reply = await stub.GetServerInfo(sglang_pb2.GetServerInfoRequest(), timeout=10)
+    assert json.loads(reply.json_info)["kv_events"] == info["kv_events"]
+
+
+async def test_without_a_publisher_server_info_says_none_and_hits_are_still_reported(
+    make_engine: Factory,
+) -> None:
+    engine = await make_engine(events="{}")
+    assert engine.kv_cache.publishers == []
+    assert engine.server_info(http=True)["kv_events"] is None
+    assert await generate(engine, "grpc", "a", [1, 2, 3]) == 0
+    assert await generate(engine, "grpc", "b", [1, 2, 3]) == 2

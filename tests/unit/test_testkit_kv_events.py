@@ -13,6 +13,7 @@ from testkit.kv_events import (
     encode_batch,
     offset_endpoint,
     parse_kv_events_config,
+    sglang_kv_events_descriptor,
 )
 from testkit.prefix_cache import BlockExtra, Cleared, Removed, Stored
 
@@ -200,3 +201,40 @@ def test_sglangs_encoding() -> None:
     ]
     # SGLang's batch always has its three elements; vLLM's omits a None rank.
     assert len(msgspec.msgpack.decode(encode_batch("sglang", 0.0, [Cleared()], 0))) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "endpoint", "replay", "expected"),
+    [
+        ('{"publisher": "zmq"}', "tcp://*:5557", None, {"endpoint_host": "*", "endpoint_port_base": 5557}),
+        (
+            '{"publisher": "zmq", "topic": "t"}',
+            "tcp://10.0.0.1:6000",
+            "tcp://*:6001",
+            {
+                "endpoint_host": "10.0.0.1",
+                "endpoint_port_base": 6000,
+                "topic": "t",
+                "replay_endpoint_port_base": 6001,
+            },
+        ),
+        (
+            '{"publisher": "zmq"}',
+            "tcp://*:5557",
+            "ipc:///tmp/r",
+            {"endpoint_host": "*", "endpoint_port_base": 5557},
+        ),
+        ('{"publisher": "zmq"}', "ipc:///tmp/kv", None, None),  # not routable
+        ('{"publisher": "zmq"}', "tcp://*:0", None, None),  # no port to advertise
+        ('{"publisher": "null"}', "tcp://*:5557", None, None),
+    ],
+)
+def test_sglangs_server_info_descriptor(
+    text: str, endpoint: str, replay: str | None, expected: dict[str, object] | None
+) -> None:
+    config = parse_kv_events_config(text, "sglang")
+    got = sglang_kv_events_descriptor(config, endpoint, replay, 16, 2)
+    if expected is None:
+        assert got is None
+    else:
+        assert got == {"publisher": "zmq", "topic": "", "block_size": 16, "dp_size": 2, **expected}

@@ -89,7 +89,13 @@ class SglangEngineConfig:
 
 
 def server_info(
-    cfg: SglangEngineConfig, *, http: bool, http_port: int, grpc_port: int, started_at: float
+    cfg: SglangEngineConfig,
+    *,
+    http: bool,
+    http_port: int,
+    grpc_port: int,
+    started_at: float,
+    kv_events: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``get_server_info`` (HTTP) / ``GetServerInfo`` (gRPC): the keys a sidecar discovers from."""
     info: dict[str, Any] = {
@@ -119,7 +125,8 @@ def server_info(
         "status": "ready",
         "max_total_num_tokens": cfg.kv_capacity_tokens,
         "max_req_input_len": min(cfg.context_length, cfg.kv_capacity_tokens) - 1,
-        "kv_events": None,
+        # SGLang's descriptor of its KV-event publisher (kv_events.sglang_kv_events_descriptor).
+        "kv_events": kv_events,
     }
     if http:
         info.update(
