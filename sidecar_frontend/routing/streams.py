@@ -7,8 +7,9 @@ takes the worker's entries out of the index. The task waits until the worker ser
 sidecar says it subscribes to its engine's KV events (``LoadReport.kv_cache.subscribed``, from
 the worker set's load poll); then it watches, and after the stream breaks or shows a gap it
 watches again from the last (epoch, sequence) applied: the sidecar resumes there or sends a
-new snapshot. A worker that keeps failing is retried at a doubling pause (capped). A sidecar
-too old to serve the stream (UNIMPLEMENTED) is not asked again until it restarts.
+new snapshot. A worker that keeps failing is retried at the project's backoff (doubling,
+capped, jittered: ``sidecar_common.retry.Backoff``). A sidecar too old to serve the stream
+(UNIMPLEMENTED) is not asked again until it restarts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 import structlog
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.retry import Backoff
 from sidecar_frontend.routing.feed import CacheFeed, Step
 from sidecar_frontend.routing.metrics import RoutingMetrics, StreamRow
 from sidecar_frontend.routing.router import Router
@@ -38,7 +40,7 @@ class StreamConfig:
     # How often a worker not yet ready to stream (not serving, not subscribed) is looked at
     # again, at the latest (a change of the worker set wakes it sooner).
     ready_check_secs: float = 1.0
-    # Pause before watching again after the stream failed, doubling up to the cap.
+    # Pause before watching again after the stream failed, doubling up to the cap (jittered).
     retry_first_secs: float = 0.2
     retry_max_secs: float = 10.0
 
@@ -106,7 +108,8 @@ class CacheStreams:
 
     async def follow(self, worker: Worker) -> None:
         """Watch ``worker``'s cache for as long as it is in the set (a worker set companion)."""
-        pause = self._config.retry_first_secs
+        backoff = Backoff(self._config.retry_first_secs, self._config.retry_max_secs)
+        failures = 0  # in a row, since the stream last applied anything
         try:
             while True:
                 stream = await self._ready(worker)
@@ -114,20 +117,20 @@ class CacheStreams:
                 applied = counts.snapshots + counts.deltas
                 failure = await self._watch(stream)
                 if counts.snapshots + counts.deltas != applied:
-                    pause = self._config.retry_first_secs  # it worked for a while: a new streak
+                    failures = 0
                 if failure is None:
-                    pause = self._config.retry_first_secs
                     continue
-                if pause == self._config.retry_first_secs:
-                    # Once per streak of failures; the snapshot line says when it is over.
+                failures += 1
+                pause = backoff.pause(failures)
+                if failures == 1:
+                    # Once per series of failures; the snapshot line says when it is over.
                     log.warning(
                         "worker cache stream failed, watching again",
                         worker=worker.address,
                         error=failure,
-                        retry_in_secs=pause,
+                        retry_in_secs=round(pause, 2),
                     )
                 await anyio.sleep(pause)
-                pause = min(pause * 2, self._config.retry_max_secs)
         finally:
             ended = self._streams.pop(worker.address, None)
             if ended is not None:
