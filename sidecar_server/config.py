@@ -13,6 +13,7 @@ from sidecar_common.pool import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
 from sidecar_common.tls import TlsFiles
 from sidecar_server.engine import Engine
+from sidecar_server.kv_config import KvEventsConfig
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
 
@@ -37,6 +38,7 @@ class SidecarConfig:
     tls: TlsFiles | None = None  # --tls-cert, --tls-key, --tls-client-ca; None: plaintext
     reflection: bool = True  # --no-reflection switches it off
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    kv_events: KvEventsConfig | None = None  # --kv-events-endpoint & co; None: off
 
 
 @dataclass(frozen=True)
