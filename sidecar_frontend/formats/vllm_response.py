@@ -23,8 +23,9 @@ from typing import Final
 
 from google.protobuf import struct_pb2
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.structs import JSON, StructError, json_from_struct, json_from_value
+from sidecar_common.structs import JSON, StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm_errors import (
     DEAD_ENGINE_MESSAGE,
@@ -269,10 +270,10 @@ class VllmEncoder:
     def _observe_terminal(self, output: sidecar_pb2.LLMEngineOutput) -> None:
         if self._kv_transfer_params is None and output.HasField("disaggregated_params"):
             self._kv_transfer_params = _struct_json(output.disaggregated_params)
-        if self._prompt_logprobs is None and self._o.prompt_logprobs and output.HasField("engine_data"):
-            value = output.engine_data.fields.get("prompt_logprobs")
-            if value is not None:
-                self._prompt_logprobs = _prompt_logprobs(value, self._o.prompt)
+        if self._prompt_logprobs is None and self._o.prompt_logprobs:
+            positions = prompt_logprobs.of_output(output, self._o.prompt)
+            if positions is not None:
+                self._prompt_logprobs = _prompt_logprobs(positions, self._o.prompt)
 
     def _completion_tokens(self) -> int:
         return sum(c.generated for c in self._choices.values())
@@ -413,64 +414,32 @@ def _clamp(value: float) -> float:
     return LOGPROB_FLOOR if value != value or value < LOGPROB_FLOOR else value
 
 
-def _prompt_logprobs(value: struct_pb2.Value, prompt: Sequence[int]) -> JSON:
-    """The terminal's prompt logprobs as vLLM shapes them.
+def _prompt_logprobs(positions: Sequence[sidecar_pb2.TopLogprobs], prompt: Sequence[int]) -> JSON:
+    """The prompt logprobs as vLLM shapes them.
 
     One entry per prompt position: null, or ``{token id as text: {logprob, rank,
-    decoded_token}}`` with the prompt's own token first, then the candidates best first. A
-    Struct keeps no key order, so the order is rebuilt here from the prompt and the values.
+    decoded_token}}`` with the prompt's own token first, then the candidates best first (a
+    0.1 vLLM sidecar's Struct keeps no order, so the order is rebuilt here).
     """
-    try:
-        positions = json_from_value(value, "prompt_logprobs")
-    except StructError:
-        return None
-    if not isinstance(positions, list):
-        return None
     result: list[JSON] = []
     for index, position in enumerate(positions):
-        candidates = _prompt_candidates(position)
-        if candidates is None:
+        if not position.entries:
             result.append(None)
             continue
-        own = str(prompt[index]) if index < len(prompt) else None
-        candidates.sort(key=lambda item: (item[0] != own, -_as_float(item[1]["logprob"])))
+        own = prompt[index] if index < len(prompt) else None
+        ordered = sorted(position.entries, key=lambda e: (e.token_id != own, -_clamp(e.logprob)))
         entry: dict[str, JSON] = {}
-        for token, candidate in candidates:
-            entry.setdefault(token, candidate)
+        for candidate in ordered:
+            entry.setdefault(
+                str(candidate.token_id),
+                {"logprob": _clamp(candidate.logprob), "rank": _given_rank(candidate), "decoded_token": None},
+            )
         result.append(entry)
     return result
 
 
-def _prompt_candidates(position: JSON) -> list[tuple[str, dict[str, JSON]]] | None:
-    """One position's candidates, from either sidecar's shape.
-
-    The vLLM sidecar sends ``{"<id>": {"logprob": …}}``; the SGLang sidecar an ordered list
-    of ``{"token_id": id, "logprob": …}``. Null (no logprobs there) stays None.
-    """
-    if isinstance(position, dict):
-        return [(token, _prompt_candidate(c)) for token, c in position.items()]
-    if isinstance(position, list):
-        return [
-            (str(item["token_id"]), _prompt_candidate(item))
-            for item in position
-            if isinstance(item, dict) and isinstance(item.get("token_id"), int)
-        ]
-    return None
-
-
-def _prompt_candidate(candidate: JSON) -> dict[str, JSON]:
-    fields = candidate if isinstance(candidate, dict) else {}
-    logprob, rank = fields.get("logprob"), fields.get("rank")
-    number = float(logprob) if isinstance(logprob, int | float) and not isinstance(logprob, bool) else None
-    return {
-        "logprob": LOGPROB_FLOOR if number is None else _clamp(number),
-        "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-        "decoded_token": None,
-    }
-
-
-def _as_float(value: JSON) -> float:
-    return float(value) if isinstance(value, int | float) else LOGPROB_FLOOR
+def _given_rank(entry: sidecar_pb2.TopLogprob) -> int | None:
+    return entry.rank if entry.HasField("rank") else None
 
 
 def _struct_json(struct: struct_pb2.Struct) -> JSON:

@@ -10,9 +10,10 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import EngineOrigin, ErrorReason, SidecarError
-from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, bootstrap_struct
+from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, handoff_info
 from sidecar_sglang.convert_response import (
     NativeEvent,
     ResponseState,
@@ -258,8 +259,12 @@ def test_prefill_grpc_ignores_chunks_and_hands_off() -> None:
     (terminal,) = outs
     assert list(terminal.token_ids) == []
     assert (terminal.completion_usage.prompt_tokens, terminal.completion_usage.completion_tokens) == (4, 0)
-    assert terminal.disaggregated_params == bootstrap_struct(bootstrap)
-    assert state.handoff().disaggregated_params == bootstrap_struct(bootstrap)
+    triple = handoff_info(bootstrap)
+    assert terminal.bootstrap_info == triple
+    assert state.handoff().bootstrap_info == triple
+    # For 0.1 frontends, through 0.2.x: the same triple in the Struct they read.
+    assert terminal.disaggregated_params == bootstrap_handoff.to_struct(triple)
+    assert state.handoff().disaggregated_params == bootstrap_handoff.to_struct(triple)
     assert state.handoff().finish_reason == sidecar_pb2.UNSPECIFIED
 
 
