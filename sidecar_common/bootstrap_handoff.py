@@ -28,7 +28,6 @@ __all__ = [
     "HandoffError",
     "attach",
     "from_struct",
-    "of_output",
     "to_struct",
 ]
 
@@ -101,16 +100,3 @@ def attach(out: sidecar_pb2.LLMEngineOutput, info: sidecar_pb2.BootstrapInfo) ->
     (through 0.2.x)."""
     out.bootstrap_info.CopyFrom(info)
     out.disaggregated_params.CopyFrom(to_struct(info))
-
-
-def of_output(output: sidecar_pb2.LLMEngineOutput) -> sidecar_pb2.BootstrapInfo | None:
-    """The triple an SGLang prefill's output hands over: the typed field, else (a 0.1 sidecar)
-    the Struct's, else None (no handoff here, or a Struct that is not a triple)."""
-    if output.HasField("bootstrap_info"):
-        return output.bootstrap_info
-    if output.HasField("disaggregated_params"):
-        try:
-            return from_struct(output.disaggregated_params)
-        except HandoffError:
-            return None
-    return None

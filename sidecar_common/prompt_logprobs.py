@@ -29,6 +29,7 @@ __all__ = [
     "STRUCT_KEY",
     "Shape",
     "attach",
+    "candidate",
     "carried",
     "from_struct_rows",
     "of_output",
@@ -45,6 +46,15 @@ class Shape(enum.Enum):
 
     BY_TOKEN = "by_token"
     LISTED = "listed"
+
+
+def candidate(token_id: int, logprob: float, rank: int | None = None) -> sidecar_pb2.TopLogprob:
+    """One entry of a position, as the sidecars write it. A negative zero is written as zero:
+    a 0.1 Struct gave it back as the integer 0, and both forms must read the same."""
+    entry = sidecar_pb2.TopLogprob(token_id=token_id, logprob=logprob + 0.0)
+    if rank is not None:
+        entry.rank = rank
+    return entry
 
 
 def to_struct_rows(positions: Iterable[sidecar_pb2.TopLogprobs], shape: Shape) -> list[JSON]:

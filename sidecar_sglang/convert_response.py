@@ -181,13 +181,13 @@ def _prompt_positions(meta: Mapping[str, object], limit: int) -> list[sidecar_pb
         lp, tid, _ = _triple(item, "input_token_logprobs")
         if lp is None:
             continue
-        row.entries.add(token_id=tid, logprob=lp)
+        row.entries.append(prompt_logprobs.candidate(tid, lp))
         alts = tops[position] if position < len(tops) else None
         if isinstance(alts, list):
             for alt in alts[:limit]:
                 alp, atid, _ = _triple(alt, "input_top_logprobs")
                 if atid != tid and alp is not None:
-                    row.entries.add(token_id=atid, logprob=alp)
+                    row.entries.append(prompt_logprobs.candidate(atid, alp))
     return out
 
 

@@ -587,16 +587,16 @@ def _prompt_positions(lp: vllm_engine_pb2.InputLogProbs) -> list[sidecar_pb2.Top
         result.append(position)
         if not entry.HasField("value"):
             continue
-        own = position.entries.add(token_id=token, logprob=_clamp(entry.value))
-        if lp.top_logprobs:
-            ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
-            if ranked.own_rank is not None:
-                own.rank = ranked.own_rank
-            seen = {token}
-            for alt, value, rank in ranked.alternatives:
-                if alt not in seen:
-                    seen.add(alt)
-                    position.entries.add(token_id=alt, logprob=_clamp(value), rank=rank)
+        if not lp.top_logprobs:
+            position.entries.append(prompt_logprobs.candidate(token, _clamp(entry.value)))
+            continue
+        ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
+        position.entries.append(prompt_logprobs.candidate(token, _clamp(entry.value), ranked.own_rank))
+        seen = {token}
+        for alt, value, rank in ranked.alternatives:
+            if alt not in seen:
+                seen.add(alt)
+                position.entries.append(prompt_logprobs.candidate(alt, _clamp(value), rank))
     return result
 
 

@@ -138,7 +138,7 @@ class _Choice:
     generated: int = 0  # tokens so far
     # Kept for the unary reply only: a stream sends them on and keeps just the count.
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, object]] = field(default_factory=list)
+    logprobs: list[str] = field(default_factory=list)  # each output's entries as JSON text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -174,8 +174,8 @@ class VllmEncoder:
         choice.generated += len(ids)
         if not self._o.stream:
             choice.token_ids.extend(ids)
-            if self._o.logprobs:
-                choice.logprobs.extend(_logprobs(output, ids))
+            if self._o.logprobs and ids:
+                choice.logprobs.append(_logprob_entries(output, ids))
         finish: str | None = None
         stop_reason: int | str | None = None
         if output.finish_reason != sidecar_pb2.UNSPECIFIED:
@@ -238,7 +238,7 @@ class VllmEncoder:
     def reply(self) -> HttpReply:
         if self._error is not None:
             return self._error.reply()
-        choices = [self._unary_choice(self._choices[i]) for i in sorted(self._choices)]
+        choices = b",".join(self._unary_choice(self._choices[i]) for i in sorted(self._choices))
         usage = self._usage(self._completion_tokens())
         usage["prompt_tokens_details"] = None
         usage["completion_tokens_details"] = None
@@ -255,9 +255,9 @@ class VllmEncoder:
             "kv_transfer_params": self._kv_transfer_params,
             "ec_transfer_params": None,
             "output_mode": "tokens",
-            "choices": choices,
         }
-        return HttpReply(HTTPStatus.OK, _compact(body))
+        # "choices" is the last key; the choices are written as a stream writes them.
+        return HttpReply(HTTPStatus.OK, _compact(body)[:-1] + b',"choices":[' + choices + b"]}")
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -318,59 +318,40 @@ class VllmEncoder:
                 self._chunk_head,
                 usage,
                 prompt_ids,
-                b',"output_mode":"tokens","choices":[{"index":',
-                str(choice.index).encode(),
-                b',"finish_reason":',
-                b"null" if finish is None else _compact(finish),
-                b',"stop_reason":',
-                b"null" if stop_reason is None else _compact(stop_reason),
-                b',"token_ids":[',
-                _ints(ids),
-                b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
-                b"null" if logprobs is None else b'{"content":[' + logprobs.encode() + b"]}",
-                b"}]}\n\n",
+                b',"output_mode":"tokens","choices":[',
+                _choice_json(choice.index, finish, stop_reason, ids, logprobs),
+                b"]}\n\n",
             )
         )
 
-    def _unary_choice(self, choice: _Choice) -> dict[str, object]:
-        return {
-            "index": choice.index,
-            # vLLM's default when a choice ends without a reason.
-            "finish_reason": choice.finish_reason or "stop",
-            "stop_reason": choice.stop_reason,
-            "token_ids": choice.token_ids,
-            "routed_experts": None,
-            "sampling_mask": None,
-            "weight_versions": None,
-            "logprobs": {"content": choice.logprobs} if self._o.logprobs else None,
-        }
-
-
-def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[dict[str, object]]:
-    """vLLM's per-token entries: the sampled token, then every candidate the engine returned."""
-    entries: list[dict[str, object]] = []
-    for i, token in enumerate(ids):
-        tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
-        if i < len(output.log_probs):
-            value = _clamp(output.log_probs[i])
-        elif tops and tops[0].token_id == token:
-            value = _clamp(tops[0].logprob)
-        else:
-            # vLLM's sentinel for a position the engine gave no logprob for.
-            entries.append({"token_id": token, "logprob": LOGPROB_FLOOR, "rank": None, "top_logprobs": []})
-            continue
-        rank = next((_rank(t) for t in tops if t.token_id == token), None)
-        entries.append(
-            {
-                "token_id": token,
-                "logprob": value,
-                "rank": rank,
-                "top_logprobs": [
-                    {"token_id": t.token_id, "logprob": _clamp(t.logprob), "rank": _rank(t)} for t in tops
-                ],
-            }
+    def _unary_choice(self, choice: _Choice) -> bytes:
+        # vLLM's default finish reason when a choice ends without one is "stop".
+        logprobs = ",".join(choice.logprobs) if self._o.logprobs else None
+        return _choice_json(
+            choice.index, choice.finish_reason or "stop", choice.stop_reason, choice.token_ids, logprobs
         )
-    return entries
+
+
+def _choice_json(
+    index: int, finish: str | None, stop_reason: int | str | None, ids: Sequence[int], logprobs: str | None
+) -> bytes:
+    """One choice as vLLM writes it, in a stream chunk or a unary reply alike (keys in vLLM's
+    order); ``logprobs`` are its entries as JSON text, None when not asked for."""
+    return b"".join(
+        (
+            b'{"index":',
+            str(index).encode(),
+            b',"finish_reason":',
+            b"null" if finish is None else _compact(finish),
+            b',"stop_reason":',
+            b"null" if stop_reason is None else _compact(stop_reason),
+            b',"token_ids":[',
+            _ints(ids),
+            b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
+            b"null" if logprobs is None else b'{"content":[' + logprobs.encode() + b"]}",
+            b"}",
+        )
+    )
 
 
 def _join(first: str, then: str) -> str:
@@ -378,8 +359,9 @@ def _join(first: str, then: str) -> str:
 
 
 def _logprob_entries(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> str:
-    """:func:`_logprobs` as vLLM's compact JSON entries, comma-separated, written out directly
-    (a stream's per-token path)."""
+    """vLLM's per-token entries (the sampled token, then every candidate the engine returned)
+    as compact JSON, comma-separated, written out directly: a stream's per-token path, and the
+    pieces of a unary reply."""
     parts: list[str] = []
     for i, token in enumerate(ids):
         tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
@@ -388,6 +370,7 @@ def _logprob_entries(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) ->
         elif tops and tops[0].token_id == token:
             value = _clamp(tops[0].logprob)
         else:
+            # vLLM's sentinel for a position the engine gave no logprob for.
             parts.append(f'{{"token_id":{token},"logprob":{LOGPROB_FLOOR!r},"rank":null,"top_logprobs":[]}}')
             continue
         rank = next((_rank(t) for t in tops if t.token_id == token), None)

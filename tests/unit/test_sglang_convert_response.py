@@ -236,7 +236,12 @@ def test_prompt_logprobs_come_once_with_the_first_output_after_the_engine_sent_t
     events = [ev([5], **PROMPT_META), ev([5, 6] if cumulative else [6], "length", **PROMPT_META)]
     outs = run(ResponseState(request, cumulative=cumulative), events)
     assert _prompt_rows(outs[0]) == [None, [2, 8]]
+    assert [[(e.token_id, e.logprob) for e in p.entries] for p in outs[0].prompt_logprobs] == [
+        [],
+        [(2, -0.5), (8, -0.3)],
+    ]
     assert not outs[-1].HasField("engine_data"), "once"
+    assert not outs[-1].prompt_logprobs, "once"
     assert not outs[0].log_probs  # output logprobs were not asked
 
 
