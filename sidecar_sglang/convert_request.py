@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2
 from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.bootstrap_handoff import PORT_MAX, ROOM_MAX
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits
 
@@ -47,7 +48,6 @@ INT32_MIN: Final = -(2**31)
 # SGLang's SamplingParams: max_new_tokens when the request names none.
 SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
 
-Mode = Literal["agg", "prefill", "decode"]
 Transport = Literal["grpc", "http"]
 
 _MEDIA_FIELDS: Final = {
@@ -72,7 +72,7 @@ class Bootstrap:
 class RequestSettings:
     """What discovery learned that request conversion depends on."""
 
-    mode: Mode = "agg"
+    mode: DisaggregationMode = "agg"
     transport: Transport = "grpc"
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
