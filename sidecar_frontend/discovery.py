@@ -32,7 +32,6 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from sidecar_common.registration_etcd import EtcdError, backoff_delays, open_session
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
     ROLES,
@@ -183,6 +182,10 @@ async def _reconcile(view: EtcdView, sink: DiscoverySink, interval: float) -> No
 
 
 async def _run_etcd(config: DiscoveryConfig, sink: DiscoverySink, task_status: TaskStatus[None]) -> None:
+    # Imported here: the etcd client pulls in grpc, which the command line (this module's
+    # flags) and the other modes do not need.
+    from sidecar_common.registration_etcd import EtcdError, backoff_delays, open_session
+
     view = EtcdView()
     prefix = config.etcd_prefix.encode()
     endpoints = config.etcd_endpoints

@@ -63,7 +63,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import FaultBook, FaultKind, FaultPlan
-from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
+from testkit.generator import GeneratedToken, Generator, prompt_logprobs
+
+# Plain data apart (no grpc there, for the command line); re-exported here.
+from testkit.vllm_config import VllmEngineConfig
 from testkit.vllm_wire import (
     HANDOFF_FIELDS,
     Choice,
@@ -102,49 +105,6 @@ MAX_QUEUED_TOKENS_MESSAGE = (
     "The engine has reached its prefill token backlog limit. "
     "Please try again later or on a different instance."
 )
-_KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass(frozen=True)
-class VllmEngineConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    served_model_name: str = "testkit-model"
-    model_path: str = "testkit/tiny-model"
-    context_length: int = 4096
-    vocab_size: int = 32000
-    eos_token_ids: tuple[int, ...] = (2,)
-    kv_role: str = ""
-    kv_engine_id: str = "testkit-engine-0"
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 5600
-    data_parallel_size: int = 1
-    block_size: int = 16
-    max_num_seqs: int = 256
-    total_kv_tokens: int = 65536
-    token_latency_ms: float = 0.0
-    chunk_tokens: int = 1
-    startup_delay_secs: float = 0.0
-    supports_vision: bool = False
-    # vLLM's --max-logprobs (its default): more logprobs per position are refused.
-    max_logprobs: int = 20
-    # vLLM's --max-num-queued-reqs and --max-num-queued-tokens (admission control; None: no
-    # limit, vLLM's default). See ``VllmTestEngine.admission_refusal``.
-    max_num_queued_reqs: int | None = None
-    max_num_queued_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kv_role not in _KV_ROLES:
-            raise ValueError(f"kv_role must be one of {_KV_ROLES}")
-        if self.chunk_tokens < 1 or self.max_num_seqs < 1 or self.data_parallel_size < 1:
-            raise ValueError("chunk_tokens, max_num_seqs and data_parallel_size must be >= 1")
-        for limit in (self.max_num_queued_reqs, self.max_num_queued_tokens):
-            if limit is not None and limit < 0:
-                raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
-
-    @property
-    def model(self) -> ModelSpec:
-        return ModelSpec(self.vocab_size, self.eos_token_ids, self.context_length)
 
 
 class _RequestError(Exception):
