@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testkit.generator import ModelSpec
+from testkit.kv_events import KvEventsConfig
 
 __all__ = ["VllmEngineConfig"]
 
@@ -39,6 +40,12 @@ class VllmEngineConfig:
     # limit, vLLM's default). See ``VllmTestEngine.admission_refusal``.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # The prefix cache: vLLM's --num-gpu-blocks-override (None: total_kv_tokens // block_size
+    # blocks) and --kv-events-config (None or publisher "null": no events). A prompt's first
+    # token waits prefill_us_per_token for each prompt token not cached (a simulated GPU).
+    num_gpu_blocks_override: int | None = None
+    kv_events: KvEventsConfig | None = None
+    prefill_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:
@@ -48,6 +55,16 @@ class VllmEngineConfig:
         for limit in (self.max_num_queued_reqs, self.max_num_queued_tokens):
             if limit is not None and limit < 0:
                 raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
+        if self.block_size < 1 or self.prefill_us_per_token < 0:
+            raise ValueError("block_size must be >= 1 and prefill_us_per_token >= 0")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 0:
+            raise ValueError("num_gpu_blocks_override must be >= 0")
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        if self.num_gpu_blocks_override is not None:
+            return self.num_gpu_blocks_override
+        return self.total_kv_tokens // self.block_size
 
     @property
     def model(self) -> ModelSpec:
