@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Literal
 
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool_settings import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
 from sidecar_common.tls_settings import TlsFiles
@@ -17,11 +18,7 @@ if TYPE_CHECKING:
     # Only named in annotations: the command line reads this module without grpc.
     from sidecar_server.engine import Engine
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
-
-# The largest request message the public port accepts (--max-request-bytes): room for a
-# prompt of millions of token ids and media URLs, far below what would strain memory.
-DEFAULT_MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
+__all__ = ["EngineSpec", "SidecarConfig"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,8 @@ class SidecarConfig:
     registration: RegistrationConfig | None = None  # --etcd-endpoints & co; None: off
     tls: TlsFiles | None = None  # --tls-cert, --tls-key, --tls-client-ca; None: plaintext
     reflection: bool = True  # --no-reflection switches it off
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # The largest request message the public port accepts (--max-request-bytes).
+    max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 
+from sidecar_common.endpoint import format_host_port
 from sidecar_common.ports import bind_problem
 from testkit.cli_args import fault_arg, kv_events_arg, optional_listen_arg
 from testkit.faults import FaultPlan
@@ -231,7 +232,8 @@ async def _serve(config: SglangEngineConfig, faults: list[tuple[str, FaultPlan]]
         engine.faults.add(match, plan)
     try:
         await engine.start()
-        where = f"grpc={config.grpc_host}:{engine.grpc_port} http={config.http_host}:{engine.http_port}"
+        grpc_at = format_host_port(config.grpc_host, engine.grpc_port)
+        where = f"grpc={grpc_at} http={format_host_port(config.http_host, engine.http_port)}"
         log.info("testkit-engine sglang listening %s", where)
         ready = asyncio.ensure_future(engine.wait_ready(None))
         stopping = asyncio.ensure_future(stop.wait())

@@ -29,6 +29,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from sidecar_common.endpoint import format_host_port
 from testkit.book import Book, Outcome
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec
@@ -135,7 +136,7 @@ class SglangTestEngine:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.http_host}:{self.http_port}"
+        return f"http://{format_host_port(self.config.http_host, self.http_port)}"
 
     async def start(self) -> tuple[int, int]:
         """Bind the wires (port 0 picks free ports) and return (gRPC port, HTTP port), 0 for a
