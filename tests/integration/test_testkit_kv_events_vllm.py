@@ -300,3 +300,25 @@ async def test_a_concrete_address_is_connected_to_so_a_binding_subscriber_receiv
     batch = msgspec.msgpack.decode(payload, type=VllmBatch)
     assert int.from_bytes(seq, "big") <= i  # batches sent before the subscription are lost
     assert isinstance(batch.events[0], VllmStored)
+
+
+async def test_each_data_parallel_rank_has_its_cache_and_publisher() -> None:
+    # Port 0 stays 0 for every rank in vLLM: each rank's socket gets its own free port.
+    async with serve(block_size=4, data_parallel_size=2) as (engine, stub, _):
+        rank0, rank1 = engine.kv_cache.publishers
+        assert rank1.endpoint != rank0.endpoint
+        sub = Subscriber(rank1.local_endpoint, rank1.local_replay_endpoint, "vllm")
+        try:
+
+            async def warm(i: int) -> None:
+                req = request(f"w{i}", prompt_of(5, base=100 * i), max_tokens=1)
+                req.data_parallel_rank = 1
+                _ = [m async for m in stub.Generate(req, timeout=30)]
+
+            seq = await sub.join(warm, lambda: rank1.next_seq - 1)
+        finally:
+            sub.close()
+        assert sub.batches[seq].data_parallel_rank == 1
+        assert rank0.next_seq == 0  # rank 0 published nothing
+        # Rank 0's cache never saw those prompts.
+        assert cached_counts(await generate(stub, "r0", prompt_of(5, base=0), max_tokens=1)) == {0}
