@@ -29,11 +29,11 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
 from sidecar_common.limits import check_media, check_sampling_limits
+from sidecar_common.logprob_floor import clamp_logprob
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
 
 __all__ = [
     "KNOWN_EXTRA_ARGS",
-    "LOGPROB_FLOOR",
     "MAX_CHOICES",
     "ResponseState",
     "to_generate_request",
@@ -43,8 +43,6 @@ __all__ = [
 KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
 # Choices per request; far beyond what any sampling use needs (OpenAI's API allows 128).
 MAX_CHOICES: Final = 1024
-# Non-finite and absurdly small logprobs are clamped: JSON clients cannot carry NaN/inf.
-LOGPROB_FLOOR: Final = -9999.0
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
@@ -512,7 +510,7 @@ class ResponseState:
             raise protocol_error(_ENGINE, "top logprobs are not aligned with the token ids")
         for i in range(offset, len(ids)):
             sampled, raw = ids[i], lp.token_logprobs[i]
-            value = _clamp(raw)
+            value = clamp_logprob(raw)
             out.log_probs.append(value)
             entries = out.top_logprobs.add().entries
             sampled_entry = entries.add(token_id=sampled, logprob=value)
@@ -521,19 +519,13 @@ class ResponseState:
                 if ranked.own_rank is not None:
                     sampled_entry.rank = ranked.own_rank
                 for token, alt, rank in ranked.alternatives:
-                    entries.add(token_id=token, logprob=_clamp(alt), rank=rank)
+                    entries.add(token_id=token, logprob=clamp_logprob(alt), rank=rank)
 
 
 def _check_count(what: str, count: int, ids: Sequence[int]) -> None:
     # The servicer's counts are per message; a mismatch means a different (or broken) wire.
     if count != len(ids):
         raise protocol_error(_ENGINE, f"{what} says completion_tokens {count} but carries {len(ids)} ids")
-
-
-def _clamp(value: float) -> float:
-    if math.isnan(value) or value < LOGPROB_FLOOR:
-        return LOGPROB_FLOOR
-    return LOGPROB_FLOOR if math.isinf(value) else value
 
 
 def _pairs(top: vllm_engine_pb2.TopLogProbs, what: str) -> Iterable[tuple[int, float]]:
@@ -583,14 +575,14 @@ def _prompt_logprobs_json(lp: vllm_engine_pb2.InputLogProbs) -> list[JSON]:
         if not entry.HasField("value"):
             result.append(None)
             continue
-        own: dict[str, JSON] = {"logprob": _clamp(entry.value)}
+        own: dict[str, JSON] = {"logprob": clamp_logprob(entry.value)}
         position: dict[str, JSON] = {str(token): own}
         if lp.top_logprobs:
             ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
             if ranked.own_rank is not None:
                 own["rank"] = ranked.own_rank
             for alt, value, rank in ranked.alternatives:
-                position.setdefault(str(alt), {"logprob": _clamp(value), "rank": rank})
+                position.setdefault(str(alt), {"logprob": clamp_logprob(value), "rank": rank})
         result.append(position)
     return result
 

@@ -14,7 +14,6 @@ SSE event (``{"error": …}`` with spaces, as vLLM writes it).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Final
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.logprob_floor import LOGPROB_FLOOR, clamp_logprob
 from sidecar_common.structs import JSON, StructError, json_from_struct, json_from_value
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm_errors import (
@@ -31,12 +31,12 @@ from sidecar_frontend.formats.vllm_errors import (
     OVERLOADED_MESSAGE,
     VllmError,
 )
+from sidecar_frontend.formats.vllm_json import compact_json
 from sidecar_frontend.formats.vllm_request import VllmOptions
 
 __all__ = ["DONE", "VllmEncoder", "engine_param", "failure_error"]
 
 DONE: Final = b"data: [DONE]\n\n"
-LOGPROB_FLOOR: Final = -9999.0
 
 _FINISH: Final = {
     sidecar_pb2.LENGTH: "length",
@@ -156,7 +156,7 @@ class VllmEncoder:
         self._aborted = False
         self._prompt_logprobs: JSON = None
         self._kv_transfer_params: JSON = None
-        self._chunk_head = b'data: {"request_id":' + _compact(options.request_id) + b',"usage":'
+        self._chunk_head = b'data: {"request_id":' + compact_json(options.request_id) + b',"usage":'
 
     @property
     def aborted(self) -> bool:
@@ -256,7 +256,7 @@ class VllmEncoder:
             "output_mode": "tokens",
             "choices": choices,
         }
-        return HttpReply(HTTPStatus.OK, _compact(body))
+        return HttpReply(HTTPStatus.OK, compact_json(body))
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -320,9 +320,9 @@ class VllmEncoder:
                 b',"output_mode":"tokens","choices":[{"index":',
                 str(choice.index).encode(),
                 b',"finish_reason":',
-                b"null" if finish is None else _compact(finish),
+                b"null" if finish is None else compact_json(finish),
                 b',"stop_reason":',
-                b"null" if stop_reason is None else _compact(stop_reason),
+                b"null" if stop_reason is None else compact_json(stop_reason),
                 b',"token_ids":[',
                 _ints(ids),
                 b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
@@ -351,9 +351,9 @@ def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[d
     for i, token in enumerate(ids):
         tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
         if i < len(output.log_probs):
-            value = _clamp(output.log_probs[i])
+            value = clamp_logprob(output.log_probs[i])
         elif tops and tops[0].token_id == token:
-            value = _clamp(tops[0].logprob)
+            value = clamp_logprob(tops[0].logprob)
         else:
             # vLLM's sentinel for a position the engine gave no logprob for.
             entries.append({"token_id": token, "logprob": LOGPROB_FLOOR, "rank": None, "top_logprobs": []})
@@ -365,7 +365,8 @@ def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[d
                 "logprob": value,
                 "rank": rank,
                 "top_logprobs": [
-                    {"token_id": t.token_id, "logprob": _clamp(t.logprob), "rank": _rank(t)} for t in tops
+                    {"token_id": t.token_id, "logprob": clamp_logprob(t.logprob), "rank": _rank(t)}
+                    for t in tops
                 ],
             }
         )
@@ -383,15 +384,15 @@ def _logprob_entries(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) ->
     for i, token in enumerate(ids):
         tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
         if i < len(output.log_probs):
-            value = _clamp(output.log_probs[i])
+            value = clamp_logprob(output.log_probs[i])
         elif tops and tops[0].token_id == token:
-            value = _clamp(tops[0].logprob)
+            value = clamp_logprob(tops[0].logprob)
         else:
             parts.append(f'{{"token_id":{token},"logprob":{LOGPROB_FLOOR!r},"rank":null,"top_logprobs":[]}}')
             continue
         rank = next((_rank(t) for t in tops if t.token_id == token), None)
         candidates = ",".join(
-            f'{{"token_id":{t.token_id},"logprob":{_clamp(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
+            f'{{"token_id":{t.token_id},"logprob":{clamp_logprob(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
             for t in tops
         )
         parts.append(
@@ -407,10 +408,6 @@ def _nullable_int(value: int | None) -> str:
 def _rank(entry: sidecar_pb2.TopLogprob) -> int | None:
     # vLLM reports rank 0 (a NaN logprob) as null; so is a rank the engine did not send.
     return entry.rank if entry.HasField("rank") and entry.rank else None
-
-
-def _clamp(value: float) -> float:
-    return LOGPROB_FLOOR if value != value or value < LOGPROB_FLOOR else value
 
 
 def _prompt_logprobs(value: struct_pb2.Value, prompt: Sequence[int]) -> JSON:
@@ -463,7 +460,7 @@ def _prompt_candidate(candidate: JSON) -> dict[str, JSON]:
     logprob, rank = fields.get("logprob"), fields.get("rank")
     number = float(logprob) if isinstance(logprob, int | float) and not isinstance(logprob, bool) else None
     return {
-        "logprob": LOGPROB_FLOOR if number is None else _clamp(number),
+        "logprob": LOGPROB_FLOOR if number is None else clamp_logprob(number),
         "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
         "decoded_token": None,
     }
@@ -496,9 +493,5 @@ def _list_or_none(ids: tuple[int, ...] | None) -> JSON:
     return None if ids is None else list(ids)
 
 
-def _compact(obj: object) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
 def _event(obj: object) -> bytes:
-    return b"data: " + _compact(obj) + b"\n\n"
+    return b"data: " + compact_json(obj) + b"\n\n"
