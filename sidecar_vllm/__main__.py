@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from sidecar_server.cli import run_engine
 from sidecar_server.config import EngineSpec, SidecarConfig
 from sidecar_server.engine import Engine
-from sidecar_vllm.engine import VllmEngine
 
 __all__ = ["SPEC", "main", "run"]
 
@@ -20,6 +19,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
     del namespace
+    # Imported here: --help and a usage error need neither grpc nor vLLM's protos.
+    from sidecar_vllm.engine import VllmEngine
+
     return VllmEngine(config)
 
 
