@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar_common.endpoint import parse_host_port
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
@@ -67,8 +68,9 @@ def load_formats(names: Sequence[str]) -> list[Format]:
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
+    """``--listen`` (already checked by its flag) -> (host without brackets, port)."""
+    address = parse_host_port(listen, port_zero_allowed=True)
+    return address.host, address.port
 
 
 async def _metrics_runner(metrics: Metrics, host: str, port: int) -> web.AppRunner:
