@@ -24,6 +24,9 @@ from typing import Final, Literal
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 
+# Owned apart (no grpc there, for the command lines); re-exported here with the other limits.
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
+
 __all__ = [
     "GRPC_MAX_MESSAGE_BYTES",
     "MAX_TOKENS_MINIMUM",
@@ -41,11 +44,6 @@ __all__ = [
 ]
 
 EngineKind = Literal["vllm", "sglang"]
-
-# The largest gRPC message our channels and servers send or receive (and the default of the
-# sidecars' --max-request-bytes): room for a prompt of millions of token ids and media URLs,
-# far below what would strain memory.
-GRPC_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ import structlog
 from anyio.abc import TaskStatus
 
 from sidecar_common.disaggregation import ROLES, Role, is_role
-from sidecar_common.registration_etcd import EtcdError, etcd_backoff, open_session
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
     RecordError,
@@ -182,6 +181,10 @@ async def _reconcile(view: EtcdView, sink: DiscoverySink, interval: float) -> No
 
 
 async def _run_etcd(config: DiscoveryConfig, sink: DiscoverySink, task_status: TaskStatus[None]) -> None:
+    # Imported here: the etcd client pulls in grpc, which the command line (this module's
+    # flags) and the other modes do not need.
+    from sidecar_common.registration_etcd import EtcdError, etcd_backoff, open_session
+
     view = EtcdView()
     prefix = config.etcd_prefix.encode()
     endpoints = config.etcd_endpoints

@@ -42,6 +42,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.tracing import SpanKind, Tracing, from_headers, outgoing_metadata
 from sidecar_frontend import disagg
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
+from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig
 from sidecar_frontend.formats.base import (
     SSE_CONTENT_TYPE,
     AbortCall,
@@ -56,12 +57,10 @@ from sidecar_frontend.formats.base import (
     requested_model,
 )
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
 
-DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 # A gRPC deadline a little past our own: only a backstop, our deadline speaks first.
 _GRPC_DEADLINE_SLACK: Final = 5.0
 
@@ -70,17 +69,6 @@ log = structlog.get_logger("sidecar_frontend.handler")
 
 def _new_id() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class HandlerConfig:
-    request_timeout: float | None = 3600.0  # None: no deadline
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    sglang_incremental_streaming_output: bool = False
-    migration_limit: int = DEFAULT_MIGRATION_LIMIT
-    # How long a retry or a migration waits for a worker to serve when none does (workers
-    # restarting or being replaced): the gap an SRE expects a fleet to bridge.
-    worker_wait: float = 5.0
 
 
 @dataclass(eq=False)

@@ -21,10 +21,10 @@ from typing import Final, cast
 from sidecar_common import flags
 from sidecar_common.disaggregation import ROLES, DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
-from sidecar_common.logs import LogFormat, default_log_format
+from sidecar_common.log_settings import LogFormat, default_log_format
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
-from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_common.pool_settings import PoolConfig, RetryPolicy
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
     RecordError,
@@ -34,8 +34,8 @@ from sidecar_common.registration_record import (
     parse_advertise,
     parse_etcd_endpoints,
 )
-from sidecar_common.tls import TlsFiles, TlsSettingsError, check_pem, tls_files
-from sidecar_common.version import package_version
+from sidecar_common.tls_settings import TlsFiles, TlsSettingsError, check_pem, tls_files
+from sidecar_common.version import add_version_flag
 from sidecar_server.config import EngineSpec, SidecarConfig
 
 __all__ = [
@@ -220,7 +220,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
             f"Every --flag-name may also be set as {ENV_PREFIX}FLAG_NAME; the flag wins."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_version_flag(parser)
     engine = parser.add_argument_group("engine connection")
     engine.add_argument(
         "--grpc-endpoint",

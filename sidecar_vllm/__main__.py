@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sidecar_server.cli import run_engine
 from sidecar_server.config import EngineSpec, SidecarConfig
-from sidecar_server.engine import Engine
+
+if TYPE_CHECKING:
+    from sidecar_server.engine import Engine
 
 __all__ = ["SPEC", "main", "run"]
 
@@ -18,10 +21,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
-    del namespace
-    # Imported here: --help and a usage error need neither grpc nor vLLM's protos.
+    # Imported once the flags are valid: --help and usage errors need no grpc.
     from sidecar_vllm.engine import VllmEngine
 
+    del namespace
     return VllmEngine(config)
 
 

@@ -277,3 +277,22 @@ async def test_without_a_publisher_server_info_says_none_and_hits_are_still_repo
     assert engine.server_info(http=True)["kv_events"] is None
     assert await generate(engine, "grpc", "a", [1, 2, 3]) == 0
     assert await generate(engine, "grpc", "b", [1, 2, 3]) == 2
+
+
+async def test_a_salted_prompts_pages_are_its_own_and_carry_the_salt(
+    make_engine: Factory, subscribe: Callable[..., Subscriber]
+) -> None:
+    engine = await make_engine()
+    sub = subscribe(engine)
+    await joined(engine, sub, wire="http")
+    prompt = list(range(850, 856))
+    assert await generate(engine, "http", "plain", prompt) == 0
+    await sub.recv_live()
+    assert await generate(engine, "http", "salted", prompt, cache_salt="s1") == 0
+    seq = await sub.recv_live()
+    assert await generate(engine, "http", "salted-again", prompt, cache_salt="s1") == 5
+    assert await generate(engine, "http", "other-salt", prompt, cache_salt="s2") == 0
+    (event,) = sub.batches[seq].events
+    assert isinstance(event, SglangStored)
+    assert event.cache_salt == "s1"
+    assert event.token_ids == prompt

@@ -75,7 +75,8 @@ def seq_bytes(seq: int) -> bytes:
 @dataclass(frozen=True)
 class KvEventsConfig:
     """``--kv-events-config`` as both engines take it (JSON). ``publisher`` "null" publishes
-    nothing; "zmq" is the only other publisher."""
+    nothing; "zmq" is the only other publisher. ``max_queue_size`` is accepted and unused: the
+    testkit sends each batch as it is made, with no queue in front of the socket."""
 
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
