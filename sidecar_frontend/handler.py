@@ -36,7 +36,6 @@ import grpc
 import structlog
 from aiohttp import web
 from anyio.abc import TaskGroup
-from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.tracing import SpanKind, Tracing, from_headers, outgoing_metadata
@@ -634,7 +633,7 @@ class _Exchange:
         engine aborted ends the sub-request as cancelled, with no decode step."""
         frontend = self.frontend
         style = disagg.style_of(prefill.model)
-        handoff: list[struct_pb2.Struct] = []
+        handoff: list[disagg.Handoff] = []
         ready = anyio.Event()
         prefill_failure: list[WorkerFailure] = []
         prefill_cancelled: list[sidecar_pb2.LLMEngineOutput] = []
@@ -644,14 +643,15 @@ class _Exchange:
         if known is not None:
             info = disagg.choose_bootstrap(known, frontend.rand)
             step = disagg.prefill_request(request, info)
-            handoff.append(disagg.bootstrap_params(info))
+            handoff.append(info)
             ready.set()
 
         async def take(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
-            if output.HasField("disaggregated_params") and not handoff:
-                handoff.append(output.disaggregated_params)
+            given = disagg.handoff_of(output)
+            if given is not None and not handoff:
+                handoff.append(given)
                 if style is disagg.Style.BOOTSTRAP:
-                    learned = disagg.bootstrap_address(output.disaggregated_params)
+                    learned = disagg.bootstrap_address(given)
                     if learned is not None:
                         frontend.bootstraps[prefill.address] = learned
                 ready.set()

@@ -25,6 +25,7 @@ from typing import Final
 from google.protobuf import struct_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
@@ -364,7 +365,7 @@ class ResponseState:
         out = request.output_options
         self._logprobs: int | None = out.logprobs if out.HasField("logprobs") else None
         self._want_prompt_logprobs = out.HasField("prompt_logprobs")
-        self._prompt_logprobs: list[JSON] | None = None
+        self._prompt_logprobs: list[sidecar_pb2.TopLogprobs] | None = None
         self._prompt_tokens = len(request.token_ids)
         self._cached_tokens = 0
 
@@ -396,7 +397,7 @@ class ResponseState:
         self, msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete
     ) -> None:
         if self._want_prompt_logprobs and self._prompt_logprobs is None and msg.HasField("input_logprobs"):
-            self._prompt_logprobs = _prompt_logprobs_json(msg.input_logprobs)
+            self._prompt_logprobs = _prompt_positions(msg.input_logprobs)
 
     def _chunk(self, chunk: vllm_engine_pb2.GenerateStreamChunk) -> list[sidecar_pb2.LLMEngineOutput]:
         # The hot path (one call per engine message): each field is read once.
@@ -460,7 +461,7 @@ class ResponseState:
         out.completion_usage.total_tokens = self._prompt_tokens + completion
         out.completion_usage.cached_tokens = self._cached_tokens
         if self._prompt_logprobs is not None:
-            out.engine_data.CopyFrom(_to_struct({"prompt_logprobs": self._prompt_logprobs}))
+            prompt_logprobs.attach(out, self._prompt_logprobs, prompt_logprobs.Shape.BY_TOKEN)
         return [out]
 
     @staticmethod
@@ -574,24 +575,28 @@ def _ranked(own_value: float, own: int, top: Iterable[tuple[int, float]]) -> _Ra
     )
 
 
-def _prompt_logprobs_json(lp: vllm_engine_pb2.InputLogProbs) -> list[JSON]:
+def _prompt_positions(lp: vllm_engine_pb2.InputLogProbs) -> list[sidecar_pb2.TopLogprobs]:
+    """Per prompt position: none where the engine has no logprob, else the prompt token (its
+    rank where known), then each other alternative once, in rank order."""
     if len(lp.token_logprobs) != len(lp.token_ids) or len(lp.top_logprobs) not in (0, len(lp.token_ids)):
         raise protocol_error(_ENGINE, "prompt logprobs are not aligned with the prompt tokens")
-    result: list[JSON] = []
+    result: list[sidecar_pb2.TopLogprobs] = []
     for i, token in enumerate(lp.token_ids):
         entry = lp.token_logprobs[i]
-        if not entry.HasField("value"):
-            result.append(None)
-            continue
-        own: dict[str, JSON] = {"logprob": _clamp(entry.value)}
-        position: dict[str, JSON] = {str(token): own}
-        if lp.top_logprobs:
-            ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
-            if ranked.own_rank is not None:
-                own["rank"] = ranked.own_rank
-            for alt, value, rank in ranked.alternatives:
-                position.setdefault(str(alt), {"logprob": _clamp(value), "rank": rank})
+        position = sidecar_pb2.TopLogprobs()
         result.append(position)
+        if not entry.HasField("value"):
+            continue
+        if not lp.top_logprobs:
+            position.entries.append(prompt_logprobs.candidate(token, _clamp(entry.value)))
+            continue
+        ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
+        position.entries.append(prompt_logprobs.candidate(token, _clamp(entry.value), ranked.own_rank))
+        seen = {token}
+        for alt, value, rank in ranked.alternatives:
+            if alt not in seen:
+                seen.add(alt)
+                position.entries.append(prompt_logprobs.candidate(alt, _clamp(value), rank))
     return result
 
 
