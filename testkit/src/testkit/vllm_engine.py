@@ -71,7 +71,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from sidecar_common.endpoint import format_host_port
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, prompt_logprobs
