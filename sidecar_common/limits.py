@@ -9,7 +9,8 @@ the field name of the refusal are the same for both. The ranges are the engines'
 sampling-parameter checks (see docs/limits.md).
 
 Integers that arrive as JSON (engine discovery, the prefill handoff) follow one rule too,
-:func:`exact_integer`.
+:func:`exact_integer`. The size bound of a gRPC message has a module of its own,
+:mod:`sidecar_common.message_size` (standard library only, for the command lines).
 """
 
 from __future__ import annotations

@@ -21,12 +21,16 @@ import grpc
 import structlog
 import tenacity
 
-from sidecar_common.endpoint import Endpoint
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
+
+# The settings are plain data apart from this module (no grpc there, for the command lines);
+# re-exported here, where the pool that reads them is.
+from sidecar_common.pool_settings import PoolConfig, RetryPolicy
+from sidecar_common.retry import Backoff
 
 __all__ = [
     "CHANNEL_OPTIONS",
-    "MAX_MESSAGE_BYTES",
     "ChannelPool",
     "Clock",
     "Connector",
@@ -81,31 +85,12 @@ class Deadline:
         return self.clock.monotonic() - self.started_at
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempt_timeout: float = 30.0  # --grpc-connect-attempt-timeout-secs
-    max_interval: float = 1.0  # --grpc-retry-interval-secs (the backoff cap)
-    initial_interval: float = 0.05
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    endpoint: Endpoint
-    connections: int = 8  # --grpc-connections
-    startup_deadline: float = 1800.0  # --grpc-startup-deadline-secs
-    retry: RetryPolicy = RetryPolicy()
-    # What the pool dials, as its errors name it (the frontend's pools dial workers).
-    peer: str = "engine"
-
-
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-
 CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (
     # Without a private subchannel pool, every channel to one target shares one TCP
     # connection and the pool would multiplex N "channels" over a single HTTP/2 session.
     ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
     # gRPC servers by default strike pings that arrive less than 5 minutes apart while they
     # send no data (and GOAWAY after two strikes, killing in-flight calls), so probe no more
     # often than that, and only while calls are open.
@@ -173,12 +158,10 @@ async def connect_channel(
 
 
 def backoff_interval(policy: RetryPolicy, failures: int, rand: Callable[[], float]) -> float:
-    """The pause after the ``failures``-th failed attempt, before the deadline clamp:
-    exponential from ``initial_interval``, capped at ``max_interval``, with "equal jitter"
-    (uniform in the upper half) so N slots failing together do not retry in lockstep."""
-    exponent = min(max(failures - 1, 0), 62)  # 2**62 * anything already exceeds any cap
-    ceiling = min(policy.max_interval, policy.initial_interval * (2.0**exponent))
-    return ceiling * (0.5 + 0.5 * rand())
+    """The pause after the ``failures``-th failed attempt, before the deadline clamp: the
+    project's one :class:`~sidecar_common.retry.Backoff` from ``initial_interval`` up to
+    ``max_interval``, so N slots failing together do not retry in lockstep."""
+    return Backoff(policy.initial_interval, policy.max_interval).pause(failures, rand)
 
 
 # A sliver of deadline left after a clamped pause is not worth an attempt whose only

@@ -26,9 +26,11 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar_common.endpoint import parse_host_port
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
+from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, run_event_loop
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FORMATS, FrontendConfig
@@ -39,18 +41,11 @@ from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
-    "EXIT_OK",
-    "EXIT_STARTUP_FAILED",
-    "EXIT_USAGE",
     "WorkerMetrics",
     "load_formats",
     "run",
     "split_listen",
 ]
-
-EXIT_OK: Final = 0
-EXIT_STARTUP_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 # After the drain, how long the cancelled requests get to write their last bytes.
 _STOP_GRACE: Final = 5.0
@@ -67,8 +62,9 @@ def load_formats(names: Sequence[str]) -> list[Format]:
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
+    """``--listen`` (already checked by its flag) -> (host without brackets, port)."""
+    address = parse_host_port(listen, port_zero_allowed=True)
+    return address.host, address.port
 
 
 async def _metrics_runner(metrics: Metrics, host: str, port: int) -> web.AppRunner:
@@ -256,15 +252,5 @@ async def _until_stopped(
 
 
 def run(config: FrontendConfig) -> int:
-    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
-    options: dict[str, object] = {}
-    try:
-        import uvloop
-
-        options["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    try:
-        return anyio.run(serve, config, backend="asyncio", backend_options=options)
-    except KeyboardInterrupt:
-        return EXIT_OK
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`serve`."""
+    return run_event_loop(serve, config)

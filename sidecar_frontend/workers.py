@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 import grpc
@@ -40,16 +40,17 @@ from anyio.abc import TaskGroup
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.disaggregation import ROLES, Role, is_role
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import SidecarError
-from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule, RetryPolicy
+from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule
 from sidecar_common.rpc import StubCache, bounded_call
 from sidecar_common.tls import (
     ClientCredentials,
-    ClientTlsFiles,
     TlsHandshakeError,
     tls_connector,
 )
+from sidecar_frontend.config import WorkerSetConfig
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -65,41 +66,8 @@ __all__ = [
 
 HEALTH_SERVICE: Final = "sidecar.v1.Worker"
 
-Role = Literal["agg", "prefill", "decode"]
-ROLES: Final = ("agg", "prefill", "decode")
 
 log = structlog.get_logger("sidecar_frontend.workers")
-
-
-@dataclass(frozen=True)
-class WorkerSetConfig:
-    connections: int = 2  # gRPC channels (TCP connections) per sidecar
-    rpc_timeout: float = 5.0  # GetModelInfo, GetLoad, Abort
-    load_poll_interval: float = 1.0
-    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(attempt_timeout=5.0, max_interval=1.0))
-    # Pause before watching health again after the Watch stream broke.
-    rewatch_interval: float = 0.2
-    # A worker that does not answer is reported at once, then at an interval doubling from
-    # this up to the cap: never silence for minutes, never a line a second. (Dialling is
-    # reported by the connection pool at its own such pace: `waiting for worker`.)
-    report_first_secs: float = 2.0
-    report_max_secs: float = 30.0
-    # The models this frontend serves (served_model_name); empty: whatever the workers serve.
-    models: frozenset[str] = frozenset()
-    # Dial the workers over TLS with these files (None: plaintext).
-    tls: ClientTlsFiles | None = None
-    # How often the TLS files are looked at (a stat each) for a rotation.
-    tls_check_interval: float = 5.0
-    # After a rotation, how long calls in flight on the old connections may go on there.
-    retire_grace: float = 3600.0
-    # A worker whose TLS handshake fails is tried again after this, doubling up to the cap.
-    tls_refused_retry: tuple[float, float] = (1.0, 30.0)
-    # One connection round: the pool reports as it dials (at once, then at a doubling
-    # interval up to 30 s), so a long round keeps a dead worker to about two lines a minute;
-    # an unreachable worker is dialled round after round until drained.
-    connect_round_secs: float = 300.0
-    # How long a redial with rotated TLS files may take before the old connections are kept.
-    redial_secs: float = 30.0
 
 
 class WorkerState(enum.Enum):
@@ -117,8 +85,6 @@ class Refusal(enum.Enum):
     ROLE = "role"  # its sidecar's disaggregation mode contradicts the role it was given
 
 
-# The sidecar's --disaggregation-mode for each role the frontend gives a worker.
-_MODE_OF_ROLE: Final[Mapping[str, str]] = {"agg": "agg", "prefill": "prefill", "decode": "decode"}
 _HOW_TO_LIST: Final[Mapping[str, str]] = {
     "agg": "--worker {address}",
     "prefill": "--prefill-worker {address} (or --worker prefill={address})",
@@ -131,16 +97,16 @@ def role_mismatch(address: str, role: str, mode: str) -> str | None:
     ``ModelInfo.disaggregation_mode``), or None when they agree. An empty mode is a sidecar
     that does not say: aggregated, as the field's default means."""
     actual = mode or "agg"
-    if _MODE_OF_ROLE.get(role) == actual:
+    # A worker given a role needs its sidecar started with --disaggregation-mode <that role>.
+    if role == actual:
         return None
     given = "an aggregated worker" if role == "agg" else f"a {role} worker"
     runs = "runs aggregated" if actual == "agg" else f"runs --disaggregation-mode {actual}"
     fix = _HOW_TO_LIST.get(actual)
     hint = (
-        f"list it as {fix.format(address=address)}, or start its sidecar with "
-        f"--disaggregation-mode {_MODE_OF_ROLE.get(role, role)}"
+        f"list it as {fix.format(address=address)}, or start its sidecar with --disaggregation-mode {role}"
         if fix is not None
-        else f"start its sidecar with --disaggregation-mode {_MODE_OF_ROLE.get(role, role)}"
+        else f"start its sidecar with --disaggregation-mode {role}"
     )
     return f"worker {address} was given as {given} but its sidecar {runs}: {hint}"
 
@@ -308,14 +274,14 @@ class WorkerSet:
     def add_worker(self, address: str, role: str = "agg") -> None:
         """Start using the sidecar at ``address`` (host:port). Idempotent; a worker being
         drained stays drained (it is forgotten once idle, and may be added again then)."""
-        if role not in ROLES:
+        if not is_role(role):
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if address in self._workers:
             return
         if self._group is None:
             raise RuntimeError("WorkerSet is not running (use `async with`)")
         pool = self._new_pool(address)
-        worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))  # type: ignore[arg-type]
+        worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))
         worker.idle.set()
         self._workers[address] = worker
         self._group.start_soon(self._run, worker)

@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Literal
 
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.pool import PoolConfig
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.pool_settings import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
-from sidecar_common.tls import TlsFiles
-from sidecar_server.engine import Engine
+from sidecar_common.tls_settings import TlsFiles
 from sidecar_server.kv_config import KvEventsConfig
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
+if TYPE_CHECKING:
+    # Only named in annotations: the command line reads this module without grpc.
+    from sidecar_server.engine import Engine
 
-# The largest request message the public port accepts (--max-request-bytes): room for a
-# prompt of millions of token ids and media URLs, far below what would strain memory.
-DEFAULT_MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
+__all__ = ["EngineSpec", "SidecarConfig"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class SidecarConfig:
     registration: RegistrationConfig | None = None  # --etcd-endpoints & co; None: off
     tls: TlsFiles | None = None  # --tls-cert, --tls-key, --tls-client-ca; None: plaintext
     reflection: bool = True  # --no-reflection switches it off
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # The largest request message the public port accepts (--max-request-bytes).
+    max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
     kv_events: KvEventsConfig | None = None  # --kv-events-endpoint & co; None: off
 
 

@@ -37,11 +37,13 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.endpoint import format_host_port, parse_host_port
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
-from sidecar_common.ports import bind_problem, shown_address
+from sidecar_common.ports import bind_problem
+from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, EXIT_USAGE, run_event_loop
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
@@ -53,11 +55,8 @@ from sidecar_server.metrics import Metrics
 from sidecar_server.registration import Registration, registered
 from sidecar_server.server import ServerConfig, SidecarServer
 
-__all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
+__all__ = ["run", "run_daemon"]
 
-EXIT_OK: Final = 0
-EXIT_STARTUP_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 # Bound on the close steps that have no deadline of their own: a wedged close must not keep
 # the process (and a systemd stop job or a Kubernetes pod) hanging forever.
@@ -141,8 +140,7 @@ def _cleanup_allowance(server_config: ServerConfig) -> float:
 
 def _listen_host(listen: str) -> str:
     """``host:port`` / ``[v6]:port`` -> the host, as a socket binds it."""
-    host = listen.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
+    return parse_host_port(listen, port_zero_allowed=True).host
 
 
 def _start_metrics_http(
@@ -150,7 +148,7 @@ def _start_metrics_http(
 ) -> Callable[[], Awaitable[None]]:
     from prometheus_client import start_http_server
 
-    shown = shown_address(host, port)
+    shown = format_host_port(host, port)
     problem = bind_problem(host, port, serving="serve metrics on")
     if problem is not None:
         raise _StartupFailed(f"{problem} ({metrics_address_flags(sources)})")
@@ -372,7 +370,8 @@ def _engine_status(
 async def _start(
     spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack, sources: FlagSources
 ) -> SidecarServer:
-    problem = bind_problem(_listen_host(config.listen), int(config.listen.rpartition(":")[2]))
+    listen = parse_host_port(config.listen, port_zero_allowed=True)
+    problem = bind_problem(listen.host, listen.port)
     if problem is not None:
         # Asked first: grpc would report only "Failed to bind" (and print its own C++ line).
         raise _StartupFailed(f"{problem} ({sources.naming('listen')})")
@@ -408,17 +407,6 @@ async def _start(
 
 
 def run(spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace) -> int:
-    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
-    options: dict[str, Any] = {}
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`run_daemon`."""
     gc.set_threshold(*_GC_THRESHOLDS)
-    try:
-        import uvloop
-
-        options["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    try:
-        return anyio.run(run_daemon, spec, config, namespace, backend="asyncio", backend_options=options)
-    except KeyboardInterrupt:
-        # SIGINT before the signal receiver was installed: still a requested stop.
-        return EXIT_OK
+    return run_event_loop(run_daemon, spec, config, namespace)

@@ -42,6 +42,15 @@ Testkit choices where vLLM has no equivalent:
 * ``n`` above ``max_num_seqs`` is refused (INVALID_ARGUMENT) instead of fanned out.
 * Only tokenized input; sampling temperature/top-p/penalties, logit_bias and guided decoding
   are accepted and ignored (the generator is deterministic).
+
+The prefix cache (``prefix_cache``, one per data-parallel rank, ``--block-size`` tokens a
+block, ``--num-gpu-blocks-override`` blocks): a request reuses the cached full blocks its
+prompt starts with and reports them as ``cached_tokens`` (vLLM's ``num_cached_tokens``) on
+every chunk and complete; its first token waits ``prefill_us_per_token`` for each prompt
+token not cached; its prompt's blocks are cached after that prefill and its output's when it
+finishes. With ``--kv-events-config`` every change is published on vLLM's KV-event wire
+(``kv_events``, ``kv_publisher``); a restarted engine has a cold cache and restarts its
+sequence numbers without a word (vLLM publishes ``AllBlocksCleared`` only on a cache reset).
 """
 
 from __future__ import annotations
@@ -61,9 +70,15 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from sidecar_common.endpoint import format_host_port
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
-from testkit.faults import FaultBook, FaultKind, FaultPlan
-from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
+from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
+from testkit.generator import GeneratedToken, Generator, prompt_logprobs
+from testkit.kv_publisher import EngineKvCache
+
+# Plain data apart (no grpc there, for the command line); re-exported here.
+from testkit.vllm_config import VllmEngineConfig
 from testkit.vllm_wire import (
     HANDOFF_FIELDS,
     Choice,
@@ -102,49 +117,6 @@ MAX_QUEUED_TOKENS_MESSAGE = (
     "The engine has reached its prefill token backlog limit. "
     "Please try again later or on a different instance."
 )
-_KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass(frozen=True)
-class VllmEngineConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    served_model_name: str = "testkit-model"
-    model_path: str = "testkit/tiny-model"
-    context_length: int = 4096
-    vocab_size: int = 32000
-    eos_token_ids: tuple[int, ...] = (2,)
-    kv_role: str = ""
-    kv_engine_id: str = "testkit-engine-0"
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 5600
-    data_parallel_size: int = 1
-    block_size: int = 16
-    max_num_seqs: int = 256
-    total_kv_tokens: int = 65536
-    token_latency_ms: float = 0.0
-    chunk_tokens: int = 1
-    startup_delay_secs: float = 0.0
-    supports_vision: bool = False
-    # vLLM's --max-logprobs (its default): more logprobs per position are refused.
-    max_logprobs: int = 20
-    # vLLM's --max-num-queued-reqs and --max-num-queued-tokens (admission control; None: no
-    # limit, vLLM's default). See ``VllmTestEngine.admission_refusal``.
-    max_num_queued_reqs: int | None = None
-    max_num_queued_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kv_role not in _KV_ROLES:
-            raise ValueError(f"kv_role must be one of {_KV_ROLES}")
-        if self.chunk_tokens < 1 or self.max_num_seqs < 1 or self.data_parallel_size < 1:
-            raise ValueError("chunk_tokens, max_num_seqs and data_parallel_size must be >= 1")
-        for limit in (self.max_num_queued_reqs, self.max_num_queued_tokens):
-            if limit is not None and limit < 0:
-                raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
-
-    @property
-    def model(self) -> ModelSpec:
-        return ModelSpec(self.vocab_size, self.eos_token_ids, self.context_length)
 
 
 class _RequestError(Exception):
@@ -180,7 +152,13 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self._health: Any = None
         self._started_at = time.monotonic()
         self._last_receive = 0.0
-        self._seen_blocks: set[int] = set()
+        self.kv_cache = EngineKvCache(
+            "vllm",
+            block_size=self.config.block_size,
+            capacity_blocks=self.config.num_gpu_blocks,
+            data_parallel_size=self.config.data_parallel_size,
+            events=self.config.kv_events,
+        )
         self._next_block = 1
         # The admission limits in force: the config's, changeable on a live engine (a test
         # makes one worker of a fleet busy without filling it).
@@ -197,6 +175,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 self.port = int(s.getsockname()[1])
         self._stopping.clear()
         self._core_dead = asyncio.Event()  # a (re)started server has a live engine core
+        await self.kv_cache.start()  # a (re)started engine has a cold cache
         if self.config.startup_delay_secs > 0 and not self._ready.is_set():
             self._bind_task = asyncio.create_task(self._bind_later(self.config.startup_delay_secs))
         else:
@@ -210,8 +189,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
     async def _bind(self) -> None:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 # grpcio turns SO_REUSEPORT on by default: a second engine would share a
                 # taken port and split its traffic. Off, the bind fails and start-up says so.
                 ("grpc.so_reuseport", 0),
@@ -220,8 +199,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         pb_grpc.add_VllmEngineServicer_to_server(self, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if server.add_insecure_port(f"{self.config.host}:{self.port}") != self.port:
-            raise OSError(f"testkit vllm engine: cannot bind {self.config.host}:{self.port}")
+        if server.add_insecure_port(format_host_port(self.config.host, self.port)) != self.port:
+            raise OSError(f"testkit vllm engine: cannot bind {format_host_port(self.config.host, self.port)}")
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -242,6 +221,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace)
+        await self.kv_cache.stop()
         self._ready.clear()
 
     async def die(self) -> None:
@@ -400,20 +380,6 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                     raise _RequestError(bad, f"kv_transfer_params lacks {', '.join(missing)}")
         return prompt, kv
 
-    def _cached(self, prompt: tuple[int, ...]) -> int:
-        # Prefix caching by whole blocks; the last prompt token is always computed.
-        bs = self.config.block_size
-        cached = 0
-        for end in range(bs, len(prompt), bs):
-            key = hash(prompt[:end])
-            if key in self._seen_blocks:
-                cached = end
-            else:
-                if len(self._seen_blocks) > 100_000:
-                    self._seen_blocks.clear()
-                self._seen_blocks.add(key)
-        return cached
-
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id
         self._last_receive = time.time()
@@ -440,6 +406,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             self.book.refused(rid, Outcome.FAULTED, plan.kind.value)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "testkit fault: fail_open")
             return
+        if plan is not None and plan.kind in KV_EVENT_FAULTS:
+            await self._kv_fault(plan, self._rank(request))
+            plan = None
         if kv is not None and kv.get("do_remote_prefill"):
             self.handoffs.append((rid, kv))
         live = self._live[rid] = _Live(seqs=request.sampling_params.n or 1, prefill_tokens=len(prompt))
@@ -456,8 +425,20 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             outcome, detail = Outcome.FAULTED, str(e)
             await context.abort(e.code, str(e))
         finally:
+            self.kv_cache.end(rid)
             self._live.pop(rid, None)
             self.book.release(rid, outcome, detail)
+
+    @staticmethod
+    def _rank(request: pb.GenerateRequest) -> int:
+        """The data-parallel rank (its cache and publisher) a request runs on."""
+        return request.data_parallel_rank if request.HasField("data_parallel_rank") else 0
+
+    async def _kv_fault(self, plan: FaultPlan, rank: int) -> None:
+        if plan.kind is FaultKind.DROP_KV_BATCH:
+            self.kv_cache.drop_next_batch(rank)
+        elif plan.kind is FaultKind.RESTART_KV_PUBLISHER:
+            await self.kv_cache.restart()
 
     # -- the stream -----------------------------------------------------------------------
     async def _pause(self, live: _Live, secs: float) -> None:
@@ -502,7 +483,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 for msg in from_abort(ch, len(prompt), 0):
                     yield msg
             return
-        cached = self._cached(prompt)
+        cached = self.kv_cache.begin(rid, prompt, rank=self._rank(request))
+        if c.prefill_us_per_token > 0:
+            await self._pause(live, (len(prompt) - cached) * c.prefill_us_per_token / 1e6)
+        if not live.aborted.is_set():
+            self.kv_cache.store(rid, prompt)
         plp = None
         if sampling.prompt_logprobs is not None:
             plp = prompt_logprobs(prompt, max(0, sampling.prompt_logprobs), c.model)
@@ -554,6 +539,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                             )
                         )
             self.book.set_tokens(rid, produced)
+            if all(ch.gen.done for ch in choices):
+                # The output's KV is cached too (all but the last token's, never computed).
+                self.kv_cache.store(rid, prompt + tuple(choices[0].all_ids[:-1]))
             for msg in step:
                 yield msg
 
