@@ -44,6 +44,7 @@ class Publisher:
     _context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
     _pub: Any = None
     _router: Any = None
+    _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     def bind(self) -> None:
         self._pub = self._context.socket(zmq.PUB)
@@ -61,12 +62,22 @@ class Publisher:
         self._pub.close(linger=0)
         self._router.close(linger=0)
 
-    def restart(self) -> None:
+    async def restart(self) -> None:
         """A new engine process on the same ports: sequence numbers and buffer start over."""
-        self.close()
+        async with self._lock:
+            self.close()
         self.sequence = 0
         self.buffer = []
-        self.bind()
+        # ZeroMQ releases a closed socket's port in its I/O thread, a moment later.
+        with anyio.fail_after(WAIT):
+            while True:
+                async with self._lock:
+                    try:
+                        self.bind()
+                        return
+                    except zmq.ZMQError:
+                        self.close()
+                await anyio.sleep(0.05)
 
     async def publish(self, payload: bytes, *, drop: bool = False) -> None:
         """Publish one batch (``drop``: buffered for replay but never sent, a lost message)."""
@@ -78,14 +89,19 @@ class Publisher:
 
     async def serve_replays(self) -> None:
         while True:
-            client, _, start = await self._router.recv_multipart()
-            first = int.from_bytes(start, "big")
-            for sequence, payload in self.buffer:
-                if sequence >= first:
-                    await self._router.send_multipart(
-                        [client, b"", b"", sequence.to_bytes(8, "big"), payload]
-                    )
-            await self._router.send_multipart([client, b"", b"", END, b""])
+            # Polled in short turns under the lock, so that a restart never closes the socket
+            # while a receive is pending on it.
+            async with self._lock:
+                if not self._router.closed and await self._router.poll(50):
+                    client, _, start = await self._router.recv_multipart()
+                    first = int.from_bytes(start, "big")
+                    for sequence, payload in self.buffer:
+                        if sequence >= first:
+                            await self._router.send_multipart(
+                                [client, b"", b"", sequence.to_bytes(8, "big"), payload]
+                            )
+                    await self._router.send_multipart([client, b"", b"", END, b""])
+            await anyio.sleep(0.001)
 
 
 @dataclass
@@ -154,11 +170,15 @@ async def test_a_dropped_batch_is_replayed() -> None:
 
 
 async def test_a_publisher_that_restarts_is_heard_again_and_its_old_blocks_are_gone() -> None:
-    sim = SimCache(block_size=4)
+    sim = SimCache(block_size=4, capacity=400)
     async with subscribed() as running:
         await running.publish_until_heard(sim, [1, 2, 3, 4])
+        # Many batches before the restart: the new publisher's numbers (from 0 again) are
+        # then below the next one expected however many the reconnecting SUB misses.
+        for index in range(200):
+            await running.publisher.publish(sim.batch(sim.request([5, 5, 5, index])))
         await running.wait_for(lambda: running.held() == sim.truth())
-        running.publisher.restart()
+        await running.publisher.restart()
         restarted = SimCache(block_size=4)
         # A vLLM restart: no AllBlocksCleared, just sequence numbers from 0 again.
         with anyio.fail_after(WAIT):
@@ -168,6 +188,20 @@ async def test_a_publisher_that_restarts_is_heard_again_and_its_old_blocks_are_g
                 )
                 await anyio.sleep(0.05)
         assert running.subscriber.feeds[0].counters.resyncs.get(ResyncReason.SEQUENCE_RESET) == 1
+
+
+async def test_an_engine_restart_seen_by_the_health_watch_relearns_from_the_new_replay_buffer() -> None:
+    sim = SimCache(block_size=4)
+    async with subscribed() as running:
+        await running.publish_until_heard(sim, [1, 2, 3, 4])
+        await running.wait_for(lambda: running.held() == sim.truth())
+        await running.publisher.restart()
+        restarted = SimCache(block_size=4)
+        # Published while the sidecar's SUB may not hear it yet; the replay buffer keeps it.
+        await running.publisher.publish(restarted.batch(restarted.request([9, 9, 9, 9])))
+        running.hub.engine_health(False)  # what the daemon's health watch says meanwhile
+        await running.wait_for(lambda: running.held() == restarted.truth())
+        assert running.subscriber.feeds[0].counters.resyncs.get(ResyncReason.ENGINE_UNHEALTHY) == 1
 
 
 async def test_without_a_replay_socket_a_gap_resyncs_and_never_keeps_a_removed_block() -> None:
