@@ -36,12 +36,12 @@ import grpc
 import structlog
 from aiohttp import web
 from anyio.abc import TaskGroup
-from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.tracing import SpanKind, Tracing, from_headers, outgoing_metadata
 from sidecar_frontend import disagg
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
+from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig
 from sidecar_frontend.formats.base import (
     SSE_CONTENT_TYPE,
     AbortCall,
@@ -56,13 +56,11 @@ from sidecar_frontend.formats.base import (
     requested_model,
 )
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.routing.placement import Placement, Placer
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
 
-DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 # A gRPC deadline a little past our own: only a backstop, our deadline speaks first.
 _GRPC_DEADLINE_SLACK: Final = 5.0
 
@@ -71,17 +69,6 @@ log = structlog.get_logger("sidecar_frontend.handler")
 
 def _new_id() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class HandlerConfig:
-    request_timeout: float | None = 3600.0  # None: no deadline
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    sglang_incremental_streaming_output: bool = False
-    migration_limit: int = DEFAULT_MIGRATION_LIMIT
-    # How long a retry or a migration waits for a worker to serve when none does (workers
-    # restarting or being replaced): the gap an SRE expects a fleet to bridge.
-    worker_wait: float = 5.0
 
 
 @dataclass(eq=False)
@@ -657,7 +644,7 @@ class _Exchange:
         frontend = self.frontend
         prefill = prefill_placement.worker
         style = disagg.style_of(prefill.model)
-        handoff: list[struct_pb2.Struct] = []
+        handoff: list[disagg.Handoff] = []
         ready = anyio.Event()
         prefill_failure: list[WorkerFailure] = []
         prefill_cancelled: list[sidecar_pb2.LLMEngineOutput] = []
@@ -667,14 +654,15 @@ class _Exchange:
         if known is not None:
             info = disagg.choose_bootstrap(known, frontend.rand)
             step = disagg.prefill_request(request, info)
-            handoff.append(disagg.bootstrap_params(info))
+            handoff.append(info)
             ready.set()
 
         async def take(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
-            if output.HasField("disaggregated_params") and not handoff:
-                handoff.append(output.disaggregated_params)
+            given = disagg.handoff_of(output)
+            if given is not None and not handoff:
+                handoff.append(given)
                 if style is disagg.Style.BOOTSTRAP:
-                    learned = disagg.bootstrap_address(output.disaggregated_params)
+                    learned = disagg.bootstrap_address(given)
                     if learned is not None:
                         frontend.bootstraps[prefill.address] = learned
                 ready.set()

@@ -238,3 +238,40 @@ def test_sglangs_server_info_descriptor(
         assert got is None
     else:
         assert got == {"publisher": "zmq", "topic": "", "block_size": 16, "dp_size": 2, **expected}
+
+
+def test_the_engines_command_lines_take_the_flags() -> None:
+    from testkit.__main__ import add_vllm_arguments, vllm_config_from_args
+    from testkit.sglang_cli import add_arguments, config_from_args
+
+    from sidecar_common.flags import FlagParser
+
+    vllm = FlagParser(prog="t")
+    add_vllm_arguments(vllm)
+    v = vllm_config_from_args(
+        vllm.parse_args(
+            [
+                "--block-size=32",
+                "--num-gpu-blocks-override=100",
+                "--prefill-us-per-token=2.5",
+                '--kv-events-config={"enable_kv_cache_events": true, "topic": "kv"}',
+            ]
+        )
+    )
+    assert (v.block_size, v.num_gpu_blocks, v.prefill_us_per_token) == (32, 100, 2.5)
+    assert v.kv_events == KvEventsConfig(publisher="zmq", topic="kv")
+    sglang = FlagParser(prog="t")
+    add_arguments(sglang)
+    g = config_from_args(
+        sglang.parse_args(
+            [
+                "--page-size=4",
+                "--max-total-tokens=64",
+                '--kv-events-config={"publisher": "zmq", "bind": true}',
+            ]
+        )
+    )
+    assert (g.page_size, g.kv_capacity_tokens, g.prefill_us_per_token) == (4, 64, 0.0)
+    assert g.kv_events == KvEventsConfig(publisher="zmq", bind=True)
+    with pytest.raises(SystemExit):
+        sglang.parse_args(['--kv-events-config={"publisher": "kafka"}'])

@@ -458,14 +458,21 @@ class SglangTestEngine:
 
     @staticmethod
     def _extra(req: NativeRequest) -> BlockExtra:
-        """An adapter's blocks are its own (SGLang keys its radix tree by the adapter too)."""
-        return NO_EXTRA if req.lora_path is None else BlockExtra(lora_name=req.lora_path)
+        """An adapter's pages and a salted prompt's are their own (SGLang keys its radix tree
+        by both)."""
+        if req.lora_path is None and req.cache_salt is None:
+            return NO_EXTRA
+        return BlockExtra(lora_name=req.lora_path, cache_salt=req.cache_salt)
 
     async def _kv_fault(self, plan: FaultPlan, rank: int) -> None:
         if plan.kind is FaultKind.DROP_KV_BATCH:
             self.kv_cache.drop_next_batch(rank)
         elif plan.kind is FaultKind.RESTART_KV_PUBLISHER:
             await self.kv_cache.restart()
+
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: refused while requests run; else ``AllBlocksCleared``."""
+        return self.kv_cache.flush()
 
     # -- what the info endpoints report -------------------------------------------------
     def server_info(self, *, http: bool) -> dict[str, Any]:

@@ -205,6 +205,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         priority=_int(body, "priority"),
         routed_dp_rank=_int(body, "routed_dp_rank"),
         lora_path=_str(body, "lora_path"),
+        cache_salt=_str(body, "cache_salt") or None,
         # SGLang's normalisation: an empty list is none; the rest is checked with the request.
         token_ids_logprob=body.get("token_ids_logprob") or None,
         temperature=_float(sp, "temperature"),
@@ -251,6 +252,7 @@ class SglangHttpServer:
             r.add_get(path, self._model_info)
         r.add_get("/v1/models", self._models)
         r.add_get("/v1/loads", self._loads)
+        r.add_route("*", "/flush_cache", self._flush_cache)
         # Not SGLang's: the testkit's own control surface for out-of-process tests.
         r.add_get("/testkit/state", self._state)
         r.add_post("/testkit/faults", self._add_fault)
@@ -432,6 +434,18 @@ class SglangHttpServer:
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self._engine.server_info(http=True))
+
+    async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
+        # SGLang's texts (GET or POST; 400 while requests run or wait).
+        if request.method not in ("GET", "POST"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        if self._engine.flush_cache():
+            text = (
+                "Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+            return web.Response(text=text)
+        return web.Response(status=400, text="Flush cache failed.\n")
 
     async def _model_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self._engine.model_info(http=True))
