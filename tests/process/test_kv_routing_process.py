@@ -147,7 +147,7 @@ def test_a_shared_prefix_lands_where_it_is_cached_and_the_response_says_so(
     second = fe.generate([*PREFIX, 4, 5, 6])
     assert second["meta_info"]["cached_tokens"] == len(PREFIX)
     decisions = fe.samples("frontend_routing_decisions_total")
-    assert decisions.get('{role="agg",reason="affinity"}', 0) >= 1, decisions
+    assert decisions.get('{reason="affinity",role="agg"}', 0) >= 1, decisions
     predicted = sum(fe.samples("frontend_kv_predicted_cached_tokens_total").values())
     reported = sum(fe.samples("frontend_kv_reported_cached_tokens_total").values())
     assert predicted >= len(PREFIX)
