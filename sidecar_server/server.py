@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool import ReportSchedule
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata

@@ -30,11 +30,11 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
 from sidecar_common.limits import check_media, check_sampling_limits
+from sidecar_common.logprob_floor import clamp_logprob
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
 
 __all__ = [
     "KNOWN_EXTRA_ARGS",
-    "LOGPROB_FLOOR",
     "MAX_CHOICES",
     "ResponseState",
     "to_generate_request",
@@ -44,8 +44,6 @@ __all__ = [
 KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
 # Choices per request; far beyond what any sampling use needs (OpenAI's API allows 128).
 MAX_CHOICES: Final = 1024
-# Non-finite and absurdly small logprobs are clamped: JSON clients cannot carry NaN/inf.
-LOGPROB_FLOOR: Final = -9999.0
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
@@ -513,7 +511,7 @@ class ResponseState:
             raise protocol_error(_ENGINE, "top logprobs are not aligned with the token ids")
         for i in range(offset, len(ids)):
             sampled, raw = ids[i], lp.token_logprobs[i]
-            value = _clamp(raw)
+            value = clamp_logprob(raw)
             out.log_probs.append(value)
             entries = out.top_logprobs.add().entries
             sampled_entry = entries.add(token_id=sampled, logprob=value)
@@ -522,19 +520,13 @@ class ResponseState:
                 if ranked.own_rank is not None:
                     sampled_entry.rank = ranked.own_rank
                 for token, alt, rank in ranked.alternatives:
-                    entries.add(token_id=token, logprob=_clamp(alt), rank=rank)
+                    entries.add(token_id=token, logprob=clamp_logprob(alt), rank=rank)
 
 
 def _check_count(what: str, count: int, ids: Sequence[int]) -> None:
     # The servicer's counts are per message; a mismatch means a different (or broken) wire.
     if count != len(ids):
         raise protocol_error(_ENGINE, f"{what} says completion_tokens {count} but carries {len(ids)} ids")
-
-
-def _clamp(value: float) -> float:
-    if math.isnan(value) or value < LOGPROB_FLOOR:
-        return LOGPROB_FLOOR
-    return LOGPROB_FLOOR if math.isinf(value) else value
 
 
 def _pairs(top: vllm_engine_pb2.TopLogProbs, what: str) -> Iterable[tuple[int, float]]:
@@ -588,15 +580,15 @@ def _prompt_positions(lp: vllm_engine_pb2.InputLogProbs) -> list[sidecar_pb2.Top
         if not entry.HasField("value"):
             continue
         if not lp.top_logprobs:
-            position.entries.append(prompt_logprobs.candidate(token, _clamp(entry.value)))
+            position.entries.append(prompt_logprobs.candidate(token, clamp_logprob(entry.value)))
             continue
         ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
-        position.entries.append(prompt_logprobs.candidate(token, _clamp(entry.value), ranked.own_rank))
+        position.entries.append(prompt_logprobs.candidate(token, clamp_logprob(entry.value), ranked.own_rank))
         seen = {token}
         for alt, value, rank in ranked.alternatives:
             if alt not in seen:
                 seen.add(alt)
-                position.entries.append(prompt_logprobs.candidate(alt, _clamp(value), rank))
+                position.entries.append(prompt_logprobs.candidate(alt, clamp_logprob(value), rank))
     return result
 
 

@@ -14,7 +14,6 @@ SSE event (``{"error": …}`` with spaces, as vLLM writes it).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from google.protobuf import struct_pb2
 
 from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.logprob_floor import LOGPROB_FLOOR, clamp_logprob
 from sidecar_common.structs import JSON, StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm_errors import (
@@ -32,12 +32,12 @@ from sidecar_frontend.formats.vllm_errors import (
     OVERLOADED_MESSAGE,
     VllmError,
 )
+from sidecar_frontend.formats.vllm_json import compact_json
 from sidecar_frontend.formats.vllm_request import VllmOptions
 
 __all__ = ["DONE", "VllmEncoder", "engine_param", "failure_error"]
 
 DONE: Final = b"data: [DONE]\n\n"
-LOGPROB_FLOOR: Final = -9999.0
 
 _FINISH: Final = {
     sidecar_pb2.LENGTH: "length",
@@ -157,7 +157,7 @@ class VllmEncoder:
         self._aborted = False
         self._prompt_logprobs: JSON = None
         self._kv_transfer_params: JSON = None
-        self._chunk_head = b'data: {"request_id":' + _compact(options.request_id) + b',"usage":'
+        self._chunk_head = b'data: {"request_id":' + compact_json(options.request_id) + b',"usage":'
 
     @property
     def aborted(self) -> bool:
@@ -257,7 +257,7 @@ class VllmEncoder:
             "output_mode": "tokens",
         }
         # "choices" is the last key; the choices are written as a stream writes them.
-        return HttpReply(HTTPStatus.OK, _compact(body)[:-1] + b',"choices":[' + choices + b"]}")
+        return HttpReply(HTTPStatus.OK, compact_json(body)[:-1] + b',"choices":[' + choices + b"]}")
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -342,9 +342,9 @@ def _choice_json(
             b'{"index":',
             str(index).encode(),
             b',"finish_reason":',
-            b"null" if finish is None else _compact(finish),
+            b"null" if finish is None else compact_json(finish),
             b',"stop_reason":',
-            b"null" if stop_reason is None else _compact(stop_reason),
+            b"null" if stop_reason is None else compact_json(stop_reason),
             b',"token_ids":[',
             _ints(ids),
             b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
@@ -366,16 +366,16 @@ def _logprob_entries(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) ->
     for i, token in enumerate(ids):
         tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
         if i < len(output.log_probs):
-            value = _clamp(output.log_probs[i])
+            value = clamp_logprob(output.log_probs[i])
         elif tops and tops[0].token_id == token:
-            value = _clamp(tops[0].logprob)
+            value = clamp_logprob(tops[0].logprob)
         else:
             # vLLM's sentinel for a position the engine gave no logprob for.
             parts.append(f'{{"token_id":{token},"logprob":{LOGPROB_FLOOR!r},"rank":null,"top_logprobs":[]}}')
             continue
         rank = next((_rank(t) for t in tops if t.token_id == token), None)
         candidates = ",".join(
-            f'{{"token_id":{t.token_id},"logprob":{_clamp(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
+            f'{{"token_id":{t.token_id},"logprob":{clamp_logprob(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
             for t in tops
         )
         parts.append(
@@ -393,10 +393,6 @@ def _rank(entry: sidecar_pb2.TopLogprob) -> int | None:
     return entry.rank if entry.HasField("rank") and entry.rank else None
 
 
-def _clamp(value: float) -> float:
-    return LOGPROB_FLOOR if value != value or value < LOGPROB_FLOOR else value
-
-
 def _prompt_logprobs(positions: Sequence[sidecar_pb2.TopLogprobs], prompt: Sequence[int]) -> JSON:
     """The prompt logprobs as vLLM shapes them.
 
@@ -410,12 +406,16 @@ def _prompt_logprobs(positions: Sequence[sidecar_pb2.TopLogprobs], prompt: Seque
             result.append(None)
             continue
         own = prompt[index] if index < len(prompt) else None
-        ordered = sorted(position.entries, key=lambda e: (e.token_id != own, -_clamp(e.logprob)))
+        ordered = sorted(position.entries, key=lambda e: (e.token_id != own, -clamp_logprob(e.logprob)))
         entry: dict[str, JSON] = {}
         for candidate in ordered:
             entry.setdefault(
                 str(candidate.token_id),
-                {"logprob": _clamp(candidate.logprob), "rank": _given_rank(candidate), "decoded_token": None},
+                {
+                    "logprob": clamp_logprob(candidate.logprob),
+                    "rank": _given_rank(candidate),
+                    "decoded_token": None,
+                },
             )
         result.append(entry)
     return result
@@ -448,9 +448,5 @@ def _list_or_none(ids: tuple[int, ...] | None) -> JSON:
     return None if ids is None else list(ids)
 
 
-def _compact(obj: object) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
 def _event(obj: object) -> bytes:
-    return b"data: " + _compact(obj) + b"\n\n"
+    return b"data: " + compact_json(obj) + b"\n\n"

@@ -14,7 +14,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_vllm.convert import LOGPROB_FLOOR, ResponseState
+from sidecar_common.logprob_floor import LOGPROB_FLOOR
+from sidecar_vllm.convert import ResponseState
 from tests.vllm_fixtures import chunk, complete, output_logprobs, servicer_stream
 
 Out = sidecar_pb2.LLMEngineOutput
