@@ -135,7 +135,9 @@ def run_fleet(
             fleet_spec = _multi_spec(prof)
             conversations = multi_turn(prof.multi)
         for n in replicas:
-            for policy in policies:
+            # Several frontends matter only to the policies with an index: kv shares the
+            # workers' map, approx builds one per frontend from its own decisions.
+            for policy in policies if n == 1 else [p for p in policies if p in ("kv", "approx")]:
                 spec = replace(fleet_spec, replicas=n)
                 load_before = _load()
                 with Fleet(spec, policy, f"{workload}-{policy}-{n}") as fleet:
