@@ -6,15 +6,17 @@ the keys it computes itself (sidecar_common.kv_keys)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable
 from contextlib import ExitStack
+from typing import Any
 
 import grpc
 import pytest
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.kv_keys import block_keys
-from tests.e2e_helpers import WAIT, free_port, process, public_request, script, serving_port
+from tests.e2e_helpers import WAIT, free_port, process, public_request, script, serving_port, stop
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,8 +106,11 @@ def generate(stub: sidecar_pb2_grpc.WorkerStub, request_id: str, tokens: list[in
         pass
 
 
-def watched_keys(updates: Iterator[sidecar_pb2.KvCacheUpdate], wanted: set[int]) -> set[int]:
-    """Apply updates until every wanted key is held (the call's deadline bounds the wait)."""
+def watched_keys(
+    updates: Iterable[sidecar_pb2.KvCacheUpdate], wanted: set[int], unwanted: frozenset[int] = frozenset()
+) -> set[int]:
+    """Apply updates until every wanted key is held and no unwanted one (the call's deadline
+    bounds the wait)."""
     keys: set[int] = set()
     pending: set[int] = set()
     for update in updates:
@@ -118,7 +123,7 @@ def watched_keys(updates: Iterator[sidecar_pb2.KvCacheUpdate], wanted: set[int])
                 keys.clear()
             keys.difference_update(update.delta.removed)
             keys.update(update.delta.added_keys)
-        if wanted <= keys:
+        if wanted <= keys and not unwanted & keys:
             return keys
     raise AssertionError("the stream ended")
 
@@ -133,7 +138,7 @@ def test_a_prompt_the_engine_cached_is_found_under_the_keys_a_frontend_computes(
             assert block_size == (16 if engine == "vllm" else 1)
             generate(stub, "first", PROMPT)
             wanted = set(block_keys(PROMPT, block_size))
-            stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
             watched_keys(stream, wanted)
             stream.cancel()
             load = stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=WAIT)
@@ -151,8 +156,53 @@ def test_an_engine_that_publishes_nothing_breaks_nothing() -> None:
             load = stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=WAIT)
             assert load.kv_cache.subscribed
             assert load.kv_cache.batches_received == 0
-            stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
             first = next(stream)
             assert first.snapshot.last_chunk
             assert list(first.snapshot.keys) == []
+            stream.cancel()
+
+
+def test_an_engine_restart_leaves_none_of_the_old_engines_blocks() -> None:
+    engine_port, pub_port, replay_port = free_port(), free_port(), free_port()
+    engine_argv = [
+        script("testkit-engine"),
+        "vllm",
+        "--listen",
+        f"127.0.0.1:{engine_port}",
+        "--kv-events-config",
+        _kv_events_config(pub_port, replay_port, vllm=True),
+    ]
+    other = list(range(2000, 2032))
+    with ExitStack() as stack:
+        engine = stack.enter_context(process(engine_argv))
+        port = _sidecar(
+            stack,
+            "sidecar-vllm",
+            ["--grpc-endpoint", f"127.0.0.1:{engine_port}"],
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{pub_port}",
+            "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{replay_port}",
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = sidecar_pb2_grpc.WorkerStub(channel)
+            generate(stub, "before", PROMPT)
+            old = set(block_keys(PROMPT, 16))
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            watched_keys(stream, old)
+            stream.cancel()
+            # A new engine process on the same ports: an empty cache, sequence numbers from 0.
+            stop(engine)
+            stack.enter_context(process(engine_argv))
+            deadline = time.monotonic() + WAIT
+            while True:
+                try:
+                    generate(stub, "after", other)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the sidecar never served the new engine"
+                    time.sleep(0.2)  # polling a real process: the sidecar reconnects on its own
+            stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            watched_keys(stream, set(block_keys(other, 16)), unwanted=frozenset(old))
             stream.cancel()
