@@ -39,6 +39,7 @@ from anyio.abc import TaskGroup
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
 from sidecar_common.tracing import SpanKind, Tracing, from_headers, outgoing_metadata
 from sidecar_frontend import disagg
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
@@ -201,7 +202,7 @@ class Frontend:
         misconfigured = self.workers.misconfiguration()
         if misconfigured is not None:
             return "MISCONFIGURED", f"the fleet is misconfigured: {misconfigured}"
-        return "NO_WORKER", "no worker is serving"
+        return FailureReason.NO_WORKER.value, "no worker is serving"
 
     # ---------------------------------------------------------------- endpoints
 
@@ -362,7 +363,7 @@ class Frontend:
 
     def _worker_failed(self, worker: Worker, failure: WorkerFailure) -> None:
         if self.metrics is not None:
-            self.metrics.worker_failed(worker.address, failure.reason)
+            self.metrics.worker_failed(worker.address, failure.reason.value)
 
 
 @dataclass(eq=False)
@@ -402,7 +403,7 @@ class _Exchange:
         if self._stop_failure is None:
             self._stop_failure = failure
             self.outcome = outcome
-            self.reason = failure.reason
+            self.reason = failure.reason.value
         self._scope.cancel()
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
@@ -448,8 +449,8 @@ class _Exchange:
         if self._scope.cancelled_caught and not self.client_gone:
             failure = self._stop_failure
             if failure is None:
-                failure = WorkerFailure("DEADLINE", f"request timed out after {timeout:g}s")
-                self.outcome, self.reason = "timeout", failure.reason
+                failure = WorkerFailure.of(FailureReason.DEADLINE, f"request timed out after {timeout:g}s")
+                self.outcome, self.reason = "timeout", failure.reason.value
             for index, ended in enumerate(self.ended):
                 if not ended and not self.encoder.aborted:
                     self.ended[index] = True
@@ -467,18 +468,18 @@ class _Exchange:
         try:
             while True:
                 if sub.aborted:
-                    failure = WorkerFailure("CANCELLED", "aborted by request id")
+                    failure = WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
                     break
                 with anyio.CancelScope() as scope:
                     sub.scope = scope
                     failure = await self._attempt(current, index, attempts, tried)
                 sub.scope = None
                 if scope.cancelled_caught:
-                    failure = WorkerFailure("CANCELLED", "aborted by request id")
+                    failure = WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
                     break
                 if failure is None:
                     break
-                if failure.reason == "NO_WORKER":
+                if failure.reason is FailureReason.NO_WORKER:
                     move = self.moving.pop(index, None)
                     if move is not None and move[0] == "migrated":
                         self._migration_outcome("no_worker", index, move[1], tried)
@@ -507,11 +508,11 @@ class _Exchange:
             self.moving.pop(index, None)
         self.ended[index] = True
         if failure is not None:
-            if failure.reason == "CANCELLED" and sub.aborted and self.outcome == "ok":
-                self.outcome, self.reason = "aborted", failure.reason
+            if failure.reason is FailureReason.CANCELLED and sub.aborted and self.outcome == "ok":
+                self.outcome, self.reason = "aborted", failure.reason.value
             elif self.outcome == "ok":
-                self.outcome = "unavailable" if failure.reason == "NO_WORKER" else "error"
-                self.reason = failure.reason
+                self.outcome = "unavailable" if failure.reason is FailureReason.NO_WORKER else "error"
+                self.reason = failure.reason.value
             if not self.encoder.aborted:
                 await self._write_failure(index, failure)
             if self.encoder.aborted and self._group is not None:
@@ -530,7 +531,7 @@ class _Exchange:
             outcome=outcome,
             worker=tried[-1] if tried else None,
             to=to,
-            reason=failure.reason,
+            reason=failure.reason.value,
             error=failure.message,
             delivered_tokens=len(attempts.migration.delivered_tokens),
             migrations=attempts.migration.migrations,
@@ -556,7 +557,7 @@ class _Exchange:
             request_id=self.attempts[index].request.request_id,
             worker=tried[-1] if tried else None,
             to=to,
-            reason=failure.reason,
+            reason=failure.reason.value,
             error=failure.message,
         )
 
@@ -576,7 +577,7 @@ class _Exchange:
         """One attempt: aggregated, or prefill then decode when the set has prefill workers."""
         chosen = await self._choose(tried, attempts.patient)
         if chosen is None:
-            return WorkerFailure("NO_WORKER", f"no worker is serving {self.model}")
+            return WorkerFailure.of(FailureReason.NO_WORKER, f"no worker is serving {self.model}")
         self._placed(index, chosen, tried)
         self.workers_used.extend(w.address for w in chosen)
         tried.extend(w.address for w in chosen)
@@ -621,15 +622,18 @@ class _Exchange:
                     for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
                         partial.ClearField(name)
                     await self._deliver_output(index, attempts.delivered(partial))
-                return WorkerFailure(
-                    "ENGINE_SHUTDOWN", f"worker {worker.address} is going away: its engine aborted", True
+                return WorkerFailure.of(
+                    FailureReason.ENGINE_SHUTDOWN,
+                    f"worker {worker.address} is going away: its engine aborted",
                 )
             await self._deliver_output(index, attempts.delivered(output))
             return None
 
         failure = await self._call(worker, request, deliver)
         if failure is None and not attempts.complete:
-            failure = WorkerFailure("PROTOCOL_ERROR", f"worker {worker.address} ended the stream early")
+            failure = WorkerFailure.of(
+                FailureReason.PROTOCOL_ERROR, f"worker {worker.address} ended the stream early"
+            )
             self.frontend._worker_failed(worker, failure)
         return failure
 
@@ -674,7 +678,9 @@ class _Exchange:
         async def run_prefill(group: TaskGroup) -> None:
             failure = await self._call(prefill, step, take)
             if failure is None and not handoff and not prefill_cancelled:
-                failure = WorkerFailure("PROTOCOL_ERROR", f"prefill worker {prefill.address} gave no handoff")
+                failure = WorkerFailure.of(
+                    FailureReason.PROTOCOL_ERROR, f"prefill worker {prefill.address} gave no handoff"
+                )
                 frontend._worker_failed(prefill, failure)
             if failure is not None:
                 prefill_failure.append(failure)
@@ -750,7 +756,7 @@ class _Exchange:
             if metrics is not None:
                 metrics.worker_call(worker.address, frontend.clock() - began)
                 if failure is not None:
-                    metrics.worker_failed(worker.address, failure.reason)
+                    metrics.worker_failed(worker.address, failure.reason.value)
 
     async def _start_stream(self) -> None:
         """Send the stream's 200 and headers (at once, or with its first bytes when held)."""

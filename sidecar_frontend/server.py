@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar_common.errors import FailureReason
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
@@ -249,7 +250,7 @@ async def _until_stopped(
                 "drain did not finish in time", timeout_secs=drain_timeout, inflight=frontend.inflight
             )
         group.cancel_scope.cancel()
-    frontend.stop_all(WorkerFailure("ENGINE_SHUTDOWN", "the frontend is shutting down"))
+    frontend.stop_all(WorkerFailure.of(FailureReason.ENGINE_SHUTDOWN, "the frontend is shutting down"))
     with anyio.move_on_after(_STOP_GRACE):
         await frontend.wait_idle()
     return EXIT_OK
