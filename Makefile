@@ -28,13 +28,17 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m testkit.demo --engine $(ENGINE)
 
-# After changing a dependency in pyproject.toml: re-resolve $(LOCK), keeping every other pin
-# as it is (commit both files; tests/deploy/test_lock.py fails while the lock misses or
-# contradicts a requirement). `make lock UPGRADE=1` moves every pin to the newest allowed.
-# Universal: one lock for every platform and every Python >= 3.11 (markers where they differ).
+# After changing a dependency in pyproject.toml or testkit/pyproject.toml: re-resolve $(LOCK),
+# keeping every other pin as it is (commit both files; tests/deploy/test_lock.py fails while the
+# lock misses or contradicts a requirement). `make lock UPGRADE=1` moves every pin to the newest
+# allowed. Universal: one lock for every platform and every Python >= 3.11 (markers where they
+# differ). The testkit's own requirement on llm-sidecars (this checkout, on no index) is
+# overridden by one whose marker never holds, so the resolver leaves it out.
 lock:
 	@test -x $(BIN)/uv || { echo "no $(BIN)/uv: run make setup first (uv is a pinned dev dependency)" >&2; exit 1; }
-	echo pip | $(BIN)/uv pip compile pyproject.toml - --all-extras --universal --python-version 3.11 \
+	printf "llm-sidecars ; python_version < '0'\n" > $(VENV)/lock-overrides.txt
+	echo pip | $(BIN)/uv pip compile pyproject.toml testkit/pyproject.toml - --all-extras --universal \
+	    --python-version 3.11 --override $(VENV)/lock-overrides.txt \
 	    --custom-compile-command "make lock" --quiet $(if $(UPGRADE),--upgrade) --output-file $(LOCK)
 
 test: setup $(BUF)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar_server.metrics import LATENCY_BUCKETS
+from sidecar_common.histograms import LATENCY_BUCKETS
 
 __all__ = ["OUTCOMES", "Metrics", "WorkerRow", "buckets_up_to"]
 

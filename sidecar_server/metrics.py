@@ -21,26 +21,10 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-__all__ = ["ABORT_OUTCOMES", "LATENCY_BUCKETS", "Metrics"]
+from sidecar_common.histograms import LATENCY_BUCKETS
 
-# Time to first chunk and between chunks, a millisecond to half a minute. The frontend's
-# histograms start from this ladder and extend it to an hour, so it lives here once.
-LATENCY_BUCKETS: Final = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+__all__ = ["ABORT_OUTCOMES", "Metrics"]
+
 # Whole requests: a long generation runs for minutes.
 _DURATION_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 

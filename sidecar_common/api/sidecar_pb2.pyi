@@ -661,6 +661,8 @@ class LLMEngineOutput(_message.Message):
     COMPLETION_USAGE_FIELD_NUMBER: _builtins.int
     ENGINE_DATA_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    BOOTSTRAP_INFO_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """"" is kept: text held back during stop-string matching."""
     cum_log_probs: _builtins.float
@@ -689,6 +691,23 @@ class LLMEngineOutput(_message.Message):
         prompt of a prompt-only request (max_tokens 0), which SGLang scores too.
         """
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """With OutputOptions.prompt_logprobs: one per prompt position, the prompt token's entry first
+        (with its rank when the engine reports one), then the alternatives the engine returned; no
+        entries at a position the engine has none for (the first). Once per choice, on the first
+        output after the engine produced them (at the latest the terminal); a prompt is never
+        empty, so an output carries them exactly when this list is non-empty. Replaces
+        engine_data.prompt_logprobs, still written and read through 0.2.x (docs/api.md).
+        """
+
+    @_builtins.property
+    def bootstrap_info(self) -> Global___BootstrapInfo:
+        """On an SGLang prefill worker's handoff: the rendezvous of this prefill, which its decode
+        request carries as PreprocessedRequest.bootstrap_info. Replaces the same triple in
+        disaggregated_params, still written and read through 0.2.x (docs/api.md).
+        """
+
     def __init__(
         self,
         *,
@@ -705,10 +724,12 @@ class LLMEngineOutput(_message.Message):
         completion_usage: Global___CompletionUsage | None = ...,
         engine_data: _struct_pb2.Struct | None = ...,
         token_ids_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+        bootstrap_info: Global___BootstrapInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "bootstrap_info", b"bootstrap_info", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "finish_reason", b"finish_reason", "index", b"index", "log_probs", b"log_probs", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "token_ids_logprobs", b"token_ids_logprobs", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "bootstrap_info", b"bootstrap_info", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "finish_reason", b"finish_reason", "index", b"index", "log_probs", b"log_probs", "prompt_logprobs", b"prompt_logprobs", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "token_ids_logprobs", b"token_ids_logprobs", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cum_log_probs: _TypeAlias = _typing.Literal["cum_log_probs"]  # noqa: Y015
     _WhichOneofArgType__cum_log_probs: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs"]  # noqa: Y015

@@ -1,5 +1,6 @@
 """requirements.lock is the one source of versions: it pins every requirement pyproject.toml
-names (dependencies, every extra, the build backend) at a version the requirement allows, and
+names (dependencies, every extra, the build backend), and every one testkit/pyproject.toml
+names but llm-sidecars itself (this checkout), at a version the requirement allows, and
 every install path (make setup, make install-systemd, the Dockerfile; .ci/run through make
 setup) installs under it. A dependency added without `make lock` fails here."""
 
@@ -17,6 +18,7 @@ from tests.deploy.conftest import ROOT
 
 LOCK = ROOT / "requirements.lock"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+TESTKIT = tomllib.loads((ROOT / "testkit" / "pyproject.toml").read_text())
 
 
 def pins() -> dict[str, list[tuple[Version, Requirement]]]:
@@ -36,11 +38,23 @@ def pins() -> dict[str, list[tuple[Version, Requirement]]]:
 
 
 def requirements() -> list[Requirement]:
-    project = PYPROJECT["project"]
-    named = [*project["dependencies"], *PYPROJECT["build-system"]["requires"]]
-    for extra in project.get("optional-dependencies", {}).values():
-        named.extend(extra)
-    return [Requirement(text) for text in named]
+    named: list[str] = []
+    for pyproject in (PYPROJECT, TESTKIT):
+        project = pyproject["project"]
+        named += [*project["dependencies"], *pyproject["build-system"]["requires"]]
+        for extra in project.get("optional-dependencies", {}).values():
+            named.extend(extra)
+    ours = canonicalize_name(PYPROJECT["project"]["name"])
+    unique = {text: Requirement(text) for text in named}
+    return [r for r in unique.values() if canonicalize_name(r.name) != ours]
+
+
+def test_the_testkits_requirements_are_checked_too() -> None:
+    names = {canonicalize_name(r.name) for r in requirements()}
+    for text in TESTKIT["project"]["dependencies"]:
+        name = canonicalize_name(Requirement(text).name)
+        assert name in names or name == canonicalize_name(PYPROJECT["project"]["name"])
+    assert {"msgspec", "pyzmq"} <= names
 
 
 @pytest.mark.parametrize("requirement", requirements(), ids=str)

@@ -14,7 +14,7 @@ from aiohttp import web
 from sidecar_common.flags import FlagParser
 from sidecar_common.ports import bind_problem
 from testkit.book import Book
-from testkit.cli_args import fault_arg, listen_arg
+from testkit.cli_args import fault_arg, kv_events_arg, listen_arg
 from testkit.faults import FaultBook, FaultPlan, parse_directive
 from testkit.sglang_cli import add_arguments as add_sglang_arguments
 from testkit.sglang_cli import run as run_sglang
@@ -110,7 +110,35 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="data-parallel ranks reported",
     )
-    a("--block-size", type=int, default=d.block_size, metavar="TOKENS", help="KV cache block size reported")
+    a(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        metavar="TOKENS",
+        help="tokens per KV cache block (prefix caching, KV events, GetServerInfo)",
+    )
+    a(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="prefix cache capacity in blocks (default: --total-kv-tokens / --block-size)",
+    )
+    a(
+        "--kv-events-config",
+        type=kv_events_arg("vllm"),
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s KV events: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": ..., "topic": ..., "buffer_steps": ...} (default: none published)',
+    )
+    a(
+        "--prefill-us-per-token",
+        type=float,
+        default=d.prefill_us_per_token,
+        metavar="US",
+        help="testkit: the first token waits this long per prompt token not cached (default: 0)",
+    )
     a(
         "--max-running",
         "--max-num-seqs",
@@ -200,6 +228,9 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
         max_logprobs=args.max_logprobs,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_events=args.kv_events_config,
+        prefill_us_per_token=args.prefill_us_per_token,
     )
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from testkit.faults import FaultPlan, parse_fault_flag
+from testkit.kv_events import Flavor, KvEventsConfig, parse_kv_events_config
 
-__all__ = ["fault_arg", "listen_arg", "optional_listen_arg"]
+__all__ = ["fault_arg", "kv_events_arg", "listen_arg", "optional_listen_arg"]
 
 
 def listen_arg(text: str) -> tuple[str, int]:
@@ -30,3 +32,15 @@ def fault_arg(text: str) -> tuple[str, FaultPlan]:
         return parse_fault_flag(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_events_arg(flavor: Flavor) -> Callable[[str], KvEventsConfig]:
+    """``--kv-events-config`` JSON, read as ``flavor`` reads it."""
+
+    def parse(text: str) -> KvEventsConfig:
+        try:
+            return parse_kv_events_config(text, flavor)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse

@@ -12,6 +12,11 @@ Examples: ``r1.fault=close_after:3``, ``r2.fault=error_after:2:RESOURCE_EXHAUSTE
 ``r3.fault=malformed_terminal:negative_id``, ``r4.fault=hang``, ``r5.fault=stall_first_token:0.5``,
 ``r6.fault=hold_after_terminal``, ``r7.fault=engine_dies:5``.
 
+Two plans fault the engine's KV-event publisher instead of the request's stream (the request
+itself runs normally): ``drop_kv_batch`` (the next batch published is numbered and kept for
+replay but not sent on the PUB socket: a gap) and ``restart_kv_publisher`` (before the request
+runs, the engine's prefix cache is lost and its publisher restarts: a sequence reset).
+
 Engines also take ``--fault MATCH=DIRECTIVE`` at start-up (see ``parse_fault_flag``).
 """
 
@@ -23,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 
 __all__ = [
+    "KV_EVENT_FAULTS",
     "MALFORMED_VARIANTS",
     "FaultBook",
     "FaultKind",
@@ -50,6 +56,13 @@ class FaultKind(enum.Enum):
     # the server stays up); SGLang's scheduler dies (every stream stalls, then the server
     # process kills itself: its connections go away).
     ENGINE_DIES = "engine_dies"
+    # The engine's KV-event publisher (see the module doc); the request runs normally.
+    DROP_KV_BATCH = "drop_kv_batch"
+    RESTART_KV_PUBLISHER = "restart_kv_publisher"
+
+
+# Plans that act on the engine's KV events, not on the request's stream.
+KV_EVENT_FAULTS = frozenset({FaultKind.DROP_KV_BATCH, FaultKind.RESTART_KV_PUBLISHER})
 
 
 MALFORMED_VARIANTS = frozenset(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,9 +33,7 @@ from testkit.sglang_core import (
     RequestRejected,
     RequestStream,
 )
-
-if TYPE_CHECKING:
-    from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_served import ServedEngine
 
 __all__ = ["SglangGrpcServer", "native_request_from_proto", "response_from_out"]
 
@@ -92,7 +90,7 @@ def response_from_out(out: dict[str, Any], finished: bool) -> sglang_pb2.Generat
 
 
 class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
-    def __init__(self, engine: SglangTestEngine) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self._engine = engine
         self._channels: dict[str, RequestStream] = {}
 
@@ -188,7 +186,7 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
 class SglangGrpcServer:
     """A grpc.aio server with the SGLang service and standard health, on one port."""
 
-    def __init__(self, engine: SglangTestEngine, host: str, port: int) -> None:
+    def __init__(self, engine: ServedEngine, host: str, port: int) -> None:
         self._engine = engine
         self._host = host
         self.port = port

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -30,9 +30,7 @@ from testkit.sglang_core import (
     RequestStream,
     StreamEvent,
 )
-
-if TYPE_CHECKING:
-    from testkit.sglang_engine import SglangTestEngine
+from testkit.sglang_served import ServedEngine
 
 __all__ = ["GRPC_TO_HTTP", "SglangHttpServer", "native_request_from_json"]
 
@@ -232,7 +230,7 @@ def _error_event(message: str, code: int) -> bytes:
 
 
 class SglangHttpServer:
-    def __init__(self, engine: SglangTestEngine, host: str, port: int) -> None:
+    def __init__(self, engine: ServedEngine, host: str, port: int) -> None:
         self._engine = engine
         self._host = host
         self.port = port

@@ -42,6 +42,15 @@ Testkit choices where vLLM has no equivalent:
 * ``n`` above ``max_num_seqs`` is refused (INVALID_ARGUMENT) instead of fanned out.
 * Only tokenized input; sampling temperature/top-p/penalties, logit_bias and guided decoding
   are accepted and ignored (the generator is deterministic).
+
+The prefix cache (``prefix_cache``, one per data-parallel rank, ``--block-size`` tokens a
+block, ``--num-gpu-blocks-override`` blocks): a request reuses the cached full blocks its
+prompt starts with and reports them as ``cached_tokens`` (vLLM's ``num_cached_tokens``) on
+every chunk and complete; its first token waits ``prefill_us_per_token`` for each prompt
+token not cached; its prompt's blocks are cached after that prefill and its output's when it
+finishes. With ``--kv-events-config`` every change is published on vLLM's KV-event wire
+(``kv_events``, ``kv_publisher``); a restarted engine has a cold cache and restarts its
+sequence numbers without a word (vLLM publishes ``AllBlocksCleared`` only on a cache reset).
 """
 
 from __future__ import annotations
@@ -62,8 +71,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from testkit.book import Book, Outcome, trace_fields
-from testkit.faults import FaultBook, FaultKind, FaultPlan
+from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
+from testkit.kv_events import KvEventsConfig
+from testkit.kv_publisher import EngineKvCache
 from testkit.vllm_wire import (
     HANDOFF_FIELDS,
     Choice,
@@ -132,6 +143,12 @@ class VllmEngineConfig:
     # limit, vLLM's default). See ``VllmTestEngine.admission_refusal``.
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
+    # The prefix cache: vLLM's --num-gpu-blocks-override (None: total_kv_tokens // block_size
+    # blocks) and --kv-events-config (None or publisher "null": no events). A prompt's first
+    # token waits prefill_us_per_token for each prompt token not cached (a simulated GPU).
+    num_gpu_blocks_override: int | None = None
+    kv_events: KvEventsConfig | None = None
+    prefill_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:
@@ -141,6 +158,16 @@ class VllmEngineConfig:
         for limit in (self.max_num_queued_reqs, self.max_num_queued_tokens):
             if limit is not None and limit < 0:
                 raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
+        if self.block_size < 1 or self.prefill_us_per_token < 0:
+            raise ValueError("block_size must be >= 1 and prefill_us_per_token >= 0")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 0:
+            raise ValueError("num_gpu_blocks_override must be >= 0")
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        if self.num_gpu_blocks_override is not None:
+            return self.num_gpu_blocks_override
+        return self.total_kv_tokens // self.block_size
 
     @property
     def model(self) -> ModelSpec:
@@ -180,7 +207,13 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         self._health: Any = None
         self._started_at = time.monotonic()
         self._last_receive = 0.0
-        self._seen_blocks: set[int] = set()
+        self.kv_cache = EngineKvCache(
+            "vllm",
+            block_size=self.config.block_size,
+            capacity_blocks=self.config.num_gpu_blocks,
+            data_parallel_size=self.config.data_parallel_size,
+            events=self.config.kv_events,
+        )
         self._next_block = 1
         # The admission limits in force: the config's, changeable on a live engine (a test
         # makes one worker of a fleet busy without filling it).
@@ -197,6 +230,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 self.port = int(s.getsockname()[1])
         self._stopping.clear()
         self._core_dead = asyncio.Event()  # a (re)started server has a live engine core
+        await self.kv_cache.start()  # a (re)started engine has a cold cache
         if self.config.startup_delay_secs > 0 and not self._ready.is_set():
             self._bind_task = asyncio.create_task(self._bind_later(self.config.startup_delay_secs))
         else:
@@ -242,6 +276,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace)
+        await self.kv_cache.stop()
         self._ready.clear()
 
     async def die(self) -> None:
@@ -400,20 +435,6 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                     raise _RequestError(bad, f"kv_transfer_params lacks {', '.join(missing)}")
         return prompt, kv
 
-    def _cached(self, prompt: tuple[int, ...]) -> int:
-        # Prefix caching by whole blocks; the last prompt token is always computed.
-        bs = self.config.block_size
-        cached = 0
-        for end in range(bs, len(prompt), bs):
-            key = hash(prompt[:end])
-            if key in self._seen_blocks:
-                cached = end
-            else:
-                if len(self._seen_blocks) > 100_000:
-                    self._seen_blocks.clear()
-                self._seen_blocks.add(key)
-        return cached
-
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id
         self._last_receive = time.time()
@@ -440,6 +461,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             self.book.refused(rid, Outcome.FAULTED, plan.kind.value)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "testkit fault: fail_open")
             return
+        if plan is not None and plan.kind in KV_EVENT_FAULTS:
+            await self._kv_fault(plan, self._rank(request))
+            plan = None
         if kv is not None and kv.get("do_remote_prefill"):
             self.handoffs.append((rid, kv))
         live = self._live[rid] = _Live(seqs=request.sampling_params.n or 1, prefill_tokens=len(prompt))
@@ -456,8 +480,20 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             outcome, detail = Outcome.FAULTED, str(e)
             await context.abort(e.code, str(e))
         finally:
+            self.kv_cache.end(rid)
             self._live.pop(rid, None)
             self.book.release(rid, outcome, detail)
+
+    @staticmethod
+    def _rank(request: pb.GenerateRequest) -> int:
+        """The data-parallel rank (its cache and publisher) a request runs on."""
+        return request.data_parallel_rank if request.HasField("data_parallel_rank") else 0
+
+    async def _kv_fault(self, plan: FaultPlan, rank: int) -> None:
+        if plan.kind is FaultKind.DROP_KV_BATCH:
+            self.kv_cache.drop_next_batch(rank)
+        elif plan.kind is FaultKind.RESTART_KV_PUBLISHER:
+            await self.kv_cache.restart()
 
     # -- the stream -----------------------------------------------------------------------
     async def _pause(self, live: _Live, secs: float) -> None:
@@ -502,7 +538,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 for msg in from_abort(ch, len(prompt), 0):
                     yield msg
             return
-        cached = self._cached(prompt)
+        cached = self.kv_cache.begin(rid, prompt, rank=self._rank(request))
+        if c.prefill_us_per_token > 0:
+            await self._pause(live, (len(prompt) - cached) * c.prefill_us_per_token / 1e6)
+        if not live.aborted.is_set():
+            self.kv_cache.store(rid, prompt)
         plp = None
         if sampling.prompt_logprobs is not None:
             plp = prompt_logprobs(prompt, max(0, sampling.prompt_logprobs), c.model)
@@ -554,6 +594,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                             )
                         )
             self.book.set_tokens(rid, produced)
+            if all(ch.gen.done for ch in choices):
+                # The output's KV is cached too (all but the last token's, never computed).
+                self.kv_cache.store(rid, prompt + tuple(choices[0].all_ids[:-1]))
             for msg in step:
                 yield msg
 

@@ -1,0 +1,299 @@
+"""Which workers hold which KV-cache blocks, for one model (pure: no I/O, no clock).
+
+A block is named by its routing key (``sidecar_common.kv_keys.block_keys``: chained over the
+token ids of the blocks before it, so a key names a whole prefix, not one block's tokens). The
+index maps each key to the set of workers holding it (a bitmask of small worker slots), and
+each worker to the keys it holds. For a request, :meth:`BlockIndex.match` walks the request's
+keys from the first block and gives each worker the number of leading blocks it holds: an
+engine's prefix cache stops at the first block it lacks, so a worker drops out there.
+
+Two sources feed it, per worker:
+
+* exact: the worker's cache stream (a snapshot, then stored / removed / cleared deltas); these
+  entries never expire;
+* approximate: the frontend's own routing decisions (a request sent to a worker is assumed
+  cached there), each entry with an expiry time; :meth:`expire` removes those whose time has
+  come (the caller passes the time in). An entry keeps its latest expiry, and an exact entry
+  never turns into an expiring one.
+
+Memory: the index estimates its own size (:attr:`BlockIndex.bytes`, from the count of keys and
+of (key, worker) entries at per-item costs measured with ``tracemalloc``; the real use moves
+between about 65 % and 105 % of the estimate as the tables grow in powers of two, which
+tests/unit/frontend/test_routing_index.py checks) and, over
+``max_bytes``, evicts the least recently used keys: a key is used when it is stored or matched.
+Within one store or match the keys are touched from the last block to the first, so a prefix's
+first blocks are the more recent and eviction takes a chain's tail before its head (dropping a
+head would make every block after it unmatchable).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["BYTES_PER_ENTRY", "BYTES_PER_KEY", "BlockIndex", "IndexStats", "as_mapping"]
+
+# Measured (tests/unit/frontend/test_routing_index.py::test_size_estimate_tracks_measured_memory):
+# a key costs its OrderedDict slot and node, its int object and its holders' mask; an entry
+# (one worker holding one key) costs a slot in that worker's dict.
+BYTES_PER_KEY: Final = 140
+BYTES_PER_ENTRY: Final = 56
+
+# Evicting down to this fraction of the cap, not just below it, so a full index does not
+# evict on every store.
+_EVICT_TO: Final = 0.95
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    keys: int  # distinct blocks indexed
+    entries: int  # (block, worker) pairs
+    bytes: int  # the estimate the cap applies to
+    evicted: int  # keys evicted for the cap since the index was made
+
+
+class BlockIndex:
+    """Block key -> workers holding it, for one model. Workers are named by strings (their
+    addresses); slots are an internal detail."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self._max_bytes = max_bytes
+        # key -> bitmask of the slots holding it; iteration order is least recently used first.
+        self._holders: OrderedDict[int, int] = OrderedDict()
+        self._slot_of: dict[str, int] = {}
+        self._name_of: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        # Per slot: key -> expiry (math.inf: exact, never expires).
+        self._held: dict[int, dict[int, float]] = {}
+        self._entries = 0
+        self._evicted = 0
+        # (expiry, order, slot, the slot's tenancy, keys) of each approximate store: a heap.
+        self._expiries: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+        self._stores = 0
+        # Bumped each time a slot is given to a worker, so a departed worker's expiries never
+        # touch the worker that reuses its slot.
+        self._tenancy: dict[int, int] = {}
+        self._tenancies = 0
+
+    # ---------------------------------------------------------------- reading
+
+    def workers(self) -> frozenset[str]:
+        """Workers with a slot (holding blocks, or known and empty)."""
+        return frozenset(self._slot_of)
+
+    def held(self, worker: str) -> frozenset[int]:
+        """The keys ``worker`` holds (for tests and diagnostics: O(its blocks))."""
+        slot = self._slot_of.get(worker)
+        return frozenset() if slot is None else frozenset(self._held[slot])
+
+    def blocks_of(self, worker: str) -> int:
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else len(self._held[slot])
+
+    def holders(self, key: int) -> frozenset[str]:
+        mask = self._holders.get(key, 0)
+        return frozenset(self._name_of[slot] for slot in _bits(mask))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._holders
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    @property
+    def entries(self) -> int:
+        return self._entries
+
+    @property
+    def bytes(self) -> int:
+        return len(self._holders) * BYTES_PER_KEY + self._entries * BYTES_PER_ENTRY
+
+    def stats(self) -> IndexStats:
+        return IndexStats(len(self._holders), self._entries, self.bytes, self._evicted)
+
+    def match(self, keys: Sequence[int], among: Iterable[str]) -> dict[str, int]:
+        """For each worker of ``among`` holding the first block of ``keys``: how many leading
+        blocks of ``keys`` it holds (workers holding none are left out). Touches the matched
+        keys (they become the most recently used)."""
+        candidates = 0
+        for worker in among:
+            slot = self._slot_of.get(worker)
+            if slot is not None:
+                candidates |= 1 << slot
+        found: dict[str, int] = {}
+        if not candidates:
+            return found
+        holders = self._holders
+        alive = candidates
+        depth = 0
+        for key in keys:
+            mask = holders.get(key)
+            still = alive & mask if mask is not None else 0
+            if still != alive:
+                for slot in _bits(alive & ~still):
+                    if depth:
+                        found[self._name_of[slot]] = depth
+            alive = still
+            if not alive:
+                break
+            depth += 1
+        if depth:
+            for slot in _bits(alive):
+                found[self._name_of[slot]] = depth
+        # The longest matched prefix, touched from its last block to its first.
+        longest = max(found.values(), default=0)
+        for key in reversed(keys[:longest]):
+            holders.move_to_end(key)
+        return found
+
+    # ---------------------------------------------------------------- writing
+
+    def add_worker(self, worker: str) -> None:
+        """Give ``worker`` a slot (idempotent); it holds nothing yet."""
+        self._slot(worker)
+
+    def store(self, worker: str, keys: Sequence[int], *, expires: float = math.inf) -> None:
+        """``worker`` holds ``keys`` (a chain, first block first), until ``expires`` (default:
+        exact, until removed). Over the cap, the least recently used keys are evicted."""
+        if not keys:
+            return
+        slot = self._slot(worker)
+        bit = 1 << slot
+        held = self._held[slot]
+        holders = self._holders
+        added = 0
+        for key in reversed(keys):
+            mask = holders.get(key)
+            if mask is None:
+                holders[key] = bit
+            else:
+                holders[key] = mask | bit
+                holders.move_to_end(key)
+            before = held.get(key)
+            if before is None:
+                held[key] = expires
+                added += 1
+            elif expires > before:
+                held[key] = expires
+        self._entries += added
+        if expires != math.inf:
+            self._stores += 1
+            heapq.heappush(self._expiries, (expires, self._stores, slot, self._tenancy[slot], tuple(keys)))
+        self._enforce_cap()
+
+    def remove(self, worker: str, keys: Iterable[int]) -> None:
+        """``worker`` no longer holds ``keys`` (unknown keys are ignored)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        held = self._held[slot]
+        for key in keys:
+            if held.pop(key, None) is not None:
+                self._drop_holder(key, slot)
+
+    def clear(self, worker: str) -> None:
+        """``worker`` holds nothing (its cache was reset, or a snapshot replaces it)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        held = self._held[slot]
+        for key in held:
+            self._drop_holder(key, slot)
+        held.clear()
+
+    def replace(self, worker: str, keys: Iterable[int]) -> None:
+        """``worker`` holds exactly ``keys`` (a snapshot), exact."""
+        self.clear(worker)
+        ordered = list(keys)
+        if ordered:
+            self.store(worker, ordered)
+        else:
+            self._slot(worker)
+
+    def forget(self, worker: str) -> None:
+        """``worker`` left: its entries and its slot go."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        self.clear(worker)
+        del self._slot_of[worker]
+        del self._name_of[slot]
+        del self._held[slot]
+        del self._tenancy[slot]
+        self._free_slots.append(slot)
+
+    def expire(self, now: float) -> int:
+        """Remove the approximate entries whose expiry is ``now`` or earlier; how many."""
+        removed = 0
+        queue = self._expiries
+        while queue and queue[0][0] <= now:
+            expiry, _, slot, tenancy, keys = heapq.heappop(queue)
+            held = self._held.get(slot)
+            if held is None or self._tenancy.get(slot) != tenancy:
+                continue
+            for key in keys:
+                # A later store refreshed it (or it is exact now): leave it.
+                if held.get(key) == expiry:
+                    del held[key]
+                    self._drop_holder(key, slot)
+                    removed += 1
+        return removed
+
+    # ---------------------------------------------------------------- internals
+
+    def _slot(self, worker: str) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            return slot
+        if self._free_slots:
+            slot = min(self._free_slots)
+            self._free_slots.remove(slot)
+        else:
+            slot = len(self._slot_of)
+        self._slot_of[worker] = slot
+        self._name_of[slot] = worker
+        self._held[slot] = {}
+        self._tenancies += 1
+        self._tenancy[slot] = self._tenancies
+        return slot
+
+    def _drop_holder(self, key: int, slot: int) -> None:
+        """Take ``slot`` out of ``key``'s holders (its per-worker entry is already gone)."""
+        self._entries -= 1
+        mask = self._holders.get(key, 0) & ~(1 << slot)
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
+
+    def _enforce_cap(self) -> None:
+        cap = self._max_bytes
+        if cap is None or self.bytes <= cap:
+            return
+        target = int(cap * _EVICT_TO)
+        holders = self._holders
+        while holders and self.bytes > target:
+            key, mask = holders.popitem(last=False)
+            for slot in _bits(mask):
+                del self._held[slot][key]
+                self._entries -= 1
+            self._evicted += 1
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def as_mapping(index: BlockIndex) -> Mapping[str, frozenset[int]]:
+    """Each worker's keys (for tests: the index as a plain value)."""
+    return {worker: index.held(worker) for worker in index.workers()}

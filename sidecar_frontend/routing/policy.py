@@ -1,0 +1,116 @@
+"""Which worker a request goes to, weighing its cached prefix against load (pure).
+
+Each candidate worker comes with what the frontend knows of it now (:class:`Candidate`): the
+request's cached prefix there (predicted from the block index), the requests it runs (this
+frontend's own, exact, plus the other frontends' from its last ``GetLoad``), and the prefill
+this frontend has queued there (the uncached prompt tokens of its own requests on that worker
+that have not had their first output yet).
+
+The cost of a worker, in prompt tokens to prefill before this request's first token::
+
+    cost = (prompt tokens - cached prefix)      the request's own prefill there
+         + queued prefill tokens                 ours, ahead of it
+         + running requests * running_request_tokens
+
+and the cheapest worker wins (ties drawn at random). The last term stands for everything else
+a worker is busy with (decoding, other frontends' prefills) that the frontend can count only
+in requests.
+
+Hot-spot guard: a worker running more than ``hot_spot_ratio`` times the requests of the least
+busy candidate, plus ``hot_spot_slack``, loses its affinity: it is not chosen until the others
+catch up (the least busy worker is never hot, so there is always a choice). Merely zeroing its
+cached prefix in the cost would not do: the requests queued there are cheap to prefill *because*
+they hit its cache, so it would still look cheapest. Without the guard one popular prefix piles
+every request onto the worker holding it; with it that worker takes a bounded share (about
+ratio / (ratio + n - 1) of a burst over n equal workers) and the rest spread out, each of them
+then caching the prefix too.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Candidate", "Decision", "PolicyConfig", "Reason", "choose"]
+
+
+class Reason(enum.Enum):
+    """Why a worker was chosen (the ``reason`` label of the decisions metric)."""
+
+    AFFINITY = "affinity"  # it holds the longest cached prefix of the request
+    LOAD = "load"  # no worker holds any of it, or a less busy worker was worth its prefill
+    HOT_SPOT = "hot_spot"  # the worker holding more of it was far busier than the least busy one
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker: str
+    cached_tokens: int = 0  # the request's prefix cached there (predicted)
+    running: int = 0  # requests in flight there (every frontend's)
+    queued_prefill_tokens: int = 0  # this frontend's prefill waiting there
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    hot_spot_ratio: float = 1.5
+    hot_spot_slack: int = 2
+    # What one running request weighs against one prompt token to prefill: a decoding request
+    # takes a share of every engine step, which a few hundred prompt tokens also take.
+    running_request_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.hot_spot_ratio < 1.0:
+            raise ValueError(f"hot_spot_ratio must be 1 or more, got {self.hot_spot_ratio}")
+        if self.hot_spot_slack < 0 or self.running_request_tokens < 0:
+            raise ValueError("hot_spot_slack and running_request_tokens must be 0 or more")
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: str
+    reason: Reason
+    cached_tokens: int  # what the chosen worker is predicted to find cached
+
+
+def choose(
+    candidates: Sequence[Candidate],
+    prompt_tokens: int,
+    rand: random.Random,
+    config: PolicyConfig = PolicyConfig(),
+) -> Decision | None:
+    """The cheapest of ``candidates`` for a prompt of ``prompt_tokens`` (None: no candidate)."""
+    if not candidates:
+        return None
+    least_busy = min(c.running for c in candidates)
+    hot_above = config.hot_spot_ratio * least_busy + config.hot_spot_slack
+    best_cost = -1
+    cheapest: list[Candidate] = []
+    for candidate in candidates:
+        if candidate.running > hot_above:
+            continue
+        cost = (
+            prompt_tokens
+            - min(candidate.cached_tokens, prompt_tokens)
+            + candidate.queued_prefill_tokens
+            + candidate.running * config.running_request_tokens
+        )
+        if best_cost < 0 or cost < best_cost:
+            best_cost = cost
+            cheapest = [candidate]
+        elif cost == best_cost:
+            cheapest.append(candidate)
+    chosen = cheapest[0] if len(cheapest) == 1 else rand.choice(cheapest)
+    longest = max(c.cached_tokens for c in candidates)
+    if longest <= 0:
+        reason = Reason.LOAD
+    elif chosen.cached_tokens >= longest:
+        reason = Reason.AFFINITY
+    elif any(c.running > hot_above and c.cached_tokens > chosen.cached_tokens for c in candidates):
+        reason = Reason.HOT_SPOT
+    else:
+        reason = Reason.LOAD
+    return Decision(chosen.worker, reason, min(chosen.cached_tokens, prompt_tokens))

@@ -1,0 +1,215 @@
+"""The routing policy of the frontend: one block index per model, the choice of a worker (pure).
+
+``--routing`` (:class:`Routing`):
+
+* ``kv``: a worker's entries in the index come from its cache stream (exact); a worker that
+  publishes no cache state has none, and competes on load alone;
+* ``approx``: the index is built from this frontend's own decisions (a request sent to a worker
+  is assumed cached there for ``approx_ttl`` seconds), whatever the workers publish;
+* unset (the default): ``kv`` for the workers that publish their cache, ``approx`` for the
+  others, in one index;
+* ``load``, ``round-robin``, ``random``: no index. ``load`` is the worker set's power of two
+  choices (``WorkerSet.pick``), not decided here.
+
+A request's keys are ``block_keys(token ids, block size, lora, salt)`` per block size among
+the candidates (workers of one model may run different block sizes). An engine computes at
+least the last prompt token itself (both vLLM and SGLang cap a prefix hit at the prompt length
+minus one), so the cached prefix is looked up over the full blocks of the prompt without its
+last token, while an approximate entry records every full block of the prompt.
+
+No I/O and no clock: the caller passes the time and a seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from sidecar_frontend.routing.index import BlockIndex
+from sidecar_frontend.routing.policy import Candidate, Decision, PolicyConfig, Reason, choose
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "BlockKeys",
+    "Prompt",
+    "Router",
+    "RouterConfig",
+    "Routing",
+    "Target",
+]
+
+# The block size assumed for a worker whose sidecar reports none (vLLM's default): only the
+# frontend's own approximate entries use it, so any fixed size is consistent.
+DEFAULT_BLOCK_SIZE: Final = 16
+
+
+class Routing(enum.Enum):
+    KV = "kv"
+    APPROX = "approx"
+    LOAD = "load"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+class BlockKeys(Protocol):
+    """``sidecar_common.kv_keys.block_keys``: the routing keys of the full blocks, chained."""
+
+    def __call__(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    routing: Routing | None = None  # None: kv where workers publish their cache, else approx
+    index_max_bytes: int | None = 256 * 1024 * 1024  # per model
+    approx_ttl: float = 120.0
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.approx_ttl <= 0:
+            raise ValueError(f"approx_ttl must be positive, got {self.approx_ttl}")
+
+    @property
+    def uses_index(self) -> bool:
+        return self.routing in (None, Routing.KV, Routing.APPROX)
+
+    @property
+    def follows_streams(self) -> bool:
+        """Whether the workers' cache streams feed the index."""
+        return self.routing in (None, Routing.KV)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A candidate worker as the router sees it."""
+
+    address: str
+    block_size: int = 0  # its engine's KV block size (0: not reported)
+    publishes: bool = False  # its entries come from its cache stream
+    running: int = 0  # requests in flight there (every frontend's)
+    queued_prefill_tokens: int = 0  # this frontend's prefill not yet done there
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: Sequence[int]
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    # False for a request whose cache entries depend on more than its tokens (images):
+    # routed on load alone, and recorded nowhere.
+    cacheable: bool = True
+
+
+class Router:
+    """The indexes (one per model) and the choice among candidate workers."""
+
+    def __init__(
+        self, config: RouterConfig, block_keys: BlockKeys, rand: random.Random | None = None
+    ) -> None:
+        if config.routing is Routing.LOAD:
+            raise ValueError("routing 'load' is the worker set's own choice, not a Router's")
+        self.config = config
+        self._block_keys = block_keys
+        self._rand = rand if rand is not None else random.Random()
+        self._indexes: dict[str, BlockIndex] = {}
+        self._turns: dict[str, int] = {}
+
+    def index(self, model: str) -> BlockIndex:
+        """The index of ``model`` (made empty on first use)."""
+        found = self._indexes.get(model)
+        if found is None:
+            found = self._indexes[model] = BlockIndex(self.config.index_max_bytes)
+        return found
+
+    def indexes(self) -> Mapping[str, BlockIndex]:
+        return self._indexes
+
+    def forget_worker(self, address: str) -> None:
+        """``address`` left the set: its entries go from every index."""
+        for index in self._indexes.values():
+            index.forget(address)
+
+    def choose(
+        self, model: str, prompt: Prompt, targets: Sequence[Target], now: float, *, turn_key: str = ""
+    ) -> Decision | None:
+        """The worker of ``targets`` to send ``prompt`` to (None: no target). ``turn_key`` names
+        the rotation of ``round-robin`` (one per role and model)."""
+        if not targets:
+            return None
+        routing = self.config.routing
+        if routing is Routing.ROUND_ROBIN:
+            ordered = sorted(targets, key=lambda t: t.address)
+            turn = self._turns.get(turn_key, 0)
+            self._turns[turn_key] = turn + 1
+            return Decision(ordered[turn % len(ordered)].address, Reason.ROUND_ROBIN, 0)
+        if routing is Routing.RANDOM:
+            return Decision(self._rand.choice(targets).address, Reason.RANDOM, 0)
+        tokens = prompt.token_ids
+        index = self.index(model)
+        index.expire(now)
+        keys_by_size: dict[int, list[int]] = {}
+        cached: dict[str, int] = {}
+        if prompt.cacheable and len(tokens) > 1:
+            sizes: dict[int, list[str]] = {}
+            for target in targets:
+                if self._indexed(target):
+                    sizes.setdefault(_block_size(target), []).append(target.address)
+            for size, addresses in sizes.items():
+                keys = self._keys(prompt, size, keys_by_size)
+                lookable = (len(tokens) - 1) // size
+                for address, blocks in index.match(keys[:lookable], addresses).items():
+                    cached[address] = blocks * size
+        decision = choose(
+            [
+                Candidate(t.address, cached.get(t.address, 0), t.running, t.queued_prefill_tokens)
+                for t in targets
+            ],
+            len(tokens),
+            self._rand,
+            self.config.policy,
+        )
+        if decision is None:
+            return None
+        chosen = next(t for t in targets if t.address == decision.worker)
+        if prompt.cacheable and self._records(chosen):
+            size = _block_size(chosen)
+            keys = self._keys(prompt, size, keys_by_size)
+            index.store(chosen.address, keys, expires=now + self.config.approx_ttl)
+        return decision
+
+    # ---------------------------------------------------------------- internals
+
+    def _indexed(self, target: Target) -> bool:
+        """Whether the index says anything about ``target``."""
+        routing = self.config.routing
+        if routing is Routing.KV:
+            return target.publishes
+        return True  # approx: every worker; unset: exact or approximate entries
+
+    def _records(self, target: Target) -> bool:
+        """Whether a decision for ``target`` becomes an approximate entry."""
+        routing = self.config.routing
+        if routing is Routing.APPROX:
+            return True
+        return routing is None and not target.publishes
+
+    def _keys(self, prompt: Prompt, size: int, memo: dict[int, list[int]]) -> list[int]:
+        keys = memo.get(size)
+        if keys is None:
+            keys = memo[size] = self._block_keys(
+                prompt.token_ids, size, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt
+            )
+        return keys
+
+
+def _block_size(target: Target) -> int:
+    return target.block_size if target.block_size > 0 else DEFAULT_BLOCK_SIZE

@@ -1,0 +1,245 @@
+"""The block index: tables of what a router relies on, and laws against a plain model."""
+
+from __future__ import annotations
+
+import math
+import random
+import tracemalloc
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar_frontend.routing.index import BYTES_PER_ENTRY, BYTES_PER_KEY, BlockIndex, as_mapping
+
+WORKERS = ("a", "b", "c")
+
+
+def test_match_counts_each_workers_leading_blocks() -> None:
+    index = BlockIndex()
+    index.store("a", [1, 2, 3, 4])
+    index.store("b", [1, 2])
+    index.store("c", [9])
+    assert index.match([1, 2, 3, 4, 5], WORKERS) == {"a": 4, "b": 2}
+
+
+def test_match_stops_at_the_first_block_a_worker_lacks() -> None:
+    # An engine's prefix cache ends at its first miss: later blocks held do not count.
+    index = BlockIndex()
+    index.store("a", [1, 2, 3])
+    index.remove("a", [2])
+    assert index.match([1, 2, 3], WORKERS) == {"a": 1}
+
+
+def test_match_only_among_the_workers_asked() -> None:
+    index = BlockIndex()
+    index.store("a", [1, 2])
+    index.store("b", [1, 2])
+    assert index.match([1, 2], ["b"]) == {"b": 2}
+    assert index.match([1, 2], ["unknown"]) == {}
+    assert index.match([], WORKERS) == {}
+
+
+def test_clear_and_replace_and_forget() -> None:
+    index = BlockIndex()
+    index.store("a", [1, 2])
+    index.store("b", [1])
+    index.clear("a")
+    assert index.held("a") == frozenset()
+    assert index.holders(1) == {"b"}
+    assert 2 not in index
+    index.replace("b", [7, 8])
+    assert as_mapping(index) == {"a": frozenset(), "b": {7, 8}}
+    index.forget("b")
+    assert index.workers() == {"a"}
+    assert len(index) == 0
+    assert index.entries == 0
+
+
+def test_a_forgotten_workers_slot_is_reused_without_its_expiries() -> None:
+    index = BlockIndex()
+    index.store("a", [1, 2], expires=10.0)
+    index.forget("a")
+    index.store("b", [1, 2], expires=10.0)  # same slot, same key, same expiry
+    index.store("b", [1, 2], expires=20.0)
+    assert index.expire(10.0) == 0
+    assert index.held("b") == {1, 2}
+    assert index.expire(20.0) == 2
+    assert index.held("b") == frozenset()
+
+
+def test_expire_removes_approximate_entries_at_their_time() -> None:
+    index = BlockIndex()
+    index.store("a", [1, 2], expires=10.0)
+    index.store("a", [1], expires=20.0)  # refreshed: lives on
+    index.store("b", [1, 2])  # exact: never expires
+    index.store("b", [3], expires=5.0)
+    assert index.expire(9.0) == 1  # b's 3
+    assert index.expire(10.0) == 1  # a's 2
+    assert as_mapping(index) == {"a": {1}, "b": {1, 2}}
+    assert index.expire(math.inf) == 1
+    assert as_mapping(index) == {"a": frozenset(), "b": {1, 2}}
+
+
+def test_an_exact_entry_does_not_become_an_expiring_one() -> None:
+    index = BlockIndex()
+    index.store("a", [1])
+    index.store("a", [1], expires=1.0)
+    assert index.expire(2.0) == 0
+    assert index.held("a") == {1}
+
+
+def test_the_cap_evicts_least_recently_used_keys() -> None:
+    per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
+    index = BlockIndex(max_bytes=10 * per_key)
+    index.store("a", list(range(100, 105)))  # chain A
+    index.store("a", list(range(200, 205)))  # chain B
+    index.match([100, 101], WORKERS)  # A's head is the most recent now
+    index.store("a", [300])
+    assert index.bytes <= 10 * per_key
+    assert index.stats().evicted >= 1
+    assert 100 in index
+    assert 101 in index
+    assert 300 in index
+    # B was the least recently used: its tail went first, its head last.
+    left_of_b = [k for k in range(200, 205) if k in index]
+    assert left_of_b == list(range(200, 200 + len(left_of_b)))
+
+
+def test_eviction_takes_a_chains_tail_before_its_head() -> None:
+    per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
+    index = BlockIndex(max_bytes=20 * per_key)
+    index.store("a", list(range(40)))
+    assert list(index.held("a"))
+    assert index.held("a") == set(range(len(index.held("a"))))
+    assert index.match(list(range(40)), WORKERS) == {"a": len(index.held("a"))}
+
+
+def test_size_estimate_tracks_measured_memory() -> None:
+    """The estimate the cap applies to is never far below what tracemalloc measures (the cap
+    holds) nor far above (the cap is not wasted)."""
+    rand = random.Random(7)
+    for workers in (1, 8):
+        tracemalloc.start()
+        try:
+            index = BlockIndex()
+            for _ in range(300):
+                keys = [rand.getrandbits(64) for _ in range(64)]
+                for w in range(workers):
+                    if w == 0 or rand.random() < 0.5:
+                        index.store(f"w{w}", keys)
+            del keys
+            measured = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert 0.9 * measured <= index.bytes <= 1.6 * measured, (workers, measured, index.bytes)
+
+
+def test_max_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        BlockIndex(max_bytes=0)
+
+
+# ---------------------------------------------------------------- laws
+
+_keys = st.lists(st.integers(min_value=0, max_value=30), max_size=8)
+_worker = st.sampled_from(WORKERS)
+_Op = tuple[str, str, list[int]]
+_op: st.SearchStrategy[_Op] = st.one_of(
+    st.tuples(st.just("store"), _worker, _keys),
+    st.tuples(st.just("remove"), _worker, _keys),
+    st.tuples(st.just("clear"), _worker, st.just([])),
+    st.tuples(st.just("replace"), _worker, _keys),
+    st.tuples(st.just("forget"), _worker, st.just([])),
+)
+
+
+def _replay(ops: list[tuple[str, str, list[int]]]) -> tuple[BlockIndex, dict[str, set[int]]]:
+    index = BlockIndex()
+    model: dict[str, set[int]] = {}
+    for op, worker, keys in ops:
+        if op == "store":
+            index.store(worker, keys)
+            if keys:
+                model.setdefault(worker, set()).update(keys)
+        elif op == "remove":
+            index.remove(worker, keys)
+            if worker in model:
+                model[worker] -= set(keys)
+        elif op == "clear":
+            index.clear(worker)
+            if worker in model:
+                model[worker] = set()
+        elif op == "replace":
+            index.replace(worker, keys)
+            model[worker] = set(keys)
+        else:
+            index.forget(worker)
+            model.pop(worker, None)
+    return index, model
+
+
+@given(st.lists(_op, max_size=40))
+def test_law_the_index_equals_a_replay_of_what_it_was_fed(ops: list[tuple[str, str, list[int]]]) -> None:
+    index, model = _replay(ops)
+    assert {w: set(k) for w, k in as_mapping(index).items()} == model
+    every = set().union(*model.values()) if model else set()
+    assert {k for k in range(31) if k in index} == every
+    for key in every:
+        assert index.holders(key) == {w for w, held in model.items() if key in held}
+    assert index.entries == sum(len(held) for held in model.values())
+
+
+@given(st.lists(_op, max_size=40), st.lists(st.integers(min_value=0, max_value=30), max_size=10))
+def test_law_match_is_the_longest_held_prefix(
+    ops: list[tuple[str, str, list[int]]], request: list[int]
+) -> None:
+    index, model = _replay(ops)
+    expected = {}
+    for worker, held in model.items():
+        depth = 0
+        while depth < len(request) and request[depth] in held:
+            depth += 1
+        if depth:
+            expected[worker] = depth
+    assert index.match(request, WORKERS) == expected
+
+
+@given(
+    st.lists(
+        st.tuples(_worker, _keys, st.one_of(st.none(), st.floats(min_value=0, max_value=100))),
+        max_size=30,
+    ),
+    st.floats(min_value=0, max_value=120),
+)
+def test_law_expiry_keeps_exactly_the_entries_whose_latest_expiry_is_later(
+    stores: list[tuple[str, list[int], float | None]], now: float
+) -> None:
+    index = BlockIndex()
+    latest: dict[tuple[str, int], float] = {}
+    for worker, keys, expires in stores:
+        when = math.inf if expires is None else expires
+        index.store(worker, keys, expires=when)
+        for key in keys:
+            latest[(worker, key)] = max(latest.get((worker, key), -math.inf), when)
+    index.expire(now)
+    kept = {(w, k) for (w, k), when in latest.items() if when > now}
+    assert {(w, k) for w, held in as_mapping(index).items() for k in held} == kept
+
+
+@given(
+    st.lists(st.tuples(_worker, st.lists(st.integers(0, 10_000), max_size=30)), max_size=30),
+    st.integers(3, 40),
+)
+def test_law_under_a_cap_the_index_stays_under_it_and_within_what_it_was_fed(
+    stores: list[tuple[str, list[int]]], cap_keys: int
+) -> None:
+    cap = cap_keys * (BYTES_PER_KEY + BYTES_PER_ENTRY * len(WORKERS))
+    index = BlockIndex(max_bytes=cap)
+    fed: dict[str, set[int]] = {}
+    for worker, keys in stores:
+        index.store(worker, keys)
+        fed.setdefault(worker, set()).update(keys)
+        assert index.bytes <= cap
+    for worker, held in as_mapping(index).items():
+        assert held <= fed.get(worker, set())

@@ -1,0 +1,170 @@
+"""The router: keys per block size, kv / approx / unset, round-robin and random."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sidecar_common.kv_keys import block_keys
+from sidecar_frontend.routing.policy import Reason
+from sidecar_frontend.routing.router import Prompt, Router, RouterConfig, Routing, Target
+
+PREFIX = list(range(1000, 1000 + 2048))
+
+
+def _router(routing: Routing | None = None, **kwargs: object) -> Router:
+    return Router(RouterConfig(routing=routing, **kwargs), block_keys, random.Random(0))  # type: ignore[arg-type]
+
+
+def test_kv_routes_to_the_worker_whose_stream_says_it_holds_the_prefix() -> None:
+    router = _router(Routing.KV)
+    router.index("m").store("b", block_keys(PREFIX, 16))
+    targets = [
+        Target("a", 16, publishes=True),
+        Target("b", 16, publishes=True),
+        Target("c", 16, publishes=True),
+    ]
+    decision = router.choose("m", Prompt([*PREFIX, 1, 2, 3]), targets, now=0.0)
+    assert decision is not None
+    assert (decision.worker, decision.reason, decision.cached_tokens) == ("b", Reason.AFFINITY, 2048)
+
+
+def test_the_last_prompt_token_is_never_predicted_cached() -> None:
+    # The engines compute at least the last token: a prompt that is exactly the cached
+    # prefix hits one block less.
+    router = _router(Routing.KV)
+    router.index("m").store("a", block_keys(PREFIX, 16))
+    decision = router.choose("m", Prompt(PREFIX), [Target("a", 16, publishes=True)], now=0.0)
+    assert decision is not None
+    assert decision.cached_tokens == 2048 - 16
+
+
+def test_keys_follow_each_workers_block_size() -> None:
+    router = _router(Routing.KV)
+    router.index("m").store("page1", block_keys(PREFIX[:100], 1))
+    router.index("m").store("block16", block_keys(PREFIX[:64], 16))
+    targets = [Target("page1", 1, publishes=True), Target("block16", 16, publishes=True)]
+    decision = router.choose("m", Prompt(PREFIX[:200]), targets, now=0.0)
+    assert decision is not None
+    assert (decision.worker, decision.cached_tokens) == ("page1", 100)
+
+
+def test_lora_and_salt_take_part_in_the_key() -> None:
+    router = _router(Routing.KV)
+    router.index("m").store("a", block_keys(PREFIX, 16, lora_name="x"))
+    router.index("m").store("b", block_keys(PREFIX, 16, cache_salt="s"))
+    targets = [Target("a", 16, publishes=True), Target("b", 16, publishes=True)]
+    on_a = router.choose("m", Prompt([*PREFIX, 1], lora_name="x"), targets, now=0.0)
+    on_b = router.choose("m", Prompt([*PREFIX, 1], cache_salt="s"), targets, now=0.0)
+    assert on_a is not None
+    assert on_b is not None
+    assert (on_a.worker, on_a.cached_tokens, on_b.worker, on_b.cached_tokens) == ("a", 2048, "b", 2048)
+
+
+def test_kv_ignores_a_worker_that_publishes_nothing_and_records_no_guess() -> None:
+    router = _router(Routing.KV)
+    targets = [Target("quiet", 16, publishes=False)]
+    first = router.choose("m", Prompt([*PREFIX, 1]), targets, now=0.0)
+    second = router.choose("m", Prompt([*PREFIX, 1]), targets, now=1.0)
+    assert first is not None
+    assert second is not None
+    assert (second.worker, second.reason, second.cached_tokens) == ("quiet", Reason.LOAD, 0)
+    assert router.index("m").entries == 0
+
+
+def test_approx_learns_from_its_own_decisions_until_they_expire() -> None:
+    router = _router(Routing.APPROX, approx_ttl=60.0)
+    targets = [Target("a", 16), Target("b", 16), Target("c", 16)]
+    first = router.choose("m", Prompt([*PREFIX, 1]), targets, now=0.0)
+    assert first is not None
+    assert first.reason is Reason.LOAD
+    again = router.choose("m", Prompt([*PREFIX, 2]), targets, now=30.0)
+    assert again is not None
+    assert (again.worker, again.reason, again.cached_tokens) == (first.worker, Reason.AFFINITY, 2048)
+    # Refreshed at 30: still there at 80, gone at 90.
+    still = router.choose("m", Prompt([*PREFIX, 3]), [Target(first.worker, 16)], now=80.0)
+    assert still is not None
+    assert still.cached_tokens == 2048
+    router.index("m").expire(200.0)
+    assert router.index("m").entries == 0
+
+
+def test_unset_routing_mixes_exact_and_approximate_workers() -> None:
+    router = _router(None)
+    targets = [Target("exact", 16, publishes=True), Target("guess", 16, publishes=False)]
+    for now in range(6):
+        decision = router.choose("m", Prompt([*PREFIX, now]), targets, now=float(now))
+        assert decision is not None
+    # Only the worker that publishes nothing got approximate entries.
+    assert router.index("m").blocks_of("exact") == 0
+    assert router.index("m").blocks_of("guess") == 2048 // 16
+
+
+def test_uncacheable_prompts_are_routed_on_load_and_recorded_nowhere() -> None:
+    router = _router(Routing.APPROX)
+    router.index("m").store("a", block_keys(PREFIX, 16))
+    decision = router.choose(
+        "m", Prompt([*PREFIX, 1], cacheable=False), [Target("a", 16, running=5), Target("b", 16)], now=0.0
+    )
+    assert decision is not None
+    assert (decision.worker, decision.reason) == ("b", Reason.LOAD)
+    assert router.index("m").blocks_of("b") == 0
+
+
+def test_models_have_separate_indexes() -> None:
+    router = _router(Routing.KV)
+    router.index("one").store("a", block_keys(PREFIX, 16))
+    decision = router.choose("two", Prompt([*PREFIX, 1]), [Target("a", 16, publishes=True)], now=0.0)
+    assert decision is not None
+    assert decision.cached_tokens == 0
+
+
+def test_forget_worker_drops_it_from_every_index() -> None:
+    router = _router(Routing.KV)
+    router.index("one").store("a", [1, 2])
+    router.index("two").store("a", [3])
+    router.forget_worker("a")
+    assert all("a" not in index.workers() for index in router.indexes().values())
+
+
+def test_round_robin_turns_per_key_in_address_order() -> None:
+    router = _router(Routing.ROUND_ROBIN)
+    targets = [Target("b"), Target("a"), Target("c")]
+    picks = [router.choose("m", Prompt([1]), targets, 0.0, turn_key="agg/m") for _ in range(4)]
+    assert [p.worker for p in picks if p] == ["a", "b", "c", "a"]
+    other = router.choose("m", Prompt([1]), targets, 0.0, turn_key="prefill/m")
+    assert other is not None
+    assert (other.worker, other.reason) == ("a", Reason.ROUND_ROBIN)
+
+
+def test_random_reaches_every_worker() -> None:
+    router = _router(Routing.RANDOM)
+    targets = [Target("a"), Target("b"), Target("c")]
+    seen = {d.worker for d in (router.choose("m", Prompt([1]), targets, 0.0) for _ in range(60)) if d}
+    assert seen == {"a", "b", "c"}
+
+
+def test_no_target_no_decision() -> None:
+    assert _router().choose("m", Prompt([1, 2]), [], 0.0) is None
+
+
+def test_load_is_not_a_routers_choice() -> None:
+    with pytest.raises(ValueError, match="load"):
+        _router(Routing.LOAD)
+
+
+def test_a_burst_on_one_cached_worker_of_three_spreads_within_bounds() -> None:
+    """100 concurrent long requests sharing a prefix the index places on one of three equal
+    workers: that worker takes 40-90 % of them."""
+    router = _router(Routing.KV)
+    router.index("m").store("a", block_keys(PREFIX, 16))
+    running = {"a": 0, "b": 0, "c": 0}
+    queued = {"a": 0, "b": 0, "c": 0}
+    for i in range(100):
+        targets = [Target(w, 16, True, running[w], queued[w]) for w in running]
+        decision = router.choose("m", Prompt([*PREFIX, *range(i * 128, i * 128 + 128)]), targets, now=0.0)
+        assert decision is not None
+        running[decision.worker] += 1
+        queued[decision.worker] += 2048 + 128 - decision.cached_tokens
+    assert 40 <= running["a"] <= 90, running

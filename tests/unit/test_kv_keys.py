@@ -1,0 +1,149 @@
+"""Routing keys of KV-cache blocks (sidecar_common.kv_keys): the frontend and the sidecar must
+compute the same integers from the same token ids, in every process and Python version."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Final
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar_common.kv_keys import block_keys, extend_keys, root_key
+
+TOKEN: Final = st.integers(min_value=0, max_value=2**32 - 1)
+TOKENS: Final = st.lists(TOKEN, max_size=80)
+BLOCK_SIZES: Final = st.sampled_from([1, 2, 3, 16])
+NAMES: Final = st.none() | st.text(max_size=12)
+
+# Pinned: a change of these numbers breaks every frontend and sidecar of a mixed-version fleet
+# (they would stop agreeing on keys), so it must be a deliberate, versioned change.
+KNOWN_VECTORS: Final = [
+    ((list(range(32)), 16, None, None), [9728747262404133374, 8779133219659900176]),
+    (
+        ([1, 2, 3], 1, None, None),
+        [12660779696305460193, 3832226038579616068, 16765323507196799996],
+    ),
+    ((list(range(16)), 16, "adapter-a", None), [15357903584608071701]),
+    ((list(range(16)), 16, None, "s"), [1873068078805240450]),
+    ((list(range(16)), 16, None, ""), [14358600812943773791]),
+]
+
+
+@pytest.mark.parametrize(("args", "keys"), KNOWN_VECTORS)
+def test_known_vectors_are_stable(
+    args: tuple[list[int], int, str | None, str | None], keys: list[int]
+) -> None:
+    tokens, block_size, lora, salt = args
+    assert block_keys(tokens, block_size, lora_name=lora, cache_salt=salt) == keys
+
+
+def test_the_layout_is_blake2b_of_parent_and_little_endian_tokens() -> None:
+    # The scheme written out independently, so another implementation (a frontend in another
+    # language) can be checked against this one.
+    def blake(data: bytes, person: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=8, person=person).digest()
+
+    root = blake(b"\x00\x00", b"sidecar.kv.root1")
+    first = blake(root + struct.pack("<4I", 5, 6, 7, 8), b"sidecar.kv.blk1")
+    second = blake(first + struct.pack("<4I", 9, 10, 11, 12), b"sidecar.kv.blk1")
+    assert root_key() == int.from_bytes(root, "big")
+    assert block_keys([5, 6, 7, 8, 9, 10, 11, 12, 13], 4) == [
+        int.from_bytes(first, "big"),
+        int.from_bytes(second, "big"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block_size", "count"),
+    [([], 16, 0), (list(range(15)), 16, 0), (list(range(16)), 16, 1), (list(range(47)), 16, 2), ([7], 1, 1)],
+)
+def test_only_full_blocks_have_keys(tokens: list[int], block_size: int, count: int) -> None:
+    assert len(block_keys(tokens, block_size)) == count
+
+
+@pytest.mark.parametrize("block_size", [0, -1])
+def test_a_block_size_below_one_is_refused(block_size: int) -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        block_keys([1, 2, 3], block_size)
+
+
+@pytest.mark.parametrize("token", [-1, 2**32])
+def test_a_token_id_outside_32_bits_is_refused(token: int) -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        block_keys([token], 1)
+
+
+@pytest.mark.parametrize("parent", [-1, 2**64])
+def test_a_parent_key_outside_64_bits_is_refused(parent: int) -> None:
+    with pytest.raises(ValueError, match="parent_key"):
+        extend_keys(parent, [1], 1)
+
+
+@given(TOKENS, BLOCK_SIZES, NAMES, NAMES)
+def test_keys_are_unsigned_64_bit(
+    tokens: list[int], block_size: int, lora: str | None, salt: str | None
+) -> None:
+    for key in block_keys(tokens, block_size, lora_name=lora, cache_salt=salt):
+        assert 0 <= key < 2**64
+
+
+@given(TOKENS, st.integers(min_value=0, max_value=80), BLOCK_SIZES, NAMES, NAMES)
+def test_keys_of_a_prefix_are_a_prefix_of_the_keys(
+    tokens: list[int], cut: int, block_size: int, lora: str | None, salt: str | None
+) -> None:
+    whole = block_keys(tokens, block_size, lora_name=lora, cache_salt=salt)
+    part = block_keys(tokens[:cut], block_size, lora_name=lora, cache_salt=salt)
+    assert whole[: len(part)] == part
+    assert len(part) == min(cut, len(tokens)) // block_size
+
+
+@given(TOKENS, TOKENS, BLOCK_SIZES, NAMES, NAMES)
+def test_extending_from_a_blocks_key_continues_the_chain(
+    head: list[int], tail: list[int], block_size: int, lora: str | None, salt: str | None
+) -> None:
+    # What the sidecar does with a stored event: its parent's key plus the event's tokens.
+    head = head[: len(head) // block_size * block_size]
+    whole = block_keys(head + tail, block_size, lora_name=lora, cache_salt=salt)
+    head_keys = block_keys(head, block_size, lora_name=lora, cache_salt=salt)
+    parent = head_keys[-1] if head_keys else root_key(lora_name=lora, cache_salt=salt)
+    assert head_keys + extend_keys(parent, tail, block_size) == whole
+
+
+@given(st.lists(TOKEN, min_size=1, max_size=40), BLOCK_SIZES, NAMES, NAMES, NAMES, NAMES)
+def test_a_different_salt_or_adapter_changes_every_key(
+    tokens: list[int],
+    block_size: int,
+    lora_a: str | None,
+    salt_a: str | None,
+    lora_b: str | None,
+    salt_b: str | None,
+) -> None:
+    if (lora_a, salt_a) == (lora_b, salt_b):
+        return
+    keys_a = block_keys(tokens, block_size, lora_name=lora_a, cache_salt=salt_a)
+    keys_b = block_keys(tokens, block_size, lora_name=lora_b, cache_salt=salt_b)
+    assert all(a != b for a, b in zip(keys_a, keys_b, strict=True))
+
+
+@given(TOKENS, TOKENS, BLOCK_SIZES)
+def test_a_blocks_key_depends_on_every_token_before_it(
+    first: list[int], second: list[int], block_size: int
+) -> None:
+    keys_first = block_keys(first, block_size)
+    keys_second = block_keys(second, block_size)
+    for index, (a, b) in enumerate(zip(keys_first, keys_second, strict=False)):
+        same_prefix = first[: (index + 1) * block_size] == second[: (index + 1) * block_size]
+        assert (a == b) == same_prefix
+
+
+def test_salt_and_adapter_are_not_interchangeable() -> None:
+    assert root_key(lora_name="x") != root_key(cache_salt="x")
+    assert root_key(lora_name="") != root_key()
+    assert root_key(lora_name="a", cache_salt="b") != root_key(lora_name="ab")
+
+
+def test_a_tuple_and_a_list_give_the_same_keys() -> None:
+    assert block_keys(tuple(range(40)), 8) == block_keys(list(range(40)), 8)
