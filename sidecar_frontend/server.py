@@ -59,11 +59,17 @@ _STOP_GRACE: Final = 5.0
 log = structlog.get_logger("sidecar_frontend.server")
 
 
-def load_formats(names: Sequence[str]) -> list[Format]:
+def load_formats(names: Sequence[str], *, sglang_incremental_streaming_output: bool = False) -> list[Format]:
+    """The formats named, each made with its own options (only SGLang has any)."""
     formats: list[Format] = []
     for name in names:
         module = importlib.import_module(FORMATS[name])
-        formats.append(module.FORMAT)
+        if name == "sglang":
+            formats.append(
+                module.SglangFormat(incremental_streaming_output=sglang_incremental_streaming_output)
+            )
+        else:
+            formats.append(module.FORMAT)
     return formats
 
 
@@ -126,7 +132,9 @@ async def serve(config: FrontendConfig) -> int:
 
 async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals]) -> int:
     try:
-        formats = load_formats(config.formats)
+        formats = load_formats(
+            config.formats, sglang_incremental_streaming_output=config.sglang_incremental_streaming_output
+        )
     except (ImportError, AttributeError) as err:
         log.error("format not available", formats=list(config.formats), error=str(err))
         return EXIT_STARTUP_FAILED
@@ -151,7 +159,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         metrics_port=config.metrics_port,
         metrics_host=config.metrics_host,
         models=sorted(config.worker_set.models) or None,
-        sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
+        sglang_incremental_streaming_output=config.sglang_incremental_streaming_output,
     )
     async with (
         WorkerSet(config.worker_set, on_inflight=on_inflight, observer=WorkerMetrics(metrics)) as workers,

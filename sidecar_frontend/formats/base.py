@@ -86,8 +86,6 @@ class FormatContext:
 
     model_info: sidecar_pb2.ModelInfo
     new_id: Callable[[], str]
-    # SGLang streams cumulative output unless the server runs --incremental-streaming-output.
-    sglang_incremental_streaming_output: bool = False
     # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid).
     inflight_ids: frozenset[str] = frozenset()
     # Unix seconds (time.time()) when the request arrived: for wall-clock values a body

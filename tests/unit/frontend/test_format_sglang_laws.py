@@ -112,7 +112,7 @@ def output_runs(draw: st.DrawFn, fields: dict[str, Any]) -> list[sidecar_pb2.LLM
 def run(
     fields: dict[str, Any], steps: list[Any], *, stream: bool, incremental: bool = False
 ) -> tuple[list[Any], Any]:
-    call = accepted({**fields, "stream": stream}, context(incremental=incremental))
+    call = accepted({**fields, "stream": stream}, incremental=incremental)
     timed = [(0, step, STARTED_AT + 0.25 * (k + 1)) for k, step in enumerate(steps)]
     written, reply = drive(call, timed)
     if stream:

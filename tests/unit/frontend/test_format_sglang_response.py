@@ -15,7 +15,7 @@ from grpc.aio import AioRpcError, Metadata
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason, decode_rpc_error
 from sidecar_frontend.formats.base import AbortCall, HttpReply, Route, RouteKind, WorkerFailure
-from sidecar_frontend.formats.sglang import ABORT, FORMAT
+from sidecar_frontend.formats.sglang import ABORT, FORMAT, SglangFormat
 from tests.unit.frontend.test_format_sglang_support import (
     STARTED_AT,
     WALL_TIME,
@@ -54,9 +54,12 @@ def unary(
 
 
 def streamed(
-    fields: dict[str, Any], *outputs: sidecar_pb2.LLMEngineOutput | WorkerFailure, ctx: Any = None
+    fields: dict[str, Any],
+    *outputs: sidecar_pb2.LLMEngineOutput | WorkerFailure,
+    ctx: Any = None,
+    incremental: bool = False,
 ) -> list[Any]:
-    call = accepted({"input_ids": PROMPT, "stream": True, **fields}, ctx)
+    call = accepted({"input_ids": PROMPT, "stream": True, **fields}, ctx, incremental=incremental)
     written, _ = drive(call, [(0, o, STARTED_AT + 0.5 * (k + 1)) for k, o in enumerate(outputs)])
     return sse_events(written)
 
@@ -283,7 +286,7 @@ def test_an_incremental_stream_sends_deltas_but_cumulative_counts() -> None:
         out([201], logprobs=[-0.1]),
         out([202, 203], logprobs=[-0.2, -0.3]),
         out([], sidecar_pb2.LENGTH),
-        ctx=context(incremental=True),
+        incremental=True,
     )
     chunks = events[:-1]
     assert [e["output_ids"] for e in chunks] == [[201], [202, 203], []]
@@ -377,7 +380,7 @@ def test_other_stream_failures_end_only_that_item_with_a_status_abort(
 
 
 def test_a_cancelled_stream_item_sends_its_abort_chunk_then_nothing_more() -> None:
-    call = accepted({"input_ids": PROMPT, "stream": True}, context(incremental=True))
+    call = accepted({"input_ids": PROMPT, "stream": True}, incremental=True)
     encoder = FORMAT.new_encoder(call, STARTED_AT)
     encoder.on_output(0, out([5]), 101.0)
     (chunk,) = sse_events(encoder.on_failure(0, WorkerFailure(FailureReason.CANCELLED, "cancelled"), 101.5))
@@ -461,7 +464,7 @@ def test_a_stream_shows_input_logprobs_from_the_first_event_that_has_them(increm
     # on every event after (they are not cut by incremental streaming).
     call = accepted(
         {"input_ids": PROMPT, "stream": True, "return_logprob": True, "logprob_start_len": 0},
-        context(incremental=incremental),
+        incremental=incremental,
     )
     outputs = [
         out([201], logprobs=[-0.1], prompt_logprobs=SGLANG_SIDECAR_ROWS),
@@ -540,8 +543,9 @@ def test_abort_always_answers_200_with_an_empty_body_and_no_content_type() -> No
         assert FORMAT.abort_reply(ABORT, AbortCall(request_ids=("x",)), aborted) == HttpReply(200, b"", "")
 
 
-def info(path: str, **ctx: Any) -> HttpReply:
-    return FORMAT.info(Route(("GET",), path, RouteKind.INFO), context(**ctx))
+def info(path: str, *, incremental: bool = False, **ctx: Any) -> HttpReply:
+    fmt = SglangFormat(incremental_streaming_output=incremental)
+    return fmt.info(Route(("GET",), path, RouteKind.INFO), context(**ctx))
 
 
 def test_health_is_an_empty_200_once_a_model_is_known() -> None:
@@ -622,7 +626,7 @@ def test_stream_interval_sends_the_first_token_then_every_n_and_the_end(
         out([103]),
         out([104]),
         out([105], sidecar_pb2.LENGTH),
-        ctx=context(incremental=incremental),
+        incremental=incremental,
     )
     assert [e["output_ids"] for e in events[:-1]] == expected
 
