@@ -18,11 +18,15 @@ from typing import Any
 
 import grpc
 
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+
 __all__ = ["main", "serve"]
 
-_MAX_MSG = 64 * 1024 * 1024
 _STREAMING = frozenset({"/vllm.grpc.engine.VllmEngine/Generate"})
-_OPTIONS = [("grpc.max_send_message_length", _MAX_MSG), ("grpc.max_receive_message_length", _MAX_MSG)]
+_OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+]
 
 
 def _remaining(context: grpc.aio.ServicerContext[bytes, bytes]) -> float | None:

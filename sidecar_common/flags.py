@@ -1,8 +1,8 @@
 """The flag library every console script shares: one-line usage errors, environment mirrors,
 where each value came from, the rule for flags that do not apply, and one ``--help`` style.
 
-Standard library only (argparse), so that the testkit and the frontend use it without
-pulling in grpc.
+Standard library (argparse) and the kernel's pure ``endpoint`` module only, so that the
+testkit and the frontend use it without pulling in grpc.
 
 - A usage error is one line on stderr, ``PROG: error: MESSAGE (see PROG --help)``, and exit
   2; when the message names a flag whose value came from its environment variable, the line
@@ -24,6 +24,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn
+
+from sidecar_common.endpoint import HostPortError, HostPortWords, parse_bind_host, parse_host_port
 
 __all__ = [
     "FlagHelpFormatter",
@@ -215,32 +217,31 @@ def port_arg(text: str) -> int:
     return value
 
 
+_LISTEN_WORDS: Final = HostPortWords(
+    not_host_port="expected host:port, got {text!r}",
+    brackets="unbalanced brackets in {text!r}",
+    unbracketed_ipv6="an IPv6 host needs brackets, e.g. [::]:50061, got {text!r}",
+    bad_host="not a host name or address: {detail!r}",
+    bad_port="expected a numeric port, got {detail!r}",
+    port_out_of_range="port must be in 0..65535, got {detail}",
+)
+
+
 def listen_arg(text: str) -> str:
-    """Validate ``host:port`` (IPv6 in brackets); port 0 asks the OS for a free one."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise argparse.ArgumentTypeError(f"expected host:port, got {text!r}")
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise argparse.ArgumentTypeError(f"unbalanced brackets in {text!r}")
-    elif ":" in host:
-        raise argparse.ArgumentTypeError(f"an IPv6 host needs brackets, e.g. [::]:50061, got {text!r}")
-    if any(c.isspace() or c in "/?#@" for c in host):
-        raise argparse.ArgumentTypeError(f"not a host name or address: {host!r}")
-    if not port_text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a numeric port, got {port_text!r}")
-    port = int(port_text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
-    return f"{host}:{port}"
+    """A ``host:port`` to listen on (IPv6 in brackets; port 0 asks the OS for a free one),
+    returned as :func:`~sidecar_common.endpoint.format_host_port` writes it."""
+    try:
+        return str(parse_host_port(text, port_zero_allowed=True))
+    except HostPortError as err:
+        raise argparse.ArgumentTypeError(_LISTEN_WORDS.message(err)) from None
 
 
 def bind_host_arg(text: str) -> str:
     """A host name or address to bind (IPv6 with or without brackets), brackets removed."""
-    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-    if not host or any(c.isspace() or c in "/?#@[]" for c in host):
-        raise argparse.ArgumentTypeError(f"not a host name or address: {text!r}")
-    return host
+    try:
+        return parse_bind_host(text)
+    except HostPortError:
+        raise argparse.ArgumentTypeError(f"not a host name or address: {text!r}") from None
 
 
 # --- parsing with the environment -------------------------------------------------------------

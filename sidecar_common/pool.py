@@ -23,10 +23,11 @@ import tenacity
 
 from sidecar_common.endpoint import Endpoint
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.retry import Backoff
 
 __all__ = [
     "CHANNEL_OPTIONS",
-    "MAX_MESSAGE_BYTES",
     "ChannelPool",
     "Clock",
     "Connector",
@@ -98,14 +99,12 @@ class PoolConfig:
     peer: str = "engine"
 
 
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-
 CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (
     # Without a private subchannel pool, every channel to one target shares one TCP
     # connection and the pool would multiplex N "channels" over a single HTTP/2 session.
     ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
     # gRPC servers by default strike pings that arrive less than 5 minutes apart while they
     # send no data (and GOAWAY after two strikes, killing in-flight calls), so probe no more
     # often than that, and only while calls are open.
@@ -173,12 +172,10 @@ async def connect_channel(
 
 
 def backoff_interval(policy: RetryPolicy, failures: int, rand: Callable[[], float]) -> float:
-    """The pause after the ``failures``-th failed attempt, before the deadline clamp:
-    exponential from ``initial_interval``, capped at ``max_interval``, with "equal jitter"
-    (uniform in the upper half) so N slots failing together do not retry in lockstep."""
-    exponent = min(max(failures - 1, 0), 62)  # 2**62 * anything already exceeds any cap
-    ceiling = min(policy.max_interval, policy.initial_interval * (2.0**exponent))
-    return ceiling * (0.5 + 0.5 * rand())
+    """The pause after the ``failures``-th failed attempt, before the deadline clamp: the
+    project's one :class:`~sidecar_common.retry.Backoff` from ``initial_interval`` up to
+    ``max_interval``, so N slots failing together do not retry in lockstep."""
+    return Backoff(policy.initial_interval, policy.max_interval).pause(failures, rand)
 
 
 # A sliver of deadline left after a clamped pause is not worth an attempt whose only

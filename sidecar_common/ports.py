@@ -11,12 +11,9 @@ from __future__ import annotations
 import errno
 import socket
 
-__all__ = ["bind_problem", "shown_address"]
+from sidecar_common.endpoint import format_host_port
 
-
-def shown_address(host: str, port: int) -> str:
-    """``host:port``, an IPv6 literal in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+__all__ = ["bind_problem"]
 
 
 def bind_problem(host: str, port: int, *, serving: str = "listen on") -> str | None:
@@ -27,7 +24,7 @@ def bind_problem(host: str, port: int, *, serving: str = "listen on") -> str | N
     binds is enough (``localhost`` in a container without IPv6 still serves on 127.0.0.1),
     but one that another process holds is a conflict. With port 0 (the OS picks one) only the
     host is checked."""
-    attempt = f"{serving} {shown_address(host, port)}"
+    attempt = f"{serving} {format_host_port(host, port)}"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:

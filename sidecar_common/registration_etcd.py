@@ -12,8 +12,7 @@ keepalive pings instead (``_KEEPALIVE_*``), which end the stream with an error.
 from __future__ import annotations
 
 import contextlib
-import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
@@ -21,12 +20,15 @@ from typing import Any, Final, Literal, TypeVar
 import aetcd
 import anyio
 
+from sidecar_common.endpoint import parse_host_port
+from sidecar_common.retry import Backoff
+
 __all__ = [
     "EtcdError",
     "EtcdSession",
     "PrefixSnapshot",
     "WatchEvent",
-    "backoff_delays",
+    "etcd_backoff",
     "open_session",
 ]
 
@@ -68,13 +70,16 @@ class WatchEvent:
     revision: int
 
 
-def backoff_delays(initial: float, cap: float) -> Iterator[float]:
-    """Capped exponential backoff with full jitter (so a fleet restarting together does not
-    knock on etcd in lockstep)."""
-    ceiling = initial
-    while True:
-        yield random.uniform(initial / 2, ceiling)  # jitter, not secrecy
-        ceiling = min(cap, ceiling * 2)
+# The first pause before etcd is tried again (then doubling, with jitter, up to the cap).
+_FIRST_RETRY_SECS: Final = 0.2
+
+
+def etcd_backoff(cap: float) -> Backoff:
+    """The pause between attempts to reach etcd, for the sidecar's registration and the
+    frontend's discovery alike: from 0.2 s, doubling up to ``cap``, with the jitter of
+    :class:`~sidecar_common.retry.Backoff` (a fleet restarting together does not knock on etcd
+    in lockstep)."""
+    return Backoff(_FIRST_RETRY_SECS, cap)
 
 
 class EtcdSession:
@@ -162,10 +167,10 @@ def _describe(err: BaseException) -> str:
 @asynccontextmanager
 async def open_session(endpoint: str, call_timeout: float) -> AsyncIterator[EtcdSession]:
     """A session to ``endpoint`` (host:port), closed on exit (bounded)."""
-    host, _, port = endpoint.rpartition(":")
+    address = parse_host_port(endpoint, port_zero_allowed=False)
     client = aetcd.Client(
-        host=host,  # an IPv6 host keeps its brackets: aetcd dials f"{host}:{port}"
-        port=int(port),
+        host=address.bracketed_host,  # aetcd dials f"{host}:{port}"
+        port=address.port,
         timeout=call_timeout,
         options=dict(_CHANNEL_OPTIONS),
         connect_wait_timeout=max(1, int(call_timeout)),

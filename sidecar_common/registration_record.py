@@ -15,32 +15,35 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, cast, get_args
+from typing import Any, Final
+
+from sidecar_common.disaggregation import ROLES, Role, is_role
+from sidecar_common.endpoint import (
+    HostPort,
+    HostPortError,
+    HostPortWords,
+    format_host_port,
+    is_wildcard_host,
+    parse_host_port,
+)
 
 __all__ = [
     "DEFAULT_PREFIX",
     "RECORD_FIELDS",
-    "ROLES",
     "RecordError",
     "RegistrationConfig",
-    "Role",
     "WorkerRecord",
     "advertise_address",
     "decode_record",
     "encode_record",
-    "is_wildcard_host",
     "normalize_prefix",
     "parse_advertise",
     "parse_etcd_endpoints",
     "record_key",
 ]
 
-Role = Literal["agg", "prefill", "decode"]
-ROLES: Final[tuple[str, ...]] = get_args(Role)
 DEFAULT_PREFIX: Final = "/llm-sidecars/workers/"
 RECORD_FIELDS: Final = ("address", "engine", "model", "role", "data_parallel_size", "version")
-
-_WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "[::]", "::", "[0:0:0:0:0:0:0:0]", ""})
 
 
 class RecordError(ValueError):
@@ -71,25 +74,22 @@ class RegistrationConfig:
     retry_max_interval: float = 5.0  # cap of the backoff between registration attempts
 
 
-def _split_host_port(text: str, what: str) -> tuple[str, int]:
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host:
-        raise RecordError(f"{what}: expected host:port, got {text!r}")
-    if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise RecordError(f"{what}: unbalanced brackets in {text!r}")
-    elif ":" in host:
-        raise RecordError(f"{what}: an IPv6 host needs brackets, e.g. [fd00::1]:50061, got {text!r}")
-    if any(c.isspace() or c in "/?#@," for c in host):
-        raise RecordError(f"{what}: not a host name or address: {host!r}")
-    if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
-        raise RecordError(f"{what}: expected a port in 1..65535, got {port_text!r}")
-    return host, int(port_text)
+def _record_words(what: str) -> HostPortWords:
+    return HostPortWords(
+        not_host_port=what + ": expected host:port, got {text!r}",
+        brackets=what + ": unbalanced brackets in {text!r}",
+        unbracketed_ipv6=what + ": an IPv6 host needs brackets, e.g. [fd00::1]:50061, got {text!r}",
+        bad_host=what + ": not a host name or address: {detail!r}",
+        bad_port=what + ": expected a port in 1..65535, got {detail!r}",
+        port_out_of_range=what + ": expected a port in 1..65535, got {detail!r}",
+    )
 
 
-def is_wildcard_host(host: str) -> bool:
-    """True for an address that means "every interface", which nobody else can dial."""
-    return host.strip() in _WILDCARD_HOSTS
+def _address(text: str, what: str) -> HostPort:
+    try:
+        return parse_host_port(text, port_zero_allowed=False)
+    except HostPortError as err:
+        raise RecordError(_record_words(what).message(err)) from None
 
 
 def advertise_address(listen: str, advertise: str | None, bound_port: int) -> str:
@@ -101,7 +101,7 @@ def advertise_address(listen: str, advertise: str | None, bound_port: int) -> st
     """
     if advertise is not None:
         return parse_advertise(advertise)
-    host, _, _ = listen.rpartition(":")
+    host = parse_host_port(listen, port_zero_allowed=True).host
     if is_wildcard_host(host):
         raise RecordError(
             f"--listen {listen} is every interface, which no frontend can dial: "
@@ -109,15 +109,15 @@ def advertise_address(listen: str, advertise: str | None, bound_port: int) -> st
         )
     if not 0 < bound_port <= 65535:
         raise RecordError(f"no port to advertise (listening on port {bound_port})")
-    return f"{host}:{bound_port}"
+    return format_host_port(host, bound_port)
 
 
 def parse_advertise(text: str) -> str:
     """``--advertise HOST:PORT``: a dialable host (not a wildcard) and a port in 1..65535."""
-    host, port = _split_host_port(text.strip(), "--advertise")
-    if is_wildcard_host(host):
+    address = _address(text, "--advertise")
+    if is_wildcard_host(address.host):
         raise RecordError(f"--advertise must name an address others can dial, got {text!r}")
-    return f"{host}:{port}"
+    return str(address)
 
 
 def normalize_prefix(prefix: str) -> str:
@@ -146,8 +146,7 @@ def parse_etcd_endpoints(text: str) -> tuple[str, ...]:
         if item.startswith("https://"):
             raise RecordError(f"etcd endpoint {item!r}: TLS (https://) is not supported")
         item = item.removeprefix("http://").rstrip("/")
-        host, port = _split_host_port(item, "etcd endpoint")
-        endpoints.append(f"{host}:{port}")
+        endpoints.append(str(_address(item, "etcd endpoint")))
     if not endpoints:
         raise RecordError(f"expected at least one etcd endpoint host:port, got {text!r}")
     return tuple(dict.fromkeys(endpoints))
@@ -187,20 +186,20 @@ def decode_record(raw: bytes) -> WorkerRecord:
     if not isinstance(body, dict):
         raise RecordError(f"expected a JSON object, got {type(body).__name__}")
     address = _field(body, "address", str)
-    host, port = _split_host_port(address, "address")
-    if is_wildcard_host(host):
+    parsed = _address(address, "address")
+    if is_wildcard_host(parsed.host):
         raise RecordError(f"address {address!r} is not dialable")
     role = _field(body, "role", str, "agg")
-    if role not in ROLES:
+    if not is_role(role):
         raise RecordError(f"field 'role' must be one of {', '.join(ROLES)}, got {role!r}")
     dp_size = _field(body, "data_parallel_size", int, 1)
     if dp_size < 1:
         raise RecordError(f"field 'data_parallel_size' must be >= 1, got {dp_size}")
     return WorkerRecord(
-        address=f"{host}:{port}",
+        address=str(parsed),
         engine=_field(body, "engine", str),
         model=_field(body, "model", str),
-        role=cast(Role, role),
+        role=role,
         data_parallel_size=dp_size,
         version=_field(body, "version", str, ""),
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, cast
 
@@ -32,15 +32,15 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from sidecar_common.registration_etcd import EtcdError, backoff_delays, open_session
+from sidecar_common.disaggregation import ROLES, Role, is_role
+from sidecar_common.registration_etcd import EtcdError, etcd_backoff, open_session
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
-    ROLES,
     RecordError,
-    Role,
     normalize_prefix,
     parse_etcd_endpoints,
 )
+from sidecar_common.retry import RetryForever
 from sidecar_frontend.discovery_records import (
     AddWorker,
     Change,
@@ -70,7 +70,6 @@ log = structlog.get_logger("sidecar_frontend.discovery")
 
 DiscoveryMode = Literal["static", "dns", "etcd"]
 DISCOVERY_MODES: Final[tuple[DiscoveryMode, ...]] = ("static", "dns", "etcd")
-_FIRST_RETRY_SECS: Final = 0.2
 
 # (host, port) -> the IP addresses it resolves to. Raises OSError when it cannot resolve.
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
@@ -186,53 +185,61 @@ async def _run_etcd(config: DiscoveryConfig, sink: DiscoverySink, task_status: T
     view = EtcdView()
     prefix = config.etcd_prefix.encode()
     endpoints = config.etcd_endpoints
-    delays: Iterator[float] | None = None
-    attempt = 0
+    sessions = 0
     started = False
+
+    def report_started() -> None:
+        nonlocal started
+        if not started:
+            started = True
+            task_status.started()
+
+    def lost(error: BaseException, failures: int, pause: float) -> None:
+        # A warning when it starts failing; the retries that follow are debug lines.
+        level = log.warning if failures == 1 else log.debug
+        level(
+            "etcd discovery lost etcd; keeping the last view",
+            error=str(error),
+            workers=len(view.workers()),
+            retry_in_secs=round(pause, 2),
+        )
+        report_started()  # out of reach from the start: the frontend starts with no worker
+
+    retrying = RetryForever(
+        etcd_backoff(config.etcd_retry_max_interval),
+        retry_on=lambda error: isinstance(error, EtcdError),
+        on_retry=lost,
+    )
+
+    async def listen_then_watch() -> None:
+        """One session on the next endpoint: list the prefix, then follow its changes until
+        etcd fails or the watch ends (both raise EtcdError)."""
+        nonlocal sessions
+        endpoint = endpoints[sessions % len(endpoints)]
+        sessions += 1
+        async with open_session(endpoint, config.etcd_call_timeout) as session:
+            snapshot = await session.get_prefix(prefix)
+            _apply(sink, view.resync(snapshot.items), "etcd")
+            log.info(
+                "etcd discovery in sync",
+                etcd=endpoint,
+                prefix=config.etcd_prefix,
+                workers=len(view.workers()),
+                revision=snapshot.revision,
+            )
+            retrying.made_progress()
+            report_started()
+            async with session.watch_prefix(prefix, snapshot.revision + 1) as events:
+                async for event in events:
+                    if event.kind == "put":
+                        _apply(sink, view.put(event.key, event.value), "etcd")
+                    else:
+                        _apply(sink, view.delete(event.key), "etcd")
+        raise EtcdError("the watch ended")
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(_reconcile, view, sink, config.reconcile_interval)
-        while True:
-            endpoint = endpoints[attempt % len(endpoints)]
-            attempt += 1
-            failure = "the watch ended"
-            try:
-                async with open_session(endpoint, config.etcd_call_timeout) as session:
-                    snapshot = await session.get_prefix(prefix)
-                    _apply(sink, view.resync(snapshot.items), "etcd")
-                    log.info(
-                        "etcd discovery in sync",
-                        etcd=endpoint,
-                        prefix=config.etcd_prefix,
-                        workers=len(view.workers()),
-                        revision=snapshot.revision,
-                    )
-                    delays = None
-                    if not started:
-                        started = True
-                        task_status.started()
-                    async with session.watch_prefix(prefix, snapshot.revision + 1) as events:
-                        async for event in events:
-                            if event.kind == "put":
-                                _apply(sink, view.put(event.key, event.value), "etcd")
-                            else:
-                                _apply(sink, view.delete(event.key), "etcd")
-            except EtcdError as err:
-                failure = str(err)
-            # A warning when it starts failing; the retries that follow are debug lines.
-            level = log.warning if delays is None else log.debug
-            if delays is None:
-                delays = backoff_delays(_FIRST_RETRY_SECS, config.etcd_retry_max_interval)
-            delay = next(delays)
-            level(
-                "etcd discovery lost etcd; keeping the last view",
-                error=failure,
-                workers=len(view.workers()),
-                retry_in_secs=round(delay, 2),
-            )
-            if not started:
-                started = True
-                task_status.started()
-            await anyio.sleep(delay)
+        await retrying.run(listen_then_watch)  # never returns: every session ends in a retry
 
 
 # ------------------------------------------------------------------------------ flags
@@ -314,9 +321,9 @@ def discovery_config_from_args(
             workers.append(parse_worker(item))
         else:
             address, role = item
-            if role not in ROLES:
+            if not is_role(role):
                 raise ValueError(f"worker {address}: role must be one of {', '.join(ROLES)}, got {role!r}")
-            workers.append((parse_worker(address)[0], cast(Role, role)))
+            workers.append((parse_worker(address)[0], role))
     dns_targets = tuple(dict.fromkeys(namespace.dns_names or ()))
     endpoints: tuple[str, ...] = namespace.etcd_endpoints or ()
     if mode == "static" and not workers:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
 
+from sidecar_common.disaggregation import ROLES, Role, is_role
+from sidecar_common.endpoint import HostPort, HostPortError, HostPortWords, format_host_port, parse_host_port
 from sidecar_common.registration_record import (
-    ROLES,
     RecordError,
-    Role,
     WorkerRecord,
     decode_record,
 )
@@ -29,13 +28,10 @@ __all__ = [
     "EtcdView",
     "Rejected",
     "diff_workers",
-    "format_address",
     "missing_workers",
     "parse_dns_target",
     "parse_worker",
 ]
-
-_MAX_PORT: Final = 65535
 
 
 @dataclass(frozen=True)
@@ -67,34 +63,32 @@ def diff_workers(old: Mapping[str, Role], new: Mapping[str, Role]) -> list[Chang
     return changes
 
 
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 literal in brackets."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
 def _role_and_rest(text: str, what: str) -> tuple[Role, str]:
     role_text, sep, rest = text.partition("=")
     if not sep:
         return "agg", text
-    if role_text not in ROLES:
+    if not is_role(role_text):
         raise RecordError(f"{what}: role must be one of {', '.join(ROLES)}, got {role_text!r}")
-    role: Role = role_text  # type: ignore[assignment]  # checked against ROLES just above
-    return role, rest
+    return role_text, rest
 
 
-def _host_port(text: str, what: str) -> tuple[str, int]:
-    host, sep, port_text = text.strip().rpartition(":")
-    if not sep or not host:
-        raise RecordError(f"{what}: expected NAME:PORT, got {text!r}")
-    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-        raise RecordError(f"{what}: an IPv6 address needs brackets, e.g. [fd00::1]:50061, got {text!r}")
-    if any(c.isspace() or c in "/?#@," for c in host):
-        raise RecordError(f"{what}: not a host name: {host!r}")
-    if not port_text.isdigit() or not 0 < int(port_text) <= _MAX_PORT:
-        raise RecordError(f"{what}: expected a port in 1..65535, got {port_text!r}")
-    return host, int(port_text)
+def _flag_words(what: str) -> HostPortWords:
+    brackets = what + ": an IPv6 address needs brackets, e.g. [fd00::1]:50061, got {text!r}"
+    return HostPortWords(
+        not_host_port=what + ": expected NAME:PORT, got {text!r}",
+        brackets=brackets,
+        unbracketed_ipv6=brackets,
+        bad_host=what + ": not a host name: {detail!r}",
+        bad_port=what + ": expected a port in 1..65535, got {detail!r}",
+        port_out_of_range=what + ": expected a port in 1..65535, got {detail!r}",
+    )
+
+
+def _host_port(text: str, what: str) -> HostPort:
+    try:
+        return parse_host_port(text, port_zero_allowed=False)
+    except HostPortError as err:
+        raise RecordError(_flag_words(what).message(err)) from None
 
 
 @dataclass(frozen=True)
@@ -107,20 +101,19 @@ class DnsTarget:
 
     def __str__(self) -> str:
         prefix = "" if self.role == "agg" else f"{self.role}="
-        return f"{prefix}{self.host}:{self.port}"
+        return prefix + format_host_port(self.host, self.port)
 
 
 def parse_dns_target(text: str) -> DnsTarget:
     role, rest = _role_and_rest(text.strip(), "--dns-name")
-    host, port = _host_port(rest, "--dns-name")
-    return DnsTarget(host.strip("[]"), port, role)
+    address = _host_port(rest, "--dns-name")
+    return DnsTarget(address.host, address.port, role)
 
 
 def parse_worker(text: str) -> tuple[str, Role]:
     """A static worker ``[ROLE=]HOST:PORT`` -> (address, role)."""
     role, rest = _role_and_rest(text.strip(), "worker")
-    host, port = _host_port(rest, "worker")
-    return f"{host}:{port}", role
+    return str(_host_port(rest, "worker")), role
 
 
 @dataclass
@@ -141,7 +134,7 @@ class DnsView:
     def resolved(self, target: DnsTarget, hosts: Iterable[str]) -> list[Change]:
         """``target`` now resolves to ``hosts`` (IP addresses); returns the changes."""
         before = self.workers()
-        self._answers[target] = frozenset(format_address(h, target.port) for h in hosts)
+        self._answers[target] = frozenset(format_host_port(h, target.port) for h in hosts)
         return diff_workers(before, self.workers())
 
 

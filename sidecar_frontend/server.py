@@ -26,6 +26,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar_common.endpoint import parse_host_port
 from sidecar_common.errors import FailureReason
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
@@ -74,8 +75,9 @@ def load_formats(names: Sequence[str], *, sglang_incremental_streaming_output: b
 
 
 def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
+    """``--listen`` (already checked by its flag) -> (host without brackets, port)."""
+    address = parse_host_port(listen, port_zero_allowed=True)
+    return address.host, address.port
 
 
 async def _metrics_runner(metrics: Metrics, host: str, port: int) -> web.AppRunner:

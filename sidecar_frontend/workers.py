@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 import grpc
@@ -40,6 +40,7 @@ from anyio.abc import TaskGroup
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.disaggregation import ROLES, Role, is_role
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import SidecarError
 from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule, RetryPolicy
@@ -65,8 +66,6 @@ __all__ = [
 
 HEALTH_SERVICE: Final = "sidecar.v1.Worker"
 
-Role = Literal["agg", "prefill", "decode"]
-ROLES: Final = ("agg", "prefill", "decode")
 
 log = structlog.get_logger("sidecar_frontend.workers")
 
@@ -117,8 +116,6 @@ class Refusal(enum.Enum):
     ROLE = "role"  # its sidecar's disaggregation mode contradicts the role it was given
 
 
-# The sidecar's --disaggregation-mode for each role the frontend gives a worker.
-_MODE_OF_ROLE: Final[Mapping[str, str]] = {"agg": "agg", "prefill": "prefill", "decode": "decode"}
 _HOW_TO_LIST: Final[Mapping[str, str]] = {
     "agg": "--worker {address}",
     "prefill": "--prefill-worker {address} (or --worker prefill={address})",
@@ -131,16 +128,16 @@ def role_mismatch(address: str, role: str, mode: str) -> str | None:
     ``ModelInfo.disaggregation_mode``), or None when they agree. An empty mode is a sidecar
     that does not say: aggregated, as the field's default means."""
     actual = mode or "agg"
-    if _MODE_OF_ROLE.get(role) == actual:
+    # A worker given a role needs its sidecar started with --disaggregation-mode <that role>.
+    if role == actual:
         return None
     given = "an aggregated worker" if role == "agg" else f"a {role} worker"
     runs = "runs aggregated" if actual == "agg" else f"runs --disaggregation-mode {actual}"
     fix = _HOW_TO_LIST.get(actual)
     hint = (
-        f"list it as {fix.format(address=address)}, or start its sidecar with "
-        f"--disaggregation-mode {_MODE_OF_ROLE.get(role, role)}"
+        f"list it as {fix.format(address=address)}, or start its sidecar with --disaggregation-mode {role}"
         if fix is not None
-        else f"start its sidecar with --disaggregation-mode {_MODE_OF_ROLE.get(role, role)}"
+        else f"start its sidecar with --disaggregation-mode {role}"
     )
     return f"worker {address} was given as {given} but its sidecar {runs}: {hint}"
 
@@ -308,14 +305,14 @@ class WorkerSet:
     def add_worker(self, address: str, role: str = "agg") -> None:
         """Start using the sidecar at ``address`` (host:port). Idempotent; a worker being
         drained stays drained (it is forgotten once idle, and may be added again then)."""
-        if role not in ROLES:
+        if not is_role(role):
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if address in self._workers:
             return
         if self._group is None:
             raise RuntimeError("WorkerSet is not running (use `async with`)")
         pool = self._new_pool(address)
-        worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))  # type: ignore[arg-type]
+        worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))
         worker.idle.set()
         self._workers[address] = worker
         self._group.start_soon(self._run, worker)

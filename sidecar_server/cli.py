@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Final, cast
 
 from sidecar_common import flags
-from sidecar_common.disaggregation import DisaggregationMode
+from sidecar_common.disaggregation import ROLES, DisaggregationMode
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.logs import LogFormat, default_log_format
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
 from sidecar_common.pool import PoolConfig, RetryPolicy
@@ -35,7 +36,7 @@ from sidecar_common.registration_record import (
 )
 from sidecar_common.tls import TlsFiles, TlsSettingsError, check_pem, tls_files
 from sidecar_common.version import package_version
-from sidecar_server.config import DEFAULT_MAX_REQUEST_BYTES, EngineSpec, SidecarConfig
+from sidecar_server.config import EngineSpec, SidecarConfig
 
 __all__ = [
     "ENV_PREFIX",
@@ -203,7 +204,7 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     security.add_argument(
         "--max-request-bytes",
         type=_byte_count,
-        default=DEFAULT_MAX_REQUEST_BYTES,
+        default=GRPC_MAX_MESSAGE_BYTES,
         metavar="BYTES",
         help="largest request message accepted; larger ones are refused with RESOURCE_EXHAUSTED",
     )
@@ -268,7 +269,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     )
     serve.add_argument(
         "--disaggregation-mode",
-        choices=("agg", "prefill", "decode"),
+        choices=ROLES,
         default="agg",
         help="the role of this worker in a disaggregated prefill/decode pair",
     )

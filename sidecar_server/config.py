@@ -5,20 +5,17 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Literal
 
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
 from sidecar_common.tls import TlsFiles
 from sidecar_server.engine import Engine
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "EngineSpec", "SidecarConfig"]
-
-# The largest request message the public port accepts (--max-request-bytes): room for a
-# prompt of millions of token ids and media URLs, far below what would strain memory.
-DEFAULT_MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
+__all__ = ["EngineSpec", "SidecarConfig"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +33,8 @@ class SidecarConfig:
     registration: RegistrationConfig | None = None  # --etcd-endpoints & co; None: off
     tls: TlsFiles | None = None  # --tls-cert, --tls-key, --tls-client-ca; None: plaintext
     reflection: bool = True  # --no-reflection switches it off
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # The largest request message the public port accepts (--max-request-bytes).
+    max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)

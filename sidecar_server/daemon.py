@@ -37,11 +37,12 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.endpoint import format_host_port, parse_host_port
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
-from sidecar_common.ports import bind_problem, shown_address
+from sidecar_common.ports import bind_problem
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
@@ -140,8 +141,7 @@ def _cleanup_allowance(server_config: ServerConfig) -> float:
 
 def _listen_host(listen: str) -> str:
     """``host:port`` / ``[v6]:port`` -> the host, as a socket binds it."""
-    host = listen.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
+    return parse_host_port(listen, port_zero_allowed=True).host
 
 
 def _start_metrics_http(
@@ -149,7 +149,7 @@ def _start_metrics_http(
 ) -> Callable[[], Awaitable[None]]:
     from prometheus_client import start_http_server
 
-    shown = shown_address(host, port)
+    shown = format_host_port(host, port)
     problem = bind_problem(host, port, serving="serve metrics on")
     if problem is not None:
         raise _StartupFailed(f"{problem} ({metrics_address_flags(sources)})")
@@ -345,7 +345,8 @@ def _engine_status(spec: EngineSpec, config: SidecarConfig) -> Callable[[bool, s
 async def _start(
     spec: EngineSpec, config: SidecarConfig, engine: Engine, closing: AsyncExitStack, sources: FlagSources
 ) -> SidecarServer:
-    problem = bind_problem(_listen_host(config.listen), int(config.listen.rpartition(":")[2]))
+    listen = parse_host_port(config.listen, port_zero_allowed=True)
+    problem = bind_problem(listen.host, listen.port)
     if problem is not None:
         # Asked first: grpc would report only "Failed to bind" (and print its own C++ line).
         raise _StartupFailed(f"{problem} ({sources.naming('listen')})")

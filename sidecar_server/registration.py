@@ -8,31 +8,36 @@ here), then the lease is revoked, and only then does the server refuse work. A s
 dies without withdrawing disappears when its lease expires.
 
 etcd is not on the request path: a sidecar that cannot reach it still serves gRPC, logs the
-failure and keeps trying (capped exponential backoff over the endpoints in turn). Every etcd
-call is bounded by ``call_timeout``; the withdrawal as a whole by :attr:`Registration.withdraw_bound`.
+failure and keeps trying, over the endpoints in turn, with the project's one backoff
+(:func:`~sidecar_common.registration_etcd.etcd_backoff`: from 0.2 s, doubling up to
+``retry_max_interval``, with jitter; from 0.2 s again after a registration that was in place
+is lost). Every
+etcd call is bounded by ``call_timeout``; the withdrawal as a whole by
+:attr:`Registration.withdraw_bound`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import contextlib
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 import structlog
 
-from sidecar_common.registration_etcd import EtcdError, EtcdSession, backoff_delays, open_session
+from sidecar_common.registration_etcd import EtcdError, EtcdSession, etcd_backoff, open_session
 from sidecar_common.registration_record import (
     RegistrationConfig,
     WorkerRecord,
     encode_record,
     record_key,
 )
+from sidecar_common.retry import RetryForever
 
 __all__ = ["Registration", "registered"]
 
 log = structlog.get_logger("sidecar_server.registration")
 
-_FIRST_RETRY_SECS = 0.2
 _MIN_REFRESH_SECS = 0.5
 
 
@@ -50,6 +55,15 @@ class Registration:
         self.registered = anyio.Event()
         # The lease of the last registration, until the key is known deleted.
         self._lease: int | None = None
+        self._attempts = 0  # sessions opened, which picks the next endpoint in turn
+        self._retrying = RetryForever(
+            etcd_backoff(config.retry_max_interval),
+            # Any failure: a bug here must not take the serving sidecar down.
+            retry_on=lambda _: True,
+            on_retry=self._report_failure,
+            stop=self._stop.is_set,  # withdrawing: run() goes on with a fresh session
+            sleep=self._pause,
+        )
 
     @property
     def withdraw_bound(self) -> float:
@@ -58,44 +72,49 @@ class Registration:
 
     async def run(self) -> None:
         """Register, keep the lease alive, re-register after any failure; until withdrawn."""
-        endpoints = self._config.endpoints
-        delays: Iterator[float] | None = None
-        attempt = 0
         try:
-            while not self._stop.is_set():
-                endpoint = endpoints[attempt % len(endpoints)]
-                attempt += 1
-                try:
-                    async with open_session(endpoint, self._config.call_timeout) as session:
-                        await self._register(session)
-                        delays = None
-                        await self._keep_alive(session)
-                        return
-                except EtcdError as err:
-                    failure = str(err)
-                except Exception as err:  # a bug here must not take the serving sidecar down
-                    log.exception("etcd registration failed unexpectedly")
-                    failure = repr(err)
-                if self._stop.is_set():
-                    break  # withdrawing: below, on a fresh session
-                # A warning when it starts failing; the retries that follow are debug lines.
-                level = log.warning if delays is None else log.debug
-                if delays is None:
-                    delays = backoff_delays(_FIRST_RETRY_SECS, self._config.retry_max_interval)
-                delay = next(delays)
-                level(
-                    "etcd registration failed; still serving, will retry",
-                    error=failure,
-                    key=self.key.decode(),
-                    retry_in_secs=round(delay, 2),
-                )
-                with anyio.move_on_after(delay):
-                    await self._stop.wait()
+            # A failure once withdrawing has begun ends the loop: the withdrawal below is what
+            # matters then (that last failure is not logged).
+            with contextlib.suppress(Exception):
+                await self._retrying.run(self._session)
             # Stopped while not connected: the key may still be there from an earlier lease.
             if self._lease is not None:
                 await self._withdraw_with_fresh_session()
         finally:
             self._done.set()
+
+    async def _session(self) -> None:
+        """One attempt: on the next endpoint, register and keep the lease alive until
+        withdrawn (returns) or until etcd fails (raises)."""
+        if self._stop.is_set():
+            return  # asked to stop during the pause: withdraw in run()
+        endpoint = self._config.endpoints[self._attempts % len(self._config.endpoints)]
+        self._attempts += 1
+        try:
+            async with open_session(endpoint, self._config.call_timeout) as session:
+                await self._register(session)
+                self._retrying.made_progress()
+                await self._keep_alive(session)
+        except EtcdError:
+            raise
+        except Exception:
+            log.exception("etcd registration failed unexpectedly")
+            raise
+
+    def _report_failure(self, error: BaseException, failures: int, pause: float) -> None:
+        # A warning when it starts failing; the retries that follow are debug lines.
+        level = log.warning if failures == 1 else log.debug
+        level(
+            "etcd registration failed; still serving, will retry",
+            error=str(error) if isinstance(error, EtcdError) else repr(error),
+            key=self.key.decode(),
+            retry_in_secs=round(pause, 2),
+        )
+
+    async def _pause(self, seconds: float) -> None:
+        """The backoff pause, cut short by :meth:`withdraw`."""
+        with anyio.move_on_after(seconds):
+            await self._stop.wait()
 
     async def withdraw(self) -> None:
         """Delete the key (first), revoke the lease, stop refreshing. Bounded; idempotent.

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool import ReportSchedule
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata
@@ -48,7 +49,6 @@ LIVENESS_SERVICE = "liveness"
 HEALTH_SERVICES = ("", WORKER_SERVICE, LIVENESS_SERVICE)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-_MAX_MESSAGE = 64 * 1024 * 1024
 
 _Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -78,7 +78,7 @@ class ServerConfig:
     reflection: bool = True
     # Larger request messages are refused by grpc itself (RESOURCE_EXHAUSTED) before any
     # handler runs: the bound on what one client can make the sidecar hold.
-    max_request_bytes: int = _MAX_MESSAGE
+    max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
 
 
 class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -241,7 +241,7 @@ class SidecarServer:
             raise RuntimeError("SidecarServer.start called twice")
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", self._config.max_request_bytes),
                 # grpcio turns SO_REUSEPORT on by default: a second sidecar (or the engine
                 # itself) on the same port would bind too and silently split the traffic.

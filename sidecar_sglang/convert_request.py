@@ -22,6 +22,7 @@ from typing import Final, Literal
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits, exact_integer
 
@@ -46,7 +47,6 @@ ROOM_MAX: Final = 2**63 - 1
 # SGLang's SamplingParams: max_new_tokens when the request names none.
 SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
 
-Mode = Literal["agg", "prefill", "decode"]
 Transport = Literal["grpc", "http"]
 
 _MEDIA_FIELDS: Final = {
@@ -71,7 +71,7 @@ class Bootstrap:
 class RequestSettings:
     """What discovery learned that request conversion depends on."""
 
-    mode: Mode = "agg"
+    mode: DisaggregationMode = "agg"
     transport: Transport = "grpc"
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None

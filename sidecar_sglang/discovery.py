@@ -8,16 +8,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.disaggregation import DisaggregationMode
+from sidecar_common.endpoint import is_wildcard_host
 from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
 from sidecar_common.limits import exact_integer
-from sidecar_sglang.convert_request import Mode, RequestSettings, Transport
+from sidecar_sglang.convert_request import RequestSettings, Transport
 
 __all__ = ["Discovered", "discover", "loads_from_json"]
-
-_WILDCARD_HOSTS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ def _nonneg(value: int | None) -> int:
     return value if value is not None and value > 0 else 0
 
 
-def _mode(value: object) -> Mode:
+def _mode(value: object) -> DisaggregationMode:
     text = str(value).strip().lower() if value is not None else "null"
     if text in ("null", "none", ""):
         return "agg"
@@ -92,7 +91,7 @@ def discover(
     server: Mapping[str, object],
     models: Sequence[Mapping[str, object]],
     *,
-    expected_mode: Mode,
+    expected_mode: DisaggregationMode,
     transport: Transport,
     engine_host: str,
 ) -> Discovered:
@@ -114,7 +113,7 @@ def discover(
     page = _nonneg(_int(server.get("page_size")))
     total_tokens = _nonneg(_int(server.get("max_total_num_tokens")))
     host = _str(server.get("disaggregation_bootstrap_host")) or _str(server.get("host"))
-    if host is None or host in _WILDCARD_HOSTS:
+    if host is None or is_wildcard_host(host):
         # The engine listens on every interface: the address the sidecar reaches it by is the
         # one a decode worker can use too.
         host = engine_host

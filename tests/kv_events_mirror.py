@@ -128,14 +128,21 @@ class Subscriber:
         self.batches[seq] = self._decode.decode(payload)
         return seq
 
-    async def join(self, make_batch: Callable[[int], Awaitable[None]], tries: int = 50) -> int:
-        """PUB/SUB joins late: make batches (``make_batch(i)``) until one arrives live."""
+    async def join(
+        self, make_batch: Callable[[int], Awaitable[None]], last_seq: Callable[[], int], tries: int = 50
+    ) -> int:
+        """PUB/SUB joins late: make batches (``make_batch(i)``) until one arrives live, then
+        take every batch up to the publisher's ``last_seq()`` (those were sent after it, so
+        they come too); that last sequence number."""
         for i in range(tries):
             await make_batch(i)
             try:
-                return await self.recv_live(timeout=0.5)
+                await self.recv_live(timeout=0.5)
             except TimeoutError:
                 continue
+            while self.live_seqs[-1] < last_seq():
+                await self.recv_live()
+            return self.live_seqs[-1]
         raise AssertionError("no batch arrived on the SUB socket")
 
     async def replay_from(self, start: int, timeout: float = 10.0) -> list[int]:

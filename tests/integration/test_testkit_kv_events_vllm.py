@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import grpc
 import msgspec
+import zmq
+import zmq.asyncio
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from testkit.kv_events import parse_kv_events_config
@@ -80,7 +82,7 @@ async def joined(engine: VllmTestEngine, stub: pb_grpc.VllmEngineStub, sub: Subs
     async def warm(i: int) -> None:  # one block each
         await generate(stub, f"warm-{i}", prompt_of(size + 1, base=20000 + 100 * i), max_tokens=1)
 
-    return await sub.join(warm)
+    return await sub.join(warm, lambda: engine.kv_cache.publishers[0].next_seq - 1)
 
 
 async def test_a_request_publishes_its_full_blocks_and_a_repeat_reports_them_cached() -> None:
@@ -272,3 +274,29 @@ async def test_without_the_flag_nothing_is_published_and_hits_are_still_reported
         await generate(stub, "a", prompt_of(9), max_tokens=1)
         again = await generate(stub, "b", prompt_of(9), max_tokens=1)
     assert cached_counts(again) == {8}
+
+
+async def test_a_concrete_address_is_connected_to_so_a_binding_subscriber_receives() -> None:
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with serve(events=events_config(endpoint=f"tcp://127.0.0.1:{port}"), block_size=4) as (
+            engine,
+            stub,
+            _,
+        ):
+            assert not engine.kv_cache.publishers[0].binds
+            for i in range(50):  # the connection is made in the background: until one arrives
+                await generate(stub, f"c{i}", prompt_of(5, base=100 * i), max_tokens=1)
+                if await sub.poll(500):
+                    break
+            _, seq, payload = await sub.recv_multipart()
+    finally:
+        sub.close(0)
+        ctx.term()
+    batch = msgspec.msgpack.decode(payload, type=VllmBatch)
+    assert int.from_bytes(seq, "big") <= i  # batches sent before the subscription are lost
+    assert isinstance(batch.events[0], VllmStored)

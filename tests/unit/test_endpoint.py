@@ -1,10 +1,25 @@
-"""Which engine endpoints the sidecar accepts, and why it refuses the others."""
+"""host:port: the one parser, formatter and wildcard rule; which engine endpoints the sidecar
+accepts, and why it refuses the others."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
+from sidecar_common.endpoint import (
+    Endpoint,
+    EndpointError,
+    HostPort,
+    HostPortError,
+    HostPortProblem,
+    HostPortWords,
+    format_host_port,
+    is_wildcard_host,
+    parse_bind_host,
+    parse_endpoint,
+    parse_host_port,
+)
 
 ACCEPTED = [
     ("127.0.0.1:50051", "127.0.0.1", 50051),
@@ -80,3 +95,114 @@ def test_target_and_url_bracket_ipv6() -> None:
     assert parse_endpoint("http://[::1]:5").http_base_url == "http://[::1]:5"
     assert parse_endpoint("grpc://h:5").target == "h:5"
     assert str(parse_endpoint("h:5")) == "h:5"
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "address"),
+    [("10.0.0.1", 50061, "10.0.0.1:50061"), ("fd00::1", 1, "[fd00::1]:1"), ("[fd00::1]", 1, "[fd00::1]:1")],
+)
+def test_format_host_port_brackets_ipv6_once(host: str, port: int, address: str) -> None:
+    assert format_host_port(host, port) == address
+
+
+@pytest.mark.parametrize(
+    ("host", "wildcard"),
+    [
+        ("", True),
+        ("  ", True),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("[::]", True),
+        ("[0:0:0:0:0:0:0:0]", True),
+        ("::0", True),
+        ("127.0.0.1", False),
+        ("::1", False),
+        ("[fd00::1]", False),
+        ("localhost", False),
+        ("0.0.0.1", False),
+    ],
+)
+def test_one_wildcard_rule(host: str, wildcard: bool) -> None:
+    assert is_wildcard_host(host) is wildcard
+
+
+def test_port_zero_only_where_allowed() -> None:
+    assert parse_host_port("h:0", port_zero_allowed=True) == HostPort("h", 0)
+    with pytest.raises(HostPortError) as info:
+        parse_host_port("h:0", port_zero_allowed=False)
+    assert info.value.problem is HostPortProblem.PORT_OUT_OF_RANGE
+
+
+@pytest.mark.parametrize(
+    ("text", "problem", "detail"),
+    [
+        ("", HostPortProblem.NO_HOST, ""),
+        (":1", HostPortProblem.NO_HOST, ""),
+        ("host", HostPortProblem.NO_PORT, "host"),
+        ("[::1]", HostPortProblem.NO_PORT, "::1"),
+        ("host:", HostPortProblem.EMPTY_PORT, ""),
+        ("[::1:5", HostPortProblem.UNCLOSED_BRACKET, "[::1:5"),
+        ("[::1]x:5", HostPortProblem.AFTER_BRACKETS, "x:5"),
+        ("[]:5", HostPortProblem.NOT_IPV6_IN_BRACKETS, ""),
+        ("[h]:5", HostPortProblem.NOT_IPV6_IN_BRACKETS, "h"),
+        ("fd00::1:5", HostPortProblem.IPV6_UNBRACKETED, "fd00::1:5"),
+        ("a b:5", HostPortProblem.BAD_HOST_NAME, "a b"),
+        ("a,b:5", HostPortProblem.BAD_HOST_NAME, "a,b"),
+        ("a]:5", HostPortProblem.BAD_HOST_NAME, "a]"),
+        ("1.2.3:5", HostPortProblem.BAD_IPV4, "1.2.3"),
+        ("h:x", HostPortProblem.PORT_NOT_NUMBER, "x"),
+        ("h:+5", HostPortProblem.PORT_NOT_NUMBER, "+5"),
+        ("h:70000", HostPortProblem.PORT_OUT_OF_RANGE, "70000"),
+    ],
+)
+def test_host_port_refusals_name_the_problem(text: str, problem: HostPortProblem, detail: str) -> None:
+    with pytest.raises(HostPortError) as info:
+        parse_host_port(text, port_zero_allowed=True)
+    assert (info.value.problem, info.value.text, info.value.detail) == (problem, text, detail)
+
+
+def test_each_caller_words_the_problem() -> None:
+    words = HostPortWords(
+        not_host_port="shape {text!r}",
+        brackets="brackets {text!r}",
+        unbracketed_ipv6="v6 {text!r}",
+        bad_host="host {detail!r}",
+        bad_port="port {detail!r}",
+        port_out_of_range="range {detail}",
+    )
+    said = {}
+    for text in ("h", "[::1", "::1:5", "a b:5", "h:x", "h:0"):
+        with pytest.raises(HostPortError) as info:
+            parse_host_port(text, port_zero_allowed=False)
+        said[text] = words.message(info.value)
+    assert said == {
+        "h": "shape 'h'",
+        "[::1": "brackets '[::1'",
+        "::1:5": "v6 '::1:5'",
+        "a b:5": "host 'a b'",
+        "h:x": "port 'x'",
+        "h:0": "range 0",
+    }
+
+
+@pytest.mark.parametrize(("text", "host"), [("::1", "::1"), ("[::1]", "::1"), (" h.local ", "h.local")])
+def test_bind_hosts(text: str, host: str) -> None:
+    assert parse_bind_host(text) == host
+
+
+@pytest.mark.parametrize("text", ["", "[::1", "[h]", "a b", "h:1", "1.2.3"])
+def test_bind_host_refusals(text: str) -> None:
+    with pytest.raises(HostPortError):
+        parse_bind_host(text)
+
+
+hosts = st.one_of(
+    st.ip_addresses(v=4).map(str),
+    st.ip_addresses(v=6).map(str),
+    st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9](\.[a-z][a-z0-9]{0,5}){0,3}", fullmatch=True),
+)
+
+
+@given(hosts, st.integers(0, 65535))
+def test_what_the_formatter_writes_the_parser_reads(host: str, port: int) -> None:
+    assert parse_host_port(format_host_port(host, port), port_zero_allowed=True) == HostPort(host, port)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from sidecar_common.ports import bind_problem, shown_address
+from sidecar_common.ports import bind_problem
 
 
 def test_a_free_port_and_port_zero_have_no_problem() -> None:
@@ -33,8 +33,3 @@ def test_an_address_of_another_host_and_an_unresolvable_name() -> None:
     assert bind_problem("192.0.2.1", 0, serving="serve metrics on") == (
         "cannot serve metrics on 192.0.2.1:0: not an address of this host"
     )
-
-
-def test_ipv6_literals_are_shown_in_brackets() -> None:
-    assert shown_address("::1", 5) == "[::1]:5"
-    assert shown_address("h", 5) == "h:5"

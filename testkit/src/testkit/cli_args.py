@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from sidecar_common.endpoint import HostPortError, parse_host_port
 from testkit.faults import FaultPlan, parse_fault_flag
 from testkit.kv_events import Flavor, KvEventsConfig, parse_kv_events_config
 
@@ -12,11 +13,12 @@ __all__ = ["fault_arg", "kv_events_arg", "listen_arg", "optional_listen_arg"]
 
 
 def listen_arg(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 in brackets) → (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+    """``HOST:PORT`` (IPv6 in brackets; port 0 picks a free port) → (host, port)."""
+    try:
+        address = parse_host_port(text, port_zero_allowed=True)
+    except HostPortError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}") from None
+    return address.host, address.port
 
 
 def optional_listen_arg(text: str) -> tuple[str, int] | None:
@@ -41,6 +43,7 @@ def kv_events_arg(flavor: Flavor) -> Callable[[str], KvEventsConfig]:
         try:
             return parse_kv_events_config(text, flavor)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            # argparse names the flag already.
+            raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
 
     return parse

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from testkit.prefix_cache import BlockExtra, CacheEvent, Cleared, Removed, Stored
+from testkit.prefix_cache import BlockExtra, BlockHasher, CacheEvent, Cleared, Removed, Stored
 
 __all__ = [
     "END_SEQ",
@@ -58,6 +58,7 @@ __all__ = [
     "offset_endpoint",
     "parse_kv_events_config",
     "seq_bytes",
+    "sglang_kv_events_descriptor",
 ]
 
 Flavor = Literal["vllm", "sglang"]
@@ -74,7 +75,8 @@ def seq_bytes(seq: int) -> bytes:
 @dataclass(frozen=True)
 class KvEventsConfig:
     """``--kv-events-config`` as both engines take it (JSON). ``publisher`` "null" publishes
-    nothing; "zmq" is the only other publisher."""
+    nothing; "zmq" is the only other publisher. ``max_queue_size`` is accepted and unused: the
+    testkit sends each batch as it is made, with no queue in front of the socket."""
 
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
@@ -168,6 +170,45 @@ def binds(endpoint: str, flavor: Flavor, bind: bool | None = None) -> bool:
     return wildcard or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _advertisable_tcp(endpoint: str | None) -> tuple[str, int] | None:
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    host, sep, port_text = endpoint[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) <= 65535:
+        return None
+    return host, int(port_text)
+
+
+def sglang_kv_events_descriptor(
+    config: KvEventsConfig | None,
+    endpoint: str | None,
+    replay_endpoint: str | None,
+    page_size: int,
+    dp_size: int,
+) -> dict[str, Any] | None:
+    """SGLang's ``kv_events`` key of its server info: how a router finds each rank's sockets
+    (rank r on port base + r, the wildcard host replaced by the worker's). ``endpoint`` and
+    ``replay_endpoint`` are rank 0's as bound (a port 0 already resolved). None when nothing is
+    published or the endpoint is no routable tcp address."""
+    if config is None or not config.enabled:
+        return None
+    pub = _advertisable_tcp(endpoint)
+    if pub is None:
+        return None
+    descriptor: dict[str, Any] = {
+        "publisher": config.publisher,
+        "endpoint_host": pub[0],
+        "endpoint_port_base": pub[1],
+        "topic": config.topic,
+        "block_size": page_size,
+        "dp_size": dp_size,
+    }
+    replay = _advertisable_tcp(replay_endpoint)
+    if replay is not None:
+        descriptor["replay_endpoint_port_base"] = replay[1]
+    return descriptor
+
+
 # -- block hashes -----------------------------------------------------------------------
 def _digest(tag: bytes, parent: int | None, tokens: Sequence[int], extra: BlockExtra) -> bytes:
     h = hashlib.sha256(tag)
@@ -190,7 +231,7 @@ def _sglang_hash(parent: int | None, tokens: Sequence[int], extra: BlockExtra) -
     return int.from_bytes(_digest(b"testkit-sglang-page", parent, tokens, extra)[:8], "big", signed=True)
 
 
-def block_hasher(flavor: Flavor) -> Any:
+def block_hasher(flavor: Flavor) -> BlockHasher:
     """The engine's block hash: unsigned 64-bit for vLLM, signed int64 for SGLang."""
     return _vllm_hash if flavor == "vllm" else _sglang_hash
 

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -36,6 +37,7 @@ from testkit.kv_events import (
     encode_batch,
     offset_endpoint,
     seq_bytes,
+    sglang_kv_events_descriptor,
 )
 from testkit.prefix_cache import NO_EXTRA, BlockExtra, CacheEvent, PrefixCache
 
@@ -218,6 +220,15 @@ class EngineKvCache:
         """A fault: the engine's cache is lost and its publishers restart (sequence reset)."""
         await self.stop()
         await self.start()
+
+    def sglang_descriptor(self) -> dict[str, Any] | None:
+        """What SGLang's server info says of its publishers (None: none)."""
+        if not self.publishers:
+            return None
+        first = self.publishers[0]
+        return sglang_kv_events_descriptor(
+            first.config, first.endpoint, first.replay_endpoint, self.caches[0].block_size, len(self.caches)
+        )
 
     def drop_next_batch(self, rank: int = 0) -> None:
         if self.publishers:

@@ -9,8 +9,9 @@ import logging
 import signal
 import sys
 
+from sidecar_common.endpoint import format_host_port
 from sidecar_common.ports import bind_problem
-from testkit.cli_args import fault_arg, optional_listen_arg
+from testkit.cli_args import fault_arg, kv_events_arg, optional_listen_arg
 from testkit.faults import FaultPlan
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig
@@ -64,12 +65,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--kv-capacity-tokens",
+        "--max-total-tokens",
+        dest="kv_capacity_tokens",
         type=int,
         default=d.kv_capacity_tokens,
         metavar="TOKENS",
-        help="max_total_num_tokens reported",
+        help="the KV token pool (SGLang's --max-total-tokens): max_total_num_tokens reported, and "
+        "the prefix cache's capacity (TOKENS / --page-size pages)",
     )
-    a("--page-size", type=int, default=d.page_size, metavar="TOKENS", help="KV cache page size reported")
+    a(
+        "--page-size",
+        type=int,
+        default=d.page_size,
+        metavar="TOKENS",
+        help="tokens per KV cache page (prefix caching, KV events, server info)",
+    )
+    a(
+        "--kv-events-config",
+        type=kv_events_arg("sglang"),
+        default=None,
+        metavar="JSON",
+        help='SGLang\'s KV events: {"publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": ..., "topic": ..., "buffer_steps": ..., "bind": ...} (default: none published)',
+    )
+    a(
+        "--prefill-us-per-token",
+        type=float,
+        default=d.prefill_us_per_token,
+        metavar="US",
+        help="testkit: the first token waits this long per prompt token not cached (default: 0)",
+    )
     a(
         "--max-running-requests",
         type=int,
@@ -189,6 +214,8 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         bootstrap_port=args.bootstrap_port,
         disconnect_abort_delay_secs=args.disconnect_abort_delay_secs,
         tokenizer_workers=args.tokenizer_workers,
+        kv_events=args.kv_events_config,
+        prefill_us_per_token=args.prefill_us_per_token,
     )
 
 
@@ -203,7 +230,8 @@ async def _serve(config: SglangEngineConfig, faults: list[tuple[str, FaultPlan]]
         engine.faults.add(match, plan)
     try:
         await engine.start()
-        where = f"grpc={config.grpc_host}:{engine.grpc_port} http={config.http_host}:{engine.http_port}"
+        grpc_at = format_host_port(config.grpc_host, engine.grpc_port)
+        where = f"grpc={grpc_at} http={format_host_port(config.http_host, engine.http_port)}"
         log.info("testkit-engine sglang listening %s", where)
         ready = asyncio.ensure_future(engine.wait_ready(None))
         stopping = asyncio.ensure_future(stop.wait())

@@ -78,6 +78,9 @@ class NativeRequest:
     priority: int | None = None
     routed_dp_rank: int | None = None
     lora_path: str | None = None
+    # SGLang's cache_salt (HTTP only: the gRPC subset has no field): a salted prompt's pages
+    # are its own. Empty is none, as SGLang normalises it.
+    cache_salt: str | None = None
     # Sampling values the generator ignores but SGLang's SamplingParams.verify checks.
     temperature: float | None = None
     top_p: float | None = None

@@ -25,14 +25,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from sidecar_common.endpoint import format_host_port
 from testkit.book import Book, Outcome
-from testkit.faults import FaultBook, FaultKind, FaultPlan
+from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec
+from testkit.kv_publisher import EngineKvCache
+from testkit.prefix_cache import NO_EXTRA, BlockExtra
 from testkit.sglang_checks import check_request
 from testkit.sglang_core import (
     AbortRecord,
@@ -109,7 +111,13 @@ class SglangTestEngine:
         self._servers: list[_Server] = []
         self._ready = asyncio.Event()
         self._started_at = 0.0
-        self._prefix_cache: deque[tuple[int, ...]] = deque(maxlen=256)
+        self.kv_cache = EngineKvCache(
+            "sglang",
+            block_size=self.config.page_size,
+            capacity_blocks=self.config.kv_capacity_tokens // self.config.page_size,
+            data_parallel_size=self.config.dp_size,
+            events=self.config.kv_events,
+        )
         self._scheduler_dead = asyncio.Event()
         self._death: asyncio.Task[None] | None = None  # the server going away after it
 
@@ -128,7 +136,7 @@ class SglangTestEngine:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.http_host}:{self.http_port}"
+        return f"http://{format_host_port(self.config.http_host, self.http_port)}"
 
     async def start(self) -> tuple[int, int]:
         """Bind the wires (port 0 picks free ports) and return (gRPC port, HTTP port), 0 for a
@@ -140,8 +148,9 @@ class SglangTestEngine:
         self._ready = asyncio.Event()
         self._scheduler_dead = asyncio.Event()
         self._started_at = time.time()
-        self._prefix_cache.clear()  # a (re)started engine has a cold cache
         servers: list[_Server] = []
+        # A (re)started engine has a cold cache, and says so first (AllBlocksCleared).
+        await self.kv_cache.start()
         try:
             if cfg.grpc_port is not None:
                 g = SglangGrpcServer(self, cfg.grpc_host, self.grpc_port or cfg.grpc_port)
@@ -156,6 +165,7 @@ class SglangTestEngine:
         except BaseException:
             for s in reversed(servers):
                 await s.stop()
+            await self.kv_cache.stop()
             raise
         self._servers = servers
         if cfg.startup_delay_secs > 0:
@@ -189,6 +199,7 @@ class SglangTestEngine:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        await self.kv_cache.stop()
         self._ready = asyncio.Event()
 
     async def kill(self) -> None:
@@ -352,6 +363,7 @@ class SglangTestEngine:
             outcome, detail = Outcome.ERROR, f"{type(e).__name__}: {e}"
             stream.put(Fail("INTERNAL", detail))
         finally:
+            self.kv_cache.end(req.rid)
             self.book.release(req.rid, outcome, detail)
             self._live.pop(req.rid, None)
             if send_end:
@@ -364,7 +376,15 @@ class SglangTestEngine:
             reason = {"type": "abort", "message": "Abort in waiting queue"}
             stream.put(Chunk(abort_out(req.rid, reason, time.perf_counter() - state.started), True))
             return Outcome.ABORTED, True
-        state.cached = self._prefix_lookup(req.input_ids)
+        if plan is not None and plan.kind in KV_EVENT_FAULTS:
+            await self._kv_fault(plan, req.routed_dp_rank or 0)
+            plan = live.plan = None
+        state.cached = self.kv_cache.begin(req.rid, req.input_ids, self._extra(req), req.routed_dp_rank or 0)
+        prefill = (len(req.input_ids) - state.cached) * self.config.prefill_us_per_token / 1e6
+        if prefill > 0 and await self._wait_abort(live, prefill):
+            stream.put(state.abort_chunk(live.abort_message, _now()))
+            return Outcome.ABORTED, True
+        self.kv_cache.store(req.rid, req.input_ids)
         if plan is not None and plan.kind is FaultKind.STALL_FIRST_TOKEN:
             await plan.stall(live.abort_evt, plan.stall_secs)
         fault_at = None
@@ -406,6 +426,8 @@ class SglangTestEngine:
                 self._flush(live)
                 if latency <= 0:
                     await asyncio.sleep(0)  # let aborts and other requests in
+        # The output's KV is cached too (all but the last token's, never computed).
+        self.kv_cache.store(req.rid, req.input_ids + tuple(state.ids[:-1]))
         chunks, outcome = state.finish(finished, plan, _now())
         for chunk in chunks:
             stream.put(chunk)
@@ -434,22 +456,19 @@ class SglangTestEngine:
         await live.abort_evt.wait()
         return Outcome.ABORTED, False
 
-    def _prefix_lookup(self, prompt: tuple[int, ...]) -> int:
-        """A radix cache in miniature: whole pages shared with an earlier prompt are cached.
+    @staticmethod
+    def _extra(req: NativeRequest) -> BlockExtra:
+        """An adapter's pages and a salted prompt's are their own (SGLang keys its radix tree
+        by both)."""
+        if req.lora_path is None and req.cache_salt is None:
+            return NO_EXTRA
+        return BlockExtra(lora_name=req.lora_path, cache_salt=req.cache_salt)
 
-        The last prompt token is always computed (its logits make the first output token).
-        """
-        best = 0
-        for seen in self._prefix_cache:
-            n = 0
-            for a, b in zip(seen, prompt, strict=False):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        self._prefix_cache.append(prompt)
-        page = self.config.page_size
-        return min(best // page * page, len(prompt) - 1)
+    async def _kv_fault(self, plan: FaultPlan, rank: int) -> None:
+        if plan.kind is FaultKind.DROP_KV_BATCH:
+            self.kv_cache.drop_next_batch(rank)
+        elif plan.kind is FaultKind.RESTART_KV_PUBLISHER:
+            await self.kv_cache.restart()
 
     # -- what the info endpoints report -------------------------------------------------
     def server_info(self, *, http: bool) -> dict[str, Any]:
@@ -459,6 +478,7 @@ class SglangTestEngine:
             http_port=self.http_port,
             grpc_port=self.grpc_port,
             started_at=self._started_at,
+            kv_events=self.kv_cache.sglang_descriptor(),
         )
 
     def model_info(self, *, http: bool) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
+from sidecar_common.endpoint import format_host_port
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Outcome
 from testkit.sglang_core import (
     Bootstrap,
@@ -38,7 +40,6 @@ from testkit.sglang_served import ServedEngine
 __all__ = ["SglangGrpcServer", "native_request_from_proto", "response_from_out"]
 
 SERVICE_NAME = "sglang.runtime.v1.SglangService"
-_MAX_MESSAGE = 64 * 1024 * 1024
 
 
 # SamplingParams fields the engine only verifies (absent stays absent: SGLang's defaults apply).
@@ -195,8 +196,8 @@ class SglangGrpcServer:
     async def start(self) -> None:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 # grpcio turns SO_REUSEPORT on by default: a second engine would share a
                 # taken port and split its traffic. Off, the bind fails and start-up says so.
                 ("grpc.so_reuseport", 0),
@@ -205,9 +206,9 @@ class SglangGrpcServer:
         sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Servicer(self._engine), server)
         health_servicer = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        bound = server.add_insecure_port(f"{self._host}:{self.port}")
+        bound = server.add_insecure_port(format_host_port(self._host, self.port))
         if bound == 0:
-            raise OSError(f"cannot bind gRPC to {self._host}:{self.port}")
+            raise OSError(f"cannot bind gRPC to {format_host_port(self._host, self.port)}")
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, not_serving)

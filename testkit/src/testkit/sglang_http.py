@@ -205,6 +205,7 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         priority=_int(body, "priority"),
         routed_dp_rank=_int(body, "routed_dp_rank"),
         lora_path=_str(body, "lora_path"),
+        cache_salt=_str(body, "cache_salt") or None,
         # SGLang's normalisation: an empty list is none; the rest is checked with the request.
         token_ids_logprob=body.get("token_ids_logprob") or None,
         temperature=_float(sp, "temperature"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testkit.book import Book
+from testkit.kv_events import KvEventsConfig
 from testkit.sglang_core import SGLANG_VERSION
 
 __all__ = ["DISAGG_MODES", "SglangEngineConfig", "loads", "model_info", "server_info"]
@@ -57,6 +58,11 @@ class SglangEngineConfig:
     # (so a bare prefix aborts nothing); with more it forwards it and the scheduler matches
     # every rid that starts with it.
     tokenizer_workers: int = 1
+    # SGLang's --kv-events-config (None or publisher "null": no events). The prefix cache holds
+    # kv_capacity_tokens // page_size pages; a prompt's first token waits prefill_us_per_token
+    # for each prompt token not cached (a simulated GPU; testkit only).
+    kv_events: KvEventsConfig | None = None
+    prefill_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGG_MODES:
@@ -65,6 +71,8 @@ class SglangEngineConfig:
             raise ValueError("max_queued_requests must be >= 0")
         if self.chunk_tokens < 1 or self.max_running_requests < 1 or self.dp_size < 1:
             raise ValueError("chunk_tokens, max_running_requests and dp_size must be >= 1")
+        if self.prefill_us_per_token < 0:
+            raise ValueError("prefill_us_per_token must be >= 0")
         if self.token_latency_ms < 0 or self.startup_delay_secs < 0 or self.disconnect_abort_delay_secs < 0:
             raise ValueError("latencies and delays must be >= 0")
         if self.context_length < 2 or self.kv_capacity_tokens < 1 or self.page_size < 1:
@@ -81,7 +89,13 @@ class SglangEngineConfig:
 
 
 def server_info(
-    cfg: SglangEngineConfig, *, http: bool, http_port: int, grpc_port: int, started_at: float
+    cfg: SglangEngineConfig,
+    *,
+    http: bool,
+    http_port: int,
+    grpc_port: int,
+    started_at: float,
+    kv_events: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``get_server_info`` (HTTP) / ``GetServerInfo`` (gRPC): the keys a sidecar discovers from."""
     info: dict[str, Any] = {
@@ -111,7 +125,8 @@ def server_info(
         "status": "ready",
         "max_total_num_tokens": cfg.kv_capacity_tokens,
         "max_req_input_len": min(cfg.context_length, cfg.kv_capacity_tokens) - 1,
-        "kv_events": None,
+        # SGLang's descriptor of its KV-event publisher (kv_events.sglang_kv_events_descriptor).
+        "kv_events": kv_events,
     }
     if http:
         info.update(

@@ -70,6 +70,8 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from sidecar_common.endpoint import format_host_port
+from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
@@ -244,8 +246,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
     async def _bind(self) -> None:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 # grpcio turns SO_REUSEPORT on by default: a second engine would share a
                 # taken port and split its traffic. Off, the bind fails and start-up says so.
                 ("grpc.so_reuseport", 0),
@@ -254,8 +256,8 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         pb_grpc.add_VllmEngineServicer_to_server(self, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if server.add_insecure_port(f"{self.config.host}:{self.port}") != self.port:
-            raise OSError(f"testkit vllm engine: cannot bind {self.config.host}:{self.port}")
+        if server.add_insecure_port(format_host_port(self.config.host, self.port)) != self.port:
+            raise OSError(f"testkit vllm engine: cannot bind {format_host_port(self.config.host, self.port)}")
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_common.registration_record import RecordError, Role, WorkerRecord, encode_record
+from sidecar_common.disaggregation import Role
+from sidecar_common.registration_record import RecordError, WorkerRecord, encode_record
 from sidecar_frontend.discovery_records import (
     AddWorker,
     Change,
@@ -17,7 +18,6 @@ from sidecar_frontend.discovery_records import (
     EtcdView,
     Rejected,
     diff_workers,
-    format_address,
     missing_workers,
     parse_dns_target,
     parse_worker,
@@ -46,14 +46,6 @@ def rec(address: str, role: Role = "agg") -> bytes:
 )
 def test_diff(old: dict[str, Role], new: dict[str, Role], changes: list[Change]) -> None:
     assert diff_workers(old, new) == changes
-
-
-@pytest.mark.parametrize(
-    ("host", "port", "address"),
-    [("10.0.0.1", 50061, "10.0.0.1:50061"), ("fd00::1", 1, "[fd00::1]:1"), ("[fd00::1]", 1, "[fd00::1]:1")],
-)
-def test_format_address(host: str, port: int, address: str) -> None:
-    assert format_address(host, port) == address
 
 
 @pytest.mark.parametrize(
