@@ -15,7 +15,8 @@ from typing import Protocol
 import anyio
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.workers import Role, Worker, WorkerSet
+from sidecar_common.disaggregation import Role
+from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["Placement", "WorkerChoice", "least_loaded", "place"]
 
