@@ -41,8 +41,9 @@ lock:
 	    --python-version 3.11 --override $(VENV)/lock-overrides.txt \
 	    --custom-compile-command "make lock" --quiet $(if $(UPGRADE),--upgrade) --output-file $(LOCK)
 
+# The tests that install from the package index (marker `install`) run in deploy-check instead.
 test: setup $(BUF)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not install" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -85,13 +86,15 @@ install-systemd:
 # The deployment files as their own tools judge them: hadolint on the Dockerfile, every
 # manifest in deploy/kubernetes against the named Kubernetes version's schemas, and the
 # systemd unit's hardening (exposure at most 3.0). `systemd-analyze verify` needs the
-# installed ExecStart, so tests/deploy runs it on a unit `make install-systemd` produced.
+# installed ExecStart, so it runs on a unit `make install-systemd` produced: the tests marked
+# `install` (tests/deploy/test_install.py), which fetch the dependencies from the package index.
 # The oldest version the manifests claim (native sidecars are on by default from 1.29).
 K8S_VERSION ?= 1.29.0
 deploy-check: $(STAMP)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/kubernetes-validate --kubernetes-version $(K8S_VERSION) --strict deploy/kubernetes/*.yaml
 	systemd-analyze security --offline=true --threshold=30 deploy/sidecar-vllm.service
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m install tests/deploy
 
 # Quick results go to bench/results/quick/ so they never overwrite the committed --full run.
 bench: $(STAMP)

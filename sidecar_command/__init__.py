@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 from sidecar_common.flags import FlagParser
-from sidecar_common.version import package_version
+from sidecar_common.version import add_version_flag
 from sidecar_server.config import EngineSpec
 
 __all__ = ["ENGINES", "PROGRAMS", "engine_spec", "main"]
@@ -43,7 +43,7 @@ def _top_parser() -> FlagParser:
         description="gRPC sidecar between an LLM serving frontend and an inference engine.",
         epilog="Run `sidecar ENGINE --help` for the flags of one engine.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_version_flag(parser)
     parser.add_argument(
         "engine", choices=tuple(PROGRAMS), help="the inference engine to serve, or the HTTP frontend"
     )

@@ -9,8 +9,8 @@ the field name of the refusal are the same for both. The ranges are the engines'
 sampling-parameter checks (see docs/limits.md).
 
 Integers that arrive as JSON (engine discovery, the prefill handoff) follow one rule too,
-:func:`exact_integer`. The size bound of a gRPC message, :data:`GRPC_MAX_MESSAGE_BYTES`, is
-here too: every channel and server of ours (and the testkit's engines) uses it.
+:func:`exact_integer`. The size bound of a gRPC message has a module of its own,
+:mod:`sidecar_common.message_size` (standard library only, for the command lines).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 
 __all__ = [
-    "GRPC_MAX_MESSAGE_BYTES",
     "MAX_TOKENS_MINIMUM",
     "SAMPLING_LIMITS",
     "SGLANG_GREEDY_BELOW",
@@ -41,11 +40,6 @@ __all__ = [
 ]
 
 EngineKind = Literal["vllm", "sglang"]
-
-# The largest gRPC message our channels and servers send or receive (and the default of the
-# sidecars' --max-request-bytes): room for a prompt of millions of token ids and media URLs,
-# far below what would strain memory.
-GRPC_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)

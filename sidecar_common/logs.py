@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Final, Literal, TextIO
+from typing import Any, Final, TextIO
 
 import structlog
 from structlog.typing import Processor
 
+# What the flags need (no structlog there, for the command lines); re-exported here.
+from sidecar_common.log_settings import LOG_LEVELS, LogFormat, default_log_format
+
 __all__ = ["LOG_LEVELS", "OUR_LOGGERS", "LogFormat", "configure_logging", "default_log_format"]
-
-LogFormat = Literal["json", "console"]
-
-LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 
 # Loggers that follow --log-level; everything else stays at WARNING or above.
 OUR_LOGGERS: Final = (
@@ -36,15 +35,6 @@ OUR_LOGGERS: Final = (
 )
 
 _HANDLER_NAME: Final = "sidecar-logs"
-
-
-def default_log_format(stream: TextIO | None = None) -> LogFormat:
-    """JSON lines for machines (not a terminal), the console renderer for humans."""
-    target = sys.stdout if stream is None else stream
-    try:
-        return "console" if target.isatty() else "json"
-    except (AttributeError, ValueError):
-        return "json"
 
 
 def _shared_processors(log_format: LogFormat) -> list[Processor]:

@@ -2,8 +2,8 @@
 ``--metrics-port``, ``--metrics-host``, ``--log-format``, ``--log-level``, and the rule that
 ``--metrics-host`` needs ``--metrics-port``.
 
-Apart from :mod:`sidecar_common.flags` because the log levels come from
-:mod:`sidecar_common.logs` (structlog), and ``flags`` stays standard library only.
+Apart from :mod:`sidecar_common.flags`, the generic flag library, because these flags are
+what the daemons have in common; standard library only, as ``flags`` is.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 from typing import Final
 
 from sidecar_common import flags
-from sidecar_common.logs import LOG_LEVELS
+from sidecar_common.log_settings import LOG_LEVELS
 
 __all__ = [
     "METRICS_HOST_HELP",

@@ -21,9 +21,12 @@ import grpc
 import structlog
 import tenacity
 
-from sidecar_common.endpoint import Endpoint
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
+
+# The settings are plain data apart from this module (no grpc there, for the command lines);
+# re-exported here, where the pool that reads them is.
+from sidecar_common.pool_settings import PoolConfig, RetryPolicy
 from sidecar_common.retry import Backoff
 
 __all__ = [
@@ -80,23 +83,6 @@ class Deadline:
 
     def elapsed(self) -> float:
         return self.clock.monotonic() - self.started_at
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempt_timeout: float = 30.0  # --grpc-connect-attempt-timeout-secs
-    max_interval: float = 1.0  # --grpc-retry-interval-secs (the backoff cap)
-    initial_interval: float = 0.05
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    endpoint: Endpoint
-    connections: int = 8  # --grpc-connections
-    startup_deadline: float = 1800.0  # --grpc-startup-deadline-secs
-    retry: RetryPolicy = RetryPolicy()
-    # What the pool dials, as its errors name it (the frontend's pools dial workers).
-    peer: str = "engine"
 
 
 CHANNEL_OPTIONS: Final[Sequence[tuple[str, Any]]] = (

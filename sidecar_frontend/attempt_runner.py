@@ -25,7 +25,6 @@ import anyio
 import grpc
 import structlog
 from anyio.abc import TaskGroup
-from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason
@@ -306,7 +305,7 @@ class _Run:
         engine aborted ends the sub-request as cancelled, with no decode step."""
         runner = self.runner
         style = disagg.style_of(prefill.model)
-        handoff: list[struct_pb2.Struct] = []
+        handoff: list[disagg.Handoff] = []
         ready = anyio.Event()
         prefill_failure: list[WorkerFailure] = []
         prefill_cancelled: list[sidecar_pb2.LLMEngineOutput] = []
@@ -316,14 +315,15 @@ class _Run:
         if known is not None:
             info = disagg.choose_bootstrap(known, runner.rand)
             step = disagg.prefill_request(request, info)
-            handoff.append(disagg.bootstrap_params(info))
+            handoff.append(info)
             ready.set()
 
         async def take(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
-            if output.HasField("disaggregated_params") and not handoff:
-                handoff.append(output.disaggregated_params)
+            given = disagg.handoff_of(output)
+            if given is not None and not handoff:
+                handoff.append(given)
                 if style is disagg.Style.BOOTSTRAP:
-                    learned = disagg.bootstrap_address(output.disaggregated_params)
+                    learned = disagg.bootstrap_address(given)
                     if learned is not None:
                         runner.bootstraps[prefill.address] = learned
                 ready.set()

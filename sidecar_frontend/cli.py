@@ -24,16 +24,15 @@ from sidecar_common.flags import (
     refuse_inapplicable,
     seconds_arg,
 )
-from sidecar_common.logs import LogFormat, default_log_format
+from sidecar_common.log_settings import LogFormat, default_log_format
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
 from sidecar_common.registration_record import RecordError
-from sidecar_common.tls import ClientCredentials, ClientTlsFiles, TlsSettingsError
-from sidecar_common.version import package_version
+from sidecar_common.tls_settings import ClientTlsFiles, TlsSettingsError, load_client_files
+from sidecar_common.version import add_version_flag
+from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig, WorkerSetConfig
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
-from sidecar_frontend.handler import DEFAULT_MAX_BODY_BYTES, HandlerConfig
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
-from sidecar_frontend.workers import WorkerSetConfig
 
 __all__ = ["ENV_PREFIX", "FORMATS", "FrontendConfig", "build_parser", "parse_config"]
 
@@ -134,7 +133,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             "workers; spans are exported over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_version_flag(parser)
     serve = parser.add_argument_group("serving")
     serve.add_argument(
         "--listen", type=listen_arg, default="0.0.0.0:8000", metavar="HOST:PORT", help="HTTP listen address"
@@ -266,7 +265,7 @@ def _worker_tls(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Clie
         return None
     files = ClientTlsFiles(ca=ca, cert=cert, key=key)
     try:
-        ClientCredentials(files)  # read and checked now: a usage error rather than a dark fleet
+        load_client_files(files)  # read and checked now: a usage error rather than a dark fleet
     except TlsSettingsError as err:
         parser.error(f"--worker-tls-*: {err}")
     return files

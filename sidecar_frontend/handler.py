@@ -18,8 +18,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -29,6 +28,7 @@ from sidecar_common.errors import FailureReason
 from sidecar_common.tracing import SpanKind, Tracing, from_headers
 from sidecar_frontend import disagg
 from sidecar_frontend.attempt_runner import AttemptRunner
+from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig
 from sidecar_frontend.exchange import AbortRegistry, Exchange, http_response, ms
 from sidecar_frontend.formats.base import (
     AbortCall,
@@ -41,29 +41,17 @@ from sidecar_frontend.formats.base import (
     requested_model,
 )
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.placement import WorkerChoice
 from sidecar_frontend.workers import WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
 
-DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 
 log = structlog.get_logger("sidecar_frontend.handler")
 
 
 def _new_id() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class HandlerConfig:
-    request_timeout: float | None = 3600.0  # None: no deadline
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    migration_limit: int = DEFAULT_MIGRATION_LIMIT
-    # How long a retry or a migration waits for a worker to serve when none does (workers
-    # restarting or being replaced): the gap an SRE expects a fleet to bridge.
-    worker_wait: float = 5.0
 
 
 class Frontend:

@@ -31,6 +31,7 @@ from sidecar_common.errors import FailureReason
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
+from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, run_event_loop
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FORMATS, FrontendConfig
@@ -41,18 +42,11 @@ from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
-    "EXIT_OK",
-    "EXIT_STARTUP_FAILED",
-    "EXIT_USAGE",
     "WorkerMetrics",
     "load_formats",
     "run",
     "split_listen",
 ]
-
-EXIT_OK: Final = 0
-EXIT_STARTUP_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 # After the drain, how long the cancelled requests get to write their last bytes.
 _STOP_GRACE: Final = 5.0
@@ -267,15 +261,5 @@ async def _until_stopped(
 
 
 def run(config: FrontendConfig) -> int:
-    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
-    options: dict[str, object] = {}
-    try:
-        import uvloop
-
-        options["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    try:
-        return anyio.run(serve, config, backend="asyncio", backend_options=options)
-    except KeyboardInterrupt:
-        return EXIT_OK
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`serve`."""
+    return run_event_loop(serve, config)

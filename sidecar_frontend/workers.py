@@ -43,14 +43,14 @@ from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.disaggregation import ROLES, Role, is_role
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import SidecarError
-from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule, RetryPolicy
+from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule
 from sidecar_common.rpc import StubCache, bounded_call
 from sidecar_common.tls import (
     ClientCredentials,
-    ClientTlsFiles,
     TlsHandshakeError,
     tls_connector,
 )
+from sidecar_frontend.config import WorkerSetConfig
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -68,37 +68,6 @@ HEALTH_SERVICE: Final = "sidecar.v1.Worker"
 
 
 log = structlog.get_logger("sidecar_frontend.workers")
-
-
-@dataclass(frozen=True)
-class WorkerSetConfig:
-    connections: int = 2  # gRPC channels (TCP connections) per sidecar
-    rpc_timeout: float = 5.0  # GetModelInfo, GetLoad, Abort
-    load_poll_interval: float = 1.0
-    retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(attempt_timeout=5.0, max_interval=1.0))
-    # Pause before watching health again after the Watch stream broke.
-    rewatch_interval: float = 0.2
-    # A worker that does not answer is reported at once, then at an interval doubling from
-    # this up to the cap: never silence for minutes, never a line a second. (Dialling is
-    # reported by the connection pool at its own such pace: `waiting for worker`.)
-    report_first_secs: float = 2.0
-    report_max_secs: float = 30.0
-    # The models this frontend serves (served_model_name); empty: whatever the workers serve.
-    models: frozenset[str] = frozenset()
-    # Dial the workers over TLS with these files (None: plaintext).
-    tls: ClientTlsFiles | None = None
-    # How often the TLS files are looked at (a stat each) for a rotation.
-    tls_check_interval: float = 5.0
-    # After a rotation, how long calls in flight on the old connections may go on there.
-    retire_grace: float = 3600.0
-    # A worker whose TLS handshake fails is tried again after this, doubling up to the cap.
-    tls_refused_retry: tuple[float, float] = (1.0, 30.0)
-    # One connection round: the pool reports as it dials (at once, then at a doubling
-    # interval up to 30 s), so a long round keeps a dead worker to about two lines a minute;
-    # an unreachable worker is dialled round after round until drained.
-    connect_round_secs: float = 300.0
-    # How long a redial with rotated TLS files may take before the old connections are kept.
-    redial_secs: float = 30.0
 
 
 class WorkerState(enum.Enum):

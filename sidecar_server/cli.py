@@ -14,17 +14,17 @@ import argparse
 import os
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, cast
 
 from sidecar_common import flags
 from sidecar_common.disaggregation import ROLES, DisaggregationMode
-from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
-from sidecar_common.logs import LogFormat, default_log_format
+from sidecar_common.endpoint import Endpoint, parse_endpoint
+from sidecar_common.log_settings import LogFormat, default_log_format
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
-from sidecar_common.pool import PoolConfig, RetryPolicy
+from sidecar_common.pool_settings import PoolConfig, RetryPolicy
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
     RecordError,
@@ -34,8 +34,8 @@ from sidecar_common.registration_record import (
     parse_advertise,
     parse_etcd_endpoints,
 )
-from sidecar_common.tls import TlsFiles, TlsSettingsError, check_pem, tls_files
-from sidecar_common.version import package_version
+from sidecar_common.tls_settings import TlsFiles, TlsSettingsError, check_pem, tls_files
+from sidecar_common.version import add_version_flag
 from sidecar_server.config import EngineSpec, SidecarConfig
 
 __all__ = [
@@ -52,34 +52,8 @@ ENV_PREFIX: Final = "SIDECAR_"
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
 
 
-def endpoint_arg(text: str) -> Endpoint:
-    # Parsed as the flag's type so that a refusal is a usage error naming the flag (or its
-    # variable), before anything touches the network.
-    try:
-        return parse_endpoint(text)
-    except EndpointError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _etcd_endpoints(text: str) -> tuple[str, ...]:
-    try:
-        return parse_etcd_endpoints(text)
-    except RecordError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _etcd_prefix(text: str) -> str:
-    try:
-        return normalize_prefix(text)
-    except RecordError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _advertise(text: str) -> str:
-    try:
-        return parse_advertise(text)
-    except RecordError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+# The engine endpoint flags' type (the SGLang sidecar's --http-endpoint too).
+endpoint_arg: Final[Callable[[str], Endpoint]] = flags.parsed_by(parse_endpoint)
 
 
 def _lease_ttl(text: str) -> int:
@@ -220,7 +194,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
             f"Every --flag-name may also be set as {ENV_PREFIX}FLAG_NAME; the flag wins."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_version_flag(parser)
     engine = parser.add_argument_group("engine connection")
     engine.add_argument(
         "--grpc-endpoint",
@@ -284,21 +258,21 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     fleet = parser.add_argument_group("fleet registration (etcd)")
     fleet.add_argument(
         "--etcd-endpoints",
-        type=_etcd_endpoints,
+        type=flags.parsed_by(parse_etcd_endpoints),
         default=None,
         metavar="HOST:PORT[,HOST:PORT...]",
         help="register this worker in etcd once serving (default: unset: off)",
     )
     fleet.add_argument(
         "--etcd-prefix",
-        type=_etcd_prefix,
+        type=flags.parsed_by(normalize_prefix),
         default=DEFAULT_PREFIX,
         metavar="PREFIX",
         help="key prefix of the worker registrations; needs --etcd-endpoints",
     )
     fleet.add_argument(
         "--advertise",
-        type=_advertise,
+        type=flags.parsed_by(parse_advertise),
         default=None,
         metavar="HOST:PORT",
         help="address frontends dial, written into etcd; needs --etcd-endpoints "

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
-from sidecar_common.pool import PoolConfig
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.pool_settings import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
-from sidecar_common.tls import TlsFiles
-from sidecar_server.engine import Engine
+from sidecar_common.tls_settings import TlsFiles
+
+if TYPE_CHECKING:
+    # Only named in annotations: the command line reads this module without grpc.
+    from sidecar_server.engine import Engine
 
 __all__ = ["EngineSpec", "SidecarConfig"]
 

@@ -43,6 +43,7 @@ from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
+from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, EXIT_USAGE, run_event_loop
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
@@ -53,11 +54,8 @@ from sidecar_server.metrics import Metrics
 from sidecar_server.registration import Registration, registered
 from sidecar_server.server import ServerConfig, SidecarServer
 
-__all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
+__all__ = ["run", "run_daemon"]
 
-EXIT_OK: Final = 0
-EXIT_STARTUP_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 # Bound on the close steps that have no deadline of their own: a wedged close must not keep
 # the process (and a systemd stop job or a Kubernetes pod) hanging forever.
@@ -380,17 +378,6 @@ async def _start(
 
 
 def run(spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace) -> int:
-    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
-    options: dict[str, Any] = {}
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`run_daemon`."""
     gc.set_threshold(*_GC_THRESHOLDS)
-    try:
-        import uvloop
-
-        options["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    try:
-        return anyio.run(run_daemon, spec, config, namespace, backend="asyncio", backend_options=options)
-    except KeyboardInterrupt:
-        # SIGINT before the signal receiver was installed: still a requested stop.
-        return EXIT_OK
+    return run_event_loop(run_daemon, spec, config, namespace)

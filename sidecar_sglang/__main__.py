@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
 from sidecar_common.flags import refuse_inapplicable
 from sidecar_server.cli import endpoint_arg, run_engine
 from sidecar_server.config import EngineSpec, SidecarConfig
-from sidecar_server.engine import Engine
-from sidecar_sglang.grpc_engine import SglangGrpcEngine
-from sidecar_sglang.http_engine import SglangHttpEngine
+
+if TYPE_CHECKING:
+    from sidecar_server.engine import Engine
 
 __all__ = ["SPEC", "build", "check_flags", "main", "run"]
 
@@ -38,12 +39,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
     """The engine for the chosen transport. A bad flag raises ValueError (a usage error)."""
     check_flags(namespace)
+    # The transports are imported once the flags are valid: --help and usage errors need
+    # neither grpc nor aiohttp.
     if getattr(namespace, "transport", "grpc") == "grpc":
-        return SglangGrpcEngine(config)
+        from sidecar_sglang.grpc_transport import over_grpc
+
+        return over_grpc(config)
     endpoint = _http_endpoint(namespace)
     if endpoint is None:
         raise ValueError("--transport http needs --http-endpoint (SGLang's HTTP server, host:port)")
-    return SglangHttpEngine(config, endpoint)
+    from sidecar_sglang.http_transport import over_http
+
+    return over_http(config, endpoint)
 
 
 def _http_endpoint(namespace: argparse.Namespace) -> Endpoint | None:

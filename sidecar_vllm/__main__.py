@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sidecar_server.cli import run_engine
 from sidecar_server.config import EngineSpec, SidecarConfig
-from sidecar_server.engine import Engine
-from sidecar_vllm.engine import VllmEngine
+
+if TYPE_CHECKING:
+    from sidecar_server.engine import Engine
 
 __all__ = ["SPEC", "main", "run"]
 
@@ -19,6 +21,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
+    # Imported once the flags are valid: --help and usage errors need no grpc.
+    from sidecar_vllm.engine import VllmEngine
+
     del namespace
     return VllmEngine(config)
 

@@ -21,6 +21,7 @@ from typing import Final
 
 from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import HttpReply
+from sidecar_frontend.formats.vllm_json import compact_json
 
 __all__ = [
     "DEAD_ENGINE_MESSAGE",
@@ -102,7 +103,7 @@ class VllmError:
         }
 
     def reply(self) -> HttpReply:
-        return HttpReply(int(self.code), _compact(self.body()))
+        return HttpReply(int(self.code), compact_json(self.body()))
 
     def sse_event(self) -> bytes:
         # vLLM writes this one event with json.dumps defaults: spaces, ASCII escapes.
@@ -150,7 +151,7 @@ def error_reply(status: int, message: str) -> HttpReply:
 
 
 def detail_reply(status: int, detail: str) -> HttpReply:
-    return HttpReply(status, _compact({"detail": detail}))
+    return HttpReply(status, compact_json({"detail": detail}))
 
 
 def _error_type(status: int) -> str:
@@ -213,7 +214,3 @@ def _summarise(value: object) -> object:
     except ValueError:  # an int past the interpreter's digit limit
         return f"<{type(value).__name__}>"
     return text[:_MAX_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_INPUT_CHARS else text
-
-
-def _compact(obj: object) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()

@@ -10,12 +10,18 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.deploy.conftest import ROOT, Installed
 from tests.e2e_helpers import WAIT, free_port, generate_six, process, script, serving_port
 
 # The image installs the same venv layout as `make install-systemd`, at this path.
 IMAGE_PREFIX = "/opt/llm-sidecars"
 MAX_EXPOSURE = 3.0
+
+# The install fetches every dependency from the package index (minutes, and the network): these
+# run in `make deploy-check` (which CI runs), not in `make test`.
+pytestmark = pytest.mark.install
 
 
 def _exec_start(unit: Path) -> list[str]:

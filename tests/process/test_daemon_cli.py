@@ -33,7 +33,7 @@ from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.pool import ChannelPool, Deadline, SystemClock, retry_until_deadline
 from sidecar_server import systemd
 from sidecar_server.config import EngineSpec, SidecarConfig
-from sidecar_server.engine import Engine, EngineLoad, GenerateCall
+from sidecar_server.engine import HEALTHY, Engine, EngineHealth, EngineLoad, GenerateCall
 from tests.e2e_helpers import stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +99,8 @@ class FakeEngine:
     async def load(self) -> EngineLoad:
         return EngineLoad()
 
-    async def healthy(self) -> bool:
-        return True
+    async def health(self) -> EngineHealth:
+        return HEALTHY
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -8,8 +8,7 @@ import contextlib
 import logging
 import signal
 import sys
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from sidecar_common.flags import FlagParser
 from sidecar_common.ports import bind_problem
@@ -18,7 +17,10 @@ from testkit.cli_args import fault_arg, kv_events_arg, listen_arg
 from testkit.faults import FaultBook, FaultPlan, parse_directive
 from testkit.sglang_cli import add_arguments as add_sglang_arguments
 from testkit.sglang_cli import run as run_sglang
-from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
+from testkit.vllm_config import VllmEngineConfig
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 __all__ = ["add_vllm_arguments", "control_app", "listen_problem", "main", "run_vllm", "vllm_config_from_args"]
 
@@ -31,6 +33,9 @@ def control_app(book: Book, faults: FaultBook) -> web.Application:
     ``GET /book``; ``POST /faults`` with ``{"match": ..., "fault": "close_after:3", "times": 1}``;
     ``DELETE /faults``.
     """
+    # aiohttp's server and the engine are imported when serving: --help and usage errors
+    # import neither.
+    from aiohttp import web
 
     async def get_book(_: web.Request) -> web.Response:
         return web.json_response(
@@ -241,6 +246,10 @@ async def _serve_vllm(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from aiohttp import web
+
+    from testkit.vllm_engine import VllmTestEngine
+
     engine = VllmTestEngine(config)
     for match, plan in faults:
         engine.faults.add(match, plan)

@@ -13,7 +13,6 @@ from sidecar_common.endpoint import format_host_port
 from sidecar_common.ports import bind_problem
 from testkit.cli_args import fault_arg, kv_events_arg, optional_listen_arg
 from testkit.faults import FaultPlan
-from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig
 
 __all__ = ["add_arguments", "config_from_args", "run"]
@@ -225,6 +224,9 @@ async def _serve(config: SglangEngineConfig, faults: list[tuple[str, FaultPlan]]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Imported once the flags are valid: --help and usage errors need neither grpc nor aiohttp.
+    from testkit.sglang_engine import SglangTestEngine
+
     engine = SglangTestEngine(config)
     for match, plan in faults:
         engine.faults.add(match, plan)

@@ -67,16 +67,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from sidecar_common.endpoint import format_host_port
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
-from testkit.generator import GeneratedToken, Generator, ModelSpec, prompt_logprobs
-from testkit.kv_events import KvEventsConfig
+from testkit.generator import GeneratedToken, Generator, prompt_logprobs
 from testkit.kv_publisher import EngineKvCache
+
+# Plain data apart (no grpc there, for the command line); re-exported here.
+from testkit.vllm_config import VllmEngineConfig
 from testkit.vllm_wire import (
     HANDOFF_FIELDS,
     Choice,
@@ -115,65 +118,6 @@ MAX_QUEUED_TOKENS_MESSAGE = (
     "The engine has reached its prefill token backlog limit. "
     "Please try again later or on a different instance."
 )
-_KV_ROLES = ("", "kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass(frozen=True)
-class VllmEngineConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    served_model_name: str = "testkit-model"
-    model_path: str = "testkit/tiny-model"
-    context_length: int = 4096
-    vocab_size: int = 32000
-    eos_token_ids: tuple[int, ...] = (2,)
-    kv_role: str = ""
-    kv_engine_id: str = "testkit-engine-0"
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 5600
-    data_parallel_size: int = 1
-    block_size: int = 16
-    max_num_seqs: int = 256
-    total_kv_tokens: int = 65536
-    token_latency_ms: float = 0.0
-    chunk_tokens: int = 1
-    startup_delay_secs: float = 0.0
-    supports_vision: bool = False
-    # vLLM's --max-logprobs (its default): more logprobs per position are refused.
-    max_logprobs: int = 20
-    # vLLM's --max-num-queued-reqs and --max-num-queued-tokens (admission control; None: no
-    # limit, vLLM's default). See ``VllmTestEngine.admission_refusal``.
-    max_num_queued_reqs: int | None = None
-    max_num_queued_tokens: int | None = None
-    # The prefix cache: vLLM's --num-gpu-blocks-override (None: total_kv_tokens // block_size
-    # blocks) and --kv-events-config (None or publisher "null": no events). A prompt's first
-    # token waits prefill_us_per_token for each prompt token not cached (a simulated GPU).
-    num_gpu_blocks_override: int | None = None
-    kv_events: KvEventsConfig | None = None
-    prefill_us_per_token: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kv_role not in _KV_ROLES:
-            raise ValueError(f"kv_role must be one of {_KV_ROLES}")
-        if self.chunk_tokens < 1 or self.max_num_seqs < 1 or self.data_parallel_size < 1:
-            raise ValueError("chunk_tokens, max_num_seqs and data_parallel_size must be >= 1")
-        for limit in (self.max_num_queued_reqs, self.max_num_queued_tokens):
-            if limit is not None and limit < 0:
-                raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
-        if self.block_size < 1 or self.prefill_us_per_token < 0:
-            raise ValueError("block_size must be >= 1 and prefill_us_per_token >= 0")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 0:
-            raise ValueError("num_gpu_blocks_override must be >= 0")
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        if self.num_gpu_blocks_override is not None:
-            return self.num_gpu_blocks_override
-        return self.total_kv_tokens // self.block_size
-
-    @property
-    def model(self) -> ModelSpec:
-        return ModelSpec(self.vocab_size, self.eos_token_ids, self.context_length)
 
 
 class _RequestError(Exception):
@@ -311,6 +255,18 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if self._core_dead.is_set():
             return pb.HealthCheckResponse(healthy=False, message=ENGINE_NOT_ALIVE)
         return pb.HealthCheckResponse(healthy=True, message="Health")
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: Any
+    ) -> common_pb2.FlushCacheResponse:
+        """vLLM's prefix cache reset: refused while requests hold blocks (vLLM's
+        ``reset_prefix_cache`` fails then too; the wording is the testkit's), else the cache is
+        emptied and ``AllBlocksCleared`` published. ``timeout_s`` is not waited for."""
+        if not self.kv_cache.flush():
+            return common_pb2.FlushCacheResponse(
+                success=False, message="cannot reset the prefix cache: requests are running"
+            )
+        return common_pb2.FlushCacheResponse(success=True, message="prefix cache reset")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
         c = self.config
