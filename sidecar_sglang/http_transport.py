@@ -88,29 +88,18 @@ class HttpTransport:
     for control calls."""
 
     def __init__(self, endpoint: Endpoint, retry: RetryPolicy, *, clock: Clock | None = None) -> None:
-        self._endpoint = endpoint
         self._base = endpoint.http_base_url
         self._retry = retry
-        self._clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or SystemClock()
+        self.target = self._base
+        self.host = endpoint.host
         self._session: aiohttp.ClientSession | None = None
         self._control_session: aiohttp.ClientSession | None = None
 
-    kind: Final[Transport] = "http"
-    health_call: Final = "GET /health"
+    kind: Transport = "http"
+    health_call = "GET /health"
     # The response status says the engine admitted the generation, before its first event.
-    handoff_on_admission: Final = True
-
-    @property
-    def clock(self) -> Clock:
-        return self._clock
-
-    @property
-    def target(self) -> str:
-        return self._base
-
-    @property
-    def host(self) -> str:
-        return self._endpoint.host
+    handoff_on_admission = True
 
     def _new_session(self, limit: int) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
