@@ -37,6 +37,7 @@ from sidecar_common.registration_record import (
 from sidecar_common.tls_settings import TlsFiles, TlsSettingsError, check_pem, tls_files
 from sidecar_common.version import add_version_flag
 from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.kv_config import add_kv_events_arguments, kv_events_config
 
 __all__ = [
     "ENV_PREFIX",
@@ -286,6 +287,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         help="how long the registration outlives a sidecar that died without withdrawing; "
         "needs --etcd-endpoints",
     )
+    add_kv_events_arguments(parser)
     add_operations_arguments(parser)
     spec.add_arguments(parser)
     return parser
@@ -306,6 +308,7 @@ def parse_config(
     endpoint: Endpoint | None = ns.grpc_endpoint
     try:
         _refuse_inapplicable_common(ns)
+        kv_events = kv_events_config(ns)
         if spec.check_flags is not None:
             spec.check_flags(ns)
         if endpoint is None and spec.endpoint_when_unset is not None:
@@ -337,6 +340,7 @@ def parse_config(
         tls=_tls_config(parser, ns),
         reflection=not ns.no_reflection,
         max_request_bytes=ns.max_request_bytes,
+        kv_events=kv_events,
     )
     return config, ns
 

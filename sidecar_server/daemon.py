@@ -50,6 +50,7 @@ from sidecar_common.version import package_version
 from sidecar_server import systemd
 from sidecar_server.config import EngineSpec, SidecarConfig
 from sidecar_server.engine import Engine
+from sidecar_server.kv_hub import KvCacheHub
 from sidecar_server.metrics import Metrics
 from sidecar_server.registration import Registration, registered
 from sidecar_server.server import ServerConfig, SidecarServer
@@ -276,6 +277,8 @@ async def _serve(
         stopper.cancel_inflight = server.cancel_inflight
         gc.freeze()  # what start-up built lives as long as the process: never rescanned
         info = engine.model_info()
+        if config.kv_events is not None:
+            await closing.enter_async_context(_kv_events(config, server.kv_cache, info))
         status = f"serving {info.served_model_name or spec.name} on port {server.port}"
         systemd.notify(f"READY=1\nSTATUS={status}")
         log.info("serving", engine=spec.name, model=info.served_model_name, port=server.port)
@@ -327,11 +330,35 @@ async def _register(
     return await closing.enter_async_context(registered(config.registration, record))
 
 
-def _engine_status(spec: EngineSpec, config: SidecarConfig) -> Callable[[bool, str], None]:
-    """What `systemctl status` says when the engine's health changes while serving."""
+@asynccontextmanager
+async def _kv_events(
+    config: SidecarConfig, hub: KvCacheHub, info: sidecar_pb2.ModelInfo
+) -> AsyncIterator[None]:
+    """Subscribe to the engine's KV events for as long as the daemon serves."""
+    from sidecar_server.kv_subscriber import KvSubscriber  # pyzmq only where it is used
+
+    kv_events = config.kv_events
+    assert kv_events is not None
+    hub.set_model(info.served_model_name, info.kv_block_size)
+    ranks = kv_events.data_parallel_size or max(1, info.data_parallel_size)
+    subscriber = KvSubscriber(kv_events, hub, ranks=ranks)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(subscriber.run)
+        try:
+            yield
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def _engine_status(
+    spec: EngineSpec, config: SidecarConfig, kv_cache: KvCacheHub
+) -> Callable[[bool, str], None]:
+    """What `systemctl status` says when the engine's health changes while serving (and the
+    KV-event subscriber hears of it: a bad verdict resyncs its state)."""
     where = f"{spec.name} engine at {config.pool.endpoint}"
 
     def report(healthy: bool, why: str) -> None:
+        kv_cache.engine_health(healthy)
         if healthy:
             systemd.notify(f"STATUS=serving: {where} is healthy again")
         else:
@@ -358,12 +385,14 @@ async def _start(
     if tracing.exporting:
         log.info("exporting traces over OTLP")
         closing.push_async_callback(_bounded, "traces flush", tracing.aclose, _CLOSE_TIMEOUT)
+    kv_cache = KvCacheHub(subscribed=config.kv_events is not None)
     server = SidecarServer(
         engine,
         _server_config(config),
         metrics=metrics,
-        engine_health_listener=_engine_status(spec, config),
+        engine_health_listener=_engine_status(spec, config, kv_cache),
         tracing=tracing,
+        kv_cache=kv_cache,
     )
     try:
         await server.start()

@@ -35,6 +35,7 @@ from sidecar_server.dispatch import (
 )
 from sidecar_server.engine import Engine, GenerateCall
 from sidecar_server.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
+from sidecar_server.kv_hub import KvCacheHub
 from sidecar_server.metrics import Metrics
 from sidecar_server.relay import RelayConfig, relay
 
@@ -177,6 +178,11 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def GetLoad(self, request: sidecar_pb2.GetLoadRequest, context: _Context) -> sidecar_pb2.LoadReport:
         return await self._owner._load(context)
 
+    async def WatchKvCache(  # type: ignore[override]
+        self, request: sidecar_pb2.WatchKvCacheRequest, context: _Context
+    ) -> None:
+        await self._owner.kv_cache.watch(request, context.write)
+
 
 class SidecarServer:
     """One sidecar's gRPC server: ``start`` (health NOT_SERVING), ``set_serving`` once the
@@ -190,8 +196,11 @@ class SidecarServer:
         metrics: Metrics | None = None,
         engine_health_listener: Callable[[bool, str], None] | None = None,
         tracing: Tracing | None = None,
+        kv_cache: KvCacheHub | None = None,
     ) -> None:
         self._engine = engine
+        # The engine's KV-cache state (WatchKvCache); never fed without --kv-events-endpoint.
+        self.kv_cache = kv_cache if kv_cache is not None else KvCacheHub(subscribed=False)
         self._config = config
         self._metrics = metrics
         self._tracing = tracing if tracing is not None else Tracing()
@@ -653,4 +662,7 @@ class SidecarServer:
             )
         except Exception as exc:
             await _fail(context, self._internal_error("load", exc))
-        return sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
+        report = sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
+        if self.kv_cache.subscribed:  # absent: this worker publishes no cache state
+            report.kv_cache.CopyFrom(self.kv_cache.status())
+        return report

@@ -913,8 +913,12 @@ _ENV_PREFIXES = {"sidecar-frontend": "SIDECAR_FRONTEND_", "sidecar frontend": "S
 
 
 def _console_scripts() -> list[str]:
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return sorted(tomllib.load(f)["project"]["scripts"])
+    """The console scripts of both distributions: llm-sidecars and the testkit's own."""
+    scripts: list[str] = []
+    for pyproject in (ROOT / "pyproject.toml", ROOT / "testkit" / "pyproject.toml"):
+        with open(pyproject, "rb") as f:
+            scripts += tomllib.load(f)["project"]["scripts"]
+    return sorted(scripts)
 
 
 def _help(command: list[str]) -> str:
