@@ -27,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar_common.endpoint import parse_host_port
+from sidecar_common.errors import FailureReason
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
@@ -38,7 +39,7 @@ from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
-from sidecar_frontend.routing.placement import Placer
+from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.wiring import RoutingParts
 from sidecar_frontend.workers import Worker, WorkerSet
 
@@ -55,11 +56,17 @@ _STOP_GRACE: Final = 5.0
 log = structlog.get_logger("sidecar_frontend.server")
 
 
-def load_formats(names: Sequence[str]) -> list[Format]:
+def load_formats(names: Sequence[str], *, sglang_incremental_streaming_output: bool = False) -> list[Format]:
+    """The formats named, each made with its own options (only SGLang has any)."""
     formats: list[Format] = []
     for name in names:
         module = importlib.import_module(FORMATS[name])
-        formats.append(module.FORMAT)
+        if name == "sglang":
+            formats.append(
+                module.SglangFormat(incremental_streaming_output=sglang_incremental_streaming_output)
+            )
+        else:
+            formats.append(module.FORMAT)
     return formats
 
 
@@ -127,7 +134,9 @@ async def serve(config: FrontendConfig) -> int:
 
 async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals]) -> int:
     try:
-        formats = load_formats(config.formats)
+        formats = load_formats(
+            config.formats, sglang_incremental_streaming_output=config.sglang_incremental_streaming_output
+        )
     except (ImportError, AttributeError) as err:
         log.error("format not available", formats=list(config.formats), error=str(err))
         return EXIT_STARTUP_FAILED
@@ -152,7 +161,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         metrics_port=config.metrics_port,
         metrics_host=config.metrics_host,
         models=sorted(config.worker_set.models) or None,
-        sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
+        sglang_incremental_streaming_output=config.sglang_incremental_streaming_output,
         routing=config.routing.routing.value if config.routing.routing is not None else "kv/approx",
     )
     routing = RoutingParts.build(config.routing, metrics.registry)
@@ -166,11 +175,11 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         anyio.create_task_group() as discovery,
     ):
         metrics.watch_fleet(lambda: _rows(workers))
-        placer = routing.placer(workers)
+        choice = routing.choice(workers)
         # Serving starts once discovery applied its first view (or its first attempt failed).
         await discovery.start(run_discovery, config.discovery, workers)
         try:
-            code = await _serve_http(config, formats, workers, placer, metrics, signals)
+            code = await _serve_http(config, formats, workers, choice, metrics, signals)
         finally:
             discovery.cancel_scope.cancel()
     log.info("stopped")
@@ -181,12 +190,14 @@ async def _serve_http(
     config: FrontendConfig,
     formats: list[Format],
     workers: WorkerSet,
-    placer: Placer,
+    choice: RoutedChoice,
     metrics: Metrics,
     signals: AsyncIterator[signal.Signals],
 ) -> int:
     tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
-    frontend = Frontend(formats, workers, config.handler, metrics=metrics, tracing=tracing, placer=placer)
+    frontend = Frontend(
+        formats, workers, config.handler, metrics=metrics, tracing=tracing, choice=choice, watch=choice
+    )
     runner = web.AppRunner(
         frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
     )
@@ -260,7 +271,7 @@ async def _until_stopped(
                 "drain did not finish in time", timeout_secs=drain_timeout, inflight=frontend.inflight
             )
         group.cancel_scope.cancel()
-    frontend.stop_all(WorkerFailure("ENGINE_SHUTDOWN", "the frontend is shutting down"))
+    frontend.stop_all(WorkerFailure.of(FailureReason.ENGINE_SHUTDOWN, "the frontend is shutting down"))
     with anyio.move_on_after(_STOP_GRACE):
         await frontend.wait_idle()
     return EXIT_OK

@@ -20,6 +20,7 @@ from typing import Any
 from bench.kv_routing import micro
 from bench.kv_routing.fleet import Completed, Fleet, FleetSpec, features, run_multi_turn, run_shared
 from bench.kv_routing.oracle import best_hits
+from bench.kv_routing.sim import simulate_multi_turn, simulate_shared
 from bench.kv_routing.workloads import MultiTurn, SharedPrefix, multi_turn, shared_prefix
 
 ALL_POLICIES = ("random", "round-robin", "load", "approx", "kv")
@@ -39,11 +40,13 @@ class Profile:
 
 
 def _fleet(capacity_blocks: int, **kw: Any) -> FleetSpec:
-    # prefill 8 us per uncached token: a 2,048-token prefill costs 16.4 ms. One request
-    # generated at a time per engine and a short answer, so a worker's time goes mostly to
-    # prefill and a miss queues the requests behind it, as on a GPU busy with prefills.
+    # prefill 20 us per uncached token: a 2,048-token prefill costs 41 ms (a slow GPU: this
+    # machine drives about 40 requests/s through the real fleet, and at 8 us the fleet would
+    # idle at that rate; bench/README.md). One request generated at a time per engine and a
+    # short answer, so a worker's time goes mostly to prefill and a miss delays the requests
+    # queued behind it, as on a GPU busy with prefills.
     base = FleetSpec(
-        workers=4, block_size=16, capacity_blocks=capacity_blocks, prefill_us_per_token=8.0,
+        workers=4, block_size=16, capacity_blocks=capacity_blocks, prefill_us_per_token=20.0,
         max_num_seqs=1, token_latency_ms=1.0, max_tokens=8,
     )  # fmt: skip
     return replace(base, **kw)
@@ -129,10 +132,12 @@ def run_fleet(
             fleet_spec = prof.fleet
             requests = shared_prefix(prof.shared)
         else:
-            fleet_spec = replace(prof.fleet, capacity_blocks=_half_multi(prof.multi, prof.fleet.max_tokens))
+            fleet_spec = _multi_spec(prof)
             conversations = multi_turn(prof.multi)
         for n in replicas:
-            for policy in policies:
+            # Several frontends matter only to the policies with an index: kv shares the
+            # workers' map, approx builds one per frontend from its own decisions.
+            for policy in policies if n == 1 else [p for p in policies if p in ("kv", "approx")]:
                 spec = replace(fleet_spec, replicas=n)
                 load_before = _load()
                 with Fleet(spec, policy, f"{workload}-{policy}-{n}") as fleet:
@@ -151,6 +156,24 @@ def run_fleet(
                 }
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
+    return rows
+
+
+def _multi_spec(prof: Profile) -> FleetSpec:
+    return replace(prof.fleet, capacity_blocks=_half_multi(prof.multi, prof.fleet.max_tokens))
+
+
+def run_sim(prof: Profile, policies: Sequence[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    requests, conversations = shared_prefix(prof.shared), multi_turn(prof.multi)
+    for workload in ("shared", "multi"):
+        for policy in policies:
+            if workload == "shared":
+                result = simulate_shared(prof.fleet, policy, requests)
+            else:
+                result = simulate_multi_turn(_multi_spec(prof), policy, conversations)
+            row = {"workload": workload, "policy": policy, "replicas": 1}
+            rows.append({**row, **result.row(prof.fleet.block_size)})
     return rows
 
 
@@ -197,6 +220,22 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['load_before'][0]}→{r['load_after'][0]}",
         ]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if report.get("sim_runs"):
+        lines += [
+            "",
+            "Simulated (`sim.py`: the same workloads and fleet, the real router, no processes):",
+            "",
+            "| workload | policy | hit rate | best | kv/best | TTFT p50 ms | TTFT p90 ms | out tok/s "
+            "| requests per worker | max/min |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in report["sim_runs"]:
+            cells = [
+                r["workload"], r["policy"], f"{r['hit_rate']:.1%}", f"{r['best_hit_rate']:.1%}",
+                r["hit_vs_best"], r["ttft_p50_ms"], r["ttft_p90_ms"], r["output_tokens_per_s"],
+                " / ".join(map(str, r["requests_per_worker"])), r["spread_max_over_min"],
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     if report.get("micro"):
         lines += [
             "",
@@ -225,9 +264,19 @@ def _verdict(met: bool) -> str:
 
 
 def targets(report: dict[str, Any]) -> list[str]:
-    """One line per target of issue 20: MET, MISSED or NOT RUN, with the figures."""
+    """One line per target of issue 20: MET, MISSED or NOT RUN, with the figures; the fleet's
+    first, then the simulation's (prefixed "sim")."""
+    out = _targets(report["fleet_runs"], report.get("micro", {}).get("decisions", []), "")
+    if report.get("sim_runs"):
+        out += _targets(report["sim_runs"], [], "sim: ", replicas=False)
+    return out
+
+
+def _targets(
+    rows: list[dict[str, Any]], decisions: list[dict[str, Any]], prefix: str, replicas: bool = True
+) -> list[str]:
     out: list[str] = []
-    runs = {(r["workload"], r["policy"], r["replicas"]): r for r in report["fleet_runs"]}
+    runs = {(r["workload"], r["policy"], r["replicas"]): r for r in rows}
     for workload in ("shared", "multi"):
         kv = runs.get((workload, "kv", 1))
         if kv is not None and kv["hit_vs_best"] is not None:
@@ -252,21 +301,23 @@ def targets(report: dict[str, Any]) -> list[str]:
                 f"{_verdict(s is not None and s <= 1.5)}: {workload}, kv, {n} frontend(s): "
                 f"busiest / least busy worker's requests = {s} (target: 1.5 at most)"
             )
-    for d in report.get("micro", {}).get("decisions", []):
+    for d in decisions:
         if d["prompt_tokens"] == 8192 and d["workers"] == 16:
             out.append(
                 f"{_verdict(d['choose_us'] < 100)}: a decision for 8,192 tokens over 16 workers "
                 f"costs {d['choose_us']} µs (target: under 100)"
             )
     one, two = runs.get(("shared", "kv", 1)), runs.get(("shared", "kv", 2))
-    if one and two:
+    if not replicas:
+        pass
+    elif one and two:
         out.append(
             f"{_verdict(two['hit_rate'] >= one['hit_rate'] * 0.99)}: shared, kv: two frontends "
             f"{two['hit_rate']:.1%} hit rate, one {one['hit_rate']:.1%} (target: no hits lost)"
         )
     else:
         out.append("NOT RUN: two frontend replicas lose no hits against one")
-    return out
+    return [line.replace(": ", ": " + prefix, 1) if prefix else line for line in out]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": {"shared": asdict(prof.shared), "multi": asdict(prof.multi)},
         "fleet_runs": [],
     }
+    report["sim_runs"] = run_sim(prof, [p for p in wanted if p in ALL_POLICIES])
     if not args.no_micro:
         report["micro"] = run_micro(prof)
     if not args.no_fleet:

@@ -1,6 +1,6 @@
 """The routing parts of one frontend process, made from ``--routing`` and its flags: the router
 (none for ``load``), the cache streams (for ``kv`` and the default), their metrics, and the
-placer the handler asks. The server makes one :class:`RoutingParts` before the worker set (whose
+worker choice the attempt runner asks. The server makes one :class:`RoutingParts` before the worker set (whose
 companion task follows each worker's stream) and attaches it to the set once it runs."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from sidecar_common.kv_keys import block_keys
+from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.index import BlockIndex
 from sidecar_frontend.routing.metrics import RoutingMetrics
-from sidecar_frontend.routing.placement import Placer
 from sidecar_frontend.routing.router import Router, RouterConfig, Routing
 from sidecar_frontend.routing.streams import CacheStreams, StreamConfig
 from sidecar_frontend.workers import Worker, WorkerSet
@@ -59,11 +59,11 @@ class RoutingParts:
         """The worker set's per-worker tasks for routing (following each cache stream)."""
         return (self.streams.follow,) if self.streams is not None else ()
 
-    def placer(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> Placer:
-        """The handler's worker choice over ``workers`` (which must be running)."""
+    def choice(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> RoutedChoice:
+        """The attempt runner's worker choice (and call watch) over ``workers`` (running)."""
         if self.streams is not None:
             self.streams.watch_changes(workers.next_change)
-        return Placer(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
+        return RoutedChoice(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
 
     def forget_worker(self, address: str) -> None:
         """``address`` left the set: its entries and series go."""

@@ -7,8 +7,9 @@ from typing import Any
 
 from bench.kv_routing import micro
 from bench.kv_routing.__main__ import _half_shared, markdown, summarize, targets
-from bench.kv_routing.fleet import Completed
+from bench.kv_routing.fleet import Completed, FleetSpec
 from bench.kv_routing.oracle import best_hits
+from bench.kv_routing.sim import simulate_multi_turn, simulate_shared
 from bench.kv_routing.workloads import MultiTurn, SharedPrefix, multi_turn, shared_prefix
 
 
@@ -85,9 +86,28 @@ def test_summary_and_report_of_a_run() -> None:
         "fleet": {"workers": 2, "block_size": 16, "prefill_us_per_token": 8.0, "max_num_seqs": 1,
                   "max_tokens": 2, "token_latency_ms": 1.0},
         "features": {"policies": ["load"], "sidecar_kv_flags": []},
+        "sim_runs": [],
         "fleet_runs": [{**row, "workload": "shared", "policy": "kv", "replicas": 1,
                         "load_before": [1.0], "load_after": [1.0]}],
     }  # fmt: skip
     report["targets"] = targets(report)
     assert any(t.startswith("MET: shared: kv hit rate") for t in report["targets"])
     assert "| shared | kv | 1 |" in markdown(report)
+
+
+def test_simulated_single_worker_with_room_for_everything_reaches_the_bound() -> None:
+    spec = FleetSpec(workers=1, capacity_blocks=10_000, max_tokens=4)
+    requests = shared_prefix(
+        SharedPrefix(groups=3, prefix_tokens=64, question_tokens=8, requests=30, rate=5.0)
+    )
+    row = simulate_shared(spec, "load", requests).row(16)
+    assert row["requests"] == 30
+    assert row["hit_rate"] == row["best_hit_rate"]
+
+
+def test_simulated_multi_turn_sends_every_turn_through_the_real_router() -> None:
+    spec = FleetSpec(workers=2, capacity_blocks=10_000, max_tokens=4)
+    convs = multi_turn(MultiTurn(conversations=3, turns=3, system_tokens=32, user_tokens=8, rate=2.0))
+    row = simulate_multi_turn(spec, "kv", convs).row(16)
+    assert row["requests"] == 9
+    assert row["hit_rate"] == row["best_hit_rate"]  # room for everything: kv finds every prefix

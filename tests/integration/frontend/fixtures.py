@@ -88,13 +88,15 @@ async def frontend_over(
             workers.add_worker(address)
         with anyio.fail_after(20):
             await workers.wait_serving(len(addresses) if serving is None else serving)
+        choice = parts.choice(workers) if parts is not None else None
         frontend = Frontend(
             formats,
             workers,
             config or HandlerConfig(),
             metrics=metrics,
             tracing=tracing,
-            placer=parts.placer(workers) if parts is not None else None,
+            choice=choice,
+            watch=choice,
         )
         runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
