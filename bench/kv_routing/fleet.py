@@ -79,7 +79,7 @@ def features() -> dict[str, Any]:
     if "--routing" in frontend and not policies:
         policies = ["kv", "approx", "load", "round-robin", "random"]
     sidecar = _help("sidecar-vllm")
-    flags = re.findall(r"--kv-events[a-z-]*", sidecar)
+    flags = re.findall(r"--kv-events-[a-z][a-z-]*", sidecar)
     return {
         "routing_flag": "--routing" in frontend,
         "policies": policies,
