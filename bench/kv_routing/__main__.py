@@ -141,10 +141,12 @@ def run_fleet(
                 spec = replace(fleet_spec, replicas=n)
                 load_before = _load()
                 with Fleet(spec, policy, f"{workload}-{policy}-{n}") as fleet:
+                    cpu_before = fleet.cpu_seconds()
                     if workload == "shared":
                         done, counts, wall = asyncio.run(run_shared(fleet, requests))
                     else:
                         done, counts, wall = asyncio.run(run_multi_turn(fleet, conversations))
+                    cpu_after = fleet.cpu_seconds()
                 row = {
                     "workload": workload,
                     "policy": policy,
@@ -153,6 +155,8 @@ def run_fleet(
                     "load_before": load_before,
                     "load_after": _load(),
                     "capacity_blocks": spec.capacity_blocks,
+                    "cpu_s": {role: round(cpu_after[role] - cpu_before[role], 2) for role in cpu_after},
+                    "sidecar_events": spec.sidecar_events,
                 }
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
@@ -334,11 +338,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", default="shared,multi")
     parser.add_argument("--replicas", default="1", help="frontend counts to run, comma-separated (e.g. 1,2)")
     parser.add_argument("--no-micro", action="store_true")
+    parser.add_argument(
+        "--no-sidecar-events",
+        action="store_true",
+        help="sidecars not subscribed to KV events (A/B of their cost)",
+    )
     parser.add_argument("--no-fleet", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for kv_routing.{json,md}")
     parser.add_argument("--name", default="kv_routing", help="file name stem")
     args = parser.parse_args(argv)
     prof = profile(args.profile or "quick")
+    if args.no_sidecar_events:
+        prof = replace(prof, fleet=replace(prof.fleet, sidecar_events=False))
     feats = features()
     wanted = [p for p in args.policies.split(",") if p]
     policies = [p for p in wanted if p in feats["policies"]]
