@@ -206,6 +206,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"# KV-cache-aware routing ({report['profile']}, {report['date']}, commit {report['commit']}, "
         f"load average {report['load_start']} at start)",
         "",
+        *([report["note"], ""] if report.get("note") else []),
         f"Fleet: {fleet['workers']} testkit vLLM workers, blocks of {fleet['block_size']}, "
         f"{fleet['prefill_us_per_token']:g} µs prefill per uncached token, {fleet['max_num_seqs']} "
         f"request(s) generated at a time per worker, {fleet['max_tokens']} output tokens at "
@@ -311,16 +312,15 @@ def _targets(
                 f"{_verdict(d['choose_us'] < 100)}: a decision for 8,192 tokens over 16 workers "
                 f"costs {d['choose_us']} µs (target: under 100)"
             )
-    one, two = runs.get(("shared", "kv", 1)), runs.get(("shared", "kv", 2))
-    if not replicas:
-        pass
-    elif one and two:
-        out.append(
-            f"{_verdict(two['hit_rate'] >= one['hit_rate'] * 0.99)}: shared, kv: two frontends "
-            f"{two['hit_rate']:.1%} hit rate, one {one['hit_rate']:.1%} (target: no hits lost)"
-        )
-    else:
-        out.append("NOT RUN: two frontend replicas lose no hits against one")
+    for workload in ("shared", "multi") if replicas else ():
+        one, two = runs.get((workload, "kv", 1)), runs.get((workload, "kv", 2))
+        if one and two:
+            out.append(
+                f"{_verdict(two['hit_rate'] >= one['hit_rate'] * 0.99)}: {workload}, kv: two frontends "
+                f"{two['hit_rate']:.1%} hit rate, one {one['hit_rate']:.1%} (target: no hits lost)"
+            )
+        elif workload == "shared":
+            out.append("NOT RUN: two frontend replicas lose no hits against one")
     return [line.replace(": ", ": " + prefix, 1) if prefix else line for line in out]
 
 
@@ -346,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-fleet", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for kv_routing.{json,md}")
     parser.add_argument("--name", default="kv_routing", help="file name stem")
+    parser.add_argument(
+        "--note", default="", help="a line for the report (e.g. where the code under test came from)"
+    )
     args = parser.parse_args(argv)
     prof = profile(args.profile or "quick")
     if args.no_sidecar_events:
@@ -360,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": _commit(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "load_start": _load()[0],
+        "note": args.note,
         "features": feats,
         "skipped_policies": skipped,
         "fleet": asdict(prof.fleet),
