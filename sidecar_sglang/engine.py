@@ -54,10 +54,6 @@ class SglangEngine(EngineClient):
     def name(self) -> str:
         return "sglang"
 
-    @property
-    def transport(self) -> SglangTransport:
-        return self._transport
-
     # ------------------------------------------------------------------- start-up
 
     @property

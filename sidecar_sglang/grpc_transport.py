@@ -69,7 +69,6 @@ class GrpcTransport:
     def __init__(
         self, config: SidecarConfig, *, clock: Clock | None = None, connector: Connector | None = None
     ) -> None:
-        self._host = config.pool.endpoint.host
         self._channels: EngineChannels[sglang_pb2_grpc.SglangServiceAsyncStub] = EngineChannels(
             config.pool, sglang_pb2_grpc.SglangServiceStub, clock=clock, connector=connector
         )
@@ -81,23 +80,14 @@ class GrpcTransport:
                 response_deserializer=None,
             )
         )
+        self.clock = self._channels.clock
+        self.target = self._channels.target
+        self.host = config.pool.endpoint.host
 
-    kind: Final[Transport] = "grpc"
-    health_call: Final = "HealthCheck"
+    kind: Transport = "grpc"
+    health_call = "HealthCheck"
     # A gRPC call starts lazily: the first event is the first sign of admission.
-    handoff_on_admission: Final = False
-
-    @property
-    def clock(self) -> Clock:
-        return self._channels.clock
-
-    @property
-    def target(self) -> str:
-        return self._channels.target
-
-    @property
-    def host(self) -> str:
-        return self._host
+    handoff_on_admission = False
 
     def is_starting(self, error: BaseException) -> bool:
         return is_transient(error)

@@ -88,29 +88,18 @@ class HttpTransport:
     for control calls."""
 
     def __init__(self, endpoint: Endpoint, retry: RetryPolicy, *, clock: Clock | None = None) -> None:
-        self._endpoint = endpoint
         self._base = endpoint.http_base_url
         self._retry = retry
-        self._clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or SystemClock()
+        self.target = self._base
+        self.host = endpoint.host
         self._session: aiohttp.ClientSession | None = None
         self._control_session: aiohttp.ClientSession | None = None
 
-    kind: Final[Transport] = "http"
-    health_call: Final = "GET /health"
+    kind: Transport = "http"
+    health_call = "GET /health"
     # The response status says the engine admitted the generation, before its first event.
-    handoff_on_admission: Final = True
-
-    @property
-    def clock(self) -> Clock:
-        return self._clock
-
-    @property
-    def target(self) -> str:
-        return self._base
-
-    @property
-    def host(self) -> str:
-        return self._endpoint.host
+    handoff_on_admission = True
 
     def _new_session(self, limit: int) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
@@ -207,21 +196,7 @@ class HttpTransport:
         """GET the first of ``paths`` that exists (older servers only have the deprecated ones)."""
         if deadline is not None:
             timeout = min(self._retry.attempt_timeout, deadline.remaining())
-        status, body = 404, b""
-        path = paths[0]
-        try:
-            with anyio.fail_after(timeout):
-                for path in paths:
-                    async with self._control().get(f"{self._base}{path}") as resp:
-                        status, body = resp.status, await resp.read()
-                    if status != 404:
-                        break
-        except TimeoutError:
-            raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT, f"GET {path}: no answer in {timeout:.3f}s"
-            ) from None
-        except aiohttp.ClientError as err:
-            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"GET {path}: {err!r}") from None
+        path, status, body = await self._control_call("GET", paths, timeout)
         if status != 200:
             raise error_from_http_status(status, _error_words(body), rpc=f"GET {path}")
         try:
@@ -306,19 +281,32 @@ class HttpTransport:
 
     async def abort(self, rid: str, timeout: float) -> None:
         body = {"rid": rid, "abort_all": False}
+        path, status, answer = await self._control_call("POST", ("/abort_request",), timeout, body)
+        if status != 200:
+            raise error_from_http_status(status, _error_words(answer), rpc=f"POST {path}")
+
+    async def _control_call(
+        self, method: str, paths: tuple[str, ...], timeout: float, body: object = None
+    ) -> tuple[str, int, bytes]:
+        """One control call, to the first of ``paths`` that does not answer 404, all within
+        ``timeout``: the path, its status and its body. No answer in time is
+        CONNECTION_TIMEOUT, no connection CANNOT_CONNECT, each naming the path."""
+        status, answer = 404, b""
+        path = paths[0]
         try:
             with anyio.fail_after(timeout):
-                async with self._control().post(f"{self._base}/abort_request", json=body) as resp:
-                    answer = await resp.read()
-                    status = resp.status
+                for path in paths:
+                    async with self._control().request(method, f"{self._base}{path}", json=body) as resp:
+                        status, answer = resp.status, await resp.read()
+                    if status != 404:
+                        break
         except TimeoutError:
             raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT, f"POST /abort_request: no answer in {timeout:g}s"
+                ErrorReason.CONNECTION_TIMEOUT, f"{method} {path}: no answer in {timeout:.3f}s"
             ) from None
         except aiohttp.ClientError as err:
-            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"POST /abort_request: {err!r}") from None
-        if status != 200:
-            raise error_from_http_status(status, _error_words(answer), rpc="POST /abort_request")
+            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"{method} {path}: {err!r}") from None
+        return path, status, answer
 
     async def load(self, timeout: float) -> object:
         return await self._get_json(("/v1/loads",), None, timeout)

@@ -48,36 +48,14 @@ class StreamCut(Exception):
 class SglangTransport(Protocol):
     """One SGLang engine's wire. Every call raises SidecarError on failure, except as noted."""
 
-    @property
-    def kind(self) -> Transport:
-        """``grpc`` or ``http``: what request conversion and discovery need to know."""
-        ...
-
-    @property
-    def clock(self) -> Clock:
-        """The clock of the start-up deadline."""
-        ...
-
-    @property
-    def target(self) -> str:
-        """The address dialled, as start-up errors name it."""
-        ...
-
-    @property
-    def host(self) -> str:
-        """The engine's host, as the sidecar reaches it (the bootstrap host's fallback)."""
-        ...
-
-    @property
-    def health_call(self) -> str:
-        """The health call, as start-up errors name it."""
-        ...
-
-    @property
-    def handoff_on_admission(self) -> bool:
-        """Whether the wire tells when the engine admitted a generation (HTTP's response
-        status), so that a prefill can hand off before its first event."""
-        ...
+    kind: Transport  # what request conversion and discovery need to know
+    clock: Clock  # the clock of the start-up deadline
+    target: str  # the address dialled, as start-up errors name it
+    host: str  # the engine's host as the sidecar reaches it (the bootstrap host's fallback)
+    health_call: str  # the health call, as start-up errors name it
+    # The wire tells when the engine admitted a generation (HTTP's response status), so that
+    # a prefill can hand off before its first event.
+    handoff_on_admission: bool
 
     def is_starting(self, error: BaseException) -> bool:
         """A failed health attempt worth another one within the start-up deadline."""

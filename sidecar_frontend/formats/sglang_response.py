@@ -21,13 +21,14 @@ from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.sglang_request import ItemPlan, SglangOptions
 from sidecar_frontend.formats.sglang_wire import (
     DONE_EVENT,
+    FAILURE_STATUS,
     dumps,
     event,
     status_error,
     stream_error_event,
 )
 
-__all__ = ["SglangEncoder", "failure_status"]
+__all__ = ["SglangEncoder"]
 
 Triple = list[object]  # [logprob | None, token_id, text (always None: no tokenizer)]
 
@@ -37,20 +38,6 @@ _ABORTED: Final[Mapping[str, object]] = {
     "status_code": None,
     "err_type": None,
 }
-# Worker failures, by the sidecar's ErrorInfo reason (or the frontend's own NO_WORKER and
-# DEADLINE): the HTTP status SGLang would use for the same cause.
-_UNAVAILABLE: Final = frozenset(
-    {"CANNOT_CONNECT", "ENGINE_SHUTDOWN", "CONNECTION_TIMEOUT", "NO_WORKER", "DEADLINE", "OVERLOADED"}
-)
-
-
-def failure_status(reason: str) -> int:
-    """INVALID_ARGUMENT 400; capacity, reachability and time 503; anything else 500."""
-    if reason == "INVALID_ARGUMENT":
-        return 400
-    if reason in _UNAVAILABLE:
-        return 503
-    return 500
 
 
 def _abort_reason(status: int, message: str) -> dict[str, object]:
@@ -294,14 +281,14 @@ class SglangEncoder:
         item = self._items[index]
         if self._aborted or item.done:
             return b""
-        reason, message = failure.reason, failure.message
-        if reason == "CANCELLED":
+        message = failure.message
+        status = FAILURE_STATUS[failure.reason]
+        if status is None:
             # An abort by rid: SGLang ends the request with the abort finish reason and the
             # output so far, on HTTP 200; the other items go on.
             item.finish = _ABORTED
             item.finished_at = now
             return self._emit(item, now)
-        status = failure_status(reason)
         if self._stream and status == 400:
             # A refused value: SGLang's SSE error event (no index), then [DONE].
             self._aborted = True

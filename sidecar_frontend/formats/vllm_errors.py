@@ -12,19 +12,23 @@ Three shapes reach a vLLM client:
 
 from __future__ import annotations
 
+import enum
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Final
 
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import HttpReply
 from sidecar_frontend.formats.vllm_json import compact_json
 
 __all__ = [
     "DEAD_ENGINE_MESSAGE",
+    "FAILURE_ANSWERS",
     "OVERLOADED_MESSAGE",
     "REFUSED_BEFORE_STREAM",
+    "FailureAnswer",
     "Invalid",
     "Refused",
     "ValidationIssue",
@@ -44,9 +48,40 @@ OVERLOADED_MESSAGE: Final = (
     "Please try again later or on a different instance."
 )
 
+
+class FailureAnswer(enum.Enum):
+    """How vLLM answers a failure (``vllm_response.failure_error`` writes each)."""
+
+    # As an abort: the open choices finish with finish_reason "abort", the tokens so far stand.
+    ABORT = "abort"
+    # 400 BadRequestError in the failure's words (404 NotFoundError for what the engine lacks).
+    REFUSED = "refused"
+    # 503 Service Unavailable (vLLM's admission refusal), before any stream starts.
+    BUSY = "busy"
+    # 500 InternalServerError with vLLM's sentence for a failed engine.
+    ENGINE_FAILED = "engine_failed"
+
+
+# What vLLM answers for each reason: the cause in vLLM that matches it.
+FAILURE_ANSWERS: Final[Mapping[FailureReason, FailureAnswer]] = {
+    FailureReason.INVALID_ARGUMENT: FailureAnswer.REFUSED,
+    FailureReason.CANNOT_CONNECT: FailureAnswer.ENGINE_FAILED,
+    FailureReason.CONNECTION_TIMEOUT: FailureAnswer.ENGINE_FAILED,
+    FailureReason.ENGINE_SHUTDOWN: FailureAnswer.ENGINE_FAILED,
+    FailureReason.CANCELLED: FailureAnswer.ABORT,
+    FailureReason.OVERLOADED: FailureAnswer.BUSY,
+    FailureReason.PROTOCOL_ERROR: FailureAnswer.ENGINE_FAILED,
+    FailureReason.UNKNOWN: FailureAnswer.ENGINE_FAILED,
+    FailureReason.NO_WORKER: FailureAnswer.ENGINE_FAILED,
+    # Our request deadline ends the request as vLLM's abort does.
+    FailureReason.DEADLINE: FailureAnswer.ABORT,
+}
+
 # vLLM checks admission before it starts a stream (serving's check_admission): a streamed
 # request it has no room for gets the same 503 JSON as a unary one, never a 200.
-REFUSED_BEFORE_STREAM: Final = frozenset({"OVERLOADED"})
+REFUSED_BEFORE_STREAM: Final = frozenset(
+    reason for reason, answer in FAILURE_ANSWERS.items() if answer is FailureAnswer.BUSY
+)
 
 _MAX_REPORTED: Final = 10
 _MAX_INPUT_CHARS: Final = 200

@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Final
+from typing import Final, assert_never
 
 from google.protobuf import struct_pb2
 
@@ -29,7 +29,9 @@ from sidecar_common.structs import JSON, StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm_errors import (
     DEAD_ENGINE_MESSAGE,
+    FAILURE_ANSWERS,
     OVERLOADED_MESSAGE,
+    FailureAnswer,
     VllmError,
 )
 from sidecar_frontend.formats.vllm_json import compact_json
@@ -47,15 +49,15 @@ _FINISH: Final = {
     # vLLM has no content filter; the nearest of its reasons is an ordinary stop.
     sidecar_pb2.CONTENT_FILTER: "stop",
 }
-# Reasons that end a request the way an abort does: the tokens so far stand.
-_ABORTING: Final = frozenset({"CANCELLED", "DEADLINE"})
 
 
 def failure_error(failure: WorkerFailure) -> VllmError | None:
-    """The vLLM error a failure reads as, or None when it reads as an abort."""
-    if failure.reason in _ABORTING:
+    """The vLLM error a failure reads as (``FAILURE_ANSWERS``), or None when it reads as an
+    abort."""
+    answer = FAILURE_ANSWERS[failure.reason]
+    if answer is FailureAnswer.ABORT:
         return None
-    if failure.reason == "INVALID_ARGUMENT":
+    if answer is FailureAnswer.REFUSED:
         # No error goes out without words, whatever the worker sent.
         message = failure.message or "the worker refused the request without a reason"
         if failure.not_found:
@@ -64,15 +66,17 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
             return VllmError(message, "NotFoundError", HTTPStatus.NOT_FOUND)
         param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
         return VllmError(message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
-    if failure.reason == "OVERLOADED":
+    if answer is FailureAnswer.BUSY:
         # vLLM's admission refusals (a full request queue, a prefill backlog) each say their
         # own sentence: the engine's, when it came with one.
         message = failure.message if failure.from_engine and failure.message else OVERLOADED_MESSAGE
         return VllmError(message, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE)
-    # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
-    # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
-    # error without words helps no client, so every 500 says this sentence.)
-    return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    if answer is FailureAnswer.ENGINE_FAILED:
+        # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
+        # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
+        # error without words helps no client, so every 500 says this sentence.)
+        return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    assert_never(answer)
 
 
 # The sidecars' refusals start with the sidecar.v1 field ("stop_conditions.max_tokens: ...");

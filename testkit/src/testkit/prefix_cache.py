@@ -20,8 +20,9 @@ Capacity is a number of blocks. A block to store when the cache is full evicts t
 recently used unreferenced block that no cached block extends (a leaf: the cached set stays
 closed under prefixes, as a radix tree's is); with nothing evictable the remaining blocks of
 that request are not cached (the request still runs: the testkit simulates the cache, not the
-memory). Blocks freed by a request are used last tail first, so a prefix outlives its
-extensions (vLLM frees a request's blocks in reverse order for the same reason).
+memory). A request's blocks are released tail first (its last block becomes the least
+recently used), so a prefix outlives its extensions (vLLM frees a request's blocks in reverse
+order for the same reason).
 
 Events are engine-neutral here (``Stored``, ``Removed``, ``Cleared``); ``kv_events`` renders
 them as each engine's structs. Replaying them reproduces ``cached_hashes()``.
