@@ -913,8 +913,12 @@ _ENV_PREFIXES = {"sidecar-frontend": "SIDECAR_FRONTEND_", "sidecar frontend": "S
 
 
 def _console_scripts() -> list[str]:
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return sorted(tomllib.load(f)["project"]["scripts"])
+    # The testkit is its own distribution: its testkit-engine is declared in its own pyproject.
+    names: list[str] = []
+    for pyproject in (ROOT / "pyproject.toml", ROOT / "testkit" / "pyproject.toml"):
+        with pyproject.open("rb") as f:
+            names.extend(tomllib.load(f)["project"]["scripts"])
+    return sorted(names)
 
 
 def _help(command: list[str]) -> str:
@@ -924,7 +928,7 @@ def _help(command: list[str]) -> str:
 
 
 def _help_pages() -> list[tuple[str, str]]:
-    """(command, --help text) for every console script of pyproject.toml, and for each of its
+    """(command, --help text) for every console script of both pyproject files, and for each of its
     subcommands (the {a,b} choice of its usage line)."""
     pages = []
     for script in _console_scripts():
