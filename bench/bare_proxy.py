@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 
 __all__ = ["main", "serve"]
 

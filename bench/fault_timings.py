@@ -38,8 +38,8 @@ from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_server.config import SidecarConfig
 from sidecar_server.engine import Engine
 from sidecar_server.server import ServerConfig, SidecarServer
-from sidecar_sglang.grpc_engine import SglangGrpcEngine
-from sidecar_sglang.http_engine import SglangHttpEngine
+from sidecar_sglang.grpc_transport import over_grpc
+from sidecar_sglang.http_transport import over_http
 from sidecar_vllm.engine import VllmEngine
 
 Kind = Literal["vllm", "sglang-grpc", "sglang-http"]
@@ -79,9 +79,9 @@ async def _rig(kind: Kind, server: ServerConfig) -> AsyncIterator[_Rig]:
         engine = SglangTestEngine(SglangEngineConfig(token_latency_ms=20))
         await engine.start()
         if kind == "sglang-grpc":
-            adapter = SglangGrpcEngine(_config(engine.grpc_port, 2))
+            adapter = over_grpc(_config(engine.grpc_port, 2))
         else:
-            adapter = SglangHttpEngine(
+            adapter = over_http(
                 _config(engine.grpc_port or 1, 200), parse_endpoint(f"127.0.0.1:{engine.http_port}")
             )
     sidecar = SidecarServer(adapter, server)

@@ -99,7 +99,7 @@ def available() -> dict[str, bool]:
         "testkit-vllm": _has("testkit.vllm_engine") and _has("testkit.__main__"),
         "testkit-sglang": _has("testkit.sglang_engine") and _has("testkit.__main__"),
         "sidecar-vllm": _has("sidecar_vllm.__main__") and _has("sidecar_vllm.engine"),
-        "sidecar-sglang": _has("sidecar_sglang.__main__") and _has("sidecar_sglang.grpc_engine"),
+        "sidecar-sglang": _has("sidecar_sglang.__main__") and _has("sidecar_sglang.grpc_transport"),
     }
 
 

@@ -29,6 +29,7 @@ from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
 
 from sidecar_common.api import sglang_pb2
+from sidecar_common.endpoint import parse_host_port
 from testkit import sglang_grpc
 
 __all__ = ["main"]
@@ -90,13 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     global _TOKEN_LATENCY_S
     _TOKEN_LATENCY_S = args.token_latency_ms / 1000.0
-    host, _, port = args.listen.rpartition(":")
+    listen = parse_host_port(args.listen, port_zero_allowed=True)
     sglang_grpc._Servicer.Generate = _generate  # type: ignore[method-assign]
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    asyncio.run(_serve(host, int(port)))
+    asyncio.run(_serve(listen.host, listen.port))
 
 
 async def _serve(host: str, port: int) -> None:

@@ -1,8 +1,8 @@
 """``host:port``: the one parser, the one formatter and the one wildcard rule (pure).
 
-Every address a program reads (an engine endpoint, ``--listen``, ``--advertise``, etcd
-endpoints, static workers, DNS targets, a worker record's address) goes through
-:func:`parse_host_port`, and every address a program writes or shows through
+The addresses the programs read (engine endpoints, ``--listen``, ``--advertise``, etcd
+endpoints, static workers, DNS targets, worker records, the testkit's listeners) go through
+:func:`parse_host_port`; the ones they write into records, bind, dial or log go through
 :func:`format_host_port` (an IPv6 literal in brackets).
 
 The rules: surrounding whitespace is ignored (environment variables often carry a newline);

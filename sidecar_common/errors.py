@@ -1,34 +1,49 @@
-"""The one error vocabulary of the sidecars, and its two mappings.
+"""The one failure vocabulary of the project, its table, and the one decoder of gRPC errors.
 
-Every module raises :class:`SidecarError` (with an :class:`ErrorReason`); nothing invents its
-own exception or status code. Two tables live here and nowhere else:
+Every module of the sidecars raises :class:`SidecarError` (with a :class:`FailureReason`);
+nothing invents its own exception or status code. The frontend carries the same reasons in
+its ``WorkerFailure``, plus two of its own. What lives here:
 
-* engine gRPC status -> typed error (:func:`from_engine_status`), docs/common.md;
-* typed error -> frontend gRPC status, with a ``google.rpc.ErrorInfo`` detail and the
-  ``migratable`` flag (:data:`FRONTEND_STATUS`, :func:`to_rpc_status`), docs/api.md.
+* :class:`FailureReason` and :data:`FAILURE_RULES`: for every reason, what is true of it
+  whatever the HTTP format (its gRPC status from a sidecar, whether another worker may take
+  the request before or after tokens were delivered, whether the worker answered busy);
+  each format's HTTP answer to a reason lives in that format's plugin;
+* engine gRPC status -> typed error (:data:`ENGINE_STATUS_TO_REASON`,
+  :func:`from_engine_status`), docs/common.md;
+* typed error -> a sidecar's gRPC status, with a ``google.rpc.ErrorInfo`` detail and the
+  ``migratable`` flag (:func:`to_rpc_status`), docs/api.md;
+* a failed call's status -> typed error, for an engine's status and a sidecar's alike
+  (:func:`decode_rpc_error`).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status as grpc_rpc_status
 
 __all__ = [
     "ENGINE_NOT_FOUND",
     "ENGINE_STATUS_TO_REASON",
     "ERROR_DOMAIN",
+    "FAILURE_RULES",
     "FRONTEND_STATUS",
     "NOT_SENT",
     "ORIGIN_ENGINE",
+    "SIDECAR_REASONS",
     "EngineOrigin",
     "ErrorReason",
+    "FailureReason",
+    "FailureRule",
     "FrontendStatus",
     "SidecarError",
+    "decode_rpc_error",
     "engine_went_away",
     "engine_words",
     "from_engine_status",
@@ -53,7 +68,11 @@ NOT_SENT: Final = "not sent"
 ENGINE_NOT_FOUND: Final = frozenset({grpc.StatusCode.NOT_FOUND.name, "404"})
 
 
-class ErrorReason(enum.Enum):
+class FailureReason(enum.Enum):
+    """Why a generation failed. The sidecars' reasons travel as the ErrorInfo ``reason`` of
+    their status (docs/api.md); ``NO_WORKER`` and ``DEADLINE`` are the frontend's own and
+    never travel."""
+
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     CANNOT_CONNECT = "CANNOT_CONNECT"
     CONNECTION_TIMEOUT = "CONNECTION_TIMEOUT"
@@ -62,35 +81,75 @@ class ErrorReason(enum.Enum):
     OVERLOADED = "OVERLOADED"
     PROTOCOL_ERROR = "PROTOCOL_ERROR"
     UNKNOWN = "UNKNOWN"
+    # The frontend's own: no worker serves the request's model.
+    NO_WORKER = "NO_WORKER"
+    # The frontend's own: its --request-timeout-secs ran out.
+    DEADLINE = "DEADLINE"
+
+
+# The name the sidecar packages know the same enum by.
+ErrorReason = FailureReason
+
+
+@dataclass(frozen=True)
+class FailureRule:
+    """What a failure means, whatever the HTTP format answers for it."""
+
+    # The gRPC status a sidecar ends a call with for it; None: the frontend's own reason.
+    status: grpc.StatusCode | None
+    # Tokens were delivered: the generation may continue on another worker (the sidecar
+    # says so in its ErrorInfo ``migratable``).
+    migratable: bool
+    # Nothing was delivered yet: the request may run again on another worker (the worker or
+    # its engine is gone or busy; a bad request would fail anywhere, a cancel is our own).
+    retried: bool
+    # The worker answered that it has no room, and is still there: the next attempt takes a
+    # worker that serves now, never this one, and waits for none.
+    busy: bool = False
+
+
+_C = grpc.StatusCode
+_R = FailureReason
+FAILURE_RULES: Final[Mapping[FailureReason, FailureRule]] = {
+    _R.INVALID_ARGUMENT: FailureRule(_C.INVALID_ARGUMENT, migratable=False, retried=False),
+    _R.CANNOT_CONNECT: FailureRule(_C.UNAVAILABLE, migratable=True, retried=True),
+    _R.CONNECTION_TIMEOUT: FailureRule(_C.DEADLINE_EXCEEDED, migratable=True, retried=True),
+    _R.ENGINE_SHUTDOWN: FailureRule(_C.UNAVAILABLE, migratable=True, retried=True),
+    _R.CANCELLED: FailureRule(_C.CANCELLED, migratable=False, retried=False),
+    _R.OVERLOADED: FailureRule(_C.RESOURCE_EXHAUSTED, migratable=False, retried=True, busy=True),
+    _R.PROTOCOL_ERROR: FailureRule(_C.INTERNAL, migratable=False, retried=False),
+    _R.UNKNOWN: FailureRule(_C.UNKNOWN, migratable=False, retried=False),
+    _R.NO_WORKER: FailureRule(None, migratable=False, retried=False),
+    _R.DEADLINE: FailureRule(None, migratable=False, retried=False),
+}
 
 
 @dataclass(frozen=True)
 class FrontendStatus:
+    """A sidecar's status for a reason (its row of :data:`FAILURE_RULES`)."""
+
     code: grpc.StatusCode
     migratable: bool
 
 
-FRONTEND_STATUS: Final[dict[ErrorReason, FrontendStatus]] = {
-    ErrorReason.INVALID_ARGUMENT: FrontendStatus(grpc.StatusCode.INVALID_ARGUMENT, False),
-    ErrorReason.CANNOT_CONNECT: FrontendStatus(grpc.StatusCode.UNAVAILABLE, True),
-    ErrorReason.CONNECTION_TIMEOUT: FrontendStatus(grpc.StatusCode.DEADLINE_EXCEEDED, True),
-    ErrorReason.ENGINE_SHUTDOWN: FrontendStatus(grpc.StatusCode.UNAVAILABLE, True),
-    ErrorReason.CANCELLED: FrontendStatus(grpc.StatusCode.CANCELLED, False),
-    ErrorReason.OVERLOADED: FrontendStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, False),
-    ErrorReason.PROTOCOL_ERROR: FrontendStatus(grpc.StatusCode.INTERNAL, False),
-    ErrorReason.UNKNOWN: FrontendStatus(grpc.StatusCode.UNKNOWN, False),
+# The reasons a sidecar sends, with the status it sends them with (docs/api.md's table).
+FRONTEND_STATUS: Final[Mapping[FailureReason, FrontendStatus]] = {
+    reason: FrontendStatus(rule.status, rule.migratable)
+    for reason, rule in FAILURE_RULES.items()
+    if rule.status is not None
 }
+SIDECAR_REASONS: Final[frozenset[FailureReason]] = frozenset(FRONTEND_STATUS)
 
-ENGINE_STATUS_TO_REASON: Final[dict[grpc.StatusCode, ErrorReason]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.NOT_FOUND: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.OUT_OF_RANGE: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.ALREADY_EXISTS: ErrorReason.INVALID_ARGUMENT,
-    grpc.StatusCode.UNAVAILABLE: ErrorReason.CANNOT_CONNECT,
-    grpc.StatusCode.CANCELLED: ErrorReason.CANCELLED,
-    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.CONNECTION_TIMEOUT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorReason.OVERLOADED,
+ENGINE_STATUS_TO_REASON: Final[Mapping[grpc.StatusCode, FailureReason]] = {
+    _C.INVALID_ARGUMENT: _R.INVALID_ARGUMENT,
+    _C.NOT_FOUND: _R.INVALID_ARGUMENT,
+    _C.OUT_OF_RANGE: _R.INVALID_ARGUMENT,
+    _C.FAILED_PRECONDITION: _R.INVALID_ARGUMENT,
+    _C.ALREADY_EXISTS: _R.INVALID_ARGUMENT,
+    _C.UNAVAILABLE: _R.CANNOT_CONNECT,
+    _C.CANCELLED: _R.CANCELLED,
+    _C.DEADLINE_EXCEEDED: _R.CONNECTION_TIMEOUT,
+    _C.RESOURCE_EXHAUSTED: _R.OVERLOADED,
 }
 
 
@@ -112,13 +171,23 @@ class SidecarError(Exception):
 
     ``origin`` is set when ``message`` is the engine's own text, unchanged (see
     :func:`engine_words`); ``str()`` of the error then names the call and status too, for logs.
+    ``migratable`` is the reason's (:data:`FAILURE_RULES`) unless the error was read from a
+    status that said otherwise (:func:`decode_rpc_error`).
     """
 
-    def __init__(self, reason: ErrorReason, message: str, origin: EngineOrigin | None = None) -> None:
+    def __init__(
+        self,
+        reason: FailureReason,
+        message: str,
+        origin: EngineOrigin | None = None,
+        *,
+        migratable: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.origin = origin
+        self._migratable = migratable
 
     def __str__(self) -> str:
         if self.origin is None:
@@ -127,11 +196,17 @@ class SidecarError(Exception):
 
     @property
     def migratable(self) -> bool:
-        return FRONTEND_STATUS[self.reason].migratable
+        if self._migratable is not None:
+            return self._migratable
+        return FAILURE_RULES[self.reason].migratable
 
     @property
     def code(self) -> grpc.StatusCode:
-        return FRONTEND_STATUS[self.reason].code
+        """The status a sidecar ends a call with for this error."""
+        status = FAILURE_RULES[self.reason].status
+        if status is None:
+            raise ValueError(f"{self.reason.value} is the frontend's own reason: no sidecar sends it")
+        return status
 
     def __repr__(self) -> str:
         if self.origin is None:
@@ -139,7 +214,7 @@ class SidecarError(Exception):
         return f"SidecarError({self.reason.value}, {self.message!r}, {self.origin!r})"
 
 
-def engine_words(reason: ErrorReason, words: str, call: str, status: str) -> SidecarError:
+def engine_words(reason: FailureReason, words: str, call: str, status: str) -> SidecarError:
     """An error whose message is the engine's own text, unchanged (a refusal only the engine
     can make): the frontend shows ``words`` to the client as they are. Where they came from
     (``call``, ``status``) travels in the ErrorInfo metadata, not in the message."""
@@ -148,12 +223,12 @@ def engine_words(reason: ErrorReason, words: str, call: str, status: str) -> Sid
 
 def invalid_argument(field: str, problem: str) -> SidecarError:
     """Bad input: the message always starts with the field's name."""
-    return SidecarError(ErrorReason.INVALID_ARGUMENT, f"{field}: {problem}")
+    return SidecarError(FailureReason.INVALID_ARGUMENT, f"{field}: {problem}")
 
 
 def protocol_error(engine: str, what: str) -> SidecarError:
     """The engine sent something malformed."""
-    return SidecarError(ErrorReason.PROTOCOL_ERROR, f"invalid {engine} response: {what}")
+    return SidecarError(FailureReason.PROTOCOL_ERROR, f"invalid {engine} response: {what}")
 
 
 def from_engine_status(rpc: str, code: grpc.StatusCode, details: str | None) -> SidecarError:
@@ -163,8 +238,8 @@ def from_engine_status(rpc: str, code: grpc.StatusCode, details: str | None) -> 
     origin beside it: the client reads what the engine said. Any other status is described
     with the call's name and the code, for the operator.
     """
-    reason = ENGINE_STATUS_TO_REASON.get(code, ErrorReason.UNKNOWN)
-    if details and reason is ErrorReason.INVALID_ARGUMENT:
+    reason = ENGINE_STATUS_TO_REASON.get(code, FailureReason.UNKNOWN)
+    if details and reason is FailureReason.INVALID_ARGUMENT:
         return engine_words(reason, details, rpc, code.name)
     words = details if details else "engine error with no details"
     return SidecarError(reason, f"{rpc}: {words} ({code.name})")
@@ -173,14 +248,14 @@ def from_engine_status(rpc: str, code: grpc.StatusCode, details: str | None) -> 
 def is_engine_fault(error: SidecarError) -> bool:
     """An engine failure with no type of its own (INTERNAL and the like): a bug of the request
     or the engine dying inside a live server, which only the engine's health can tell apart."""
-    return error.reason is ErrorReason.UNKNOWN
+    return error.reason is FailureReason.UNKNOWN
 
 
 def engine_went_away(error: SidecarError, why: str) -> SidecarError:
     """An engine fault that came with the engine reporting itself unhealthy: the engine going
     away (ENGINE_SHUTDOWN, migratable), keeping the engine's own words."""
     return SidecarError(
-        ErrorReason.ENGINE_SHUTDOWN, f"{error}; the engine then reported itself unhealthy: {why}"
+        FailureReason.ENGINE_SHUTDOWN, f"{error}; the engine then reported itself unhealthy: {why}"
     )
 
 
@@ -213,5 +288,57 @@ def rpc_status(error: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
 
 
 def from_rpc_error(rpc: str, error: grpc.RpcError) -> SidecarError:
-    """A failed engine call, typed by :func:`from_engine_status`."""
-    return from_engine_status(rpc, *rpc_status(error))
+    """A failed engine call ``rpc``, typed by :func:`from_engine_status`."""
+    return decode_rpc_error(error, engine_call=rpc)
+
+
+def decode_rpc_error(error: grpc.RpcError, *, engine_call: str | None = None) -> SidecarError:
+    """A failed call as a typed error: the one place a gRPC status becomes a reason.
+
+    ``engine_call`` names the engine call that failed: the status is an engine's, typed by
+    :func:`from_engine_status`. Without it the status is a sidecar's. A sidecar types its own
+    (the ErrorInfo of :func:`to_rpc_status`: reason, ``migratable``, and the origin of the
+    engine's own words), taken as it is (a reason this version does not know is UNKNOWN). A
+    status without one (the connection broke, a proxy answered) is typed by its code, as the
+    sidecars type an engine's; except CANCELLED: a caller's own cancels never come back as a
+    status, so a bare CANCELLED is the worker's server ending its calls as it stops.
+    """
+    code, details = rpc_status(error)
+    if engine_call is not None:
+        return from_engine_status(engine_call, code, details)
+    message = details if details else "worker error with no details"
+    info = _error_info(error)
+    if info is not None:
+        origin = None
+        if info.metadata.get("origin") == ORIGIN_ENGINE:
+            origin = EngineOrigin(
+                info.metadata.get("engine_call", ""), info.metadata.get("engine_status", "")
+            )
+        migratable = info.metadata.get("migratable") == "true"
+        return SidecarError(_reason_named(info.reason), message, origin, migratable=migratable)
+    if code is grpc.StatusCode.CANCELLED:
+        return SidecarError(FailureReason.ENGINE_SHUTDOWN, f"{message} (CANCELLED by the worker)")
+    reason = ENGINE_STATUS_TO_REASON.get(code, FailureReason.UNKNOWN)
+    return SidecarError(reason, f"{message} ({code.name})")
+
+
+def _reason_named(name: str) -> FailureReason:
+    try:
+        return FailureReason(name)
+    except ValueError:
+        return FailureReason.UNKNOWN
+
+
+def _error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The sidecar's ErrorInfo in a status's details, if it carries one."""
+    try:
+        status = grpc_rpc_status.from_call(error)  # type: ignore[arg-type]
+    except (ValueError, AttributeError, TypeError):
+        return None
+    if status is None:
+        return None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == ERROR_DOMAIN:
+            return info
+    return None

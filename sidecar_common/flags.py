@@ -1,18 +1,24 @@
 """The flag library every console script shares: one-line usage errors, environment mirrors,
-where each value came from, the rule for flags that do not apply, and one ``--help`` style.
+where each value came from, the rule for flags that do not apply, one ``--help`` style, and
+the argument types more than one program reads.
 
-Standard library (argparse) and the kernel's pure ``endpoint`` module only, so that the
-testkit and the frontend use it without pulling in grpc.
+Standard library (argparse) and the kernel's pure ``endpoint`` and ``programs`` modules only,
+so that the testkit and the frontend use it without pulling in grpc. It is the one place that
+touches argparse's private parts (its action table and action classes); programs use the
+public helpers here instead.
 
 - A usage error is one line on stderr, ``PROG: error: MESSAGE (see PROG --help)``, and exit
-  2; when the message names a flag whose value came from its environment variable, the line
-  says which variable.
+  2 (``EXIT_USAGE``); when the message names a flag whose value came from its environment
+  variable, the line says which variable.
 - With a prefix (``SIDECAR_``), every ``--foo-bar`` can also come from ``<prefix>FOO_BAR``: a
   flag beats its variable, a variable beats the default, and a bad value is a usage error
   naming the variable.
 - A flag set (by the command line or its variable) where the chosen mode does not use it is
   refused (:func:`refuse_inapplicable`), never silently ignored.
 - ``--help`` shows each flag's meaning, then ``(default: …)``, then ``[env VAR]``.
+- Argument types: whole numbers, seconds, ports, listen addresses and bind hosts (parsed by
+  :mod:`sidecar_common.endpoint`), and :func:`parsed_by` for any parser whose ValueError
+  speaks to the user.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, TypeVar
 
 from sidecar_common.endpoint import HostPortError, HostPortWords, parse_bind_host, parse_host_port
+from sidecar_common.programs import EXIT_USAGE
 
 __all__ = [
     "FlagHelpFormatter",
@@ -38,12 +45,15 @@ __all__ = [
     "formatter_for",
     "listen_arg",
     "parse_with_env",
+    "parsed_by",
     "port_arg",
     "positive_int_arg",
     "refuse_inapplicable",
     "seconds_arg",
     "shown_default",
 ]
+
+_T = TypeVar("_T")
 
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"0", "false", "no", "off", ""})
@@ -175,10 +185,25 @@ class FlagParser(argparse.ArgumentParser):
         named = self.flag_sources.variables_named_in(message, self)
         if named:
             message += "; " + ", ".join(f"{option} comes from {var}" for option, var in named)
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # --- argument types ---------------------------------------------------------------------------
+
+
+def parsed_by(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """A flag type from a parser that refuses with a ValueError whose message is meant for
+    the user (``parse_endpoint``, ``parse_etcd_endpoints``...): the refusal is a usage error
+    in those words, naming the flag (or its variable), before anything touches the network."""
+
+    def convert(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def positive_int_arg(text: str) -> int:

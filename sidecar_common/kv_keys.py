@@ -64,9 +64,12 @@ def _field(value: str | None) -> bytes:
 
 
 def root_key(*, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-    """The parent key of a sequence's first block, for this LoRA adapter and cache salt."""
+    """The parent key of a sequence's first block, for this LoRA adapter and cache salt.
+
+    An empty salt is no salt: vLLM leaves an empty ``cache_salt`` out of its block hashes.
+    """
     digest = hashlib.blake2b(
-        _field(lora_name) + _field(cache_salt), digest_size=_DIGEST_BYTES, person=_ROOT_PERSON
+        _field(lora_name) + _field(cache_salt or None), digest_size=_DIGEST_BYTES, person=_ROOT_PERSON
     ).digest()
     return int.from_bytes(digest, "big")
 

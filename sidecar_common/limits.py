@@ -9,8 +9,8 @@ the field name of the refusal are the same for both. The ranges are the engines'
 sampling-parameter checks (see docs/limits.md).
 
 Integers that arrive as JSON (engine discovery, the prefill handoff) follow one rule too,
-:func:`exact_integer`. The size bound of a gRPC message, :data:`GRPC_MAX_MESSAGE_BYTES`, is
-here too: every channel and server of ours (and the testkit's engines) uses it.
+:func:`exact_integer`. The size bound of a gRPC message has a module of its own,
+:mod:`sidecar_common.message_size` (standard library only, for the command lines).
 """
 
 from __future__ import annotations
@@ -24,11 +24,7 @@ from typing import Final, Literal
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
 
-# Owned apart (no grpc there, for the command lines); re-exported here with the other limits.
-from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
-
 __all__ = [
-    "GRPC_MAX_MESSAGE_BYTES",
     "MAX_TOKENS_MINIMUM",
     "SAMPLING_LIMITS",
     "SGLANG_GREEDY_BELOW",

@@ -1,7 +1,6 @@
 """The size bound of a gRPC message: every channel and server of ours (and the testkit's
 engines) uses it. A module of its own, standard library only, so that the command lines read
-it (the default of the sidecars' --max-request-bytes) without importing grpc; it is part of
-:mod:`sidecar_common.limits`, which re-exports it."""
+it (the default of the sidecars' --max-request-bytes) without importing grpc."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import structlog
 import tenacity
 
 from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 
 # The settings are plain data apart from this module (no grpc there, for the command lines);
 # re-exported here, where the pool that reads them is.

@@ -4,16 +4,17 @@ Pure: :class:`Attempts` is the one place that decides whether a failed sub-reque
 and with what. Two cases, one budget (``--migration-limit`` moves per sub-request):
 
 * nothing was delivered yet: the same request runs again on another worker when the failure
-  is one another worker may not repeat (the client has seen nothing, so nothing can be
-  duplicated); at least one such retry is allowed even with migration turned off;
+  is one another worker may not repeat (its rule in ``sidecar_common.errors.FAILURE_RULES``
+  says ``retried``, or the sidecar marked it migratable; the client has seen nothing, so
+  nothing can be duplicated); at least one such retry is allowed even with migration off;
 * tokens were delivered: :class:`~sidecar_frontend.migration.Migration` continues the
   generation from them when the sidecar marked the failure migratable.
 
 Where the next attempt may run (:attr:`Attempts.patient`): after a worker went away it may wait
 (bounded) for one to serve, the same one back included; after a worker answered busy
-(OVERLOADED) that worker is still there, so only a worker that serves now and has not answered
-this sub-request busy may take it, and none is waited for: with no such worker the client gets
-the busy answer at once, as from the engine itself.
+(OVERLOADED, whose rule says ``busy``) that worker is still there, so only a worker that serves
+now and has not answered this sub-request busy may take it, and none is waited for: with no
+such worker the client gets the busy answer at once, as from the engine itself.
 
 Every output the client is given passes through :meth:`Attempts.delivered`, which rewrites a
 continuation's outputs so that the client sees one uninterrupted generation.
@@ -22,35 +23,15 @@ continuation's outputs so that the client sees one uninterrupted generation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import (
-    ENGINE_STATUS_TO_REASON,
-    ERROR_DOMAIN,
-    FRONTEND_STATUS,
-    ORIGIN_ENGINE,
-    ErrorReason,
-)
+from sidecar_common.errors import FAILURE_RULES, decode_rpc_error
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT, Finish, Migration, Refusal, RefusalReason
 
 __all__ = ["Attempts", "Finish", "Progress", "Refusal", "RefusalReason", "failure_from_rpc_error"]
-
-# Failures another worker may not repeat: the worker or its engine is gone or busy. A bad
-# request (INVALID_ARGUMENT) would fail anywhere; CANCELLED is the frontend's own doing.
-_RETRYABLE: Final = frozenset(
-    {
-        ErrorReason.CANNOT_CONNECT.value,
-        ErrorReason.CONNECTION_TIMEOUT.value,
-        ErrorReason.ENGINE_SHUTDOWN.value,
-        ErrorReason.OVERLOADED.value,
-    }
-)
 
 
 @dataclass
@@ -99,7 +80,7 @@ class Attempts:
     def patient(self) -> bool:
         """Whether the next attempt may wait for a worker to serve and go back to one that
         failed it (False after OVERLOADED: see the module docstring)."""
-        return self._last_failure is None or self._last_failure.reason != ErrorReason.OVERLOADED.value
+        return self._last_failure is None or not FAILURE_RULES[self._last_failure.reason].busy
 
     @property
     def choices(self) -> int:
@@ -126,7 +107,7 @@ class Attempts:
         """The current attempt failed: the request to run next, or why there is none."""
         self._last_failure = failure
         if not self.progress.delivered:
-            if not failure.migratable and failure.reason not in _RETRYABLE:
+            if not failure.migratable and not FAILURE_RULES[failure.reason].retried:
                 return Refusal(RefusalReason.NOT_MIGRATABLE)
             if self.moves >= max(self.limit, 1):
                 return Refusal(RefusalReason.LIMIT)
@@ -138,44 +119,6 @@ class Attempts:
 
 
 def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure:
-    """A failed Generate call as the sidecar typed it (its ``google.rpc.ErrorInfo``: reason
-    and ``migratable``); a status without one (the connection broke, a proxy answered) is
-    typed by its code, as the sidecars type an engine's."""
-    code_fn = getattr(error, "code", None)
-    details_fn = getattr(error, "details", None)
-    code = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
-    details = details_fn() if callable(details_fn) else None
-    message = details if isinstance(details, str) and details else "worker error with no details"
-    info = _error_info(error)
-    if info is not None:
-        from_engine = info.metadata.get("origin") == ORIGIN_ENGINE
-        return WorkerFailure(
-            info.reason,
-            message,
-            info.metadata.get("migratable") == "true",
-            from_engine=from_engine,
-            engine_status=info.metadata.get("engine_status", "") if from_engine else "",
-        )
-    if not isinstance(code, grpc.StatusCode):
-        code = grpc.StatusCode.UNKNOWN
-    if code is grpc.StatusCode.CANCELLED:
-        # The frontend's own cancels never come back as a status (the task is cancelled
-        # instead): a bare CANCELLED is the worker's server ending its calls as it stops.
-        return WorkerFailure(ErrorReason.ENGINE_SHUTDOWN.value, f"{message} (CANCELLED by the worker)", True)
-    reason = ENGINE_STATUS_TO_REASON.get(code, ErrorReason.UNKNOWN)
-    name = code.name
-    return WorkerFailure(reason.value, f"{message} ({name})", FRONTEND_STATUS[reason].migratable)
-
-
-def _error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    except (ValueError, AttributeError, TypeError):
-        return None
-    if status is None:
-        return None
-    for detail in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == ERROR_DOMAIN:
-            return info
-    return None
+    """A failed Generate call as the sidecar typed it (see
+    :func:`~sidecar_common.errors.decode_rpc_error`)."""
+    return WorkerFailure.from_error(decode_rpc_error(error))

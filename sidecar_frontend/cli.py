@@ -59,6 +59,8 @@ class FrontendConfig:
     log_level: str
     # Where each value came from: a start-up failure names the flag, or its variable.
     sources: FlagSources = field(default_factory=FlagSources)
+    # The SGLang format's --incremental-streaming-output (formats.sglang.SglangFormat).
+    sglang_incremental_streaming_output: bool = False
 
 
 def _workers(text: str) -> tuple[str, ...]:
@@ -290,7 +292,6 @@ def parse_config(
         handler=HandlerConfig(
             request_timeout=timeout if timeout > 0 else None,
             max_body_bytes=ns.max_body_bytes,
-            sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
             migration_limit=ns.migration_limit,
         ),
         worker_set=WorkerSetConfig(
@@ -306,4 +307,5 @@ def parse_config(
         log_format=ns.log_format or default_log_format(),
         log_level=ns.log_level,
         sources=flag_sources(ns),
+        sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
     )

@@ -19,7 +19,6 @@ DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 class HandlerConfig:
     request_timeout: float | None = 3600.0  # None: no deadline
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    sglang_incremental_streaming_output: bool = False
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     # How long a retry or a migration waits for a worker to serve when none does (workers
     # restarting or being replaced): the gap an SRE expects a fleet to bridge.

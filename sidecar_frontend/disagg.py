@@ -13,6 +13,9 @@ prefill worker's engine (``ModelInfo.engine``):
   prefill worker (the sidecar fills in its engine's bootstrap host and port when the request
   names none; over SGLang's HTTP transport that handoff comes as soon as the engine accepted
   the request). From then on the triple is chosen up front and the decode starts with it.
+  The handoff is ``LLMEngineOutput.bootstrap_info`` and goes to the decode as
+  ``bootstrap_info``; a 0.1 sidecar's Struct handoff goes back untouched in ``prefill_result``
+  (``sidecar_common.bootstrap_handoff`` owns both shapes).
 
 The client sees only the decode's outputs; the prefill's are the frontend's business. No I/O
 here: the handler runs the calls.
@@ -27,21 +30,26 @@ from typing import Final
 
 from google.protobuf import struct_pb2
 
+from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sidecar_pb2
 
 __all__ = [
-    "ROOM_LIMIT",
     "BootstrapAddress",
+    "Handoff",
     "Style",
     "bootstrap_address",
-    "bootstrap_params",
     "choose_bootstrap",
     "decode_request",
+    "handoff_of",
     "prefill_request",
     "style_of",
 ]
 
-ROOM_LIMIT: Final = 2**63  # SGLang's rooms are signed 64-bit
+Handoff = sidecar_pb2.BootstrapInfo | struct_pb2.Struct
+"""What a prefill hands its decode: SGLang's triple, or an opaque Struct (vLLM's
+``kv_transfer_params``, or a 0.1 SGLang sidecar's triple), passed back untouched."""
+
+_PORTS: Final = range(1, 65536)
 
 
 class Style(enum.Enum):
@@ -63,41 +71,32 @@ def style_of(model: sidecar_pb2.ModelInfo | None) -> Style:
 
 
 def choose_bootstrap(address: BootstrapAddress, rand: random.Random) -> sidecar_pb2.BootstrapInfo:
+    room = rand.randrange(bootstrap_handoff.ROOM_MAX + 1)
     return sidecar_pb2.BootstrapInfo(
-        bootstrap_host=address.host, bootstrap_port=address.port, bootstrap_room=rand.randrange(ROOM_LIMIT)
+        bootstrap_host=address.host, bootstrap_port=address.port, bootstrap_room=room
     )
 
 
-def bootstrap_params(info: sidecar_pb2.BootstrapInfo) -> struct_pb2.Struct:
-    """The triple as a handoff (the room as a decimal string: a Struct number is a double)."""
-    params = struct_pb2.Struct()
-    params.update(
-        {
-            "bootstrap_host": info.bootstrap_host,
-            "bootstrap_port": info.bootstrap_port,
-            "bootstrap_room": str(info.bootstrap_room),
-        }
-    )
-    return params
+def handoff_of(output: sidecar_pb2.LLMEngineOutput) -> Handoff | None:
+    """The handoff a prefill output carries, or None: the typed triple where the sidecar sent
+    one, else the Struct."""
+    if output.HasField("bootstrap_info"):
+        return output.bootstrap_info
+    if output.HasField("disaggregated_params"):
+        return output.disaggregated_params
+    return None
 
 
-def bootstrap_address(params: struct_pb2.Struct) -> BootstrapAddress | None:
+def bootstrap_address(handoff: Handoff) -> BootstrapAddress | None:
     """The bootstrap host and port named in an SGLang handoff, or None when it names none."""
-    fields = params.fields
-    host = fields.get("bootstrap_host")
-    port = fields.get("bootstrap_port")
-    if host is None or port is None or host.WhichOneof("kind") != "string_value" or not host.string_value:
+    if isinstance(handoff, struct_pb2.Struct):
+        try:
+            handoff = bootstrap_handoff.from_struct(handoff)
+        except bootstrap_handoff.HandoffError:
+            return None
+    if not handoff.bootstrap_host or handoff.bootstrap_port not in _PORTS:
         return None
-    kind = port.WhichOneof("kind")
-    if kind == "number_value" and port.number_value.is_integer():
-        number = int(port.number_value)
-    elif kind == "string_value" and port.string_value.isdigit():
-        number = int(port.string_value)
-    else:
-        return None
-    if not 0 < number < 65536:
-        return None
-    return BootstrapAddress(host.string_value, number)
+    return BootstrapAddress(handoff.bootstrap_host, handoff.bootstrap_port)
 
 
 def prefill_request(
@@ -114,11 +113,16 @@ def prefill_request(
 
 
 def decode_request(
-    request: sidecar_pb2.PreprocessedRequest, handoff: struct_pb2.Struct
+    request: sidecar_pb2.PreprocessedRequest, handoff: Handoff
 ) -> sidecar_pb2.PreprocessedRequest:
-    """The decode step: the request with the prefill's handoff, passed back untouched."""
+    """The decode step: the request with the prefill's handoff (SGLang's triple as
+    ``bootstrap_info``, which 0.1 sidecars take too; a Struct in ``prefill_result``)."""
     step = sidecar_pb2.PreprocessedRequest()
     step.CopyFrom(request)
     step.ClearField("bootstrap_info")
-    step.prefill_result.disaggregated_params.CopyFrom(handoff)
+    step.ClearField("prefill_result")
+    if isinstance(handoff, sidecar_pb2.BootstrapInfo):
+        step.bootstrap_info.CopyFrom(handoff)
+    else:
+        step.prefill_result.disaggregated_params.CopyFrom(handoff)
     return step

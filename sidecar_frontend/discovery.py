@@ -33,9 +33,9 @@ import structlog
 from anyio.abc import TaskStatus
 
 from sidecar_common.disaggregation import ROLES, Role, is_role
+from sidecar_common.flags import parsed_by, seconds_arg
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
-    RecordError,
     normalize_prefix,
     parse_etcd_endpoints,
 )
@@ -248,27 +248,6 @@ async def _run_etcd(config: DiscoveryConfig, sink: DiscoverySink, task_status: T
 # ------------------------------------------------------------------------------ flags
 
 
-def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except RecordError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    convert.__name__ = getattr(parse, "__name__", "value")
-    return convert
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
-
-
 def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
     """``--discovery``, ``--dns-name``, ``--dns-refresh-secs``, ``--etcd-endpoints``,
     ``--etcd-prefix`` (the CLI's environment mirrors apply to them like to any flag)."""
@@ -282,7 +261,7 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dns-name",
         dest="dns_names",
-        type=_typed(parse_dns_target),
+        type=parsed_by(parse_dns_target),
         action="append",
         default=None,
         metavar="[ROLE=]NAME:PORT",
@@ -291,21 +270,21 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--dns-refresh-secs",
-        type=_positive_seconds,
+        type=seconds_arg(allow_zero=False),
         default=5.0,
         metavar="SECS",
         help="with --discovery dns: how often the names are resolved again",
     )
     group.add_argument(
         "--etcd-endpoints",
-        type=_typed(parse_etcd_endpoints),
+        type=parsed_by(parse_etcd_endpoints),
         default=None,
         metavar="HOST:PORT[,HOST:PORT...]",
         help="with --discovery etcd: the etcd members to ask, in turn",
     )
     group.add_argument(
         "--etcd-prefix",
-        type=_typed(normalize_prefix),
+        type=parsed_by(normalize_prefix),
         default=DEFAULT_PREFIX,
         metavar="PREFIX",
         help="with --discovery etcd: the key prefix the sidecars register under",

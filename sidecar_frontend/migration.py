@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 
 __all__ = ["DEFAULT_MIGRATION_LIMIT", "Finish", "Migration", "Refusal", "RefusalReason"]
@@ -141,11 +142,9 @@ class Migration:
                 usage.cached_tokens = min(usage.cached_tokens, prompt)
         if out.HasField("cum_log_probs"):
             out.cum_log_probs += self._base_cum_logprob
-        if out.HasField("engine_data") and "prompt_logprobs" in out.engine_data.fields:
-            entries = out.engine_data.fields["prompt_logprobs"].list_value.values
-            # The continuation's prompt is the original one plus the delivered tokens; the
-            # client asked about the original prompt only.
-            del entries[prompt:]
+        # The continuation's prompt is the original one plus the delivered tokens; the client
+        # asked about the original prompt only.
+        prompt_logprobs.truncate(out, prompt)
         return out
 
     def _length_terminal(self) -> sidecar_pb2.LLMEngineOutput:

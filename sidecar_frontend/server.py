@@ -27,9 +27,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar_common.endpoint import parse_host_port
+from sidecar_common.errors import FailureReason
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
+from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, run_event_loop
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FORMATS, FrontendConfig
@@ -40,18 +42,11 @@ from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
-    "EXIT_OK",
-    "EXIT_STARTUP_FAILED",
-    "EXIT_USAGE",
     "WorkerMetrics",
     "load_formats",
     "run",
     "split_listen",
 ]
-
-EXIT_OK: Final = 0
-EXIT_STARTUP_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 # After the drain, how long the cancelled requests get to write their last bytes.
 _STOP_GRACE: Final = 5.0
@@ -59,11 +54,17 @@ _STOP_GRACE: Final = 5.0
 log = structlog.get_logger("sidecar_frontend.server")
 
 
-def load_formats(names: Sequence[str]) -> list[Format]:
+def load_formats(names: Sequence[str], *, sglang_incremental_streaming_output: bool = False) -> list[Format]:
+    """The formats named, each made with its own options (only SGLang has any)."""
     formats: list[Format] = []
     for name in names:
         module = importlib.import_module(FORMATS[name])
-        formats.append(module.FORMAT)
+        if name == "sglang":
+            formats.append(
+                module.SglangFormat(incremental_streaming_output=sglang_incremental_streaming_output)
+            )
+        else:
+            formats.append(module.FORMAT)
     return formats
 
 
@@ -127,7 +128,9 @@ async def serve(config: FrontendConfig) -> int:
 
 async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals]) -> int:
     try:
-        formats = load_formats(config.formats)
+        formats = load_formats(
+            config.formats, sglang_incremental_streaming_output=config.sglang_incremental_streaming_output
+        )
     except (ImportError, AttributeError) as err:
         log.error("format not available", formats=list(config.formats), error=str(err))
         return EXIT_STARTUP_FAILED
@@ -152,7 +155,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         metrics_port=config.metrics_port,
         metrics_host=config.metrics_host,
         models=sorted(config.worker_set.models) or None,
-        sglang_incremental_streaming_output=config.handler.sglang_incremental_streaming_output,
+        sglang_incremental_streaming_output=config.sglang_incremental_streaming_output,
     )
     async with (
         WorkerSet(config.worker_set, on_inflight=on_inflight, observer=WorkerMetrics(metrics)) as workers,
@@ -251,22 +254,12 @@ async def _until_stopped(
                 "drain did not finish in time", timeout_secs=drain_timeout, inflight=frontend.inflight
             )
         group.cancel_scope.cancel()
-    frontend.stop_all(WorkerFailure("ENGINE_SHUTDOWN", "the frontend is shutting down"))
+    frontend.stop_all(WorkerFailure.of(FailureReason.ENGINE_SHUTDOWN, "the frontend is shutting down"))
     with anyio.move_on_after(_STOP_GRACE):
         await frontend.wait_idle()
     return EXIT_OK
 
 
 def run(config: FrontendConfig) -> int:
-    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
-    options: dict[str, object] = {}
-    try:
-        import uvloop
-
-        options["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    try:
-        return anyio.run(serve, config, backend="asyncio", backend_options=options)
-    except KeyboardInterrupt:
-        return EXIT_OK
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`serve`."""
+    return run_event_loop(serve, config)

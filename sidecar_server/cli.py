@@ -14,13 +14,13 @@ import argparse
 import os
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, cast
 
 from sidecar_common import flags
 from sidecar_common.disaggregation import ROLES, DisaggregationMode
-from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
+from sidecar_common.endpoint import Endpoint, parse_endpoint
 from sidecar_common.log_settings import LogFormat, default_log_format
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
@@ -37,6 +37,7 @@ from sidecar_common.registration_record import (
 from sidecar_common.tls_settings import TlsFiles, TlsSettingsError, check_pem, tls_files
 from sidecar_common.version import add_version_flag
 from sidecar_server.config import EngineSpec, SidecarConfig
+from sidecar_server.kv_config import add_kv_events_arguments, kv_events_config
 
 __all__ = [
     "ENV_PREFIX",
@@ -52,34 +53,8 @@ ENV_PREFIX: Final = "SIDECAR_"
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
 
 
-def endpoint_arg(text: str) -> Endpoint:
-    # Parsed as the flag's type so that a refusal is a usage error naming the flag (or its
-    # variable), before anything touches the network.
-    try:
-        return parse_endpoint(text)
-    except EndpointError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _etcd_endpoints(text: str) -> tuple[str, ...]:
-    try:
-        return parse_etcd_endpoints(text)
-    except RecordError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _etcd_prefix(text: str) -> str:
-    try:
-        return normalize_prefix(text)
-    except RecordError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _advertise(text: str) -> str:
-    try:
-        return parse_advertise(text)
-    except RecordError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+# The engine endpoint flags' type (the SGLang sidecar's --http-endpoint too).
+endpoint_arg: Final[Callable[[str], Endpoint]] = flags.parsed_by(parse_endpoint)
 
 
 def _lease_ttl(text: str) -> int:
@@ -284,21 +259,21 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
     fleet = parser.add_argument_group("fleet registration (etcd)")
     fleet.add_argument(
         "--etcd-endpoints",
-        type=_etcd_endpoints,
+        type=flags.parsed_by(parse_etcd_endpoints),
         default=None,
         metavar="HOST:PORT[,HOST:PORT...]",
         help="register this worker in etcd once serving (default: unset: off)",
     )
     fleet.add_argument(
         "--etcd-prefix",
-        type=_etcd_prefix,
+        type=flags.parsed_by(normalize_prefix),
         default=DEFAULT_PREFIX,
         metavar="PREFIX",
         help="key prefix of the worker registrations; needs --etcd-endpoints",
     )
     fleet.add_argument(
         "--advertise",
-        type=_advertise,
+        type=flags.parsed_by(parse_advertise),
         default=None,
         metavar="HOST:PORT",
         help="address frontends dial, written into etcd; needs --etcd-endpoints "
@@ -312,6 +287,7 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         help="how long the registration outlives a sidecar that died without withdrawing; "
         "needs --etcd-endpoints",
     )
+    add_kv_events_arguments(parser)
     add_operations_arguments(parser)
     spec.add_arguments(parser)
     return parser
@@ -332,6 +308,7 @@ def parse_config(
     endpoint: Endpoint | None = ns.grpc_endpoint
     try:
         _refuse_inapplicable_common(ns)
+        kv_events = kv_events_config(ns)
         if spec.check_flags is not None:
             spec.check_flags(ns)
         if endpoint is None and spec.endpoint_when_unset is not None:
@@ -363,6 +340,7 @@ def parse_config(
         tls=_tls_config(parser, ns),
         reflection=not ns.no_reflection,
         max_request_bytes=ns.max_request_bytes,
+        kv_events=kv_events,
     )
     return config, ns
 

@@ -15,8 +15,13 @@ from sidecar_common.api import sidecar_pb2
 
 __all__ = ["coalesce", "merge_outputs"]
 
-_Submessage = Literal["completion_usage", "disaggregated_params", "engine_data"]
-_LAST_SET: Final[tuple[_Submessage, ...]] = ("completion_usage", "disaggregated_params", "engine_data")
+_Submessage = Literal["completion_usage", "disaggregated_params", "engine_data", "bootstrap_info"]
+_LAST_SET: Final[tuple[_Submessage, ...]] = (
+    "completion_usage",
+    "disaggregated_params",
+    "engine_data",
+    "bootstrap_info",
+)
 
 
 def merge_outputs(outputs: Sequence[sidecar_pb2.LLMEngineOutput]) -> sidecar_pb2.LLMEngineOutput:
@@ -54,6 +59,13 @@ def merge_outputs(outputs: Sequence[sidecar_pb2.LLMEngineOutput]) -> sidecar_pb2
             getattr(merged, name).CopyFrom(
                 getattr(next(p for p in reversed(outputs) if p.HasField(name)), name)
             )
+    if merged.prompt_logprobs:
+        # Sent once per choice, not a delta: like the fields above, the last list set is kept
+        # whole (MergeFrom would concatenate two).
+        carriers = [part for part in outputs if part.prompt_logprobs]
+        if len(carriers) > 1:
+            del merged.prompt_logprobs[:]
+            merged.prompt_logprobs.extend(carriers[-1].prompt_logprobs)
     if last.WhichOneof("stop_reason") is None:
         # Why the choice stopped is the terminal's alone (the last part set it if it has one).
         merged.ClearField("stop_reason")

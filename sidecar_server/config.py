@@ -13,6 +13,7 @@ from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool_settings import PoolConfig
 from sidecar_common.registration_record import RegistrationConfig
 from sidecar_common.tls_settings import TlsFiles
+from sidecar_server.kv_config import KvEventsConfig
 
 if TYPE_CHECKING:
     # Only named in annotations: the command line reads this module without grpc.
@@ -38,6 +39,7 @@ class SidecarConfig:
     reflection: bool = True  # --no-reflection switches it off
     # The largest request message the public port accepts (--max-request-bytes).
     max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
+    kv_events: KvEventsConfig | None = None  # --kv-events-endpoint & co; None: off
 
 
 @dataclass(frozen=True)

@@ -43,21 +43,21 @@ from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
+from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, EXIT_USAGE, run_event_loop
 from sidecar_common.registration_record import RecordError, WorkerRecord, advertise_address
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
 from sidecar_server import systemd
 from sidecar_server.config import EngineSpec, SidecarConfig
 from sidecar_server.engine import Engine
+from sidecar_server.kv_hub import KvCacheHub
+from sidecar_server.kv_metrics import KvEventsCollector
 from sidecar_server.metrics import Metrics
 from sidecar_server.registration import Registration, registered
 from sidecar_server.server import ServerConfig, SidecarServer
 
-__all__ = ["EXIT_OK", "EXIT_STARTUP_FAILED", "EXIT_USAGE", "run", "run_daemon"]
+__all__ = ["run", "run_daemon"]
 
-EXIT_OK: Final = 0
-EXIT_STARTUP_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 # Bound on the close steps that have no deadline of their own: a wedged close must not keep
 # the process (and a systemd stop job or a Kubernetes pod) hanging forever.
@@ -278,6 +278,8 @@ async def _serve(
         stopper.cancel_inflight = server.cancel_inflight
         gc.freeze()  # what start-up built lives as long as the process: never rescanned
         info = engine.model_info()
+        if config.kv_events is not None:
+            await closing.enter_async_context(_kv_events(config, server.kv_cache, info))
         status = f"serving {info.served_model_name or spec.name} on port {server.port}"
         systemd.notify(f"READY=1\nSTATUS={status}")
         log.info("serving", engine=spec.name, model=info.served_model_name, port=server.port)
@@ -329,11 +331,35 @@ async def _register(
     return await closing.enter_async_context(registered(config.registration, record))
 
 
-def _engine_status(spec: EngineSpec, config: SidecarConfig) -> Callable[[bool, str], None]:
-    """What `systemctl status` says when the engine's health changes while serving."""
+@asynccontextmanager
+async def _kv_events(
+    config: SidecarConfig, hub: KvCacheHub, info: sidecar_pb2.ModelInfo
+) -> AsyncIterator[None]:
+    """Subscribe to the engine's KV events for as long as the daemon serves."""
+    from sidecar_server.kv_subscriber import KvSubscriber  # pyzmq only where it is used
+
+    kv_events = config.kv_events
+    assert kv_events is not None
+    hub.set_model(info.served_model_name, info.kv_block_size)
+    ranks = kv_events.data_parallel_size or max(1, info.data_parallel_size)
+    subscriber = KvSubscriber(kv_events, hub, ranks=ranks)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(subscriber.run)
+        try:
+            yield
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def _engine_status(
+    spec: EngineSpec, config: SidecarConfig, kv_cache: KvCacheHub
+) -> Callable[[bool, str], None]:
+    """What `systemctl status` says when the engine's health changes while serving (and the
+    KV-event subscriber hears of it: a bad verdict resyncs its state)."""
     where = f"{spec.name} engine at {config.pool.endpoint}"
 
     def report(healthy: bool, why: str) -> None:
+        kv_cache.engine_health(healthy)
         if healthy:
             systemd.notify(f"STATUS=serving: {where} is healthy again")
         else:
@@ -360,12 +386,16 @@ async def _start(
     if tracing.exporting:
         log.info("exporting traces over OTLP")
         closing.push_async_callback(_bounded, "traces flush", tracing.aclose, _CLOSE_TIMEOUT)
+    kv_cache = KvCacheHub(subscribed=config.kv_events is not None)
+    if metrics is not None and config.kv_events is not None:
+        metrics.registry.register(KvEventsCollector(kv_cache, spec.name))
     server = SidecarServer(
         engine,
         _server_config(config),
         metrics=metrics,
-        engine_health_listener=_engine_status(spec, config),
+        engine_health_listener=_engine_status(spec, config, kv_cache),
         tracing=tracing,
+        kv_cache=kv_cache,
     )
     try:
         await server.start()
@@ -380,17 +410,6 @@ async def _start(
 
 
 def run(spec: EngineSpec, config: SidecarConfig, namespace: argparse.Namespace) -> int:
-    """Synchronous entry: anyio on asyncio, with uvloop when it is installed."""
-    options: dict[str, Any] = {}
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`run_daemon`."""
     gc.set_threshold(*_GC_THRESHOLDS)
-    try:
-        import uvloop
-
-        options["loop_factory"] = uvloop.new_event_loop
-    except ImportError:
-        pass
-    try:
-        return anyio.run(run_daemon, spec, config, namespace, backend="asyncio", backend_options=options)
-    except KeyboardInterrupt:
-        # SIGINT before the signal receiver was installed: still a requested stop.
-        return EXIT_OK
+    return run_event_loop(run_daemon, spec, config, namespace)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 from sidecar_common.api import sidecar_pb2
 
-__all__ = ["Engine", "EngineLoad", "GenerateCall"]
+__all__ = ["HEALTHY", "Engine", "EngineHealth", "EngineLoad", "GenerateCall"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,22 @@ class EngineLoad:
     """The engine's own load figures, one entry per data-parallel rank."""
 
     ranks: tuple[sidecar_pb2.RankLoad, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """One health probe's answer: healthy, or not and why (in words for the operator's log
+    lines). The reason travels with the answer, so concurrent probes cannot mix them up."""
+
+    healthy: bool
+    problem: str = ""
+
+    @classmethod
+    def unhealthy(cls, problem: str) -> EngineHealth:
+        return cls(False, problem or "the health check answered not serving")
+
+
+HEALTHY: Final = EngineHealth(True)
 
 
 @dataclass(frozen=True)
@@ -91,9 +107,9 @@ class Engine(Protocol):
         """The engine's current load figures (may raise a SidecarError)."""
         ...
 
-    async def healthy(self) -> bool:
-        """One bounded health probe of the engine, for the background health watch: True or
-        False is the engine's answer (False also when it cannot be reached); no answer in
+    async def health(self) -> EngineHealth:
+        """One bounded health probe of the engine, for the background health watch: the
+        engine's answer (unhealthy also when it cannot be reached, with why); no answer in
         time raises TimeoutError (a busy engine answers late, which is not unhealthy)."""
         ...
 

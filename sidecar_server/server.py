@@ -22,10 +22,11 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool import ReportSchedule
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata
+from sidecar_server.background import BackgroundTasks
 from sidecar_server.dispatch import (
     CancelCause,
     Generation,
@@ -34,6 +35,7 @@ from sidecar_server.dispatch import (
 )
 from sidecar_server.engine import Engine, GenerateCall
 from sidecar_server.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
+from sidecar_server.kv_hub import KvCacheHub
 from sidecar_server.metrics import Metrics
 from sidecar_server.relay import RelayConfig, relay
 
@@ -176,6 +178,11 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def GetLoad(self, request: sidecar_pb2.GetLoadRequest, context: _Context) -> sidecar_pb2.LoadReport:
         return await self._owner._load(context)
 
+    async def WatchKvCache(  # type: ignore[override]
+        self, request: sidecar_pb2.WatchKvCacheRequest, context: _Context
+    ) -> None:
+        await self._owner.kv_cache.watch(request, context.write)
+
 
 class SidecarServer:
     """One sidecar's gRPC server: ``start`` (health NOT_SERVING), ``set_serving`` once the
@@ -189,8 +196,11 @@ class SidecarServer:
         metrics: Metrics | None = None,
         engine_health_listener: Callable[[bool, str], None] | None = None,
         tracing: Tracing | None = None,
+        kv_cache: KvCacheHub | None = None,
     ) -> None:
         self._engine = engine
+        # The engine's KV-cache state (WatchKvCache); never fed without --kv-events-endpoint.
+        self.kv_cache = kv_cache if kv_cache is not None else KvCacheHub(subscribed=False)
         self._config = config
         self._metrics = metrics
         self._tracing = tracing if tracing is not None else Tracing()
@@ -215,6 +225,8 @@ class SidecarServer:
         self._fault_check: asyncio.Task[tuple[Probe, str]] | None = None
         self._draining = False
         self._stopped = False
+        # The health watch and the probes after an engine fault: stop() ends them.
+        self._background = BackgroundTasks("sidecar server")
         self._watch: asyncio.Task[None] | None = None
         # The drain's wait for in-flight work; cancel_inflight() ends it early.
         self._drain_wait: anyio.CancelScope | None = None
@@ -295,8 +307,8 @@ class SidecarServer:
         if self._metrics is not None:
             self._metrics.set_engine_connected(True)
         self._update_health()
-        if self._watch is None and not self._stopped:
-            self._watch = asyncio.get_running_loop().create_task(self._health_watch())
+        if self._watch is None:
+            self._watch = self._background.spawn(self._health_watch, "health watch")
 
     async def drain(self) -> None:
         """Refuse new work, let in-flight work finish up to drain_timeout, cancel the rest."""
@@ -339,14 +351,8 @@ class SidecarServer:
             return
         self._stopped = True
         self.cancel_inflight()
-        watch, self._watch = self._watch, None
-        check, self._fault_check = self._fault_check, None
-        tasks = [task for task in (watch, check) if task is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.health_probe_timeout):
-                await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.close(self._config.health_probe_timeout)
+        self._watch = self._fault_check = None
         if self._server is not None:
             # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
             # engine abort; the grace lets those statuses reach the clients, where stop(None)
@@ -410,18 +416,16 @@ class SidecarServer:
             # tasks, where an anyio scope's repeated cancel delivery could outlive the scope
             # (seen under CPU starvation: a stray CancelledError ended the probing task).
             async with asyncio.timeout(timeout):
-                ok = await self._engine.healthy()
+                answer = await self._engine.health()
         except TimeoutError as exc:
             return Probe.LATE, str(exc) or f"no health check answer within {timeout:g}s"
         except SidecarError as err:
             return Probe.UNHEALTHY, f"health check failed: {err.message}"
         except Exception as exc:
             return Probe.UNHEALTHY, self._internal_error("health_watch", exc).message
-        if ok:
+        if answer.healthy:
             return Probe.HEALTHY, ""
-        # Optional on an Engine: the adapters say why their last probe failed.
-        why = getattr(self._engine, "health_problem", None) or "the health check answered not serving"
-        return Probe.UNHEALTHY, why
+        return Probe.UNHEALTHY, answer.problem or "the health check answered not serving"
 
     def _report_still_down(self, why: str) -> None:
         now = time.monotonic()
@@ -463,7 +467,11 @@ class SidecarServer:
             return engine_went_away(error, self._engine_problem)
         check = self._fault_check
         if check is None or check.done():
-            check = self._fault_check = asyncio.get_running_loop().create_task(self._probe_after_fault())
+            check = self._fault_check = self._background.spawn(
+                self._probe_after_fault, "probe after engine fault"
+            )
+        if check is None:
+            return error  # the server is stopping: no verdict, the failure stands
         try:
             probe, why = await asyncio.shield(check)
         except asyncio.CancelledError:
@@ -654,4 +662,7 @@ class SidecarServer:
             )
         except Exception as exc:
             await _fail(context, self._internal_error("load", exc))
-        return sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
+        report = sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
+        if self.kv_cache.subscribed:  # absent: this worker publishes no cache state
+            report.kv_cache.CopyFrom(self.kv_cache.status())
+        return report

@@ -39,17 +39,18 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
     """The engine for the chosen transport. A bad flag raises ValueError (a usage error)."""
     check_flags(namespace)
-    # The engines are imported once the flags are valid: --help and usage errors need no grpc.
+    # The transports are imported once the flags are valid: --help and usage errors need
+    # neither grpc nor aiohttp.
     if getattr(namespace, "transport", "grpc") == "grpc":
-        from sidecar_sglang.grpc_engine import SglangGrpcEngine
+        from sidecar_sglang.grpc_transport import over_grpc
 
-        return SglangGrpcEngine(config)
+        return over_grpc(config)
     endpoint = _http_endpoint(namespace)
     if endpoint is None:
         raise ValueError("--transport http needs --http-endpoint (SGLang's HTTP server, host:port)")
-    from sidecar_sglang.http_engine import SglangHttpEngine
+    from sidecar_sglang.http_transport import over_http
 
-    return SglangHttpEngine(config, endpoint)
+    return over_http(config, endpoint)
 
 
 def _http_endpoint(namespace: argparse.Namespace) -> Endpoint | None:

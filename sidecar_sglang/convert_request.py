@@ -21,10 +21,12 @@ from typing import Final, Literal
 
 from google.protobuf import struct_pb2
 
+from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sglang_pb2, sidecar_pb2
+from sidecar_common.bootstrap_handoff import PORT_MAX, ROOM_MAX
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
-from sidecar_common.limits import check_media, check_sampling_limits, exact_integer
+from sidecar_common.limits import check_media, check_sampling_limits
 
 __all__ = [
     "INT32_MAX",
@@ -34,8 +36,8 @@ __all__ = [
     "NativeRequest",
     "NativeSampling",
     "RequestSettings",
-    "bootstrap_struct",
     "build_native",
+    "handoff_info",
     "lora_disabled_refusal",
     "to_grpc",
     "to_http_json",
@@ -43,7 +45,6 @@ __all__ = [
 
 INT32_MAX: Final = 2**31 - 1
 INT32_MIN: Final = -(2**31)
-ROOM_MAX: Final = 2**63 - 1
 # SGLang's SamplingParams: max_new_tokens when the request names none.
 SGLANG_DEFAULT_MAX_NEW_TOKENS: Final = 128
 
@@ -287,27 +288,10 @@ def _sampling(request: sidecar_pb2.PreprocessedRequest, prefill: bool) -> Native
     return native
 
 
-def _struct_int(value: struct_pb2.Value, name: str, maximum: int) -> int:
-    kind = value.WhichOneof("kind")
-    given = (
-        value.number_value
-        if kind == "number_value"
-        else value.string_value
-        if kind == "string_value"
-        else None
-    )
-    result = exact_integer(given)
-    if result is None:
-        raise invalid_argument(name, "must be an integer")
-    if not 0 <= result <= maximum:
-        raise invalid_argument(name, f"{result} is out of range (0..{maximum})")
-    return result
-
-
 def _checked(host: str, port: int, room: int, where: str) -> Bootstrap:
     if not host.strip():
         raise invalid_argument(f"{where}.bootstrap_host", "must not be blank")
-    if not 0 <= port <= INT32_MAX:
+    if not 0 <= port <= PORT_MAX:
         raise invalid_argument(f"{where}.bootstrap_port", f"{port} does not fit in int32")
     if not 0 <= room <= ROOM_MAX:
         raise invalid_argument(f"{where}.bootstrap_room", f"{room} is out of range (0..2^63-1)")
@@ -315,17 +299,13 @@ def _checked(host: str, port: int, room: int, where: str) -> Bootstrap:
 
 
 def _from_params(params: struct_pb2.Struct) -> Bootstrap:
+    """A 0.1 frontend's handoff: the triple in a Struct (accepted through 0.2.x)."""
     where = "prefill_result.disaggregated_params"
-    fields = params.fields
-    for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
-        if key not in fields:
-            raise invalid_argument(f"{where}.{key}", "is missing")
-    host_value = fields["bootstrap_host"]
-    if host_value.WhichOneof("kind") != "string_value":
-        raise invalid_argument(f"{where}.bootstrap_host", "must be a string")
-    port = _struct_int(fields["bootstrap_port"], f"{where}.bootstrap_port", INT32_MAX)
-    room = _struct_int(fields["bootstrap_room"], f"{where}.bootstrap_room", ROOM_MAX)
-    return _checked(host_value.string_value, port, room, where)
+    try:
+        info = bootstrap_handoff.from_struct(params)
+    except bootstrap_handoff.HandoffError as err:
+        raise invalid_argument(f"{where}.{err.key}", err.problem) from None
+    return _checked(info.bootstrap_host, info.bootstrap_port, info.bootstrap_room, where)
 
 
 def _bootstrap(
@@ -528,18 +508,8 @@ def to_http_json(native: NativeRequest) -> dict[str, object]:
     return body
 
 
-def bootstrap_struct(bootstrap: Bootstrap) -> struct_pb2.Struct:
-    """The prefill handoff as the frontend passes it back in ``prefill_result``.
-
-    The room is a decimal string: Struct numbers are doubles and a room up to 2^63-1 would not
-    survive one. :func:`build_native` accepts it as a string or an exact number.
-    """
-    params = struct_pb2.Struct()
-    params.update(
-        {
-            "bootstrap_host": bootstrap.host,
-            "bootstrap_port": bootstrap.port,
-            "bootstrap_room": str(bootstrap.room),
-        }
+def handoff_info(bootstrap: Bootstrap) -> sidecar_pb2.BootstrapInfo:
+    """The prefill's handoff as the frontend passes it to the decode (``bootstrap_info``)."""
+    return sidecar_pb2.BootstrapInfo(
+        bootstrap_host=bootstrap.host, bootstrap_port=bootstrap.port, bootstrap_room=bootstrap.room
     )
-    return params

@@ -9,11 +9,11 @@ Choices the spec leaves open:
 
 * Tokens on an ``abort`` terminal are not forwarded: the stream ends with an error anyway, and
   in incremental mode SGLang repeats the last token there.
-* ``engine_data.prompt_logprobs`` (when prompt logprobs were asked) comes once, on the first
-  output after the engine sent them (SGLang does with its first event after prefill), else on
-  the terminal. It is one entry per prompt position: null where the engine has none (the
-  first), else a list of ``{"token_id", "logprob"}``, the prompt's own token first, then up to
-  N alternatives.
+* ``prompt_logprobs`` (when prompt logprobs were asked) come once, on the first output after
+  the engine sent them (SGLang does with its first event after prefill), else on the
+  terminal: one position per prompt token, no entries where the engine has none (the first),
+  else the prompt's own token first, then up to N alternatives (SGLang sends no ranks).
+  Through 0.2.x also as ``engine_data.prompt_logprobs`` (``sidecar_common.prompt_logprobs``).
 * A terminal whose ``completion_tokens`` disagrees with the tokens streamed is malformed.
 """
 
@@ -24,10 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from sidecar_common import bootstrap_handoff, prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError, engine_words, protocol_error
 from sidecar_common.limits import exact_integer
-from sidecar_sglang.convert_request import NativeRequest, bootstrap_struct
+from sidecar_sglang.convert_request import NativeRequest, handoff_info
 
 __all__ = [
     "NativeEvent",
@@ -166,27 +167,27 @@ def _top_entries(
     return sidecar_pb2.TopLogprobs(entries=entries)
 
 
-def _prompt_logprobs(meta: Mapping[str, object], limit: int) -> list[object] | None:
-    """Per prompt position: null where the engine has none, else the prompt token first then
-    up to ``limit`` alternatives, each ``{"token_id", "logprob"}``."""
+def _prompt_positions(meta: Mapping[str, object], limit: int) -> list[sidecar_pb2.TopLogprobs] | None:
+    """Per prompt position: none where the engine has none, else the prompt token first then
+    up to ``limit`` alternatives (SGLang sends no ranks)."""
     tokens = _list(meta, "input_token_logprobs")
     if tokens is None:
         return None
     tops = _list(meta, "input_top_logprobs") or []
-    out: list[object] = []
+    out: list[sidecar_pb2.TopLogprobs] = []
     for position, item in enumerate(tokens):
+        row = sidecar_pb2.TopLogprobs()
+        out.append(row)
         lp, tid, _ = _triple(item, "input_token_logprobs")
         if lp is None:
-            out.append(None)
             continue
-        row: list[object] = [{"token_id": tid, "logprob": lp}]
+        row.entries.append(prompt_logprobs.candidate(tid, lp))
         alts = tops[position] if position < len(tops) else None
         if isinstance(alts, list):
             for alt in alts[:limit]:
                 alp, atid, _ = _triple(alt, "input_top_logprobs")
                 if atid != tid and alp is not None:
-                    row.append({"token_id": atid, "logprob": alp})
-        out.append(row)
+                    row.entries.append(prompt_logprobs.candidate(atid, alp))
     return out
 
 
@@ -245,7 +246,7 @@ class ResponseState:
         """The prefill handoff, before the terminal (HTTP sends it once headers arrive)."""
         out = sidecar_pb2.LLMEngineOutput()
         if self.request.bootstrap is not None:
-            out.disaggregated_params.CopyFrom(bootstrap_struct(self.request.bootstrap))
+            bootstrap_handoff.attach(out, handoff_info(self.request.bootstrap))
         return out
 
     def feed(self, event: NativeEvent, *, aborted_by_us: bool) -> list[sidecar_pb2.LLMEngineOutput]:
@@ -373,16 +374,16 @@ class ResponseState:
         if cached is not None and cached >= 0:
             usage.cached_tokens = min(cached, prompt)
         if self.request.prefill and self.request.bootstrap is not None:
-            out.disaggregated_params.CopyFrom(bootstrap_struct(self.request.bootstrap))
+            bootstrap_handoff.attach(out, handoff_info(self.request.bootstrap))
         self._attach_prompt_logprobs(out)
 
     def _attach_prompt_logprobs(self, out: sidecar_pb2.LLMEngineOutput) -> None:
         """``engine_data.prompt_logprobs`` once, on the first output that can carry them."""
         if self.request.prompt_logprobs is None or self._prompt_logprobs_sent:
             return
-        rows = _prompt_logprobs(self._input_meta, self.request.prompt_logprobs)
-        if rows is not None:
-            out.engine_data.update({"prompt_logprobs": rows})  # type: ignore[dict-item]
+        positions = _prompt_positions(self._input_meta, self.request.prompt_logprobs)
+        if positions is not None:
+            prompt_logprobs.attach(out, positions, prompt_logprobs.Shape.LISTED)
             self._prompt_logprobs_sent = True
             if self.request.token_ids_logprob:
                 chosen = _chosen_rows(self._input_meta, "input_token_ids_logprobs", 0, None)

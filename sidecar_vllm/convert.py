@@ -25,15 +25,16 @@ from typing import Final
 from google.protobuf import struct_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
 from sidecar_common.limits import check_media, check_sampling_limits
+from sidecar_common.logprob_floor import clamp_logprob
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
 
 __all__ = [
     "KNOWN_EXTRA_ARGS",
-    "LOGPROB_FLOOR",
     "MAX_CHOICES",
     "ResponseState",
     "to_generate_request",
@@ -43,8 +44,6 @@ __all__ = [
 KNOWN_EXTRA_ARGS: Final = frozenset({"kv_transfer_params"})
 # Choices per request; far beyond what any sampling use needs (OpenAI's API allows 128).
 MAX_CHOICES: Final = 1024
-# Non-finite and absurdly small logprobs are clamped: JSON clients cannot carry NaN/inf.
-LOGPROB_FLOOR: Final = -9999.0
 
 _INT32_MIN: Final = -(2**31)
 _INT32_MAX: Final = 2**31 - 1
@@ -364,7 +363,7 @@ class ResponseState:
         out = request.output_options
         self._logprobs: int | None = out.logprobs if out.HasField("logprobs") else None
         self._want_prompt_logprobs = out.HasField("prompt_logprobs")
-        self._prompt_logprobs: list[JSON] | None = None
+        self._prompt_logprobs: list[sidecar_pb2.TopLogprobs] | None = None
         self._prompt_tokens = len(request.token_ids)
         self._cached_tokens = 0
 
@@ -396,7 +395,7 @@ class ResponseState:
         self, msg: vllm_engine_pb2.GenerateStreamChunk | vllm_engine_pb2.GenerateComplete
     ) -> None:
         if self._want_prompt_logprobs and self._prompt_logprobs is None and msg.HasField("input_logprobs"):
-            self._prompt_logprobs = _prompt_logprobs_json(msg.input_logprobs)
+            self._prompt_logprobs = _prompt_positions(msg.input_logprobs)
 
     def _chunk(self, chunk: vllm_engine_pb2.GenerateStreamChunk) -> list[sidecar_pb2.LLMEngineOutput]:
         # The hot path (one call per engine message): each field is read once.
@@ -460,7 +459,7 @@ class ResponseState:
         out.completion_usage.total_tokens = self._prompt_tokens + completion
         out.completion_usage.cached_tokens = self._cached_tokens
         if self._prompt_logprobs is not None:
-            out.engine_data.CopyFrom(_to_struct({"prompt_logprobs": self._prompt_logprobs}))
+            prompt_logprobs.attach(out, self._prompt_logprobs, prompt_logprobs.Shape.BY_TOKEN)
         return [out]
 
     @staticmethod
@@ -512,7 +511,7 @@ class ResponseState:
             raise protocol_error(_ENGINE, "top logprobs are not aligned with the token ids")
         for i in range(offset, len(ids)):
             sampled, raw = ids[i], lp.token_logprobs[i]
-            value = _clamp(raw)
+            value = clamp_logprob(raw)
             out.log_probs.append(value)
             entries = out.top_logprobs.add().entries
             sampled_entry = entries.add(token_id=sampled, logprob=value)
@@ -521,19 +520,13 @@ class ResponseState:
                 if ranked.own_rank is not None:
                     sampled_entry.rank = ranked.own_rank
                 for token, alt, rank in ranked.alternatives:
-                    entries.add(token_id=token, logprob=_clamp(alt), rank=rank)
+                    entries.add(token_id=token, logprob=clamp_logprob(alt), rank=rank)
 
 
 def _check_count(what: str, count: int, ids: Sequence[int]) -> None:
     # The servicer's counts are per message; a mismatch means a different (or broken) wire.
     if count != len(ids):
         raise protocol_error(_ENGINE, f"{what} says completion_tokens {count} but carries {len(ids)} ids")
-
-
-def _clamp(value: float) -> float:
-    if math.isnan(value) or value < LOGPROB_FLOOR:
-        return LOGPROB_FLOOR
-    return LOGPROB_FLOOR if math.isinf(value) else value
 
 
 def _pairs(top: vllm_engine_pb2.TopLogProbs, what: str) -> Iterable[tuple[int, float]]:
@@ -574,24 +567,28 @@ def _ranked(own_value: float, own: int, top: Iterable[tuple[int, float]]) -> _Ra
     )
 
 
-def _prompt_logprobs_json(lp: vllm_engine_pb2.InputLogProbs) -> list[JSON]:
+def _prompt_positions(lp: vllm_engine_pb2.InputLogProbs) -> list[sidecar_pb2.TopLogprobs]:
+    """Per prompt position: none where the engine has no logprob, else the prompt token (its
+    rank where known), then each other alternative once, in rank order."""
     if len(lp.token_logprobs) != len(lp.token_ids) or len(lp.top_logprobs) not in (0, len(lp.token_ids)):
         raise protocol_error(_ENGINE, "prompt logprobs are not aligned with the prompt tokens")
-    result: list[JSON] = []
+    result: list[sidecar_pb2.TopLogprobs] = []
     for i, token in enumerate(lp.token_ids):
         entry = lp.token_logprobs[i]
-        if not entry.HasField("value"):
-            result.append(None)
-            continue
-        own: dict[str, JSON] = {"logprob": _clamp(entry.value)}
-        position: dict[str, JSON] = {str(token): own}
-        if lp.top_logprobs:
-            ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
-            if ranked.own_rank is not None:
-                own["rank"] = ranked.own_rank
-            for alt, value, rank in ranked.alternatives:
-                position.setdefault(str(alt), {"logprob": _clamp(value), "rank": rank})
+        position = sidecar_pb2.TopLogprobs()
         result.append(position)
+        if not entry.HasField("value"):
+            continue
+        if not lp.top_logprobs:
+            position.entries.append(prompt_logprobs.candidate(token, clamp_logprob(entry.value)))
+            continue
+        ranked = _ranked(entry.value, token, _pairs(lp.top_logprobs[i], "prompt top logprobs"))
+        position.entries.append(prompt_logprobs.candidate(token, clamp_logprob(entry.value), ranked.own_rank))
+        seen = {token}
+        for alt, value, rank in ranked.alternatives:
+            if alt not in seen:
+                seen.add(alt)
+                position.entries.append(prompt_logprobs.candidate(alt, clamp_logprob(value), rank))
     return result
 
 

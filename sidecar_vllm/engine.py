@@ -1,14 +1,15 @@
-"""The vLLM engine adapter: vLLM's native gRPC service over the shared channel pool.
+"""The vLLM engine client: vLLM's native gRPC service over the shared channel pool.
 
 I/O only. Every protocol rule lives in :mod:`sidecar_vllm.convert`; this module opens
 calls, feeds the engine's messages to a :class:`~sidecar_vllm.convert.ResponseState`, and
-turns transport failures into typed errors.
+turns transport failures into typed errors. Start-up, time bounds and the gRPC plumbing are
+the shared skeleton's (:mod:`sidecar_server.engine_client`, :mod:`sidecar_server.engine_grpc`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final, Protocol, TypeVar, cast
+from collections.abc import AsyncIterator, Awaitable
+from typing import Final, Protocol, cast
 
 import grpc
 import structlog
@@ -17,22 +18,19 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError, rpc_status
-from sidecar_common.pool import ChannelPool, Clock, Connector, Deadline, retry_until_deadline
-from sidecar_common.rpc import NotHealthy, StubCache, bounded_call, discovery_timeout, probe
+from sidecar_common.pool import Clock, Connector, Deadline
+from sidecar_common.rpc import NotHealthy
 from sidecar_common.tracing import outgoing_metadata
 from sidecar_server.config import SidecarConfig
-from sidecar_server.engine import EngineLoad, GenerateCall
+from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
+from sidecar_server.engine_client import Discovery, EngineClient, EngineTimeouts
+from sidecar_server.engine_grpc import EngineChannels
 from sidecar_vllm.convert import ResponseState, to_generate_request
 from sidecar_vllm.refusals import generate_error
 
-__all__ = ["ABORT_TIMEOUT", "HEALTH_TIMEOUT", "KV_ROLES", "LOAD_TIMEOUT", "VllmEngine"]
+__all__ = ["KV_ROLES", "VllmEngine"]
 
 _log = structlog.get_logger(__name__)
-T = TypeVar("T")
-
-ABORT_TIMEOUT: Final = 2.0
-HEALTH_TIMEOUT: Final = 1.5
-LOAD_TIMEOUT: Final = 2.0
 
 # The engine kv_role each disaggregation half needs.
 KV_ROLES: Final[dict[DisaggregationMode, frozenset[str]]] = {
@@ -75,7 +73,7 @@ class _Stub(Protocol):
     ) -> _GenerateCall: ...
 
 
-class VllmEngine:
+class VllmEngine(EngineClient):
     """One vLLM engine (``vllm serve --grpc``) behind ``config.pool``."""
 
     def __init__(
@@ -84,15 +82,16 @@ class VllmEngine:
         *,
         clock: Clock | None = None,
         connector: Connector | None = None,
+        timeouts: EngineTimeouts | None = None,
     ) -> None:
-        self._config = config
-        self._mode: DisaggregationMode = config.disaggregation_mode
-        self._pool = ChannelPool(config.pool, clock=clock, connector=connector)
-        self._stubs: StubCache[_Stub] = StubCache(
-            self._pool, lambda channel: cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel))
+        self._channels: EngineChannels[_Stub] = EngineChannels(
+            config.pool,
+            lambda channel: cast(_Stub, vllm_engine_pb2_grpc.VllmEngineStub(channel)),
+            clock=clock,
+            connector=connector,
         )
-        self._info: sidecar_pb2.ModelInfo | None = None
-        self.health_problem: str | None = None  # why the last health probe failed
+        super().__init__(config, clock=self._channels.clock, timeouts=timeouts or EngineTimeouts())
+        self._mode: DisaggregationMode = config.disaggregation_mode
 
     @property
     def name(self) -> str:
@@ -100,26 +99,31 @@ class VllmEngine:
 
     # ------------------------------------------------------------------- start-up
 
-    async def start(self) -> None:
-        # One deadline for the pool, the health wait and discovery (docs/common.md).
-        deadline = Deadline.start(self._pool.clock, self._config.pool.startup_deadline)
-        await self._pool.connect(deadline)
-        target = self._config.pool.endpoint.target
-        await retry_until_deadline(
-            f"vllm engine {target} (HealthCheck)", self._health_attempt, deadline, self._config.pool.retry
-        )
-        model = await self._discover(
+    @property
+    def _target(self) -> str:
+        return self._channels.target
+
+    async def _connect(self, deadline: Deadline) -> None:
+        await self._channels.connect(deadline)
+
+    async def _check_health(self, timeout: float) -> None:
+        reply = await self._channels.stub().HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout)
+        if not reply.healthy:
+            raise NotHealthy(f"engine reports not healthy: {reply.message or 'no message'}")
+
+    async def _discover(self, deadline: Deadline) -> Discovery:
+        model = await self._channels.discover(
             "GetModelInfo",
             deadline,
             lambda stub, t: stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=t),
         )
-        server = await self._discover(
+        server = await self._channels.discover(
             "GetServerInfo",
             deadline,
             lambda stub, t: stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=t),
         )
         self._check_kv_role(server.kv_role)
-        self._info = sidecar_pb2.ModelInfo(
+        info = sidecar_pb2.ModelInfo(
             engine="vllm",
             served_model_name=model.served_model_name or model.model_path,
             model_path=model.model_path,
@@ -133,36 +137,18 @@ class VllmEngine:
             disaggregation_mode=self._mode,
             supports_vision=model.supports_vision,
         )
-        await self._discover_capacity(deadline, self._info)
-        _log.info(
-            "vllm engine discovered",
-            served_model_name=self._info.served_model_name,
-            kv_role=server.kv_role,
-            data_parallel_size=self._info.data_parallel_size,
-            elapsed=round(deadline.elapsed(), 3),
-        )
-
-    async def _health_attempt(self, timeout: float) -> None:
-        reply = await self._stubs.next().HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout)
-        if not reply.healthy:
-            raise NotHealthy(f"engine reports not healthy: {reply.message or 'no message'}")
-
-    async def _discover(
-        self, rpc: str, deadline: Deadline, call: Callable[[_Stub, float], Awaitable[T]]
-    ) -> T:
-        timeout = discovery_timeout(rpc, deadline, self._config.pool.retry)
-        stub = self._stubs.next()
-        return await bounded_call(rpc, timeout, lambda t: call(stub, t))
+        await self._discover_capacity(deadline, info)
+        return Discovery(info, {"kv_role": server.kv_role, "data_parallel_size": info.data_parallel_size})
 
     async def _discover_capacity(self, deadline: Deadline, info: sidecar_pb2.ModelInfo) -> None:
         """KV capacity and engine version, which only GetLoads reports. Best effort: an
         engine that cannot say leaves them zero/empty, as the API allows."""
         try:
-            loads = await self._discover(
+            loads = await self._channels.discover(
                 "GetLoads",
                 deadline,
                 lambda stub, t: stub.GetLoads(
-                    vllm_engine_pb2.GetLoadsRequest(), timeout=min(t, LOAD_TIMEOUT)
+                    vllm_engine_pb2.GetLoadsRequest(), timeout=min(t, self.timeouts.load)
                 ),
             )
         except SidecarError as err:
@@ -185,17 +171,12 @@ class VllmEngine:
                 f"{kv_role!r}",
             )
 
-    def model_info(self) -> sidecar_pb2.ModelInfo:
-        if self._info is None:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "the vllm engine is not discovered yet")
-        return self._info
-
     # ------------------------------------------------------------------- requests
 
     def _convert(
         self, request: sidecar_pb2.PreprocessedRequest, private_id: str
     ) -> vllm_engine_pb2.GenerateRequest:
-        info = self._info
+        info = self._discovery.info if self._discovery is not None else None
         return to_generate_request(
             request,
             private_id,
@@ -216,7 +197,7 @@ class VllmEngine:
             native = self._convert(call.request, call.private_id)
         state = ResponseState(call.request, self._mode)
         # The request's trace context (docs/common.md, "Tracing") as gRPC metadata.
-        stream = self._stubs.next().Generate(native, metadata=outgoing_metadata())
+        stream = self._channels.stub().Generate(native, metadata=outgoing_metadata())
         try:
             async for message in stream:
                 for out in state.feed(message):
@@ -230,18 +211,16 @@ class VllmEngine:
             stream.cancel()
         raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "engine stream ended before the final chunk")
 
-    async def abort(self, private_id: str) -> None:
+    async def _abort(self, private_id: str, timeout: float) -> None:
         # vLLM answers OK for an id it no longer knows, so a failure here is a real one (an
         # engine that cannot be reached or does not answer): raised for the dispatcher to log
         # and count as a failed abort.
         request = vllm_engine_pb2.AbortRequest(request_ids=[private_id])
-        await bounded_call("Abort", ABORT_TIMEOUT, lambda t: self._stubs.next().Abort(request, timeout=t))
+        await self._channels.call("Abort", timeout, lambda stub, t: stub.Abort(request, timeout=t))
 
-    async def load(self) -> EngineLoad:
-        reply = await bounded_call(
-            "GetLoads",
-            LOAD_TIMEOUT,
-            lambda t: self._stubs.next().GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=t),
+    async def _load(self, timeout: float) -> EngineLoad:
+        reply = await self._channels.call(
+            "GetLoads", timeout, lambda stub, t: stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=t)
         )
         return EngineLoad(
             ranks=tuple(
@@ -255,13 +234,8 @@ class VllmEngine:
             )
         )
 
-    async def healthy(self) -> bool:
-        return await probe(self._health_attempt, HEALTH_TIMEOUT, self._note_health_problem)
-
-    def _note_health_problem(self, why: str) -> None:
-        # Read by the server's health watch for its "engine unhealthy" line.
-        self.health_problem = why
+    async def _probe_health(self, timeout: float) -> EngineHealth:
+        return await self._channels.probe(self._check_health, timeout)
 
     async def close(self) -> None:
-        self._stubs.clear()
-        await self._pool.close()
+        await self._channels.close()

@@ -18,7 +18,7 @@ import anyio.lowlevel
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import SidecarError, invalid_argument
 from sidecar_server.dispatch import choice_count
-from sidecar_server.engine import EngineLoad, GenerateCall
+from sidecar_server.engine import HEALTHY, EngineHealth, EngineLoad, GenerateCall
 
 __all__ = ["HANG", "FakeEngine", "Gate", "Step", "terminal", "tokens"]
 
@@ -129,8 +129,8 @@ class FakeEngine:
             raise self.load_error
         return EngineLoad(ranks=self.load_ranks)
 
-    async def healthy(self) -> bool:
-        return self.healthy_answer
+    async def health(self) -> EngineHealth:
+        return HEALTHY if self.healthy_answer else EngineHealth.unhealthy("")
 
     async def close(self) -> None:
         self.closed = True

@@ -26,8 +26,8 @@ from sidecar_common.tracing import Tracing
 from sidecar_server.config import SidecarConfig
 from sidecar_server.engine import Engine
 from sidecar_server.server import ServerConfig, SidecarServer
-from sidecar_sglang.grpc_engine import SglangGrpcEngine
-from sidecar_sglang.http_engine import SglangHttpEngine
+from sidecar_sglang.grpc_transport import over_grpc
+from sidecar_sglang.http_transport import over_http
 from tests.e2e_helpers import public_request
 
 __all__ = [
@@ -58,9 +58,9 @@ def adapter_for(
     engine: SglangTestEngine, transport: Transport, mode: DisaggregationMode = "agg", **config: Any
 ) -> Engine:
     if transport == "grpc":
-        return SglangGrpcEngine(sidecar_config(engine.grpc_port, mode, **config))
+        return over_grpc(sidecar_config(engine.grpc_port, mode, **config))
     http = parse_endpoint(f"127.0.0.1:{engine.http_port}")
-    return SglangHttpEngine(sidecar_config(engine.grpc_port or 1, mode, **config), http)
+    return over_http(sidecar_config(engine.grpc_port or 1, mode, **config), http)
 
 
 async def assert_engine_idle(engine: SglangTestEngine, secs: float = 5.0) -> None:

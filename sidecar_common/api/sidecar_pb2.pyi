@@ -918,19 +918,210 @@ class LoadReport(_message.Message):
 
     INFLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_FIELD_NUMBER: _builtins.int
     inflight_requests: _builtins.int
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankLoad]: ...
+    @_builtins.property
+    def kv_cache(self) -> Global___KvCacheStatus:
+        """Whether this worker publishes its KV-cache state on WatchKvCache."""
+
     def __init__(
         self,
         *,
         inflight_requests: _builtins.int = ...,
         ranks: _abc.Iterable[Global___RankLoad] | None = ...,
+        kv_cache: Global___KvCacheStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inflight_requests", b"inflight_requests", "ranks", b"ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inflight_requests", b"inflight_requests", "kv_cache", b"kv_cache", "ranks", b"ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class KvCacheStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIBED_FIELD_NUMBER: _builtins.int
+    BATCHES_RECEIVED_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    subscribed: _builtins.bool
+    """The sidecar subscribes to its engine's KV events (--kv-events-endpoint)."""
+    batches_received: _builtins.int
+    """Event batches received from the engine since the sidecar started; 0 while the engine has
+    published nothing (not configured to publish, or no request cached anything yet).
+    """
+    blocks: _builtins.int
+    """Blocks the sidecar knows the engine holds, and their size in tokens (0: not known yet)."""
+    block_size: _builtins.int
+    def __init__(
+        self,
+        *,
+        subscribed: _builtins.bool = ...,
+        batches_received: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_received", b"batches_received", "block_size", b"block_size", "blocks", b"blocks", "subscribed", b"subscribed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheStatus: _TypeAlias = KvCacheStatus  # noqa: Y015
+
+@_typing.final
+class WatchKvCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The last update this client applied (a snapshot's or a delta's epoch and sequence); unset:
+    start with a snapshot.
+    """
+    sequence: _builtins.int
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int | None = ...,
+        sequence: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_sequence", b"_sequence", "epoch", b"epoch", "sequence", b"sequence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_sequence", b"_sequence", "epoch", b"epoch", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
+    _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
+    _WhichOneofReturnType__sequence: _TypeAlias = _typing.Literal["sequence"]  # noqa: Y015
+    _WhichOneofArgType__sequence: _TypeAlias = _typing.Literal["_sequence", b"_sequence"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__epoch) -> _WhichOneofReturnType__epoch | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sequence) -> _WhichOneofReturnType__sequence | None: ...
+
+Global___WatchKvCacheRequest: _TypeAlias = WatchKvCacheRequest  # noqa: Y015
+
+@_typing.final
+class KvCacheSnapshot(_message.Message):
+    """A block is named by its key (sidecar_common/kv_keys.py: a chained hash of the token ids of
+    every block up to it, with the request's LoRA name and cache salt), so a client computes the
+    same keys from a request's token ids. Blocks travel as parallel lists: keys[i] and
+    parents[i] (the key of the block before it; for a first block, the root key of its LoRA name
+    and cache salt).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    PARENTS_FIELD_NUMBER: _builtins.int
+    LAST_CHUNK_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """Names this sidecar process's history; a new process picks a new one."""
+    sequence: _builtins.int
+    """The last delta the snapshot includes: the first delta after it is sequence + 1."""
+    block_size: _builtins.int
+    model: _builtins.str
+    last_chunk: _builtins.bool
+    """A large snapshot comes in several chunks, all with the same epoch and sequence; the
+    client's view is whole (and deltas follow) after the chunk with last_chunk set.
+    """
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def status(self) -> Global___KvCacheStatus: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        sequence: _builtins.int = ...,
+        block_size: _builtins.int = ...,
+        model: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.int] | None = ...,
+        parents: _abc.Iterable[_builtins.int] | None = ...,
+        last_chunk: _builtins.bool = ...,
+        status: Global___KvCacheStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "keys", b"keys", "last_chunk", b"last_chunk", "model", b"model", "parents", b"parents", "sequence", b"sequence", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheSnapshot: _TypeAlias = KvCacheSnapshot  # noqa: Y015
+
+@_typing.final
+class KvCacheDelta(_message.Message):
+    """Apply in order: cleared (forget every block), then removed, then added."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    ADDED_KEYS_FIELD_NUMBER: _builtins.int
+    ADDED_PARENTS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    sequence: _builtins.int
+    cleared: _builtins.bool
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def added_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def added_parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        sequence: _builtins.int = ...,
+        cleared: _builtins.bool = ...,
+        removed: _abc.Iterable[_builtins.int] | None = ...,
+        added_keys: _abc.Iterable[_builtins.int] | None = ...,
+        added_parents: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added_keys", b"added_keys", "added_parents", b"added_parents", "cleared", b"cleared", "epoch", b"epoch", "removed", b"removed", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvCacheDelta: _TypeAlias = KvCacheDelta  # noqa: Y015
+
+@_typing.final
+class KvCacheUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def snapshot(self) -> Global___KvCacheSnapshot: ...
+    @_builtins.property
+    def delta(self) -> Global___KvCacheDelta: ...
+    def __init__(
+        self,
+        *,
+        snapshot: Global___KvCacheSnapshot | None = ...,
+        delta: Global___KvCacheDelta | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "snapshot", b"snapshot", "update", b"update"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "snapshot", b"snapshot", "update", b"update"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_update: _TypeAlias = _typing.Literal["snapshot", "delta"]  # noqa: Y015
+    _WhichOneofArgType_update: _TypeAlias = _typing.Literal["update", b"update"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_update) -> _WhichOneofReturnType_update | None: ...
+
+Global___KvCacheUpdate: _TypeAlias = KvCacheUpdate  # noqa: Y015

@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.WatchKvCache = channel.unary_stream(
+                '/sidecar.v1.Worker/WatchKvCache',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.KvCacheUpdate.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,6 +92,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvCache(self, request, context):
+        """The engine's KV-cache state, for KV-aware routing: a snapshot (in chunks), then ordered
+        deltas for as long as the client stays. A client that reconnects with the last (epoch,
+        sequence) it applied resumes after it when the sidecar still has those deltas, else it
+        gets a fresh snapshot (docs/api.md, "WatchKvCache").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +124,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.GetLoadRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LoadReport.SerializeToString,
+            ),
+            'WatchKvCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvCache,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.KvCacheUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +239,33 @@ class Worker:
             '/sidecar.v1.Worker/GetLoad',
             sidecar_dot_v1_dot_sidecar__pb2.GetLoadRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sidecar.v1.Worker/WatchKvCache',
+            sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.KvCacheUpdate.FromString,
             options,
             channel_credentials,
             insecure,

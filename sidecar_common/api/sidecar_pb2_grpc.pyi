@@ -43,6 +43,12 @@ class WorkerStub:
     """Cancels every in-flight generation with that public id."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.GetModelInfoRequest, _sidecar_pb2.ModelInfo]
     GetLoad: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.GetLoadRequest, _sidecar_pb2.LoadReport]
+    WatchKvCache: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchKvCacheRequest, _sidecar_pb2.KvCacheUpdate]
+    """The engine's KV-cache state, for KV-aware routing: a snapshot (in chunks), then ordered
+    deltas for as long as the client stays. A client that reconnects with the last (epoch,
+    sequence) it applied resumes after it when the sidecar still has those deltas, else it
+    gets a fresh snapshot (docs/api.md, "WatchKvCache").
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -55,6 +61,12 @@ class WorkerAsyncStub(WorkerStub):
     """Cancels every in-flight generation with that public id."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.GetModelInfoRequest, _sidecar_pb2.ModelInfo]  # type: ignore[assignment]
     GetLoad: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.GetLoadRequest, _sidecar_pb2.LoadReport]  # type: ignore[assignment]
+    WatchKvCache: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchKvCacheRequest, _sidecar_pb2.KvCacheUpdate]  # type: ignore[assignment]
+    """The engine's KV-cache state, for KV-aware routing: a snapshot (in chunks), then ordered
+    deltas for as long as the client stays. A client that reconnects with the last (epoch,
+    sequence) it applied resumes after it when the sidecar still has those deltas, else it
+    gets a fresh snapshot (docs/api.md, "WatchKvCache").
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -88,5 +100,17 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_pb2.GetLoadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.LoadReport, _abc.Awaitable[_sidecar_pb2.LoadReport]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchKvCache(
+        self,
+        request: _sidecar_pb2.WatchKvCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_sidecar_pb2.KvCacheUpdate], _abc.AsyncIterator[_sidecar_pb2.KvCacheUpdate]]:
+        """The engine's KV-cache state, for KV-aware routing: a snapshot (in chunks), then ordered
+        deltas for as long as the client stays. A client that reconnects with the last (epoch,
+        sequence) it applied resumes after it when the sidecar still has those deltas, else it
+        gets a fresh snapshot (docs/api.md, "WatchKvCache").
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

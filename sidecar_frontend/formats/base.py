@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ENGINE_NOT_FOUND
+from sidecar_common.errors import ENGINE_NOT_FOUND, FAILURE_RULES, FailureReason, SidecarError
 
 __all__ = [
     "AbortCall",
@@ -86,8 +86,6 @@ class FormatContext:
 
     model_info: sidecar_pb2.ModelInfo
     new_id: Callable[[], str]
-    # SGLang streams cumulative output unless the server runs --incremental-streaming-output.
-    sglang_incremental_streaming_output: bool = False
     # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid).
     inflight_ids: frozenset[str] = frozenset()
     # Unix seconds (time.time()) when the request arrived: for wall-clock values a body
@@ -118,27 +116,43 @@ class GenerateCall:
     # admission refusal). When any, the handler holds the 200 until the first bytes of the
     # stream; a failure of one of these reasons that ends the response before them is the
     # plain reply of :meth:`Encoder.reply` instead, as the server's.
-    refused_before_stream: frozenset[str] = frozenset()
+    refused_before_stream: frozenset[FailureReason] = frozenset()
 
 
 @dataclass(frozen=True)
 class WorkerFailure:
     """Why a sub-request ended without its terminal(s): the sidecar's typed error.
 
-    ``reason`` is the ErrorInfo reason (INVALID_ARGUMENT, CANNOT_CONNECT, ENGINE_SHUTDOWN,
-    CONNECTION_TIMEOUT, CANCELLED, OVERLOADED, PROTOCOL_ERROR, UNKNOWN) or, for failures the
-    frontend itself decides, NO_WORKER (no serving worker) and DEADLINE (the frontend's
+    ``reason`` is the sidecar's (its ErrorInfo reason) or, for failures the frontend itself
+    decides, NO_WORKER (no serving worker) and DEADLINE (the frontend's
     --request-timeout-secs ran out). ``message`` is the status detail text. ``from_engine``:
     the message is the engine's own text, unchanged (ErrorInfo metadata ``origin: engine``),
     which a format shows to the client as it is; ``engine_status`` is then what the engine
     answered (metadata ``engine_status``: a gRPC code name, an HTTP status, ``not sent``).
     """
 
-    reason: str
+    reason: FailureReason
     message: str
     migratable: bool = False
     from_engine: bool = False
     engine_status: str = ""
+
+    @classmethod
+    def of(cls, reason: FailureReason, message: str) -> WorkerFailure:
+        """A failure the frontend decides itself, migratable as its reason's rule says."""
+        return cls(reason, message, FAILURE_RULES[reason].migratable)
+
+    @classmethod
+    def from_error(cls, error: SidecarError) -> WorkerFailure:
+        """A sidecar's typed error (:func:`~sidecar_common.errors.decode_rpc_error`)."""
+        origin = error.origin
+        return cls(
+            error.reason,
+            error.message,
+            error.migratable,
+            from_engine=origin is not None,
+            engine_status=origin.status if origin is not None else "",
+        )
 
     @property
     def not_found(self) -> bool:

@@ -70,7 +70,7 @@ def _model_info(info: sidecar_pb2.ModelInfo) -> dict[str, object]:
     }
 
 
-def _server_info(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
+def _server_info(info: sidecar_pb2.ModelInfo, incremental: bool) -> dict[str, object]:
     context = info.max_context_length or None
     tokens = info.kv_block_size * info.total_kv_blocks
     return {
@@ -80,7 +80,7 @@ def _server_info(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, o
         "skip_tokenizer_init": True,
         "context_length": context,
         "stream_interval": 1,
-        "incremental_streaming_output": ctx.sglang_incremental_streaming_output,
+        "incremental_streaming_output": incremental,
         "dp_size": max(info.data_parallel_size, 1),
         "disaggregation_mode": "null",
         "max_req_input_len": context - 6 if context else None,
@@ -109,7 +109,11 @@ def _card(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:
 
 
 class SglangFormat:
-    """SGLang ``/generate`` and friends; a module-level singleton with no state."""
+    """SGLang ``/generate`` and friends, with the server options they depend on.
+
+    ``incremental_streaming_output``: as SGLang's --incremental-streaming-output, a stream's
+    events carry only what is new (cumulative output otherwise).
+    """
 
     name = "sglang"
     routes: Sequence[Route] = (
@@ -118,10 +122,13 @@ class SglangFormat:
         *(Route(("GET",), path, RouteKind.INFO) for path in _INFO_PATHS),
     )
 
+    def __init__(self, *, incremental_streaming_output: bool = False) -> None:
+        self.incremental_streaming_output = incremental_streaming_output
+
     def parse_generate(
         self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
     ) -> GenerateCall | HttpReply:
-        return _parse_generate(body, headers, ctx)
+        return _parse_generate(body, headers, ctx, incremental=self.incremental_streaming_output)
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
         assert isinstance(call.options, SglangOptions)
@@ -151,7 +158,7 @@ class SglangFormat:
         if route.path in ("/model_info", "/get_model_info"):
             return HttpReply(200, dumps(_model_info(info)))
         if route.path in ("/server_info", "/get_server_info"):
-            return HttpReply(200, dumps(_server_info(info, ctx)))
+            return HttpReply(200, dumps(_server_info(info, self.incremental_streaming_output)))
         if route.path == "/v1/models":
             return HttpReply(200, dumps(_models(ctx)))
         return self.error_reply(404, "Not Found")
@@ -167,4 +174,5 @@ class SglangFormat:
         return status_error(404, f"The model `{model}` does not exist. Served models: {', '.join(served)}.")
 
 
+# The format with SGLang's default options (the frontend makes its own from its flags).
 FORMAT: Final = SglangFormat()

@@ -127,7 +127,11 @@ def _json_content(headers: Mapping[str, str]) -> bool:
     )
 
 
-def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> GenerateCall | HttpReply:
+def parse_generate(
+    body: bytes, headers: Mapping[str, str], ctx: FormatContext, *, incremental: bool = False
+) -> GenerateCall | HttpReply:
+    """``incremental``: the server runs --incremental-streaming-output (a stream's events carry
+    only what is new; cumulative otherwise)."""
     try:
         data = read_body(body, headers)
         # SGLang's request dataclass, as its framework's pydantic validates it (every problem listed).
@@ -140,7 +144,7 @@ def parse_generate(body: bytes, headers: Mapping[str, str], ctx: FormatContext) 
         return contract_error(err)
     stream = data.get("stream") is True
     try:
-        return _plan(data, ctx, stream)
+        return _plan(data, ctx, stream, incremental)
     except ValueRefusal as err:
         return value_error(str(err), stream=stream)
 
@@ -292,7 +296,7 @@ def _stream_interval(params: Mapping[str, object]) -> int:
     return interval if isinstance(interval, int) and interval > 1 else 1
 
 
-def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> GenerateCall:
+def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool, incremental: bool) -> GenerateCall:
     input_ids = data.get("input_ids")
     text, embeds = data.get("text"), data.get("input_embeds")
     if (input_ids is None and text is None and embeds is None) or (
@@ -394,7 +398,7 @@ def _plan(data: Mapping[str, object], ctx: FormatContext, stream: bool) -> Gener
     options = SglangOptions(
         items=tuple(items),
         batch=batch,
-        incremental=ctx.sglang_incremental_streaming_output,
+        incremental=incremental,
         wall_time=ctx.wall_time,
     )
     return GenerateCall(requests=tuple(requests), stream=stream, options=options)

@@ -9,23 +9,26 @@ Outputs are deltas; an item keeps everything it has produced and renders either 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.sglang_request import ItemPlan, SglangOptions
 from sidecar_frontend.formats.sglang_wire import (
     DONE_EVENT,
+    FAILURE_STATUS,
     dumps,
     event,
     status_error,
     stream_error_event,
 )
 
-__all__ = ["SglangEncoder", "failure_status"]
+__all__ = ["SglangEncoder"]
 
 Triple = list[object]  # [logprob | None, token_id, text (always None: no tokenizer)]
 
@@ -35,20 +38,6 @@ _ABORTED: Final[Mapping[str, object]] = {
     "status_code": None,
     "err_type": None,
 }
-# Worker failures, by the sidecar's ErrorInfo reason (or the frontend's own NO_WORKER and
-# DEADLINE): the HTTP status SGLang would use for the same cause.
-_UNAVAILABLE: Final = frozenset(
-    {"CANNOT_CONNECT", "ENGINE_SHUTDOWN", "CONNECTION_TIMEOUT", "NO_WORKER", "DEADLINE", "OVERLOADED"}
-)
-
-
-def failure_status(reason: str) -> int:
-    """INVALID_ARGUMENT 400; capacity, reachability and time 503; anything else 500."""
-    if reason == "INVALID_ARGUMENT":
-        return 400
-    if reason in _UNAVAILABLE:
-        return 503
-    return 500
 
 
 def _abort_reason(status: int, message: str) -> dict[str, object]:
@@ -80,19 +69,13 @@ def _output_top(entries: sidecar_pb2.TopLogprobs, limit: int) -> list[Triple]:
     return _top_row(candidates, limit)
 
 
-def _position(entry: object, token: int) -> tuple[float | None, list[tuple[int, float | None, int | None]]]:
-    """One prompt position of ``engine_data.prompt_logprobs``: the prompt token's logprob and
-    the candidates. Two shapes arrive: ``[{"token_id", "logprob"}, ...]`` (SGLang sidecars)
-    and ``{"<token_id>": {"logprob"}}`` (vLLM sidecars)."""
-    pairs: list[tuple[int, float | None]] = []
-    if isinstance(entry, list):
-        for item in entry:
-            if isinstance(item, dict) and isinstance(item.get("token_id"), int):
-                pairs.append((int(item["token_id"]), _float_or_none(item.get("logprob"))))
-    elif isinstance(entry, dict):
-        for key, item in entry.items():
-            if key.lstrip("-").isdecimal() and isinstance(item, dict):
-                pairs.append((int(key), _float_or_none(item.get("logprob"))))
+def _position(
+    entry: sidecar_pb2.TopLogprobs | None, token: int
+) -> tuple[float | None, list[tuple[int, float | None, int | None]]]:
+    """One prompt position: the prompt token's logprob and the candidates (unranked, as SGLang
+    shows prompt alternatives; NaN, a value the worker did not give, reads as none)."""
+    entries = entry.entries if entry is not None else ()
+    pairs = [(e.token_id, None if math.isnan(e.logprob) else e.logprob) for e in entries]
     own = next((lp for tid, lp in pairs if tid == token), None)
     return own, [(tid, lp, None) for tid, lp in pairs]
 
@@ -153,11 +136,7 @@ class _Item:
         plan = self.plan
         new = list(output.token_ids)
         self.output_ids.extend(new)
-        if (
-            plan.return_logprob
-            and not self.input_logprobs_known
-            and "prompt_logprobs" in output.engine_data.fields
-        ):
+        if plan.return_logprob and not self.input_logprobs_known and prompt_logprobs.carried(output):
             # SGLang shows the prompt's logprobs from its first event after prefill on: render
             # them from the first output that carries them.
             self._input_logprobs(output)
@@ -209,13 +188,7 @@ class _Item:
         self.input_logprobs_known = True
         if not 0 <= start < len(prompt):
             return
-        rows: object = None
-        if output.HasField("engine_data"):
-            try:
-                rows = json_from_struct(output.engine_data).get("prompt_logprobs")
-            except StructError:
-                rows = None
-        table = rows if isinstance(rows, list) else []
+        table = prompt_logprobs.of_output(output, prompt) or ()
         if plan.token_ids_logprob:
             chosen = _chosen_rows(output, "prompt_token_ids_logprobs")
             # SGLang's first entry has no logprobs, whatever the start (as input_token_logprobs).
@@ -230,7 +203,7 @@ class _Item:
             # SGLang's first input entry never has a logprob, whatever the start.
             self.input_token_logprobs.append([None if first else own, prompt[position], None])
             if plan.top_logprobs_num > 0:
-                row = None if first or entry is None else _top_row(candidates, plan.top_logprobs_num)
+                row = None if first or not candidates else _top_row(candidates, plan.top_logprobs_num)
                 self.input_top_logprobs.append(row)
 
     def body(
@@ -308,14 +281,14 @@ class SglangEncoder:
         item = self._items[index]
         if self._aborted or item.done:
             return b""
-        reason, message = failure.reason, failure.message
-        if reason == "CANCELLED":
+        message = failure.message
+        status = FAILURE_STATUS[failure.reason]
+        if status is None:
             # An abort by rid: SGLang ends the request with the abort finish reason and the
             # output so far, on HTTP 200; the other items go on.
             item.finish = _ABORTED
             item.finished_at = now
             return self._emit(item, now)
-        status = failure_status(reason)
         if self._stream and status == 400:
             # A refused value: SGLang's SSE error event (no index), then [DONE].
             self._aborted = True

@@ -8,6 +8,9 @@ refused it (see docs/frontend-sglang.md, "Errors"); each gate has one constructo
 * :func:`value_error` - a value check (unary 400 ``{"error": {"message"}}``; a stream gets
   HTTP 200, one SSE error event and ``data: [DONE]``);
 * :func:`status_error` - any other status (``{"object": "error", "type": "<code>", ...}``).
+
+A worker's failure is answered with the status SGLang uses for the same cause
+(:data:`FAILURE_STATUS`).
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+from collections.abc import Mapping
 from typing import Final
 
 import orjson
 
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, HttpReply
 
 __all__ = [
     "DONE_EVENT",
+    "FAILURE_STATUS",
     "ContractError",
     "ValueRefusal",
     "bounded_repr",
@@ -35,6 +41,22 @@ __all__ = [
 ]
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"
+
+# A worker failure's HTTP status, as SGLang answers the same cause: a refused value 400;
+# capacity, reachability and time 503; anything else 500. None: an abort (SGLang ends the
+# request with the abort finish reason and the output so far, on 200).
+FAILURE_STATUS: Final[Mapping[FailureReason, int | None]] = {
+    FailureReason.INVALID_ARGUMENT: 400,
+    FailureReason.CANNOT_CONNECT: 503,
+    FailureReason.CONNECTION_TIMEOUT: 503,
+    FailureReason.ENGINE_SHUTDOWN: 503,
+    FailureReason.CANCELLED: None,
+    FailureReason.OVERLOADED: 503,
+    FailureReason.PROTOCOL_ERROR: 500,
+    FailureReason.UNKNOWN: 500,
+    FailureReason.NO_WORKER: 503,
+    FailureReason.DEADLINE: 503,
+}
 
 
 def _bounded_repr() -> reprlib.Repr:

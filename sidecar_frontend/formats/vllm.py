@@ -31,6 +31,7 @@ from sidecar_frontend.formats.base import (
     RouteKind,
 )
 from sidecar_frontend.formats.vllm_errors import VllmError, detail_reply, error_reply
+from sidecar_frontend.formats.vllm_json import compact_json
 from sidecar_frontend.formats.vllm_request import REQUEST_ID_PREFIX, VllmOptions, parse_generate
 from sidecar_frontend.formats.vllm_response import VllmEncoder
 
@@ -118,7 +119,7 @@ def _abort_targets(ids: list[str]) -> tuple[str, ...]:
 def _models(ctx: FormatContext) -> bytes:
     # One card per model the fleet serves, as vLLM lists one per served name.
     body = {"object": "list", "data": [_card(info, ctx) for info in ctx.models or (ctx.model_info,)]}
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return compact_json(body)
 
 
 def _card(info: sidecar_pb2.ModelInfo, ctx: FormatContext) -> dict[str, object]:

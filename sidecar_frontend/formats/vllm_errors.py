@@ -12,18 +12,23 @@ Three shapes reach a vLLM client:
 
 from __future__ import annotations
 
+import enum
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Final
 
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import HttpReply
+from sidecar_frontend.formats.vllm_json import compact_json
 
 __all__ = [
     "DEAD_ENGINE_MESSAGE",
+    "FAILURE_ANSWERS",
     "OVERLOADED_MESSAGE",
     "REFUSED_BEFORE_STREAM",
+    "FailureAnswer",
     "Invalid",
     "Refused",
     "ValidationIssue",
@@ -43,9 +48,40 @@ OVERLOADED_MESSAGE: Final = (
     "Please try again later or on a different instance."
 )
 
+
+class FailureAnswer(enum.Enum):
+    """How vLLM answers a failure (``vllm_response.failure_error`` writes each)."""
+
+    # As an abort: the open choices finish with finish_reason "abort", the tokens so far stand.
+    ABORT = "abort"
+    # 400 BadRequestError in the failure's words (404 NotFoundError for what the engine lacks).
+    REFUSED = "refused"
+    # 503 Service Unavailable (vLLM's admission refusal), before any stream starts.
+    BUSY = "busy"
+    # 500 InternalServerError with vLLM's sentence for a failed engine.
+    ENGINE_FAILED = "engine_failed"
+
+
+# What vLLM answers for each reason: the cause in vLLM that matches it.
+FAILURE_ANSWERS: Final[Mapping[FailureReason, FailureAnswer]] = {
+    FailureReason.INVALID_ARGUMENT: FailureAnswer.REFUSED,
+    FailureReason.CANNOT_CONNECT: FailureAnswer.ENGINE_FAILED,
+    FailureReason.CONNECTION_TIMEOUT: FailureAnswer.ENGINE_FAILED,
+    FailureReason.ENGINE_SHUTDOWN: FailureAnswer.ENGINE_FAILED,
+    FailureReason.CANCELLED: FailureAnswer.ABORT,
+    FailureReason.OVERLOADED: FailureAnswer.BUSY,
+    FailureReason.PROTOCOL_ERROR: FailureAnswer.ENGINE_FAILED,
+    FailureReason.UNKNOWN: FailureAnswer.ENGINE_FAILED,
+    FailureReason.NO_WORKER: FailureAnswer.ENGINE_FAILED,
+    # Our request deadline ends the request as vLLM's abort does.
+    FailureReason.DEADLINE: FailureAnswer.ABORT,
+}
+
 # vLLM checks admission before it starts a stream (serving's check_admission): a streamed
 # request it has no room for gets the same 503 JSON as a unary one, never a 200.
-REFUSED_BEFORE_STREAM: Final = frozenset({"OVERLOADED"})
+REFUSED_BEFORE_STREAM: Final = frozenset(
+    reason for reason, answer in FAILURE_ANSWERS.items() if answer is FailureAnswer.BUSY
+)
 
 _MAX_REPORTED: Final = 10
 _MAX_INPUT_CHARS: Final = 200
@@ -67,7 +103,7 @@ class VllmError:
         }
 
     def reply(self) -> HttpReply:
-        return HttpReply(int(self.code), _compact(self.body()))
+        return HttpReply(int(self.code), compact_json(self.body()))
 
     def sse_event(self) -> bytes:
         # vLLM writes this one event with json.dumps defaults: spaces, ASCII escapes.
@@ -115,7 +151,7 @@ def error_reply(status: int, message: str) -> HttpReply:
 
 
 def detail_reply(status: int, detail: str) -> HttpReply:
-    return HttpReply(status, _compact({"detail": detail}))
+    return HttpReply(status, compact_json({"detail": detail}))
 
 
 def _error_type(status: int) -> str:
@@ -178,7 +214,3 @@ def _summarise(value: object) -> object:
     except ValueError:  # an int past the interpreter's digit limit
         return f"<{type(value).__name__}>"
     return text[:_MAX_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_INPUT_CHARS else text
-
-
-def _compact(obj: object) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()

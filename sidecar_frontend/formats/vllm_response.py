@@ -14,29 +14,32 @@ SSE event (``{"error": …}`` with spaces, as vLLM writes it).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Final
+from typing import Final, assert_never
 
 from google.protobuf import struct_pb2
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.structs import JSON, StructError, json_from_struct, json_from_value
+from sidecar_common.logprob_floor import LOGPROB_FLOOR, clamp_logprob
+from sidecar_common.structs import JSON, StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm_errors import (
     DEAD_ENGINE_MESSAGE,
+    FAILURE_ANSWERS,
     OVERLOADED_MESSAGE,
+    FailureAnswer,
     VllmError,
 )
+from sidecar_frontend.formats.vllm_json import compact_json
 from sidecar_frontend.formats.vllm_request import VllmOptions
 
 __all__ = ["DONE", "VllmEncoder", "engine_param", "failure_error"]
 
 DONE: Final = b"data: [DONE]\n\n"
-LOGPROB_FLOOR: Final = -9999.0
 
 _FINISH: Final = {
     sidecar_pb2.LENGTH: "length",
@@ -46,15 +49,15 @@ _FINISH: Final = {
     # vLLM has no content filter; the nearest of its reasons is an ordinary stop.
     sidecar_pb2.CONTENT_FILTER: "stop",
 }
-# Reasons that end a request the way an abort does: the tokens so far stand.
-_ABORTING: Final = frozenset({"CANCELLED", "DEADLINE"})
 
 
 def failure_error(failure: WorkerFailure) -> VllmError | None:
-    """The vLLM error a failure reads as, or None when it reads as an abort."""
-    if failure.reason in _ABORTING:
+    """The vLLM error a failure reads as (``FAILURE_ANSWERS``), or None when it reads as an
+    abort."""
+    answer = FAILURE_ANSWERS[failure.reason]
+    if answer is FailureAnswer.ABORT:
         return None
-    if failure.reason == "INVALID_ARGUMENT":
+    if answer is FailureAnswer.REFUSED:
         # No error goes out without words, whatever the worker sent.
         message = failure.message or "the worker refused the request without a reason"
         if failure.not_found:
@@ -63,15 +66,17 @@ def failure_error(failure: WorkerFailure) -> VllmError | None:
             return VllmError(message, "NotFoundError", HTTPStatus.NOT_FOUND)
         param = engine_param(failure.message) if failure.from_engine else _vllm_param(failure.message)
         return VllmError(message, "BadRequestError", HTTPStatus.BAD_REQUEST, param)
-    if failure.reason == "OVERLOADED":
+    if answer is FailureAnswer.BUSY:
         # vLLM's admission refusals (a full request queue, a prefill backlog) each say their
         # own sentence: the engine's, when it came with one.
         message = failure.message if failure.from_engine and failure.message else OVERLOADED_MESSAGE
         return VllmError(message, HTTPStatus.SERVICE_UNAVAILABLE.phrase, HTTPStatus.SERVICE_UNAVAILABLE)
-    # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
-    # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
-    # error without words helps no client, so every 500 says this sentence.)
-    return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    if answer is FailureAnswer.ENGINE_FAILED:
+        # A dead or unreachable engine, a malformed answer, anything else: vLLM's answer to an
+        # engine failure. (vLLM itself sends an empty message for an EngineGenerateError; an
+        # error without words helps no client, so every 500 says this sentence.)
+        return VllmError(DEAD_ENGINE_MESSAGE, "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
+    assert_never(answer)
 
 
 # The sidecars' refusals start with the sidecar.v1 field ("stop_conditions.max_tokens: ...");
@@ -137,7 +142,7 @@ class _Choice:
     generated: int = 0  # tokens so far
     # Kept for the unary reply only: a stream sends them on and keeps just the count.
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, object]] = field(default_factory=list)
+    logprobs: list[str] = field(default_factory=list)  # each output's entries as JSON text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -156,7 +161,7 @@ class VllmEncoder:
         self._aborted = False
         self._prompt_logprobs: JSON = None
         self._kv_transfer_params: JSON = None
-        self._chunk_head = b'data: {"request_id":' + _compact(options.request_id) + b',"usage":'
+        self._chunk_head = b'data: {"request_id":' + compact_json(options.request_id) + b',"usage":'
 
     @property
     def aborted(self) -> bool:
@@ -173,8 +178,8 @@ class VllmEncoder:
         choice.generated += len(ids)
         if not self._o.stream:
             choice.token_ids.extend(ids)
-            if self._o.logprobs:
-                choice.logprobs.extend(_logprobs(output, ids))
+            if self._o.logprobs and ids:
+                choice.logprobs.append(_logprob_entries(output, ids))
         finish: str | None = None
         stop_reason: int | str | None = None
         if output.finish_reason != sidecar_pb2.UNSPECIFIED:
@@ -237,7 +242,7 @@ class VllmEncoder:
     def reply(self) -> HttpReply:
         if self._error is not None:
             return self._error.reply()
-        choices = [self._unary_choice(self._choices[i]) for i in sorted(self._choices)]
+        choices = b",".join(self._unary_choice(self._choices[i]) for i in sorted(self._choices))
         usage = self._usage(self._completion_tokens())
         usage["prompt_tokens_details"] = None
         usage["completion_tokens_details"] = None
@@ -254,9 +259,9 @@ class VllmEncoder:
             "kv_transfer_params": self._kv_transfer_params,
             "ec_transfer_params": None,
             "output_mode": "tokens",
-            "choices": choices,
         }
-        return HttpReply(HTTPStatus.OK, _compact(body))
+        # "choices" is the last key; the choices are written as a stream writes them.
+        return HttpReply(HTTPStatus.OK, compact_json(body)[:-1] + b',"choices":[' + choices + b"]}")
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -269,10 +274,10 @@ class VllmEncoder:
     def _observe_terminal(self, output: sidecar_pb2.LLMEngineOutput) -> None:
         if self._kv_transfer_params is None and output.HasField("disaggregated_params"):
             self._kv_transfer_params = _struct_json(output.disaggregated_params)
-        if self._prompt_logprobs is None and self._o.prompt_logprobs and output.HasField("engine_data"):
-            value = output.engine_data.fields.get("prompt_logprobs")
-            if value is not None:
-                self._prompt_logprobs = _prompt_logprobs(value, self._o.prompt)
+        if self._prompt_logprobs is None and self._o.prompt_logprobs:
+            positions = prompt_logprobs.of_output(output, self._o.prompt)
+            if positions is not None:
+                self._prompt_logprobs = _prompt_logprobs(positions, self._o.prompt)
 
     def _completion_tokens(self) -> int:
         return sum(c.generated for c in self._choices.values())
@@ -317,59 +322,40 @@ class VllmEncoder:
                 self._chunk_head,
                 usage,
                 prompt_ids,
-                b',"output_mode":"tokens","choices":[{"index":',
-                str(choice.index).encode(),
-                b',"finish_reason":',
-                b"null" if finish is None else _compact(finish),
-                b',"stop_reason":',
-                b"null" if stop_reason is None else _compact(stop_reason),
-                b',"token_ids":[',
-                _ints(ids),
-                b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
-                b"null" if logprobs is None else b'{"content":[' + logprobs.encode() + b"]}",
-                b"}]}\n\n",
+                b',"output_mode":"tokens","choices":[',
+                _choice_json(choice.index, finish, stop_reason, ids, logprobs),
+                b"]}\n\n",
             )
         )
 
-    def _unary_choice(self, choice: _Choice) -> dict[str, object]:
-        return {
-            "index": choice.index,
-            # vLLM's default when a choice ends without a reason.
-            "finish_reason": choice.finish_reason or "stop",
-            "stop_reason": choice.stop_reason,
-            "token_ids": choice.token_ids,
-            "routed_experts": None,
-            "sampling_mask": None,
-            "weight_versions": None,
-            "logprobs": {"content": choice.logprobs} if self._o.logprobs else None,
-        }
-
-
-def _logprobs(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> list[dict[str, object]]:
-    """vLLM's per-token entries: the sampled token, then every candidate the engine returned."""
-    entries: list[dict[str, object]] = []
-    for i, token in enumerate(ids):
-        tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
-        if i < len(output.log_probs):
-            value = _clamp(output.log_probs[i])
-        elif tops and tops[0].token_id == token:
-            value = _clamp(tops[0].logprob)
-        else:
-            # vLLM's sentinel for a position the engine gave no logprob for.
-            entries.append({"token_id": token, "logprob": LOGPROB_FLOOR, "rank": None, "top_logprobs": []})
-            continue
-        rank = next((_rank(t) for t in tops if t.token_id == token), None)
-        entries.append(
-            {
-                "token_id": token,
-                "logprob": value,
-                "rank": rank,
-                "top_logprobs": [
-                    {"token_id": t.token_id, "logprob": _clamp(t.logprob), "rank": _rank(t)} for t in tops
-                ],
-            }
+    def _unary_choice(self, choice: _Choice) -> bytes:
+        # vLLM's default finish reason when a choice ends without one is "stop".
+        logprobs = ",".join(choice.logprobs) if self._o.logprobs else None
+        return _choice_json(
+            choice.index, choice.finish_reason or "stop", choice.stop_reason, choice.token_ids, logprobs
         )
-    return entries
+
+
+def _choice_json(
+    index: int, finish: str | None, stop_reason: int | str | None, ids: Sequence[int], logprobs: str | None
+) -> bytes:
+    """One choice as vLLM writes it, in a stream chunk or a unary reply alike (keys in vLLM's
+    order); ``logprobs`` are its entries as JSON text, None when not asked for."""
+    return b"".join(
+        (
+            b'{"index":',
+            str(index).encode(),
+            b',"finish_reason":',
+            b"null" if finish is None else compact_json(finish),
+            b',"stop_reason":',
+            b"null" if stop_reason is None else compact_json(stop_reason),
+            b',"token_ids":[',
+            _ints(ids),
+            b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
+            b"null" if logprobs is None else b'{"content":[' + logprobs.encode() + b"]}",
+            b"}",
+        )
+    )
 
 
 def _join(first: str, then: str) -> str:
@@ -377,21 +363,23 @@ def _join(first: str, then: str) -> str:
 
 
 def _logprob_entries(output: sidecar_pb2.LLMEngineOutput, ids: Sequence[int]) -> str:
-    """:func:`_logprobs` as vLLM's compact JSON entries, comma-separated, written out directly
-    (a stream's per-token path)."""
+    """vLLM's per-token entries (the sampled token, then every candidate the engine returned)
+    as compact JSON, comma-separated, written out directly: a stream's per-token path, and the
+    pieces of a unary reply."""
     parts: list[str] = []
     for i, token in enumerate(ids):
         tops = output.top_logprobs[i].entries if i < len(output.top_logprobs) else ()
         if i < len(output.log_probs):
-            value = _clamp(output.log_probs[i])
+            value = clamp_logprob(output.log_probs[i])
         elif tops and tops[0].token_id == token:
-            value = _clamp(tops[0].logprob)
+            value = clamp_logprob(tops[0].logprob)
         else:
+            # vLLM's sentinel for a position the engine gave no logprob for.
             parts.append(f'{{"token_id":{token},"logprob":{LOGPROB_FLOOR!r},"rank":null,"top_logprobs":[]}}')
             continue
         rank = next((_rank(t) for t in tops if t.token_id == token), None)
         candidates = ",".join(
-            f'{{"token_id":{t.token_id},"logprob":{_clamp(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
+            f'{{"token_id":{t.token_id},"logprob":{clamp_logprob(t.logprob)!r},"rank":{_nullable_int(_rank(t))}}}'
             for t in tops
         )
         parts.append(
@@ -409,68 +397,36 @@ def _rank(entry: sidecar_pb2.TopLogprob) -> int | None:
     return entry.rank if entry.HasField("rank") and entry.rank else None
 
 
-def _clamp(value: float) -> float:
-    return LOGPROB_FLOOR if value != value or value < LOGPROB_FLOOR else value
-
-
-def _prompt_logprobs(value: struct_pb2.Value, prompt: Sequence[int]) -> JSON:
-    """The terminal's prompt logprobs as vLLM shapes them.
+def _prompt_logprobs(positions: Sequence[sidecar_pb2.TopLogprobs], prompt: Sequence[int]) -> JSON:
+    """The prompt logprobs as vLLM shapes them.
 
     One entry per prompt position: null, or ``{token id as text: {logprob, rank,
-    decoded_token}}`` with the prompt's own token first, then the candidates best first. A
-    Struct keeps no key order, so the order is rebuilt here from the prompt and the values.
+    decoded_token}}`` with the prompt's own token first, then the candidates best first (a
+    0.1 vLLM sidecar's Struct keeps no order, so the order is rebuilt here).
     """
-    try:
-        positions = json_from_value(value, "prompt_logprobs")
-    except StructError:
-        return None
-    if not isinstance(positions, list):
-        return None
     result: list[JSON] = []
     for index, position in enumerate(positions):
-        candidates = _prompt_candidates(position)
-        if candidates is None:
+        if not position.entries:
             result.append(None)
             continue
-        own = str(prompt[index]) if index < len(prompt) else None
-        candidates.sort(key=lambda item: (item[0] != own, -_as_float(item[1]["logprob"])))
+        own = prompt[index] if index < len(prompt) else None
+        ordered = sorted(position.entries, key=lambda e: (e.token_id != own, -clamp_logprob(e.logprob)))
         entry: dict[str, JSON] = {}
-        for token, candidate in candidates:
-            entry.setdefault(token, candidate)
+        for candidate in ordered:
+            entry.setdefault(
+                str(candidate.token_id),
+                {
+                    "logprob": clamp_logprob(candidate.logprob),
+                    "rank": _given_rank(candidate),
+                    "decoded_token": None,
+                },
+            )
         result.append(entry)
     return result
 
 
-def _prompt_candidates(position: JSON) -> list[tuple[str, dict[str, JSON]]] | None:
-    """One position's candidates, from either sidecar's shape.
-
-    The vLLM sidecar sends ``{"<id>": {"logprob": …}}``; the SGLang sidecar an ordered list
-    of ``{"token_id": id, "logprob": …}``. Null (no logprobs there) stays None.
-    """
-    if isinstance(position, dict):
-        return [(token, _prompt_candidate(c)) for token, c in position.items()]
-    if isinstance(position, list):
-        return [
-            (str(item["token_id"]), _prompt_candidate(item))
-            for item in position
-            if isinstance(item, dict) and isinstance(item.get("token_id"), int)
-        ]
-    return None
-
-
-def _prompt_candidate(candidate: JSON) -> dict[str, JSON]:
-    fields = candidate if isinstance(candidate, dict) else {}
-    logprob, rank = fields.get("logprob"), fields.get("rank")
-    number = float(logprob) if isinstance(logprob, int | float) and not isinstance(logprob, bool) else None
-    return {
-        "logprob": LOGPROB_FLOOR if number is None else _clamp(number),
-        "rank": rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-        "decoded_token": None,
-    }
-
-
-def _as_float(value: JSON) -> float:
-    return float(value) if isinstance(value, int | float) else LOGPROB_FLOOR
+def _given_rank(entry: sidecar_pb2.TopLogprob) -> int | None:
+    return entry.rank if entry.HasField("rank") else None
 
 
 def _struct_json(struct: struct_pb2.Struct) -> JSON:
@@ -496,9 +452,5 @@ def _list_or_none(ids: tuple[int, ...] | None) -> JSON:
     return None if ids is None else list(ids)
 
 
-def _compact(obj: object) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-
-
 def _event(obj: object) -> bytes:
-    return b"data: " + _compact(obj) + b"\n\n"
+    return b"data: " + compact_json(obj) + b"\n\n"

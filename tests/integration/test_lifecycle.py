@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,8 +23,9 @@ from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_server.dispatch import ChoiceTracker, Generation
-from sidecar_server.engine import EngineLoad, GenerateCall
+from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
 from sidecar_server.relay import RelayConfig, relay
 from sidecar_server.server import SidecarServer
 from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
@@ -276,10 +278,10 @@ class _BuggyEngine(FakeEngine):
             raise TypeError("'NoneType' object is not iterable")
         return await super().load()
 
-    async def healthy(self) -> bool:
+    async def health(self) -> EngineHealth:
         if self.broken == "health_watch":
             raise ZeroDivisionError("division by zero")
-        return await super().healthy()
+        return await super().health()
 
 
 def _internal_errors(h: Harness, where: str) -> float:
@@ -432,3 +434,47 @@ async def test_a_stop_during_the_first_write_still_ends_engine_shutdown_with_its
             assert engine.aborts == [engine.calls[0].private_id]
         finally:
             await channel.close(None)
+
+
+class _ProbeNeverAnswers(FakeEngine):
+    """Every health probe hangs until cancelled; ``probing`` is set once one is running."""
+
+    probing: anyio.Event | None = None
+
+    async def health(self) -> EngineHealth:
+        assert self.probing is not None
+        self.probing.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+def _server_tasks() -> set[asyncio.Task[Any]]:
+    return {t for t in asyncio.all_tasks() if t.get_name().startswith("sidecar server") and not t.done()}
+
+
+async def test_stopping_the_server_leaves_no_background_task_running() -> None:
+    # The health watch is inside a probe and a failed generation's probe after the engine
+    # fault is running too, neither of which would ever end by itself.
+    engine = _ProbeNeverAnswers(
+        scripts={"r": [SidecarError(ErrorReason.UNKNOWN, "Generate: boom (INTERNAL)")]}
+    )
+    engine.probing = anyio.Event()
+    async with servicer_running(
+        engine, health_watch_interval=0.01, health_probe_timeout=_FOREVER, engine_fault_window=_FOREVER
+    ) as h:
+        call = h.stub.Generate(request("r"))
+        with anyio.fail_after(10):
+            await engine.probing.wait()
+            while len(_server_tasks()) < 2:  # noqa: ASYNC110 - tasks, not an event
+                await anyio.sleep(0.01)
+        names = sorted(t.get_name() for t in _server_tasks())
+        assert names == ["sidecar server: health watch", "sidecar server: probe after engine fault"]
+        with anyio.fail_after(10):
+            await h.server.stop()
+        assert _server_tasks() == set()
+        # The failure stands as it was (no verdict came), and reaches its client.
+        _, err = await _read_until_error(call)
+        assert err.code() == grpc.StatusCode.UNKNOWN
+        # Stopped, the server starts nothing new.
+        h.server.set_serving()
+        assert _server_tasks() == set()

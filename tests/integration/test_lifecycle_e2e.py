@@ -27,7 +27,7 @@ from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_server.engine import Engine
 from sidecar_server.server import ServerConfig, SidecarServer
-from sidecar_sglang import http_engine
+from sidecar_sglang import http_transport
 from sidecar_vllm.engine import VllmEngine
 from tests.e2e_helpers import collect_until_error, public_request, tokens, until
 from tests.sglang_fixtures import adapter_for
@@ -108,7 +108,7 @@ async def test_a_delivered_stream_ends_ok_and_unaborted_whatever_stops_the_sidec
     kind: str, stop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The HTTP adapter's own wait for [DONE] must outlast the test's stop.
-    monkeypatch.setattr(http_engine, "_TRAILER_TIMEOUT", _FOREVER)
+    monkeypatch.setattr(http_transport, "_TRAILER_TIMEOUT", _FOREVER)
     async with _stack(kind, drain_timeout=0.05) as s:
         s.faults.add("-held", FaultPlan(FaultKind.HOLD_AFTER_TERMINAL))
         call = s.stub.Generate(public_request("held", max_tokens=4), timeout=30)

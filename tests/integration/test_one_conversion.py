@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_sglang import adapter as sglang_adapter
+from sidecar_sglang import engine as sglang_engine
 from sidecar_vllm import engine as vllm_engine
 from tests.e2e_helpers import collect, collect_until_error, private_ids, public_request
 from tests.sglang_fixtures import sglang_stack
@@ -46,7 +46,7 @@ async def test_vllm_converts_a_request_once(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 async def test_sglang_converts_a_request_once(monkeypatch: pytest.MonkeyPatch, transport: Any) -> None:
-    calls = count_calls(monkeypatch, sglang_adapter, "build_native")
+    calls = count_calls(monkeypatch, sglang_engine, "build_native")
     async with sglang_stack(transport) as s:
         outs = await collect(s.stub.Generate(public_request("one", max_tokens=3)))
         assert outs[-1].finish_reason == sidecar_pb2.LENGTH

@@ -4,6 +4,7 @@ with structs that mirror SGLang's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,6 +14,7 @@ import aiohttp
 import grpc
 import msgspec
 import pytest
+from testkit.faults import FaultKind, FaultPlan
 from testkit.kv_events import parse_kv_events_config
 from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
@@ -296,3 +298,30 @@ async def test_a_salted_prompts_pages_are_its_own_and_carry_the_salt(
     assert isinstance(event, SglangStored)
     assert event.cache_salt == "s1"
     assert event.token_ids == prompt
+
+
+async def test_flush_cache_publishes_all_blocks_cleared_and_is_refused_while_requests_run(
+    make_engine: Factory, subscribe: Callable[..., Subscriber]
+) -> None:
+    engine = await make_engine()
+    sub = subscribe(engine)
+    await joined(engine, sub, wire="http")
+    prompt = list(range(950, 956))
+    release = asyncio.Event()
+    engine.faults.add("held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=60, release=release))
+    held = asyncio.create_task(generate(engine, "http", "held", prompt))
+    url = f"http://127.0.0.1:{engine.http_port}/flush_cache"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        await sub.recv_live()  # its prompt's pages are cached: it runs
+        async with session.post(url) as resp:
+            busy = (resp.status, await resp.text())
+        release.set()
+        await held
+        async with session.get(url) as resp:
+            done = (resp.status, await resp.text())
+    seq = await sub.recv_live()
+    assert busy == (400, "Flush cache failed.\n")
+    assert done[0] == 200
+    assert done[1].startswith("Cache flushed.\n")
+    assert sub.batches[seq].events == [SglangCleared()]
+    assert await generate(engine, "http", "after", prompt) == 0

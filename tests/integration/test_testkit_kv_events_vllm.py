@@ -13,12 +13,14 @@ import grpc
 import msgspec
 import zmq
 import zmq.asyncio
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+from testkit.faults import FaultKind, FaultPlan
 from testkit.kv_events import parse_kv_events_config
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
-from tests.kv_events_mirror import Subscriber, VllmBatch, VllmRemoved, VllmStored
+from tests.kv_events_mirror import Subscriber, VllmBatch, VllmCleared, VllmRemoved, VllmStored
 
 Msgs = list[pb.GenerateResponse]
 
@@ -300,3 +302,46 @@ async def test_a_concrete_address_is_connected_to_so_a_binding_subscriber_receiv
     batch = msgspec.msgpack.decode(payload, type=VllmBatch)
     assert int.from_bytes(seq, "big") <= i  # batches sent before the subscription are lost
     assert isinstance(batch.events[0], VllmStored)
+
+
+async def test_each_data_parallel_rank_has_its_cache_and_publisher() -> None:
+    # Port 0 stays 0 for every rank in vLLM: each rank's socket gets its own free port.
+    async with serve(block_size=4, data_parallel_size=2) as (engine, stub, _):
+        rank0, rank1 = engine.kv_cache.publishers
+        assert rank1.endpoint != rank0.endpoint
+        sub = Subscriber(rank1.local_endpoint, rank1.local_replay_endpoint, "vllm")
+        try:
+
+            async def warm(i: int) -> None:
+                req = request(f"w{i}", prompt_of(5, base=100 * i), max_tokens=1)
+                req.data_parallel_rank = 1
+                _ = [m async for m in stub.Generate(req, timeout=30)]
+
+            seq = await sub.join(warm, lambda: rank1.next_seq - 1)
+        finally:
+            sub.close()
+        assert sub.batches[seq].data_parallel_rank == 1
+        assert rank0.next_seq == 0  # rank 0 published nothing
+        # Rank 0's cache never saw those prompts.
+        assert cached_counts(await generate(stub, "r0", prompt_of(5, base=0), max_tokens=1)) == {0}
+
+
+async def test_flush_cache_publishes_all_blocks_cleared_and_is_refused_while_requests_run() -> None:
+    async with serve(block_size=4) as (engine, stub, sub):
+        assert sub is not None
+        await joined(engine, stub, sub)
+        prompt = prompt_of(9, base=9000)
+        release = asyncio.Event()
+        engine.faults.add("held", FaultPlan(FaultKind.STALL_FIRST_TOKEN, stall_secs=60, release=release))
+        held = asyncio.create_task(generate(stub, "held", prompt, max_tokens=1))
+        await sub.recv_live()  # its prompt's blocks are cached: it runs
+        busy = await stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
+        release.set()
+        await held
+        done = await stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
+        seq = await sub.recv_live()
+        after = await generate(stub, "after", prompt, max_tokens=1)
+    assert not busy.success
+    assert done.success
+    assert sub.batches[seq].events == [VllmCleared()]
+    assert cached_counts(after) == {0}

@@ -392,17 +392,17 @@ async def test_messages_after_the_terminal_are_ignored() -> None:
 
 async def test_engine_dying_mid_stream_is_migratable_and_health_notices() -> None:
     async with vllm_stack(token_latency_ms=20) as s:
-        assert await s.adapter.healthy()
+        assert (await s.adapter.health()).healthy
         call = s.stub.Generate(public_request(max_tokens=1000), timeout=10)
         assert (await call.read()).token_ids
         await s.engine.die()
         _, err = await collect_until_error(call)
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert reason_of(err)[1] == "true"
-        assert not await s.adapter.healthy()
+        assert not (await s.adapter.health()).healthy
         await s.engine.start()
         with anyio.fail_after(10):
-            while not await s.adapter.healthy():  # noqa: ASYNC110 - a probe, not an event
+            while not (await s.adapter.health()).healthy:  # noqa: ASYNC110 - a probe, not an event
                 await asyncio.sleep(0.05)
 
 

@@ -33,7 +33,7 @@ from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.pool import ChannelPool, Deadline, SystemClock, retry_until_deadline
 from sidecar_server import systemd
 from sidecar_server.config import EngineSpec, SidecarConfig
-from sidecar_server.engine import Engine, EngineLoad, GenerateCall
+from sidecar_server.engine import HEALTHY, Engine, EngineHealth, EngineLoad, GenerateCall
 from tests.e2e_helpers import stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +99,8 @@ class FakeEngine:
     async def load(self) -> EngineLoad:
         return EngineLoad()
 
-    async def healthy(self) -> bool:
-        return True
+    async def health(self) -> EngineHealth:
+        return HEALTHY
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -913,12 +913,12 @@ _ENV_PREFIXES = {"sidecar-frontend": "SIDECAR_FRONTEND_", "sidecar frontend": "S
 
 
 def _console_scripts() -> list[str]:
-    # The testkit is its own distribution: its testkit-engine is declared in its own pyproject.
-    names: list[str] = []
+    """The console scripts of both distributions: llm-sidecars and the testkit's own."""
+    scripts: list[str] = []
     for pyproject in (ROOT / "pyproject.toml", ROOT / "testkit" / "pyproject.toml"):
-        with pyproject.open("rb") as f:
-            names.extend(tomllib.load(f)["project"]["scripts"])
-    return sorted(names)
+        with open(pyproject, "rb") as f:
+            scripts += tomllib.load(f)["project"]["scripts"]
+    return sorted(scripts)
 
 
 def _help(command: list[str]) -> str:

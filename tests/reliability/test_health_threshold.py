@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_server.engine import HEALTHY, EngineHealth
 from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import FakeEngine, Gate, Step, terminal, tokens
 from tests.reliability.harness import error_reason
@@ -43,7 +44,7 @@ class ScriptedHealth(FakeEngine):
     probes: int = 0
     parked: anyio.Event = field(default_factory=anyio.Event)
 
-    async def healthy(self) -> bool:
+    async def health(self) -> EngineHealth:
         if not self.answers:
             self.parked.set()
             await anyio.sleep_forever()
@@ -53,7 +54,7 @@ class ScriptedHealth(FakeEngine):
             raise TimeoutError("GET /health: no answer within 3s")
         if answer == "hang":
             await anyio.sleep_forever()
-        return answer == "ok"
+        return HEALTHY if answer == "ok" else EngineHealth.unhealthy("")
 
 
 @dataclass

@@ -191,6 +191,11 @@ def reference_merge(parts: list[Out]) -> Out:
             merged.engine_data.CopyFrom(p.engine_data)
         if p.HasField("disaggregated_params"):
             merged.disaggregated_params.CopyFrom(p.disaggregated_params)
+        if p.HasField("bootstrap_info"):
+            merged.bootstrap_info.CopyFrom(p.bootstrap_info)
+        if p.prompt_logprobs:
+            del merged.prompt_logprobs[:]
+            merged.prompt_logprobs.extend(p.prompt_logprobs)
     which = parts[-1].WhichOneof("stop_reason")
     if which == "stop_token_id":
         merged.stop_token_id = parts[-1].stop_token_id
@@ -218,6 +223,14 @@ def rich_parts(draw: st.DrawFn) -> list[Out]:
                 usage.cached_tokens = draw(st.integers(0, 9))
         if draw(st.booleans()):
             out.engine_data.update({draw(st.sampled_from("ab")): draw(st.integers(0, 9))})
+        if draw(st.booleans()):
+            info = out.bootstrap_info
+            info.bootstrap_host = draw(st.sampled_from(["", "p1", "p2"]))
+            info.bootstrap_room = draw(st.integers(0, 9))
+        for _ in range(draw(st.integers(0, 2))):
+            position = out.prompt_logprobs.add()
+            for token in draw(st.lists(st.integers(0, 9), max_size=2)):
+                position.entries.add(token_id=token, logprob=-float(token))
         if draw(st.booleans()):
             # A stop reason on a non-terminal part is not the merge's (only the terminal's is).
             if draw(st.booleans()):

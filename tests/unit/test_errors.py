@@ -9,6 +9,7 @@ from google.rpc import error_details_pb2
 
 from sidecar_common.errors import (
     ENGINE_NOT_FOUND,
+    SIDECAR_REASONS,
     EngineOrigin,
     ErrorReason,
     SidecarError,
@@ -58,7 +59,15 @@ REASON_TO_FRONTEND = {
 
 def test_the_tables_cover_every_status_code_and_every_reason() -> None:
     assert set(ENGINE_TO_REASON) == set(grpc.StatusCode)
-    assert set(REASON_TO_FRONTEND) == set(ErrorReason)
+    # Every reason but the frontend's own two, which no sidecar sends.
+    assert set(REASON_TO_FRONTEND) == set(ErrorReason) - {R.NO_WORKER, R.DEADLINE}
+    assert set(REASON_TO_FRONTEND) == SIDECAR_REASONS
+
+
+@pytest.mark.parametrize("reason", [R.NO_WORKER, R.DEADLINE])
+def test_the_frontends_own_reasons_have_no_sidecar_status(reason: ErrorReason) -> None:
+    with pytest.raises(ValueError, match="the frontend's own reason"):
+        to_rpc_status(SidecarError(reason, "m"))
 
 
 @pytest.mark.parametrize(("code", "reason"), list(ENGINE_TO_REASON.items()), ids=lambda v: str(v))

@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.rpc import NotHealthy, probe
+from sidecar_server.engine import EngineHealth
 from sidecar_server.health import FAILURE_THRESHOLD
 from sidecar_server.metrics import ABORT_OUTCOMES, Metrics
 from sidecar_server.server import ServerConfig, SidecarServer
@@ -269,7 +270,7 @@ async def test_engine_unhealthy_says_why() -> None:
         probed: anyio.Event | None = None
         probes: int = 0
 
-        async def healthy(self) -> bool:
+        async def health(self) -> EngineHealth:
             assert self.probed is not None
             # The watch acts on a probe before its next await: once the threshold's failures
             # were made, a waiter woken at the next probe sees the line.

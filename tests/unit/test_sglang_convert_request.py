@@ -11,14 +11,15 @@ from google.protobuf import json_format, struct_pb2
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_sglang.convert_request import (
     ROOM_MAX,
     Bootstrap,
     RequestSettings,
-    bootstrap_struct,
     build_native,
+    handoff_info,
     to_grpc,
     to_http_json,
 )
@@ -306,7 +307,7 @@ def test_prefill_result_ranges(params: dict[str, Any], named: str) -> None:
 @given(room=st.integers(min_value=0, max_value=ROOM_MAX), port=st.integers(0, 2**31 - 1))
 def test_handoff_round_trips_exactly(room: int, port: int) -> None:
     """The prefill terminal's params, passed back by the frontend, give decode the same triple."""
-    params = bootstrap_struct(Bootstrap("node-1", port, room))
+    params = bootstrap_handoff.to_struct(handoff_info(Bootstrap("node-1", port, room)))
     echoed = struct_pb2.Struct()
     echoed.MergeFromString(params.SerializeToString())
     decode = build_native(

@@ -10,9 +10,10 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import EngineOrigin, ErrorReason, SidecarError
-from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, bootstrap_struct
+from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, handoff_info
 from sidecar_sglang.convert_response import (
     NativeEvent,
     ResponseState,
@@ -235,7 +236,12 @@ def test_prompt_logprobs_come_once_with_the_first_output_after_the_engine_sent_t
     events = [ev([5], **PROMPT_META), ev([5, 6] if cumulative else [6], "length", **PROMPT_META)]
     outs = run(ResponseState(request, cumulative=cumulative), events)
     assert _prompt_rows(outs[0]) == [None, [2, 8]]
+    assert [[(e.token_id, e.logprob) for e in p.entries] for p in outs[0].prompt_logprobs] == [
+        [],
+        [(2, -0.5), (8, -0.3)],
+    ]
     assert not outs[-1].HasField("engine_data"), "once"
+    assert not outs[-1].prompt_logprobs, "once"
     assert not outs[0].log_probs  # output logprobs were not asked
 
 
@@ -258,8 +264,12 @@ def test_prefill_grpc_ignores_chunks_and_hands_off() -> None:
     (terminal,) = outs
     assert list(terminal.token_ids) == []
     assert (terminal.completion_usage.prompt_tokens, terminal.completion_usage.completion_tokens) == (4, 0)
-    assert terminal.disaggregated_params == bootstrap_struct(bootstrap)
-    assert state.handoff().disaggregated_params == bootstrap_struct(bootstrap)
+    triple = handoff_info(bootstrap)
+    assert terminal.bootstrap_info == triple
+    assert state.handoff().bootstrap_info == triple
+    # For 0.1 frontends, through 0.2.x: the same triple in the Struct they read.
+    assert terminal.disaggregated_params == bootstrap_handoff.to_struct(triple)
+    assert state.handoff().disaggregated_params == bootstrap_handoff.to_struct(triple)
     assert state.handoff().finish_reason == sidecar_pb2.UNSPECIFIED
 
 

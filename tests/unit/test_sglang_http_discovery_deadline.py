@@ -14,7 +14,7 @@ from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_server.config import SidecarConfig
-from sidecar_sglang.http_engine import SglangHttpEngine
+from sidecar_sglang.http_transport import over_http
 from tests.fakes_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
@@ -58,7 +58,7 @@ async def test_a_discovery_get_gets_only_what_is_left_of_the_startup_deadline(pa
     async with engine_that_hangs_on(path, clock) as port:
         retry = RetryPolicy(attempt_timeout=ATTEMPT_TIMEOUT, max_interval=0.1, initial_interval=0.02)
         pool = PoolConfig(parse_endpoint("127.0.0.1:1"), startup_deadline=STARTUP_DEADLINE, retry=retry)
-        engine = SglangHttpEngine(SidecarConfig(pool=pool), parse_endpoint(f"127.0.0.1:{port}"), clock=clock)
+        engine = over_http(SidecarConfig(pool=pool), parse_endpoint(f"127.0.0.1:{port}"), clock=clock)
         try:
             with pytest.raises(SidecarError) as caught:
                 await engine.start()

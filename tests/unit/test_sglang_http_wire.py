@@ -19,7 +19,8 @@ from sidecar_common.errors import ErrorReason, SidecarError
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_server.config import SidecarConfig
 from sidecar_server.engine import GenerateCall
-from sidecar_sglang.http_engine import SglangHttpEngine
+from sidecar_sglang.engine import SglangEngine
+from sidecar_sglang.http_transport import over_http
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -99,7 +100,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 @asynccontextmanager
-async def adapter(script: Script) -> AsyncIterator[SglangHttpEngine]:
+async def adapter(script: Script) -> AsyncIterator[SglangEngine]:
     runner = web.AppRunner(app_for(script))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -107,7 +108,7 @@ async def adapter(script: Script) -> AsyncIterator[SglangHttpEngine]:
     port = runner.addresses[0][1]
     retry = RetryPolicy(attempt_timeout=1.0, max_interval=0.1, initial_interval=0.02)
     pool = PoolConfig(parse_endpoint("127.0.0.1:1"), connections=2, startup_deadline=5.0, retry=retry)
-    engine = SglangHttpEngine(SidecarConfig(pool=pool), parse_endpoint(f"http://127.0.0.1:{port}"))
+    engine = over_http(SidecarConfig(pool=pool), parse_endpoint(f"http://127.0.0.1:{port}"))
     try:
         await engine.start()
         yield engine
@@ -120,7 +121,7 @@ def call(pid: str = "0123-req") -> GenerateCall:
     return GenerateCall(sidecar_pb2.PreprocessedRequest(request_id="req", token_ids=[1, 2]), pid)
 
 
-async def run(engine: SglangHttpEngine) -> tuple[list[sidecar_pb2.LLMEngineOutput], SidecarError | None]:
+async def run(engine: SglangEngine) -> tuple[list[sidecar_pb2.LLMEngineOutput], SidecarError | None]:
     outs: list[sidecar_pb2.LLMEngineOutput] = []
     try:
         async for out in engine.generate(call()):

@@ -229,3 +229,24 @@ def test_a_hit_is_the_longest_shared_run_of_full_blocks(
         shared += 1
     expected = min(shared // block_size, max(0, len(other) - 1) // block_size, len(tokens) // block_size)
     assert c.lookup(other) == expected * block_size
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 40000), max_size=40),
+    block_size=st.sampled_from([1, 3, 16]),
+    cut=st.integers(0, 40),
+    flavor=st.sampled_from(["vllm", "sglang"]),
+    salt=st.sampled_from([None, "s"]),
+)
+def test_a_chain_extended_later_equals_the_chain_hashed_at_once(
+    tokens: list[int], block_size: int, cut: int, flavor: Flavor, salt: str | None
+) -> None:
+    hasher = block_hasher(flavor)
+    extra = BlockExtra(cache_salt=salt)
+    whole = hasher(None, tokens, block_size, extra)
+    split = min(cut, len(whole)) * block_size
+    head = hasher(None, tokens[:split], block_size, extra)
+    tail = hasher(head[-1] if head else None, tokens[split:], block_size, extra)
+    assert head + tail == whole
+    assert len(whole) == len(tokens) // block_size

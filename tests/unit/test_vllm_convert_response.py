@@ -14,7 +14,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import ErrorReason, SidecarError
-from sidecar_vllm.convert import LOGPROB_FLOOR, ResponseState
+from sidecar_common.logprob_floor import LOGPROB_FLOOR
+from sidecar_vllm.convert import ResponseState
 from tests.vllm_fixtures import chunk, complete, output_logprobs, servicer_stream
 
 Out = sidecar_pb2.LLMEngineOutput
@@ -353,6 +354,18 @@ def test_prompt_logprobs_go_on_the_terminal_engine_data() -> None:
         {"11": {"logprob": -1.25}, "3": {"logprob": -0.5, "rank": 1}},
         {"12": {"logprob": LOGPROB_FLOOR}, "4": {"logprob": -0.75, "rank": 1}},
     ]
+
+
+def test_prompt_logprobs_go_on_the_terminal_typed_the_prompt_token_first() -> None:
+    msgs = [chunk([1], input_logprobs=prompt_lp()), chunk([2]), complete([2])]
+    outs, _ = run(msgs, prompt_logprobs=1)
+    assert all(not o.prompt_logprobs for o in outs[:-1])
+    positions = [
+        [(e.token_id, e.logprob, e.rank if e.HasField("rank") else None) for e in p.entries]
+        for p in outs[-1].prompt_logprobs
+    ]
+    # The prompt token's rank is unknown where no alternative is less likely than it.
+    assert positions == [[], [(11, -1.25, None), (3, -0.5, 1)], [(12, LOGPROB_FLOOR, None), (4, -0.75, 1)]]
 
 
 def test_prompt_logprobs_on_every_choice_terminal() -> None:

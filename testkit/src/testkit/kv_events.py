@@ -29,7 +29,7 @@ Facts learned from vLLM 0.34.0 (``vllm/distributed/kv_events.py``, ``vllm/config
   the buffer silently gets the oldest kept), then ``(identity, b"", b"", -1 as 8 signed
   big-endian bytes, b"")``. The buffer keeps the last ``buffer_steps`` batches.
 
-The block hashes here are the testkit's own (a sha256 chain, truncated), as the engines' are
+The block hashes here are the testkit's own (a blake2b chain seeded per engine), as the engines' are
 their own: a consumer must key blocks by their token ids, never by these.
 """
 
@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from testkit.prefix_cache import BlockExtra, BlockHasher, CacheEvent, Cleared, Removed, Stored
+from testkit.prefix_cache import BlockExtra, CacheEvent, ChainHasher, Cleared, Removed, Stored
 
 __all__ = [
     "END_SEQ",
@@ -210,30 +210,44 @@ def sglang_kv_events_descriptor(
 
 
 # -- block hashes -----------------------------------------------------------------------
-def _digest(tag: bytes, parent: int | None, tokens: Sequence[int], extra: BlockExtra) -> bytes:
-    h = hashlib.sha256(tag)
-    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "big", signed=parent < 0))
-    h.update(array("q", tokens).tobytes())
+def _extra_bytes(extra: BlockExtra) -> bytes:
+    out = b""
     for part in (extra.lora_name, extra.cache_salt):
         if part is None:
-            h.update(b"\x00")
+            out += b"\x00"
         else:
             encoded = part.encode()
-            h.update(b"\x01" + len(encoded).to_bytes(8, "big") + encoded)
-    return h.digest()
+            out += b"\x01" + len(encoded).to_bytes(8, "big") + encoded
+    return out
 
 
-def _vllm_hash(parent: int | None, tokens: Sequence[int], extra: BlockExtra) -> int:
-    return int.from_bytes(_digest(b"testkit-vllm-block", parent, tokens, extra)[:8], "big")
+def _chain(tag: bytes, signed: bool) -> ChainHasher:
+    """A chain of 8-byte blake2b digests over (parent, the block's tokens, extra); a first
+    block's parent is a seed made of ``tag`` (0x00-prefixed: never a 0x01-prefixed digest)."""
+    seed = b"\x00" + hashlib.blake2b(tag, digest_size=8).digest()
+
+    def chain(parent: int | None, tokens: Sequence[int], block_size: int, extra: BlockExtra) -> list[int]:
+        raw = array("q", tokens).tobytes()
+        tail = _extra_bytes(extra)
+        step = 8 * block_size
+        prev = seed if parent is None else b"\x01" + parent.to_bytes(8, "big", signed=signed)
+        out: list[int] = []
+        for start in range(0, len(raw) - step + 1, step):
+            digest = hashlib.blake2b(prev + raw[start : start + step] + tail, digest_size=8).digest()
+            out.append(int.from_bytes(digest, "big", signed=signed))
+            prev = b"\x01" + digest
+        return out
+
+    return chain
 
 
-def _sglang_hash(parent: int | None, tokens: Sequence[int], extra: BlockExtra) -> int:
-    return int.from_bytes(_digest(b"testkit-sglang-page", parent, tokens, extra)[:8], "big", signed=True)
+_VLLM_CHAIN = _chain(b"testkit-vllm-block", signed=False)
+_SGLANG_CHAIN = _chain(b"testkit-sglang-page", signed=True)
 
 
-def block_hasher(flavor: Flavor) -> BlockHasher:
-    """The engine's block hash: unsigned 64-bit for vLLM, signed int64 for SGLang."""
-    return _vllm_hash if flavor == "vllm" else _sglang_hash
+def block_hasher(flavor: Flavor) -> ChainHasher:
+    """The engine's block hashes: unsigned 64-bit for vLLM, signed int64 for SGLang."""
+    return _VLLM_CHAIN if flavor == "vllm" else _SGLANG_CHAIN
 
 
 # -- vLLM's structs ---------------------------------------------------------------------

@@ -230,6 +230,16 @@ class EngineKvCache:
             first.config, first.endpoint, first.replay_endpoint, self.caches[0].block_size, len(self.caches)
         )
 
+    def flush(self) -> bool:
+        """The engines' cache reset (vLLM's FlushCache, SGLang's /flush_cache): refused (False)
+        while a request holds blocks; else every block goes and each rank publishes
+        ``AllBlocksCleared``."""
+        if self._requests:
+            return False
+        for rank, cache in enumerate(self.caches):
+            self._publish(rank, cache.reset())
+        return True
+
     def drop_next_batch(self, rank: int = 0) -> None:
         if self.publishers:
             self.publishers[rank].drop_next_batch()

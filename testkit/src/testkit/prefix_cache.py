@@ -20,8 +20,9 @@ Capacity is a number of blocks. A block to store when the cache is full evicts t
 recently used unreferenced block that no cached block extends (a leaf: the cached set stays
 closed under prefixes, as a radix tree's is); with nothing evictable the remaining blocks of
 that request are not cached (the request still runs: the testkit simulates the cache, not the
-memory). Blocks freed by a request are queued tail first, so a prefix outlives its extensions
-(vLLM frees a request's blocks in reverse order for the same reason).
+memory). A request's blocks are released tail first (its last block becomes the least
+recently used), so a prefix outlives its extensions (vLLM frees a request's blocks in reverse
+order for the same reason).
 
 Events are engine-neutral here (``Stored``, ``Removed``, ``Cleared``); ``kv_events`` renders
 them as each engine's structs. Replaying them reproduces ``cached_hashes()``.
@@ -29,15 +30,15 @@ them as each engine's structs. Replaying them reproduces ``cached_hashes()``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = [
     "NO_EXTRA",
     "BlockExtra",
-    "BlockHasher",
     "CacheEvent",
+    "ChainHasher",
     "Cleared",
     "PrefixCache",
     "Removed",
@@ -55,8 +56,9 @@ class BlockExtra:
 
 NO_EXTRA = BlockExtra()
 
-# (parent block hash or None for a first block, the block's tokens, extra) -> the block's hash
-BlockHasher = Callable[[int | None, Sequence[int], BlockExtra], int]
+# (parent block hash or None, tokens, block size, extra) -> the hashes of the tokens' full
+# blocks, the first extending the parent, each next one the one before.
+ChainHasher = Callable[[int | None, Sequence[int], int, BlockExtra], list[int]]
 
 
 @dataclass(frozen=True)
@@ -93,21 +95,24 @@ class _Block:
     parent: int | None
     refs: int = 0
     children: int = 0
+    last_use: int = 0  # when its last reference went (the LRU order)
 
 
 @dataclass
 class _Holding:
-    """One request's blocks, in prompt order, and what names them."""
+    """One request: the hashes of its tokens' full blocks so far (``chain``, cached or not)
+    and the cached ones it references (a prefix of the chain)."""
 
     extra: BlockExtra
-    hashes: list[int] = field(default_factory=list)
-    # The blocks of the prompt past the cached ones that could not be cached (cache full of
-    # referenced blocks): nothing after them is cached for this request either.
+    chain: list[int]
+    held: int = 0
+    # Set when a block could not be cached (the cache full of referenced blocks): nothing
+    # after it is cached for this request either.
     stopped: bool = False
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, capacity_blocks: int, hasher: BlockHasher) -> None:
+    def __init__(self, block_size: int, capacity_blocks: int, hasher: ChainHasher) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if capacity_blocks < 0:
@@ -116,8 +121,10 @@ class PrefixCache:
         self.capacity_blocks = capacity_blocks
         self._hasher = hasher
         self._blocks: dict[int, _Block] = {}
-        # Unreferenced blocks, least recently used first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Unreferenced leaves by (last use, hash), least recent first; entries whose block has
+        # changed since are skipped when popped.
+        self._leaves: list[tuple[int, int]] = []
+        self._clock = 0
         self._owners: dict[str, _Holding] = {}
 
     # -- reading --------------------------------------------------------------------------
@@ -135,62 +142,54 @@ class PrefixCache:
 
     def chain(self, tokens: Sequence[int], extra: BlockExtra = NO_EXTRA) -> list[int]:
         """The hashes of ``tokens``' full blocks, cached or not."""
-        bs, parent, out = self.block_size, None, []
-        for start in range(0, len(tokens) - bs + 1, bs):
-            parent = self._hasher(parent, tokens[start : start + bs], extra)
-            out.append(parent)
-        return out
+        return self._hasher(None, tokens, self.block_size, extra)
 
     def lookup(self, tokens: Sequence[int], extra: BlockExtra = NO_EXTRA) -> int:
         """The tokens ``begin`` would report cached, changing nothing."""
-        return len(self._match(tokens, extra)) * self.block_size
+        return self._matched(tokens, self.chain(tokens, extra)) * self.block_size
 
-    def _match(self, tokens: Sequence[int], extra: BlockExtra) -> list[int]:
-        bs = self.block_size
-        usable = max(0, len(tokens) - 1) // bs  # the last token is always computed
-        parent: int | None = None
-        matched: list[int] = []
-        for i in range(usable):
-            h = self._hasher(parent, tokens[i * bs : (i + 1) * bs], extra)
-            if h not in self._blocks:
-                break
-            matched.append(h)
-            parent = h
-        return matched
+    def _matched(self, tokens: Sequence[int], chain: list[int]) -> int:
+        """How many blocks of ``chain`` are cached, from the first on (the last token of
+        ``tokens`` always computed)."""
+        usable = min(len(chain), max(0, len(tokens) - 1) // self.block_size)
+        n = 0
+        while n < usable and chain[n] in self._blocks:
+            n += 1
+        return n
 
     # -- a request's life -----------------------------------------------------------------
     def begin(self, owner: str, tokens: Sequence[int], extra: BlockExtra = NO_EXTRA) -> int:
         """Reference the cached prefix of ``tokens`` for ``owner``; its length in tokens."""
         if owner in self._owners:
             raise ValueError(f"{owner!r} already holds blocks")
-        matched = self._match(tokens, extra)
-        for h in matched:
-            self._ref(h)
-        self._owners[owner] = _Holding(extra, matched)
-        return len(matched) * self.block_size
+        chain = self.chain(tokens, extra)
+        matched = self._matched(tokens, chain)
+        for h in chain[:matched]:
+            self._blocks[h].refs += 1
+        self._owners[owner] = _Holding(extra, chain, matched)
+        return matched * self.block_size
 
     def store(self, owner: str, tokens: Sequence[int]) -> list[CacheEvent]:
-        """Cache ``owner``'s full blocks of ``tokens`` (computed now) past those it holds."""
+        """Cache ``owner``'s full blocks of ``tokens`` (computed now; they extend the tokens it
+        began with) past those it holds."""
         holding = self._owners[owner]
         bs = self.block_size
         total = len(tokens) // bs
-        held = len(holding.hashes)
-        if holding.stopped or total <= held:
+        if total > len(holding.chain):
+            known = len(holding.chain)
+            parent = holding.chain[-1] if holding.chain else None
+            holding.chain += self._hasher(parent, tokens[known * bs : total * bs], bs, holding.extra)
+        if holding.stopped or total <= holding.held:
             return []
-        parent = holding.hashes[-1] if holding.hashes else None
-        new: list[tuple[int, tuple[int, ...]]] = []
-        for i in range(held, total):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = self._hasher(parent, block_tokens, holding.extra)
-            new.append((parent, block_tokens))
-        events: list[CacheEvent] = []
+        wanted = holding.chain[holding.held : total]
         # A block another request stored meanwhile is reused, not stored again.
         reused = 0
-        while reused < len(new) and new[reused][0] in self._blocks:
-            self._ref(new[reused][0])
-            holding.hashes.append(new[reused][0])
+        while reused < len(wanted) and wanted[reused] in self._blocks:
+            self._blocks[wanted[reused]].refs += 1
             reused += 1
-        new = new[reused:]
+        holding.held += reused
+        new = wanted[reused:]
+        events: list[CacheEvent] = []
         room = self.capacity_blocks - len(self._blocks)
         evicted = self._evict(len(new) - room) if len(new) > room else []
         if evicted:
@@ -200,67 +199,70 @@ class PrefixCache:
             holding.stopped = True
             new = new[: max(0, room)]
         if new:
-            first_index = len(holding.hashes)
-            parent_hash = holding.hashes[-1] if holding.hashes else None
-            for h, _ in new:
-                parent_of_h = holding.hashes[-1] if holding.hashes else None
-                if parent_of_h is not None:
-                    self._blocks[parent_of_h].children += 1
-                self._blocks[h] = _Block(parent=parent_of_h, refs=1)
-                holding.hashes.append(h)
+            first = holding.held
+            parent_hash = holding.chain[first - 1] if first else None
+            parent = parent_hash
+            for h in new:
+                if parent is not None:
+                    self._blocks[parent].children += 1
+                self._blocks[h] = _Block(parent=parent, refs=1)
+                parent = h
+            holding.held += len(new)
             events.append(
                 Stored(
-                    block_hashes=tuple(h for h, _ in new),
+                    block_hashes=tuple(new),
                     parent_hash=parent_hash,
-                    token_ids=tuple(t for _, toks in new for t in toks),
+                    token_ids=tuple(tokens[first * bs : holding.held * bs]),
                     block_size=bs,
                     extra=holding.extra,
-                    first_block_index=first_index,
+                    first_block_index=first,
                 )
             )
         return events
 
     def end(self, owner: str) -> None:
-        """Drop ``owner``'s references (tail first: its last block is evicted first)."""
+        """Drop ``owner``'s references, tail first (its last block is the least recently used)."""
         holding = self._owners.pop(owner, None)
         if holding is None:
             return
-        for h in reversed(holding.hashes):
+        for h in reversed(holding.chain[: holding.held]):
             block = self._blocks.get(h)
             if block is None:
                 continue
             block.refs -= 1
             if block.refs == 0:
-                self._evictable[h] = None
-                self._evictable.move_to_end(h)
+                self._clock += 1
+                block.last_use = self._clock
+                if block.children == 0:
+                    heapq.heappush(self._leaves, (block.last_use, h))
 
     def reset(self) -> list[CacheEvent]:
         """Forget every block (an engine restart or a cache reset). Requests still running
         keep running; their later ``store`` caches their blocks afresh from the first."""
         self._blocks.clear()
-        self._evictable.clear()
+        self._leaves.clear()
         for holding in self._owners.values():
-            holding.hashes.clear()
+            holding.held = 0
             holding.stopped = False
         return [Cleared()]
 
     # -- internals ------------------------------------------------------------------------
-    def _ref(self, h: int) -> None:
-        block = self._blocks[h]
-        if block.refs == 0:
-            self._evictable.pop(h, None)
-        block.refs += 1
-
     def _evict(self, count: int) -> list[int]:
         """Evict up to ``count`` unreferenced leaves, least recently used first."""
         evicted: list[int] = []
-        while len(evicted) < count:
-            victim = next((h for h in self._evictable if self._blocks[h].children == 0), None)
-            if victim is None:
-                break
-            del self._evictable[victim]
-            block = self._blocks.pop(victim)
-            if block.parent is not None:
-                self._blocks[block.parent].children -= 1
+        while len(evicted) < count and self._leaves:
+            last_use, victim = heapq.heappop(self._leaves)
+            block = self._blocks.get(victim)
+            if block is None or block.refs or block.children or block.last_use != last_use:
+                continue  # changed since it was queued
+            del self._blocks[victim]
             evicted.append(victim)
+            if block.parent is not None:
+                parent = self._blocks[block.parent]
+                parent.children -= 1
+                if parent.children == 0 and parent.refs == 0:
+                    heapq.heappush(self._leaves, (parent.last_use, block.parent))
+        if len(self._leaves) > 2 * len(self._blocks) + 64:
+            self._leaves = [(b.last_use, h) for h, b in self._blocks.items() if not b.refs and not b.children]
+            heapq.heapify(self._leaves)
         return evicted

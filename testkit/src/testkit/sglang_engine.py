@@ -470,6 +470,10 @@ class SglangTestEngine:
         elif plan.kind is FaultKind.RESTART_KV_PUBLISHER:
             await self.kv_cache.restart()
 
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: refused while requests run; else ``AllBlocksCleared``."""
+        return self.kv_cache.flush()
+
     # -- what the info endpoints report -------------------------------------------------
     def server_info(self, *, http: bool) -> dict[str, Any]:
         return server_info(

@@ -23,7 +23,7 @@ from grpc_health.v1._async import HealthServicer
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
 from sidecar_common.endpoint import format_host_port
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Outcome
 from testkit.sglang_core import (
     Bootstrap,

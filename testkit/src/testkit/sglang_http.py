@@ -252,6 +252,7 @@ class SglangHttpServer:
             r.add_get(path, self._model_info)
         r.add_get("/v1/models", self._models)
         r.add_get("/v1/loads", self._loads)
+        r.add_route("*", "/flush_cache", self._flush_cache)
         # Not SGLang's: the testkit's own control surface for out-of-process tests.
         r.add_get("/testkit/state", self._state)
         r.add_post("/testkit/faults", self._add_fault)
@@ -433,6 +434,18 @@ class SglangHttpServer:
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self._engine.server_info(http=True))
+
+    async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
+        # SGLang's texts (GET or POST; 400 while requests run or wait).
+        if request.method not in ("GET", "POST"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+        if self._engine.flush_cache():
+            text = (
+                "Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+            return web.Response(text=text)
+        return web.Response(status=400, text="Flush cache failed.\n")
 
     async def _model_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self._engine.model_info(http=True))

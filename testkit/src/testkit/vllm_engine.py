@@ -67,11 +67,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from sidecar_common.endpoint import format_host_port
-from sidecar_common.limits import GRPC_MAX_MESSAGE_BYTES
+from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, prompt_logprobs
@@ -254,6 +255,18 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if self._core_dead.is_set():
             return pb.HealthCheckResponse(healthy=False, message=ENGINE_NOT_ALIVE)
         return pb.HealthCheckResponse(healthy=True, message="Health")
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: Any
+    ) -> common_pb2.FlushCacheResponse:
+        """vLLM's prefix cache reset: refused while requests hold blocks (vLLM's
+        ``reset_prefix_cache`` fails then too; the wording is the testkit's), else the cache is
+        emptied and ``AllBlocksCleared`` published. ``timeout_s`` is not waited for."""
+        if not self.kv_cache.flush():
+            return common_pb2.FlushCacheResponse(
+                success=False, message="cannot reset the prefix cache: requests are running"
+            )
+        return common_pb2.FlushCacheResponse(success=True, message="prefix cache reset")
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.GetModelInfoResponse:
         c = self.config

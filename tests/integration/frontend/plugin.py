@@ -73,12 +73,12 @@ class ProbeEncoder:
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
     def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:
-        self.errors[index] = failure.reason
+        self.errors[index] = failure.reason.value
         if self.fatal:
             self._aborted = True
         if not self.stream:
             return b""
-        event = {"i": index, "error": failure.reason, "message": failure.message}
+        event = {"i": index, "error": failure.reason.value, "message": failure.message}
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
     def close(self) -> bytes:

@@ -17,7 +17,9 @@ from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import SamplingSpec, generate, prompt_logprobs
 from testkit.sglang_core import CHOSEN_WIDTH, chosen_row
 
+from sidecar_frontend.formats.base import Format
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
+from sidecar_frontend.formats.sglang import SglangFormat
 from sidecar_frontend.handler import HandlerConfig
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events
 from tests.sglang_fixtures import sglang_stack
@@ -31,7 +33,7 @@ SGLANG_WORKERS = ["sglang-grpc", "sglang-http"]
 
 @asynccontextmanager
 async def over(
-    worker: str, config: HandlerConfig | None = None, **engine_config: Any
+    worker: str, config: HandlerConfig | None = None, fmt: Format = SGLANG, **engine_config: Any
 ) -> AsyncIterator[tuple[FrontendStack, Any]]:
     """The frontend (SGLang's format) over one sidecar: ``vllm``, ``sglang-grpc`` or ``sglang-http``."""
     if worker == "vllm":
@@ -40,9 +42,7 @@ async def over(
         stack_cm = sglang_stack(worker.removeprefix("sglang-"), **engine_config)  # type: ignore[arg-type]
     async with (
         stack_cm as sidecar,
-        frontend_over(
-            [f"127.0.0.1:{sidecar.server.port}"], [sidecar], formats=(SGLANG,), config=config
-        ) as fe,
+        frontend_over([f"127.0.0.1:{sidecar.server.port}"], [sidecar], formats=(fmt,), config=config) as fe,
     ):
         yield fe, sidecar
 
@@ -133,8 +133,8 @@ async def test_max_new_tokens_0_on_a_vllm_worker_is_refused_in_vllms_words() -> 
 async def test_a_stream_has_the_input_logprobs_from_its_first_event(worker: str, incremental: bool) -> None:
     # SGLang's tokenizer manager adds the prompt's logprobs to every event once prefill is done,
     # the first event included (incremental streaming cuts only the output lists).
-    config = HandlerConfig(sglang_incremental_streaming_output=incremental)
-    async with over(worker, config, incremental=incremental, token_latency_ms=20) as (fe, sidecar):
+    fmt = SglangFormat(incremental_streaming_output=incremental)
+    async with over(worker, fmt=fmt, incremental=incremental, token_latency_ms=20) as (fe, sidecar):
         body = {
             "input_ids": PROMPT,
             "sampling_params": {"max_new_tokens": 4},

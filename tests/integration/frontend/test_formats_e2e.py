@@ -6,14 +6,16 @@ round trip, refusals) are the plugins' unit tests; here: that they hold over the
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 from testkit.faults import FaultKind, FaultPlan
 
+from sidecar_frontend.formats.base import Format
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
+from sidecar_frontend.formats.sglang import SglangFormat
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
 from tests.e2e_helpers import until
@@ -29,7 +31,10 @@ FORMATS = (SGLANG, VLLM)
 
 @asynccontextmanager
 async def over(
-    engine: str, config: HandlerConfig | None = None, **engine_config: Any
+    engine: str,
+    config: HandlerConfig | None = None,
+    formats: Sequence[Format] = FORMATS,
+    **engine_config: Any,
 ) -> AsyncIterator[FrontendStack]:
     """The frontend (both formats) over one sidecar: ``vllm``, ``sglang-grpc`` or ``sglang-http``."""
     if engine == "vllm":
@@ -38,7 +43,7 @@ async def over(
         stack_cm = sglang_stack(engine.removeprefix("sglang-"), **engine_config)  # type: ignore[arg-type]
     async with (
         stack_cm as sidecar,
-        frontend_over([f"127.0.0.1:{sidecar.server.port}"], [sidecar], formats=FORMATS, config=config) as fe,
+        frontend_over([f"127.0.0.1:{sidecar.server.port}"], [sidecar], formats=formats, config=config) as fe,
     ):
         yield fe
 
@@ -71,7 +76,8 @@ async def test_sglang_unary_equals_the_last_cumulative_stream_event(engine: str)
 
 
 async def test_sglang_incremental_streaming_sends_only_new_tokens() -> None:
-    async with over("vllm", HandlerConfig(sglang_incremental_streaming_output=True)) as fe:
+    incremental = SglangFormat(incremental_streaming_output=True)
+    async with over("vllm", formats=(incremental, VLLM)) as fe:
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "stream": True}
         events = [json.loads(e) for e in (await events_of(fe, "/generate", body))[:-1]]
         assert sum(len(e["output_ids"]) for e in events) == 6

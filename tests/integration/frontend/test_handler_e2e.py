@@ -15,6 +15,7 @@ from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import SamplingSpec, generate
 
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
 from sidecar_frontend.metrics import Metrics
@@ -176,7 +177,9 @@ async def test_stop_all_ends_in_flight_requests_with_the_given_failure() -> None
         body = {"ids": PROMPT, "max": 300, "rid": "late", "stream": True}
         async with fe.http.post(fe.url + "/t/generate", json=body) as response:
             assert (await response.content.readline()).startswith(b"data: ")
-            fe.frontend.stop_all(WorkerFailure("ENGINE_SHUTDOWN", "the frontend is shutting down"))
+            fe.frontend.stop_all(
+                WorkerFailure(FailureReason.ENGINE_SHUTDOWN, "the frontend is shutting down")
+            )
             events = await sse_events(response)
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"] == "ENGINE_SHUTDOWN"

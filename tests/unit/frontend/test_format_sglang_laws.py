@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import GenerateCall, HttpReply, WorkerFailure
 from sidecar_frontend.formats.sglang import ABORT, FORMAT
 from tests.unit.frontend.test_format_sglang_support import (
@@ -88,7 +89,7 @@ def output_runs(draw: st.DrawFn, fields: dict[str, Any]) -> list[sidecar_pb2.LLM
     for tokens in deltas:
         steps.append(chunk(tokens))
     if draw(st.booleans()):
-        steps.append(WorkerFailure(draw(st.sampled_from(FOLDABLE_FAILURES)), "stopped"))
+        steps.append(WorkerFailure(FailureReason(draw(st.sampled_from(FOLDABLE_FAILURES))), "stopped"))
         return steps
     final = chunk(draw(st.lists(TOKENS, max_size=2)), draw(st.sampled_from(TERMINALS)))
     prompt = fields["input_ids"]
@@ -111,7 +112,7 @@ def output_runs(draw: st.DrawFn, fields: dict[str, Any]) -> list[sidecar_pb2.LLM
 def run(
     fields: dict[str, Any], steps: list[Any], *, stream: bool, incremental: bool = False
 ) -> tuple[list[Any], Any]:
-    call = accepted({**fields, "stream": stream}, context(incremental=incremental))
+    call = accepted({**fields, "stream": stream}, incremental=incremental)
     timed = [(0, step, STARTED_AT + 0.25 * (k + 1)) for k, step in enumerate(steps)]
     written, reply = drive(call, timed)
     if stream:

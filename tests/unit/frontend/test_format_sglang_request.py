@@ -221,7 +221,7 @@ def test_stream_and_return_prompt_token_ids_are_response_options() -> None:
 
 
 def test_incremental_streaming_follows_the_context() -> None:
-    assert options(accepted(request(), context(incremental=True))).incremental
+    assert options(accepted(request(), incremental=True)).incremental
     assert not options(accepted(request())).incremental
 
 

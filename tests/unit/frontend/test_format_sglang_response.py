@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc.aio import AioRpcError, Metadata
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason, decode_rpc_error
 from sidecar_frontend.formats.base import AbortCall, HttpReply, Route, RouteKind, WorkerFailure
-from sidecar_frontend.formats.sglang import ABORT, FORMAT
+from sidecar_frontend.formats.sglang import ABORT, FORMAT, SglangFormat
 from tests.unit.frontend.test_format_sglang_support import (
     STARTED_AT,
     WALL_TIME,
@@ -49,9 +54,12 @@ def unary(
 
 
 def streamed(
-    fields: dict[str, Any], *outputs: sidecar_pb2.LLMEngineOutput | WorkerFailure, ctx: Any = None
+    fields: dict[str, Any],
+    *outputs: sidecar_pb2.LLMEngineOutput | WorkerFailure,
+    ctx: Any = None,
+    incremental: bool = False,
 ) -> list[Any]:
-    call = accepted({"input_ids": PROMPT, "stream": True, **fields}, ctx)
+    call = accepted({"input_ids": PROMPT, "stream": True, **fields}, ctx, incremental=incremental)
     written, _ = drive(call, [(0, o, STARTED_AT + 0.5 * (k + 1)) for k, o in enumerate(outputs)])
     return sse_events(written)
 
@@ -174,12 +182,24 @@ UNARY_FAILURES: list[tuple[str, int, dict[str, Any]]] = [
 ]
 
 
+def as_read(reason: str) -> FailureReason:
+    """The reason a frontend reads from a sidecar's ErrorInfo naming ``reason`` (a reason it
+    does not know reads as UNKNOWN)."""
+    info = error_details_pb2.ErrorInfo(reason=reason, domain="sidecar", metadata={"migratable": "false"})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=2, message="bad", details=[detail])
+    trailing = Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    error = AioRpcError(grpc.StatusCode.UNKNOWN, Metadata(), trailing, "bad", None)
+    return decode_rpc_error(error).reason
+
+
 @pytest.mark.parametrize(("reason", "status", "expected"), UNARY_FAILURES)
 def test_unary_failures_end_the_response_with_sglangs_error(reason: str, status: int, expected: Any) -> None:
     call = accepted({"input_ids": [[1], [2]]})
     encoder = FORMAT.new_encoder(call, STARTED_AT)
     assert encoder.on_output(1, out([9], sidecar_pb2.LENGTH), 101.0) == b""
-    assert encoder.on_failure(0, WorkerFailure(reason, "bad"), 101.5) == b""
+    assert encoder.on_failure(0, WorkerFailure(as_read(reason), "bad"), 101.5) == b""
     assert encoder.aborted
     reply = encoder.reply()
     assert reply.status == status
@@ -189,7 +209,9 @@ def test_unary_failures_end_the_response_with_sglangs_error(reason: str, status:
 # SGLang refuses an adapter it does not have with a ValueError (the tokenizer manager's "Got
 # LoRA adapter that has never been loaded: …"), a 400 like any refusal: an engine's NOT_FOUND
 # (vLLM's, through an SGLang-format frontend) is the same 400 in the engine's words.
-NOT_FOUND = WorkerFailure("INVALID_ARGUMENT", "no adapter sql", from_engine=True, engine_status="NOT_FOUND")
+NOT_FOUND = WorkerFailure(
+    FailureReason.INVALID_ARGUMENT, "no adapter sql", from_engine=True, engine_status="NOT_FOUND"
+)
 
 
 def test_an_engine_not_found_is_sglangs_400() -> None:
@@ -215,7 +237,7 @@ def test_a_cancelled_unary_item_ends_with_the_abort_reason_and_the_rest_goes_on(
     call = accepted({"input_ids": [[1], [2]], "rid": ["a", "b"]})
     encoder = FORMAT.new_encoder(call, STARTED_AT)
     encoder.on_output(0, out([7, 8]), 101.0)
-    encoder.on_failure(0, WorkerFailure("CANCELLED", "cancelled"), 101.5)
+    encoder.on_failure(0, WorkerFailure(FailureReason.CANCELLED, "cancelled"), 101.5)
     assert not encoder.aborted
     encoder.on_output(1, out([9], sidecar_pb2.LENGTH), 102.0)
     reply = encoder.reply()
@@ -264,7 +286,7 @@ def test_an_incremental_stream_sends_deltas_but_cumulative_counts() -> None:
         out([201], logprobs=[-0.1]),
         out([202, 203], logprobs=[-0.2, -0.3]),
         out([], sidecar_pb2.LENGTH),
-        ctx=context(incremental=True),
+        incremental=True,
     )
     chunks = events[:-1]
     assert [e["output_ids"] for e in chunks] == [[201], [202, 203], []]
@@ -314,7 +336,7 @@ def test_batch_streams_put_index_on_every_event_in_arrival_order_with_one_done()
 
 
 def test_stream_value_failure_is_an_error_event_after_what_was_sent() -> None:
-    events = streamed({}, out([5]), WorkerFailure("INVALID_ARGUMENT", "engine said no"))
+    events = streamed({}, out([5]), WorkerFailure(FailureReason.INVALID_ARGUMENT, "engine said no"))
     assert events[0]["output_ids"] == [5]
     assert events[1] == {
         "error": {
@@ -342,7 +364,7 @@ def test_other_stream_failures_end_only_that_item_with_a_status_abort(
     call = accepted({"input_ids": [[1], [2]], "stream": True})
     encoder = FORMAT.new_encoder(call, STARTED_AT)
     encoder.on_output(0, out([5]), 101.0)
-    chunk = sse_events(encoder.on_failure(0, WorkerFailure(reason, "gone"), 101.5))
+    chunk = sse_events(encoder.on_failure(0, WorkerFailure(FailureReason(reason), "gone"), 101.5))
     assert not encoder.aborted
     assert chunk[0]["output_ids"] == [5]
     assert chunk[0]["index"] == 0
@@ -358,10 +380,10 @@ def test_other_stream_failures_end_only_that_item_with_a_status_abort(
 
 
 def test_a_cancelled_stream_item_sends_its_abort_chunk_then_nothing_more() -> None:
-    call = accepted({"input_ids": PROMPT, "stream": True}, context(incremental=True))
+    call = accepted({"input_ids": PROMPT, "stream": True}, incremental=True)
     encoder = FORMAT.new_encoder(call, STARTED_AT)
     encoder.on_output(0, out([5]), 101.0)
-    (chunk,) = sse_events(encoder.on_failure(0, WorkerFailure("CANCELLED", "cancelled"), 101.5))
+    (chunk,) = sse_events(encoder.on_failure(0, WorkerFailure(FailureReason.CANCELLED, "cancelled"), 101.5))
     assert chunk["output_ids"] == []
     assert chunk["meta_info"]["finish_reason"]["type"] == "abort"
     assert encoder.on_output(0, out([6], sidecar_pb2.LENGTH), 102.0) == b""
@@ -442,7 +464,7 @@ def test_a_stream_shows_input_logprobs_from_the_first_event_that_has_them(increm
     # on every event after (they are not cut by incremental streaming).
     call = accepted(
         {"input_ids": PROMPT, "stream": True, "return_logprob": True, "logprob_start_len": 0},
-        context(incremental=incremental),
+        incremental=incremental,
     )
     outputs = [
         out([201], logprobs=[-0.1], prompt_logprobs=SGLANG_SIDECAR_ROWS),
@@ -521,8 +543,9 @@ def test_abort_always_answers_200_with_an_empty_body_and_no_content_type() -> No
         assert FORMAT.abort_reply(ABORT, AbortCall(request_ids=("x",)), aborted) == HttpReply(200, b"", "")
 
 
-def info(path: str, **ctx: Any) -> HttpReply:
-    return FORMAT.info(Route(("GET",), path, RouteKind.INFO), context(**ctx))
+def info(path: str, *, incremental: bool = False, **ctx: Any) -> HttpReply:
+    fmt = SglangFormat(incremental_streaming_output=incremental)
+    return fmt.info(Route(("GET",), path, RouteKind.INFO), context(**ctx))
 
 
 def test_health_is_an_empty_200_once_a_model_is_known() -> None:
@@ -603,7 +626,7 @@ def test_stream_interval_sends_the_first_token_then_every_n_and_the_end(
         out([103]),
         out([104]),
         out([105], sidecar_pb2.LENGTH),
-        ctx=context(incremental=incremental),
+        incremental=incremental,
     )
     assert [e["output_ids"] for e in events[:-1]] == expected
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply, WorkerFailure
-from sidecar_frontend.formats.sglang import FORMAT, GENERATE
+from sidecar_frontend.formats.sglang import FORMAT, GENERATE, SglangFormat
 from sidecar_frontend.formats.sglang_request import SglangOptions
 
 HEADERS = {"Content-Type": "application/json"}
@@ -18,9 +18,7 @@ STARTED_AT = 100.0  # the handler's monotonic clock
 WALL_TIME = 1_796_113_361.0  # Unix seconds at arrival
 
 
-def context(
-    *, incremental: bool = False, inflight: Sequence[str] = (), wall_time: float = WALL_TIME, **info: Any
-) -> FormatContext:
+def context(*, inflight: Sequence[str] = (), wall_time: float = WALL_TIME, **info: Any) -> FormatContext:
     fields: dict[str, Any] = {
         "engine": "sglang",
         "served_model_name": "my-model",
@@ -34,7 +32,6 @@ def context(
     return FormatContext(
         model_info=sidecar_pb2.ModelInfo(**fields),
         new_id=lambda: f"{next(counter):032x}",
-        sglang_incremental_streaming_output=incremental,
         inflight_ids=frozenset(inflight),
         wall_time=wall_time,
     )
@@ -45,13 +42,17 @@ def fresh_id(n: int) -> str:
     return f"{n:032x}"
 
 
-def parse(obj: object, ctx: FormatContext | None = None) -> GenerateCall | HttpReply:
+def parse(
+    obj: object, ctx: FormatContext | None = None, *, incremental: bool = False
+) -> GenerateCall | HttpReply:
+    """Parsed by the SGLang format (``incremental``: made with --incremental-streaming-output)."""
     raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    return FORMAT.parse_generate(GENERATE, raw, HEADERS, ctx or context())
+    fmt = SglangFormat(incremental_streaming_output=incremental) if incremental else FORMAT
+    return fmt.parse_generate(GENERATE, raw, HEADERS, ctx or context())
 
 
-def accepted(obj: object, ctx: FormatContext | None = None) -> GenerateCall:
-    call = parse(obj, ctx)
+def accepted(obj: object, ctx: FormatContext | None = None, *, incremental: bool = False) -> GenerateCall:
+    call = parse(obj, ctx, incremental=incremental)
     assert isinstance(call, GenerateCall), call
     return call
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.formats.vllm_response import engine_param, failure_error
 from tests.unit.frontend.test_format_vllm_response import _encoder
@@ -54,7 +55,7 @@ def test_param_comes_from_vllms_parameter_ending(message: str, param: str | None
 
 @pytest.mark.parametrize(("message", "param"), [w for w in ENGINE_WORDS if w[0]])
 def test_an_engine_refusal_is_a_400_in_the_engines_words(message: str, param: str | None) -> None:
-    failure = WorkerFailure("INVALID_ARGUMENT", message, from_engine=True)
+    failure = WorkerFailure(FailureReason.INVALID_ARGUMENT, message, from_engine=True)
     unary = _encoder()
     unary.on_failure(0, failure, 0.0)
     assert unary.reply().status == 400
@@ -82,7 +83,7 @@ NOT_FOUND_WORDS = "Loading lora sql failed: No adapter found for /adapters/sql"
 @pytest.mark.parametrize("engine_status", ["NOT_FOUND", "404"])
 def test_an_engine_not_found_is_vllms_404_not_found_error(engine_status: str) -> None:
     failure = WorkerFailure(
-        "INVALID_ARGUMENT", NOT_FOUND_WORDS, from_engine=True, engine_status=engine_status
+        FailureReason.INVALID_ARGUMENT, NOT_FOUND_WORDS, from_engine=True, engine_status=engine_status
     )
     expected = {"message": NOT_FOUND_WORDS, "type": "NotFoundError", "param": None, "code": 404}
     unary = _encoder()
@@ -100,7 +101,7 @@ def test_an_engine_not_found_is_vllms_404_not_found_error(engine_status: str) ->
 @pytest.mark.parametrize("engine_status", ["INVALID_ARGUMENT", "400", "not sent"])
 def test_any_other_engine_refusal_stays_a_400(engine_status: str) -> None:
     failure = WorkerFailure(
-        "INVALID_ARGUMENT", NOT_FOUND_WORDS, from_engine=True, engine_status=engine_status
+        FailureReason.INVALID_ARGUMENT, NOT_FOUND_WORDS, from_engine=True, engine_status=engine_status
     )
     enc = _encoder()
     enc.on_failure(0, failure, 0.0)
@@ -110,31 +111,21 @@ def test_any_other_engine_refusal_stays_a_400(engine_status: str) -> None:
 def test_the_sidecars_own_refusal_is_read_by_its_field_not_by_vllms_ending() -> None:
     # Not the engine's words: the message starts with the sidecar.v1 field it names.
     failure = WorkerFailure(
-        "INVALID_ARGUMENT", "sampling_options.seed: 4294967296 does not fit (parameter=x)"
+        FailureReason.INVALID_ARGUMENT, "sampling_options.seed: 4294967296 does not fit (parameter=x)"
     )
     enc = _encoder()
     enc.on_failure(0, failure, 0.0)
     assert error_of(enc.reply())["param"] == "seed"
 
 
-REASONS = [
-    "INVALID_ARGUMENT",
-    "CANNOT_CONNECT",
-    "CONNECTION_TIMEOUT",
-    "ENGINE_SHUTDOWN",
-    "OVERLOADED",
-    "PROTOCOL_ERROR",
-    "UNKNOWN",
-    "NO_WORKER",
-]
-
-
-@given(st.sampled_from(REASONS) | st.text(), st.text(), st.booleans(), st.booleans())
-def test_no_error_is_without_words(reason: str, message: str, from_engine: bool, stream: bool) -> None:
+@given(st.sampled_from(list(FailureReason)), st.text(), st.booleans(), st.booleans())
+def test_no_error_is_without_words(
+    reason: FailureReason, message: str, from_engine: bool, stream: bool
+) -> None:
     failure = WorkerFailure(reason, message, from_engine=from_engine)
     error = failure_error(failure)
     if error is None:
-        assert reason in ("CANCELLED", "DEADLINE")  # an abort, not an error
+        assert reason in (FailureReason.CANCELLED, FailureReason.DEADLINE)  # an abort, not an error
         return
     assert error.message
     encoder = _encoder(stream=stream)
@@ -161,13 +152,20 @@ PREFILL_BACKLOG = (
         # vLLM's two admission refusals, each in its own words (MaxQueuedTokensError is not
         # QueueOverflowError's sentence).
         (
-            WorkerFailure("OVERLOADED", PREFILL_BACKLOG, from_engine=True, engine_status="UNAVAILABLE"),
+            WorkerFailure(
+                FailureReason.OVERLOADED, PREFILL_BACKLOG, from_engine=True, engine_status="UNAVAILABLE"
+            ),
             PREFILL_BACKLOG,
         ),
-        (WorkerFailure("OVERLOADED", QUEUE_FULL, from_engine=True, engine_status="UNAVAILABLE"), QUEUE_FULL),
+        (
+            WorkerFailure(
+                FailureReason.OVERLOADED, QUEUE_FULL, from_engine=True, engine_status="UNAVAILABLE"
+            ),
+            QUEUE_FULL,
+        ),
         # Busy without the engine's words (a sidecar's or a proxy's text): vLLM's sentence.
-        (WorkerFailure("OVERLOADED", "Generate: busy (RESOURCE_EXHAUSTED)"), QUEUE_FULL),
-        (WorkerFailure("OVERLOADED", "", from_engine=True), QUEUE_FULL),
+        (WorkerFailure(FailureReason.OVERLOADED, "Generate: busy (RESOURCE_EXHAUSTED)"), QUEUE_FULL),
+        (WorkerFailure(FailureReason.OVERLOADED, "", from_engine=True), QUEUE_FULL),
     ],
 )
 def test_a_busy_refusal_is_vllms_503_in_the_engines_words(failure: WorkerFailure, message: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from hypothesis import given
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import Encoder, WorkerFailure
 from sidecar_frontend.formats.vllm import FORMAT
 from tests.unit.frontend.test_format_vllm_laws import generations
@@ -109,7 +110,7 @@ def test_choices_are_held_apart() -> None:
 def test_a_held_chunk_is_written_before_an_error_or_an_abort() -> None:
     enc = _stream({"max_tokens": 2})
     enc.on_output(0, _out([11, 12]), 0.0)
-    data = enc.on_failure(0, WorkerFailure("ENGINE_SHUTDOWN", "gone"), 0.0)
+    data = enc.on_failure(0, WorkerFailure(FailureReason.ENGINE_SHUTDOWN, "gone"), 0.0)
     events = sse_events(data + enc.close())
     assert events[0]["choices"][0]["token_ids"] == [11, 12]
     assert events[0]["choices"][0]["finish_reason"] is None
@@ -118,7 +119,7 @@ def test_a_held_chunk_is_written_before_an_error_or_an_abort() -> None:
 
     enc = _stream({"max_tokens": 2})
     enc.on_output(0, _out([11, 12]), 0.0)
-    data = enc.on_failure(0, WorkerFailure("CANCELLED", "aborted"), 0.0)
+    data = enc.on_failure(0, WorkerFailure(FailureReason.CANCELLED, "aborted"), 0.0)
     assert data == _chunk("11,12") + _chunk("", '"abort"')
 
 

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm import ABORT, FORMAT
@@ -31,14 +32,14 @@ from tests.unit.frontend.test_format_vllm_support import (
 )
 
 TERMINALS = ["length", "stop_token", "stop_string", "eos", "cancelled", None]
-ENDINGS: list[str | None] = [
+ENDINGS: list[FailureReason | None] = [
     None,
-    "CANCELLED",
-    "DEADLINE",
-    "INVALID_ARGUMENT",
-    "OVERLOADED",
-    "ENGINE_SHUTDOWN",
-    "UNKNOWN",
+    FailureReason.CANCELLED,
+    FailureReason.DEADLINE,
+    FailureReason.INVALID_ARGUMENT,
+    FailureReason.OVERLOADED,
+    FailureReason.ENGINE_SHUTDOWN,
+    FailureReason.UNKNOWN,
 ]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
 from sidecar_common.structs import JSON, struct_from_json
 from sidecar_frontend.formats.base import AbortCall, Encoder, Format, HttpReply, RouteKind, WorkerFailure
 from sidecar_frontend.formats.vllm import ABORT, FORMAT, HEALTH, LEGACY_ABORT, MODELS
@@ -318,7 +319,7 @@ FAILURES: list[tuple[str, int, str, str]] = [
 
 @pytest.mark.parametrize(("reason", "status", "kind", "message"), FAILURES)
 def test_failures_read_as_vllms_errors(reason: str, status: int, kind: str, message: str) -> None:
-    failure = WorkerFailure(reason, "Token id 99 is out of vocabulary")
+    failure = WorkerFailure(FailureReason(reason), "Token id 99 is out of vocabulary")
     unary = _encoder()
     unary.on_output(0, _out([8]), 0.0)
     assert unary.on_failure(0, failure, 0.0) == b""
@@ -351,7 +352,7 @@ def test_failures_read_as_vllms_errors(reason: str, status: int, kind: str, mess
 )
 def test_a_workers_refusal_names_the_vllm_field(message: str, param: str | None) -> None:
     enc = _encoder()
-    enc.on_failure(0, WorkerFailure("INVALID_ARGUMENT", message), 0.0)
+    enc.on_failure(0, WorkerFailure(FailureReason.INVALID_ARGUMENT, message), 0.0)
     assert error_of(enc.reply()) == {
         "message": message,
         "type": "BadRequestError",
@@ -366,7 +367,7 @@ def test_cancellation_finishes_open_choices_as_abort(reason: str) -> None:
     unary.on_output(0, _out([8, 9, 10]), 0.0)
     unary.on_output(0, _out([1008, 1009, 1010, 1011], 1, sidecar_pb2.LENGTH), 0.0)
     unary.on_output(0, _out([1012], 1), 0.0)  # after its terminal: ignored
-    unary.on_failure(0, WorkerFailure(reason, "cancelled"), 0.0)
+    unary.on_failure(0, WorkerFailure(FailureReason(reason), "cancelled"), 0.0)
     assert unary.aborted
     body = _unary(unary)
     assert [(c["finish_reason"], c["token_ids"]) for c in body["choices"]] == [
@@ -379,7 +380,9 @@ def test_cancellation_finishes_open_choices_as_abort(reason: str) -> None:
         stream=True, stream_options={"include_usage": True}, sampling_params={"n": 2, "logprobs": 0}
     )
     stream.on_output(0, _with_logprobs([8], [-0.1], [[(8, -0.1, 1)]]), 0.0)
-    events = sse_events(stream.on_failure(0, WorkerFailure(reason, "cancelled"), 0.0) + stream.close())
+    events = sse_events(
+        stream.on_failure(0, WorkerFailure(FailureReason(reason), "cancelled"), 0.0) + stream.close()
+    )
     assert [e["choices"][0] for e in events[:2]] == [
         {
             "index": i,

@@ -14,7 +14,7 @@ def test_defaults() -> None:
     assert config.discovery.static_workers == (("127.0.0.1:50061", "agg"),)
     assert config.formats == ("sglang", "vllm")
     assert config.handler.request_timeout == 3600.0
-    assert config.handler.sglang_incremental_streaming_output is False
+    assert config.sglang_incremental_streaming_output is False
     assert config.metrics_port is None
 
 
@@ -42,7 +42,7 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
     assert [a for a, _ in config.discovery.static_workers] == ["a:1", "b:2"]
     assert config.listen == "127.0.0.1:9000"
     assert config.formats == ("sglang",)
-    assert config.handler.sglang_incremental_streaming_output is True
+    assert config.sglang_incremental_streaming_output is True
     assert config.handler.request_timeout is None, "0 turns the deadline off"
     assert config.metrics_port == 9100
     assert parse_config(["--listen", "127.0.0.1:1"], env).listen == "127.0.0.1:1"
@@ -134,4 +134,4 @@ def test_metrics_host_without_metrics_port_is_a_usage_error(capsys: pytest.Captu
 def test_a_switch_its_variable_turns_off_is_not_a_flag_that_does_not_apply() -> None:
     off = {"SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "false"}
     config = parse_config(["--worker", "a:1", "--format", "vllm"], off)
-    assert config.handler.sglang_incremental_streaming_output is False
+    assert config.sglang_incremental_streaming_output is False

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.structs import JSON, struct_from_json
 from sidecar_frontend.migration import Finish, Migration, Refusal, RefusalReason
 
 VOCAB = 97
@@ -71,9 +71,13 @@ def engine(req: sidecar_pb2.PreprocessedRequest, shape: Shape) -> list[sidecar_p
         )
     )
     if req.output_options.HasField("prompt_logprobs"):
-        entries: list[JSON] = [None]
-        entries += [{str(t): {"logprob": logprob(t)}} for t in req.token_ids[1:]]
-        terminal.engine_data.CopyFrom(struct_from_json({"prompt_logprobs": entries}))
+        # As a 0.2 sidecar sends them: typed, and in the 0.1 Struct (one per prompt token).
+        positions = [sidecar_pb2.TopLogprobs()]
+        positions += [
+            sidecar_pb2.TopLogprobs(entries=[prompt_logprobs.candidate(t, logprob(t))])
+            for t in req.token_ids[1:]
+        ]
+        prompt_logprobs.attach(terminal, positions, prompt_logprobs.Shape.BY_TOKEN)
     return outs
 
 
@@ -145,6 +149,7 @@ def test_a_request_continued_after_failures_equals_the_undisturbed_run(
         assert got_last.cum_log_probs == pytest.approx(want_last.cum_log_probs)
     if got_last.HasField("engine_data"):
         assert got_last.engine_data == want_last.engine_data
+    assert list(got_last.prompt_logprobs) == list(want_last.prompt_logprobs)
     assert migration.finished
 
 

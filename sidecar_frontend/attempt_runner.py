@@ -1,0 +1,405 @@
+"""The attempt runner: where one sub-request runs, and again after its worker failed.
+
+For each sub-request the HTTP side (``exchange.py``) hands over, :meth:`AttemptRunner.run`
+chooses a worker (``placement.py``: a routing policy plugs in as its ``WorkerChoice``), makes the
+``Generate`` call, and gives every output to the :class:`Recipient`. With prefill and decode
+workers of the model serving, an attempt is disaggregated: prefill on one, decode on the other
+with the prefill's handoff (``disagg.py``). When an attempt fails, :class:`attempts.Attempts`
+decides what runs next: a retry on another worker while nothing was delivered, a migration
+(continuation from the delivered tokens) after that. The runner ends with the sub-request's
+failure, or None when every choice's terminal was delivered.
+
+Cancellation: each attempt runs in the sub-request's own cancel scope (:class:`SubCall`), so
+an abort by id ends it; leaving a call cancels it, and the sidecar aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+import anyio
+import grpc
+import structlog
+from anyio.abc import TaskGroup
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
+from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
+from sidecar_frontend import disagg
+from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
+from sidecar_frontend.formats.base import WorkerFailure
+from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.placement import WorkerChoice, least_loaded, place
+from sidecar_frontend.workers import Worker, WorkerSet
+
+__all__ = [
+    "AttemptRunner",
+    "Recipient",
+    "RunnerConfig",
+    "SubCall",
+    "Tally",
+]
+
+# A gRPC deadline a little past our own: only a backstop, our deadline speaks first.
+_GRPC_DEADLINE_SLACK: Final = 5.0
+
+log = structlog.get_logger("sidecar_frontend.handler")
+
+
+class RunnerConfig(Protocol):
+    """What the runner reads of the frontend's configuration (``handler.HandlerConfig``)."""
+
+    @property
+    def request_timeout(self) -> float | None:
+        """The frontend's deadline of a request (None: none); its calls get a little more."""
+
+    @property
+    def migration_limit(self) -> int:
+        """Moves to another worker per sub-request (``Attempts``)."""
+
+    @property
+    def worker_wait(self) -> float:
+        """How long a retry or a migration waits for a worker to serve when none does."""
+
+
+@dataclass(eq=False)
+class SubCall:
+    """One sub-request in flight: what abort by id reaches, and its attempts so far."""
+
+    public_id: str
+    index: int
+    attempts: Attempts
+    scope: anyio.CancelScope | None = None
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+@dataclass
+class Tally:
+    """What the attempts of one HTTP request did, for its log line."""
+
+    workers: list[str] = field(default_factory=list)
+    retries: int = 0
+    migrations: int = 0
+
+
+class Recipient(Protocol):
+    """The HTTP side of one request, as the runner sees it."""
+
+    @property
+    def format_name(self) -> str:
+        """The metrics' ``format`` label."""
+
+    @property
+    def model(self) -> str:
+        """What every sub-request runs on."""
+
+    @property
+    def tally(self) -> Tally:
+        """Where the attempts count what they did, for the request's log line."""
+
+    async def deliver(self, index: int, output: sidecar_pb2.LLMEngineOutput) -> None:
+        """Give sub-request ``index``'s ``output`` (already in the client's terms) to the client."""
+
+
+class AttemptRunner:
+    """Runs sub-requests on the worker set; one per frontend, shared by every request."""
+
+    def __init__(
+        self,
+        workers: WorkerSet,
+        config: RunnerConfig,
+        *,
+        choice: WorkerChoice | None = None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rand: random.Random | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.workers = workers
+        self.config = config
+        self.choice = choice if choice is not None else least_loaded(workers)
+        self.metrics = metrics
+        self.clock = clock
+        self.rand = rand if rand is not None else random.Random()
+        self.tracing = tracing if tracing is not None else Tracing()
+        # Each SGLang prefill worker's bootstrap server, learned from its first handoff.
+        self.bootstraps: dict[str, disagg.BootstrapAddress] = {}
+
+    def attempts(self, request: sidecar_pb2.PreprocessedRequest) -> Attempts:
+        return Attempts(request, self.config.migration_limit)
+
+    async def run(self, sub: SubCall, to: Recipient) -> WorkerFailure | None:
+        """Run ``sub`` until every terminal was delivered (None) or it failed for good."""
+        run = _Run(self, sub, to)
+        return await run.until_done()
+
+    # ------------------------------------------------------------------ metrics
+
+    def lease_changed(self, worker: Worker) -> None:
+        if self.metrics is not None:
+            self.metrics.set_worker_inflight(worker.address, worker.inflight)
+
+    def worker_failed(self, worker: Worker, failure: WorkerFailure) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_failed(worker.address, failure.reason.value)
+
+
+@dataclass(eq=False)
+class _Run:
+    """One sub-request across its attempts."""
+
+    runner: AttemptRunner
+    sub: SubCall
+    to: Recipient
+    tried: list[str] = field(default_factory=list)
+    # The move (retry or migration) decided after a failure, counted once a worker takes it.
+    moving: tuple[str, WorkerFailure] | None = None
+
+    async def until_done(self) -> WorkerFailure | None:
+        sub, attempts = self.sub, self.sub.attempts
+        current = attempts.request
+        failure: WorkerFailure | None = None
+        previous: WorkerFailure | None = None
+        while True:
+            if sub.aborted:
+                return WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
+            with anyio.CancelScope() as scope:
+                sub.scope = scope
+                failure = await self._attempt(current)
+            sub.scope = None
+            if scope.cancelled_caught:
+                return WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
+            if failure is None:
+                return None
+            if failure.reason is FailureReason.NO_WORKER:
+                if self.moving is not None and self.moving[0] == "migrated":
+                    self._migration_outcome("no_worker", self.moving[1])
+                # Say why the last worker failed rather than that no other one was left.
+                return previous or failure
+            previous = failure
+            delivered = attempts.progress.delivered
+            following = attempts.after_failure(failure)
+            if isinstance(following, Finish):
+                # The budget was spent before the terminal came: end it as LENGTH.
+                await self.to.deliver(sub.index, attempts.finish(following))
+                self._migration_outcome("length", failure)
+                return None
+            if isinstance(following, Refusal):
+                if delivered:
+                    self._migration_outcome(following.reason.name.lower(), failure)
+                return failure
+            current = following
+            # Counted once another worker takes it (``_placed``), or as no_worker.
+            self.moving = ("migrated" if delivered else "retry", failure)
+
+    def _migration_outcome(self, outcome: str, failure: WorkerFailure, to: str | None = None) -> None:
+        metrics = self.runner.metrics
+        if metrics is not None:
+            metrics.migrated(self.to.format_name, outcome)
+        attempts = self.sub.attempts
+        log.info(
+            "migration",
+            request_id=attempts.request.request_id,
+            outcome=outcome,
+            worker=self.tried[-1] if self.tried else None,
+            to=to,
+            reason=failure.reason.value,
+            error=failure.message,
+            delivered_tokens=len(attempts.migration.delivered_tokens),
+            migrations=attempts.migration.migrations,
+        )
+
+    def _placed(self, chosen: Sequence[Worker]) -> None:
+        """A worker took the sub-request: the retry or migration decided after its last
+        failure (if any) happened, and is counted now."""
+        move, self.moving = self.moving, None
+        if move is None:
+            return
+        kind, failure = move
+        to = chosen[-1].address
+        tally = self.to.tally
+        if kind == "migrated":
+            tally.migrations += 1
+            self._migration_outcome("migrated", failure, to)
+            return
+        tally.retries += 1
+        if self.runner.metrics is not None:
+            self.runner.metrics.retried(self.to.format_name)
+        log.info(
+            "retrying on another worker",
+            request_id=self.sub.attempts.request.request_id,
+            worker=self.tried[-1] if self.tried else None,
+            to=to,
+            reason=failure.reason.value,
+            error=failure.message,
+        )
+
+    async def _attempt(self, request: sidecar_pb2.PreprocessedRequest) -> WorkerFailure | None:
+        """One attempt: aggregated, or prefill then decode when the set has prefill workers.
+        A retry or a migration waits (bounded) for a worker to serve, unless it must not
+        (``patient`` False: after a worker answered busy, see ``attempts.py``)."""
+        runner, patient = self.runner, self.sub.attempts.patient
+        chosen = await place(
+            runner.workers,
+            runner.choice,
+            self.to.model,
+            request,
+            self.tried,
+            patient=patient,
+            wait=runner.config.worker_wait if self.tried and patient else 0.0,
+        )
+        if chosen is None:
+            return WorkerFailure.of(FailureReason.NO_WORKER, f"no worker is serving {self.to.model}")
+        self._placed(chosen)
+        self.to.tally.workers.extend(w.address for w in chosen)
+        self.tried.extend(w.address for w in chosen)
+        if len(chosen) == 2:
+            prefill, decode = chosen
+            return await self._disaggregated(prefill, decode, request)
+        return await self._decode(chosen[0], request)
+
+    async def _decode(self, worker: Worker, request: sidecar_pb2.PreprocessedRequest) -> WorkerFailure | None:
+        """A call whose outputs go to the client; None when every choice's terminal arrived."""
+        index, attempts = self.sub.index, self.sub.attempts
+
+        async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+            if output.finish_reason == sidecar_pb2.CANCELLED and not worker.eligible:
+                # Nobody here aborted it: the worker is going away (drained, stopped) and its
+                # engine ended the request. That is the worker's failure, not the client's
+                # abort: what came with it is delivered, the rest continues elsewhere.
+                if output.token_ids:
+                    partial = sidecar_pb2.LLMEngineOutput()
+                    partial.CopyFrom(output)
+                    for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
+                        partial.ClearField(name)
+                    await self.to.deliver(index, attempts.delivered(partial))
+                return WorkerFailure.of(
+                    FailureReason.ENGINE_SHUTDOWN,
+                    f"worker {worker.address} is going away: its engine aborted",
+                )
+            await self.to.deliver(index, attempts.delivered(output))
+            return None
+
+        failure = await self._call(worker, request, deliver)
+        if failure is None and not attempts.complete:
+            failure = WorkerFailure.of(
+                FailureReason.PROTOCOL_ERROR, f"worker {worker.address} ended the stream early"
+            )
+            self.runner.worker_failed(worker, failure)
+        return failure
+
+    async def _disaggregated(
+        self, prefill: Worker, decode: Worker, request: sidecar_pb2.PreprocessedRequest
+    ) -> WorkerFailure | None:
+        """Prefill on ``prefill``, decode on ``decode`` with its handoff. Whichever step fails
+        first cancels the other (each cancelled call is aborted by its sidecar); a prefill the
+        engine aborted ends the sub-request as cancelled, with no decode step."""
+        runner = self.runner
+        style = disagg.style_of(prefill.model)
+        handoff: list[disagg.Handoff] = []
+        ready = anyio.Event()
+        prefill_failure: list[WorkerFailure] = []
+        prefill_cancelled: list[sidecar_pb2.LLMEngineOutput] = []
+        decode_failure: WorkerFailure | None = None
+        step = disagg.prefill_request(request)
+        known = runner.bootstraps.get(prefill.address) if style is disagg.Style.BOOTSTRAP else None
+        if known is not None:
+            info = disagg.choose_bootstrap(known, runner.rand)
+            step = disagg.prefill_request(request, info)
+            handoff.append(info)
+            ready.set()
+
+        async def take(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+            given = disagg.handoff_of(output)
+            if given is not None and not handoff:
+                handoff.append(given)
+                if style is disagg.Style.BOOTSTRAP:
+                    learned = disagg.bootstrap_address(given)
+                    if learned is not None:
+                        runner.bootstraps[prefill.address] = learned
+                ready.set()
+            elif output.finish_reason == sidecar_pb2.CANCELLED and not handoff:
+                prefill_cancelled.append(output)
+            return None
+
+        async def run_prefill(group: TaskGroup) -> None:
+            failure = await self._call(prefill, step, take)
+            if failure is None and not handoff and not prefill_cancelled:
+                failure = WorkerFailure.of(
+                    FailureReason.PROTOCOL_ERROR, f"prefill worker {prefill.address} gave no handoff"
+                )
+                runner.worker_failed(prefill, failure)
+            if failure is not None:
+                prefill_failure.append(failure)
+                group.cancel_scope.cancel()
+            ready.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_prefill, group)
+            await ready.wait()
+            if handoff:
+                decode_failure = await self._decode(decode, disagg.decode_request(request, handoff[0]))
+                if decode_failure is not None:
+                    group.cancel_scope.cancel()
+        if prefill_failure:
+            return prefill_failure[0]
+        if prefill_cancelled and not handoff:
+            await self.to.deliver(self.sub.index, self.sub.attempts.delivered(prefill_cancelled[0]))
+            return None
+        return decode_failure
+
+    async def _call(
+        self,
+        worker: Worker,
+        request: sidecar_pb2.PreprocessedRequest,
+        consume: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[WorkerFailure | None]],
+    ) -> WorkerFailure | None:
+        """One Generate call on ``worker``, each output to ``consume``; the call's failure, if any.
+        Leaving early (a cancel) cancels the call, and the sidecar aborts the engine request."""
+        runner = self.runner
+        timeout = runner.config.request_timeout
+        grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
+        metrics = runner.metrics
+        began = runner.clock()
+        first = True
+        failure: WorkerFailure | None = None
+        try:
+            with (
+                worker.lease(runner.lease_changed),
+                runner.tracing.span(
+                    "sidecar.v1.Worker/Generate",
+                    kind=SpanKind.CLIENT,
+                    attributes={"server.address": worker.address, "llm.request_id": request.request_id},
+                ),
+            ):
+                call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
+                try:
+                    async for output in call:
+                        if first:
+                            first = False
+                            if metrics is not None:
+                                metrics.worker_first_output(worker.address, runner.clock() - began)
+                        failure = await consume(output)
+                        if failure is not None:
+                            return failure
+                except grpc.RpcError as err:
+                    failure = failure_from_rpc_error(err)
+                    return failure
+                finally:
+                    # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
+                    call.cancel()
+            return None
+        finally:
+            if metrics is not None:
+                metrics.worker_call(worker.address, runner.clock() - began)
+                if failure is not None:
+                    metrics.worker_failed(worker.address, failure.reason.value)

@@ -1,0 +1,290 @@
+"""One HTTP generate request, the HTTP side: its lifecycle, fan-out, writes, log line, metrics.
+
+An :class:`Exchange` runs every sub-request of a parsed :class:`GenerateCall` concurrently (one
+task group per HTTP request: the n > 1 choices of vLLM, the prompts of an SGLang batch), each
+on the :class:`~sidecar_frontend.attempt_runner.AttemptRunner`, feeds every output to the
+format's encoder and writes what it returns (SSE: chunked, one write per event; unary: the
+encoder's reply at the end). It knows no format and no worker.
+
+Cancellation, owned here:
+- the client goes away: aiohttp cancels the handler; the task group cancels each gRPC call,
+  and the sidecar aborts the engine request (exactly once: that is the sidecar's rule);
+- ``request_timeout``: the same cancellation, then ``encoder.on_failure(DEADLINE)`` for each
+  sub-request still running;
+- abort by id (:class:`AbortRegistry`): every sub-request in flight under that public id
+  (whichever client and worker) has its call cancelled, then ``encoder.on_failure(CANCELLED)``.
+  Cancelling the call is enough: the sidecar aborts on cancel, so no ``Abort`` RPC is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+from aiohttp import web
+from anyio.abc import TaskGroup
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.errors import FailureReason
+from sidecar_frontend.attempt_runner import AttemptRunner, SubCall, Tally
+from sidecar_frontend.attempts import Attempts
+from sidecar_frontend.formats.base import (
+    SSE_CONTENT_TYPE,
+    AbortCall,
+    Encoder,
+    Format,
+    GenerateCall,
+    HttpReply,
+    WorkerFailure,
+)
+from sidecar_frontend.metrics import Metrics
+
+__all__ = ["AbortRegistry", "Exchange", "http_response", "ms"]
+
+log = structlog.get_logger("sidecar_frontend.handler")
+
+
+class AbortRegistry:
+    """The sub-requests in flight, by the public id a client can abort them by."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, set[SubCall]] = {}
+
+    def add(self, sub: SubCall) -> None:
+        self._by_id.setdefault(sub.public_id, set()).add(sub)
+
+    def discard(self, sub: SubCall) -> None:
+        subs = self._by_id.get(sub.public_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._by_id[sub.public_id]
+
+    def ids(self) -> frozenset[str]:
+        return frozenset(self._by_id)
+
+    def abort(self, call: AbortCall) -> int:
+        """Cancel every sub-request in flight under the ids ``call`` names; how many."""
+        if call.all_requests:
+            targets = [sub for subs in self._by_id.values() for sub in subs]
+        else:
+            targets = [sub for rid in call.request_ids for sub in self._by_id.get(rid, ())]
+        for sub in targets:
+            sub.abort()
+        return len(targets)
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One HTTP generate request: its sub-requests, its encoder, its response."""
+
+    runner: AttemptRunner
+    registry: AbortRegistry
+    fmt: Format
+    call: GenerateCall
+    encoder: Encoder
+    started_at: float
+    model: str = ""  # what every sub-request runs on (its workers serve it)
+    request_timeout: float | None = None
+    metrics: Metrics | None = None
+    clock: Callable[[], float] = time.monotonic
+    response: web.StreamResponse | None = None
+    ended: list[bool] = field(default_factory=list)
+    attempts: list[Attempts] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)
+    first_output_at: float | None = None
+    outcome: str = "ok"
+    reason: str = "NONE"  # why it did not end ok (a failure reason, or the frontend's own)
+    client_gone: bool = False
+    _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    _stop_failure: WorkerFailure | None = None
+    _write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _group: TaskGroup | None = None
+    _http_request: web.Request | None = None
+    # A stream refused before its first bytes, answered as a plain reply (see
+    # GenerateCall.refused_before_stream).
+    refused_before_stream: bool = False
+
+    @property
+    def format_name(self) -> str:
+        return self.fmt.name
+
+    def stop(self, failure: WorkerFailure, outcome: str) -> None:
+        """End the exchange: cancel what runs, report ``failure`` for it."""
+        if self._stop_failure is None:
+            self._stop_failure = failure
+            self.outcome = outcome
+            self.reason = failure.reason.value
+        self._scope.cancel()
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        call = self.call
+        count = len(call.requests)
+        self.ended = [False] * count
+        self.attempts = [self.runner.attempts(r) for r in call.requests]
+        status = 200
+        try:
+            if call.stream:
+                self._http_request = request
+                if not call.refused_before_stream:
+                    await self._start_stream()
+            await self._run_all()
+            if call.stream and not self.refused_before_stream:
+                if not self.client_gone:
+                    await self._write(self.encoder.close())
+                if self.response is None:
+                    # Held for the first bytes, and the client left before any: no stream.
+                    raise ConnectionResetError("the client left before the stream started")
+                await self.response.write_eof()
+                return self.response
+            reply = self.encoder.reply()
+            status = reply.status
+            return http_response(reply, call.headers)
+        except (asyncio.CancelledError, ConnectionError):
+            self.client_gone = True
+            self.outcome, self.reason = "disconnected", "CLIENT_GONE"
+            raise
+        finally:
+            self._log(status)
+
+    async def deliver(self, index: int, output: sidecar_pb2.LLMEngineOutput) -> None:
+        now = self.clock()
+        if self.first_output_at is None:
+            self.first_output_at = now
+        data = self.encoder.on_output(index, output, now)
+        if data:
+            await self._write(data)
+
+    async def _run_all(self) -> None:
+        timeout = self.request_timeout
+        with self._scope:
+            if timeout is not None:
+                self._scope.deadline = anyio.current_time() + timeout
+            async with anyio.create_task_group() as group:
+                self._group = group
+                for index, sub_request in enumerate(self.call.requests):
+                    group.start_soon(self._run_one, index, sub_request)
+        if self._scope.cancelled_caught and not self.client_gone:
+            failure = self._stop_failure
+            if failure is None:
+                failure = WorkerFailure.of(FailureReason.DEADLINE, f"request timed out after {timeout:g}s")
+                self.outcome, self.reason = "timeout", failure.reason.value
+            for index, ended in enumerate(self.ended):
+                if not ended and not self.encoder.aborted:
+                    self.ended[index] = True
+                    await self._write_failure(index, failure)
+
+    async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
+        sub = SubCall(request.request_id, index, self.attempts[index])
+        self.registry.add(sub)
+        try:
+            failure = await self.runner.run(sub, self)
+        finally:
+            sub.scope = None
+            self.registry.discard(sub)
+        self.ended[index] = True
+        if failure is not None:
+            if failure.reason is FailureReason.CANCELLED and sub.aborted and self.outcome == "ok":
+                self.outcome, self.reason = "aborted", failure.reason.value
+            elif self.outcome == "ok":
+                self.outcome = "unavailable" if failure.reason is FailureReason.NO_WORKER else "error"
+                self.reason = failure.reason.value
+            if not self.encoder.aborted:
+                await self._write_failure(index, failure)
+            if self.encoder.aborted and self._group is not None:
+                self._group.cancel_scope.cancel()
+
+    async def _start_stream(self) -> None:
+        """Send the stream's 200 and headers (at once, or with its first bytes when held)."""
+        assert self._http_request is not None
+        response = web.StreamResponse(
+            status=200, headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
+        )
+        for name, value in self.call.headers:
+            response.headers[name] = value
+        response.enable_chunked_encoding()
+        await response.prepare(self._http_request)
+        self.response = response
+
+    async def _write_failure(self, index: int, failure: WorkerFailure) -> None:
+        data = self.encoder.on_failure(index, failure, self.clock())
+        if (
+            self.call.stream
+            and self.response is None
+            and self.encoder.aborted
+            and failure.reason in self.call.refused_before_stream
+        ):
+            # Nothing was sent yet and the failure ended the response: the server's own answer
+            # to it comes before any stream, so it is the plain reply (``serve``).
+            self.refused_before_stream = True
+            return
+        await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        if not data or self.client_gone or (self.response is None and not self.call.stream):
+            return
+        try:
+            async with self._write_lock:
+                if self.response is None:
+                    if self.refused_before_stream:
+                        return
+                    await self._start_stream()
+                assert self.response is not None
+                await self.response.write(data)
+        except ConnectionError:
+            # The client is gone: stop every sub-request (their calls are cancelled).
+            self.client_gone = True
+            self.outcome, self.reason = "disconnected", "CLIENT_GONE"
+            self._scope.cancel()
+
+    def _log(self, status: int) -> None:
+        duration = self.clock() - self.started_at
+        prompt = sum(len(r.token_ids) for r in self.call.requests)
+        completion = sum(a.progress.completion_tokens() for a in self.attempts)
+        ttft = None if self.first_output_at is None else self.first_output_at - self.started_at
+        if self.metrics is not None:
+            self.metrics.request(
+                self.fmt.name,
+                self.outcome,
+                self.reason,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                ttft=ttft,
+                duration=duration,
+            )
+        ids = sorted({r.request_id for r in self.call.requests})
+        log.info(
+            "request",
+            format=self.fmt.name,
+            request_id=ids[0] if len(ids) == 1 else ids,
+            model=self.model,
+            stream=self.call.stream,
+            sub_requests=len(self.call.requests),
+            outcome=self.outcome,
+            reason=self.reason,
+            status=status,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            ttft_ms=None if ttft is None else ms(ttft),
+            duration_ms=ms(duration),
+            workers=sorted(set(self.tally.workers)),
+            retries=self.tally.retries,
+            migrations=self.tally.migrations,
+        )
+
+
+def http_response(reply: HttpReply, extra: Iterable[tuple[str, str]] = ()) -> web.Response:
+    response = web.Response(status=reply.status, body=reply.body)
+    if reply.body or reply.content_type:
+        response.headers["Content-Type"] = reply.content_type
+    for name, value in (*reply.headers, *extra):
+        response.headers[name] = value
+    return response
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)

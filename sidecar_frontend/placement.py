@@ -1,0 +1,85 @@
+"""Where an attempt runs: the prefill and decode workers, or the aggregated worker, it takes.
+
+A routing policy plugs in as a :class:`WorkerChoice`: asked for one worker of a role at a time,
+it answers from the serving workers it is offered (the default, :func:`least_loaded`, is the
+worker set's power of two choices). :func:`place` is what the attempt runner calls: it asks the
+choice for the roles the fleet serves, prefers a worker the sub-request has not tried, and waits
+(bounded) for one to serve when none does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import anyio
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.disaggregation import Role
+from sidecar_frontend.workers import Worker, WorkerSet
+
+__all__ = ["Placement", "WorkerChoice", "least_loaded", "place"]
+
+# One aggregated worker, or a prefill worker and a decode worker.
+Placement = tuple[Worker] | tuple[Worker, Worker]
+
+
+class WorkerChoice(Protocol):
+    """A routing policy: a SERVING worker of ``role`` serving ``model`` for ``request``, never
+    one whose address is in ``exclude``; None when there is no such worker. Called once per
+    role per attempt, so it may count what it chose."""
+
+    def __call__(
+        self,
+        role: Role,
+        model: str,
+        request: sidecar_pb2.PreprocessedRequest,
+        exclude: frozenset[str],
+    ) -> Worker | None: ...
+
+
+def least_loaded(workers: WorkerSet) -> WorkerChoice:
+    """The default choice: the worker set's power of two choices over load."""
+
+    def choose(
+        role: Role, model: str, request: sidecar_pb2.PreprocessedRequest, exclude: frozenset[str]
+    ) -> Worker | None:
+        return workers.pick(role, exclude=exclude, model=model)
+
+    return choose
+
+
+async def place(
+    workers: WorkerSet,
+    choice: WorkerChoice,
+    model: str,
+    request: sidecar_pb2.PreprocessedRequest,
+    tried: Sequence[str],
+    *,
+    patient: bool,
+    wait: float,
+) -> Placement | None:
+    """A prefill and a decode worker while both roles serve ``model``, else an aggregated one;
+    None when none serves within ``wait`` seconds (0: only what serves now). A worker in
+    ``tried`` is taken only when no other serves and ``patient`` (any but the last one that
+    failed: a restarted worker comes back under its old address)."""
+
+    def pick(role: Role) -> Worker | None:
+        worker = choice(role, model, request, frozenset(tried))
+        if worker is None and tried and patient:
+            worker = choice(role, model, request, frozenset(tried[-1:]))
+        return worker
+
+    with anyio.move_on_after(wait):
+        while True:
+            changed = workers.next_change()
+            if workers.has_serving("prefill", model) and workers.has_serving("decode", model):
+                prefill = pick("prefill")
+                decode = pick("decode")
+                if prefill is not None and decode is not None:
+                    return prefill, decode
+            worker = pick("agg")
+            if worker is not None:
+                return (worker,)
+            await changed.wait()
+    return None

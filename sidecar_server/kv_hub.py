@@ -1,0 +1,145 @@
+"""The worker's KV-cache state served to frontends: the WatchKvCache stream (I/O side).
+
+:class:`KvCacheHub` owns the merged :class:`~sidecar_server.kv_view.WorkerCacheView`, wakes
+the streams when it changes, and answers ``GetLoad``'s :class:`KvCacheStatus`. A sidecar
+without ``--kv-events-endpoint`` has a hub too, never fed: its stream is one empty snapshot
+saying ``subscribed: false``, then nothing until the client leaves, so a frontend treats
+every worker alike and routes such a worker by load.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import anyio
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_server.kv_state import KvDelta, RankFeed
+from sidecar_server.kv_view import NumberedDelta, WorkerCacheView
+
+__all__ = ["SNAPSHOT_CHUNK_BLOCKS", "KvCacheHub", "new_epoch"]
+
+# 16 bytes a block (key and parent, packed): about 1 MiB a chunk.
+SNAPSHOT_CHUNK_BLOCKS: Final = 65_536
+
+
+def new_epoch() -> int:
+    """A fresh epoch for a new sidecar process: random, so no two processes share one."""
+    return secrets.randbits(63) + 1
+
+
+class KvCacheHub:
+    def __init__(
+        self,
+        *,
+        subscribed: bool,
+        epoch: int | None = None,
+        kept_deltas: int = 4096,
+        chunk_blocks: int = SNAPSHOT_CHUNK_BLOCKS,
+    ) -> None:
+        self.subscribed = subscribed
+        self.view = WorkerCacheView(epoch=new_epoch() if epoch is None else epoch, kept_deltas=kept_deltas)
+        self.model = ""
+        self.batches_received = 0
+        self._chunk_blocks = chunk_blocks
+        self._changed = anyio.Event()
+        # Told when the engine's health changes (the subscriber resyncs on a bad verdict).
+        self.engine_health_listeners: list[Callable[[bool], None]] = []
+        # One per data-parallel rank subscribed to (their counters are metrics).
+        self.feeds: list[RankFeed] = []
+
+    def set_model(self, model: str, block_size: int) -> None:
+        """What discovery said: the served model, and the engine's block size if it gave one."""
+        self.model = model
+        if block_size > 0 and self.view.block_size is None:
+            self.view.block_size = block_size
+
+    def engine_health(self, healthy: bool) -> None:
+        for listener in self.engine_health_listeners:
+            listener(healthy)
+
+    def apply(self, rank: int, delta: KvDelta, block_size: int | None) -> NumberedDelta | None:
+        if block_size is not None:
+            self.view.block_size = block_size
+        numbered = self.view.apply(rank, delta)
+        if numbered is not None:
+            self._changed.set()
+            self._changed = anyio.Event()
+        return numbered
+
+    def status(self) -> sidecar_pb2.KvCacheStatus:
+        return sidecar_pb2.KvCacheStatus(
+            subscribed=self.subscribed,
+            batches_received=self.batches_received,
+            blocks=len(self.view),
+            block_size=self.view.block_size or 0,
+        )
+
+    async def watch(
+        self,
+        request: sidecar_pb2.WatchKvCacheRequest,
+        write: Callable[[sidecar_pb2.KvCacheUpdate], Awaitable[None]],
+    ) -> None:
+        """Serve one WatchKvCache stream until the client leaves (or the server stops)."""
+        view = self.view
+        resumed: list[NumberedDelta] | None = None
+        if request.HasField("epoch") and request.HasField("sequence"):
+            resumed = view.deltas_after(request.epoch, request.sequence)
+        if resumed is None:
+            sent = await self._send_snapshot(write)
+        else:
+            sent = request.sequence
+            for numbered in resumed:
+                await write(self._delta_update(numbered))
+                sent = numbered.sequence
+        while True:
+            changed = self._changed
+            if view.sequence == sent:
+                await changed.wait()
+                continue
+            pending = view.deltas_after(view.epoch, sent)
+            if pending is None:
+                # This client fell behind the deltas kept: start it over.
+                sent = await self._send_snapshot(write)
+                continue
+            for numbered in pending:
+                await write(self._delta_update(numbered))
+                sent = numbered.sequence
+
+    async def _send_snapshot(self, write: Callable[[sidecar_pb2.KvCacheUpdate], Awaitable[None]]) -> int:
+        snapshot = self.view.snapshot()
+        blocks = snapshot.blocks
+        step = self._chunk_blocks
+        starts = range(0, len(blocks), step) if blocks else range(1)
+        for start in starts:
+            chunk = blocks[start : start + step]
+            await write(
+                sidecar_pb2.KvCacheUpdate(
+                    snapshot=sidecar_pb2.KvCacheSnapshot(
+                        epoch=snapshot.epoch,
+                        sequence=snapshot.sequence,
+                        block_size=snapshot.block_size or 0,
+                        model=self.model,
+                        keys=[key for key, _ in chunk],
+                        parents=[parent for _, parent in chunk],
+                        last_chunk=start + step >= len(blocks),
+                        status=self.status(),
+                    )
+                )
+            )
+        return snapshot.sequence
+
+    def _delta_update(self, numbered: NumberedDelta) -> sidecar_pb2.KvCacheUpdate:
+        delta = numbered.delta
+        return sidecar_pb2.KvCacheUpdate(
+            delta=sidecar_pb2.KvCacheDelta(
+                epoch=self.view.epoch,
+                sequence=numbered.sequence,
+                cleared=delta.cleared,
+                removed=delta.removed,
+                added_keys=[key for key, _ in delta.added],
+                added_parents=[parent for _, parent in delta.added],
+            )
+        )
