@@ -22,7 +22,7 @@ from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.workers import WorkerSet, WorkerSetConfig
+from sidecar_frontend.workers import WorkerObserver, WorkerSet, WorkerSetConfig
 from tests.integration.frontend.plugin import FORMAT as PROBE
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import Stack, vllm_stack
@@ -63,14 +63,12 @@ async def frontend_over(
     serving: int | None = None,
     seed: int = 7,
     tracing: Tracing | None = None,
+    observer: WorkerObserver | None = None,
+    metrics: Metrics | None = None,
 ) -> AsyncIterator[FrontendStack]:
     """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve."""
-    metrics = Metrics()
-    async with WorkerSet(
-        FAST_WORKERS,
-        rand=random.Random(seed),
-        on_inflight=lambda w: metrics.set_worker_inflight(w.address, w.inflight),
-    ) as workers:
+    metrics = metrics if metrics is not None else Metrics()
+    async with WorkerSet(FAST_WORKERS, rand=random.Random(seed), observer=observer) as workers:
         for address in addresses:
             workers.add_worker(address)
         with anyio.fail_after(20):
