@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -33,7 +34,7 @@ from sidecar_frontend import disagg
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.placement import WorkerChoice, least_loaded, place
+from sidecar_frontend.placement import CallWatch, WorkerChoice, least_loaded, place
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
@@ -119,6 +120,7 @@ class AttemptRunner:
         config: RunnerConfig,
         *,
         choice: WorkerChoice | None = None,
+        watch: CallWatch | None = None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         rand: random.Random | None = None,
@@ -127,6 +129,8 @@ class AttemptRunner:
         self.workers = workers
         self.config = config
         self.choice = choice if choice is not None else least_loaded(workers)
+        # What the routing policy follows of each call (None: nothing).
+        self.watch = watch
         self.metrics = metrics
         self.clock = clock
         self.rand = rand if rand is not None else random.Random()
@@ -375,6 +379,9 @@ class _Run:
         try:
             with (
                 worker.lease(runner.lease_changed),
+                runner.watch.watch(worker, request)
+                if runner.watch is not None
+                else nullcontext(_ignore) as observe,
                 runner.tracing.span(
                     "sidecar.v1.Worker/Generate",
                     kind=SpanKind.CLIENT,
@@ -384,6 +391,7 @@ class _Run:
                 call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
                 try:
                     async for output in call:
+                        observe(output)
                         if first:
                             first = False
                             if metrics is not None:
@@ -403,3 +411,7 @@ class _Run:
                 metrics.worker_call(worker.address, runner.clock() - began)
                 if failure is not None:
                     metrics.worker_failed(worker.address, failure.reason.value)
+
+
+def _ignore(output: sidecar_pb2.LLMEngineOutput) -> None:
+    """A call nobody watches."""

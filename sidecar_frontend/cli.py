@@ -33,6 +33,8 @@ from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig, Worke
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
+from sidecar_frontend.routing.policy import PolicyConfig
+from sidecar_frontend.routing.router import RouterConfig, Routing
 
 __all__ = ["ENV_PREFIX", "FORMATS", "FrontendConfig", "build_parser", "parse_config"]
 
@@ -52,6 +54,7 @@ class FrontendConfig:
     formats: tuple[str, ...]
     handler: HandlerConfig
     worker_set: WorkerSetConfig
+    routing: RouterConfig
     metrics_port: int | None
     metrics_host: str | None  # None: the host of --listen
     drain_timeout: float
@@ -103,8 +106,33 @@ def _formats(text: str) -> tuple[str, ...]:
     return names
 
 
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 1.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of 1 or more, got {text!r}")
+    return value
+
+
 def _refuse_inapplicable(ns: argparse.Namespace) -> None:
-    """Flags the chosen discovery mode or formats do not use (the rule of docs/common.md)."""
+    """Flags the chosen discovery mode, formats or routing do not use (the rule of docs/common.md)."""
+    routing = ns.routing
+    indexed = routing in (None, Routing.KV.value, Routing.APPROX.value)
+    for dest in ("routing_index_max_mb", "routing_hot_spot_ratio"):
+        refuse_inapplicable(
+            ns,
+            dest,
+            applies=indexed,
+            rule=f"is used only with --routing kv or approx (or unset), not {routing}",
+        )
+    refuse_inapplicable(
+        ns,
+        "routing_approx_ttl_secs",
+        applies=routing in (None, Routing.APPROX.value),
+        rule=f"is used only with --routing approx (or unset), not {routing}",
+    )
     mode = ns.discovery
     refuse_inapplicable(
         ns, "dns_refresh_secs", applies=mode == "dns", rule=f"is used only with --discovery dns, not {mode}"
@@ -244,6 +272,38 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="PEM",
         help="the private key of --worker-tls-cert; re-read when it changes",
     )
+    routing = parser.add_argument_group("routing")
+    routing.add_argument(
+        "--routing",
+        choices=[r.value for r in Routing],
+        default=None,
+        help="how a worker is chosen: kv (by the prefix the workers' KV caches hold, from their "
+        "cache streams, weighed against load), approx (the same from this frontend's own routing "
+        "decisions), load (power of two choices on requests in flight), round-robin, random "
+        "(default: kv for the workers that publish their cache, approx for the others)",
+    )
+    routing.add_argument(
+        "--routing-index-max-mb",
+        type=positive_int_arg,
+        default=256,
+        metavar="MIB",
+        help="memory cap of each model's block index; over it the least recently used blocks are forgotten",
+    )
+    routing.add_argument(
+        "--routing-approx-ttl-secs",
+        type=seconds_arg(allow_zero=False),
+        default=120.0,
+        metavar="SECS",
+        help="how long approx routing assumes a prompt stays cached on the worker it was sent to",
+    )
+    routing.add_argument(
+        "--routing-hot-spot-ratio",
+        type=_ratio,
+        default=PolicyConfig.hot_spot_ratio,
+        metavar="R",
+        help="a worker running more than R times the requests of the least busy one (plus 2) "
+        "loses its cache affinity until the others catch up",
+    )
     add_discovery_arguments(parser)
     add_operations_arguments(
         parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
@@ -300,6 +360,12 @@ def parse_config(
             tls=_worker_tls(parser, ns),
             # Calls in flight when the TLS files rotate may finish on the old connections.
             retire_grace=timeout + 5.0 if timeout > 0 else WorkerSetConfig.retire_grace,
+        ),
+        routing=RouterConfig(
+            routing=Routing(ns.routing) if ns.routing is not None else None,
+            index_max_bytes=ns.routing_index_max_mb * 1024 * 1024,
+            approx_ttl=ns.routing_approx_ttl_secs,
+            policy=PolicyConfig(hot_spot_ratio=ns.routing_hot_spot_ratio),
         ),
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,

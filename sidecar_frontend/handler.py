@@ -41,7 +41,7 @@ from sidecar_frontend.formats.base import (
     requested_model,
 )
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.placement import WorkerChoice
+from sidecar_frontend.placement import CallWatch, WorkerChoice
 from sidecar_frontend.workers import WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
@@ -69,6 +69,7 @@ class Frontend:
         rand: random.Random | None = None,
         tracing: Tracing | None = None,
         choice: WorkerChoice | None = None,
+        watch: CallWatch | None = None,
     ) -> None:
         if not formats:
             raise ValueError("at least one format is needed")
@@ -83,11 +84,13 @@ class Frontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self.tracing = tracing if tracing is not None else Tracing()
-        # ``choice``: the routing policy (default: the worker set's least loaded of two).
+        # ``choice``: the routing policy (default: the worker set's least loaded of two);
+        # ``watch``: what it follows of each call (sidecar_frontend/routing/choice.py).
         self.runner = AttemptRunner(
             workers,
             self.config,
             choice=choice,
+            watch=watch,
             metrics=metrics,
             clock=clock,
             rand=rand,

@@ -2,14 +2,16 @@
 
 A routing policy plugs in as a :class:`WorkerChoice`: asked for one worker of a role at a time,
 it answers from the serving workers it is offered (the default, :func:`least_loaded`, is the
-worker set's power of two choices). :func:`place` is what the attempt runner calls: it asks the
-choice for the roles the fleet serves, prefers a worker the sub-request has not tried, and waits
-(bounded) for one to serve when none does.
+worker set's power of two choices; ``sidecar_frontend/routing/`` is the KV-cache-aware one). A
+policy may also follow the calls it chose the workers of (:class:`CallWatch`). :func:`place` is
+what the attempt runner calls: it asks the choice for the roles the fleet serves, prefers a
+worker the sub-request has not tried, and waits (bounded) for one to serve when none does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import anyio
@@ -18,7 +20,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import Role
 from sidecar_frontend.workers import Worker, WorkerSet
 
-__all__ = ["Placement", "WorkerChoice", "least_loaded", "place"]
+__all__ = ["CallWatch", "Observe", "Placement", "WorkerChoice", "least_loaded", "place"]
 
 # One aggregated worker, or a prefill worker and a decode worker.
 Placement = tuple[Worker] | tuple[Worker, Worker]
@@ -36,6 +38,19 @@ class WorkerChoice(Protocol):
         request: sidecar_pb2.PreprocessedRequest,
         exclude: frozenset[str],
     ) -> Worker | None: ...
+
+
+# Given each output of a call, as the worker sent it.
+Observe = Callable[[sidecar_pb2.LLMEngineOutput], None]
+
+
+class CallWatch(Protocol):
+    """What a routing policy follows of a Generate call: entered when the call starts, left
+    when it ends (however), its function given each output the worker sent."""
+
+    def watch(
+        self, worker: Worker, request: sidecar_pb2.PreprocessedRequest
+    ) -> AbstractContextManager[Observe]: ...
 
 
 def least_loaded(workers: WorkerSet) -> WorkerChoice:

@@ -39,6 +39,8 @@ from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
+from sidecar_frontend.routing.choice import RoutedChoice
+from sidecar_frontend.routing.wiring import RoutingParts
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
@@ -97,10 +99,12 @@ async def start_metrics_endpoint(metrics: Metrics, host: str, port: int) -> web.
 
 
 class WorkerMetrics:
-    """The worker set's observer: refusals counted, a departed worker's series removed."""
+    """The worker set's observer: refusals counted, a departed worker's series (and routing
+    entries) removed."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, routing: RoutingParts | None = None) -> None:
         self._metrics = metrics
+        self._routing = routing
 
     def worker_refused(self, worker: Worker) -> None:
         if worker.refusal is not None:
@@ -108,6 +112,8 @@ class WorkerMetrics:
 
     def worker_forgotten(self, worker: Worker) -> None:
         self._metrics.forget_worker(worker.address)
+        if self._routing is not None:
+            self._routing.forget_worker(worker.address)
 
 
 def _rows(workers: WorkerSet) -> list[WorkerRow]:
@@ -156,16 +162,23 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         metrics_host=config.metrics_host,
         models=sorted(config.worker_set.models) or None,
         sglang_incremental_streaming_output=config.sglang_incremental_streaming_output,
+        routing=config.routing.routing.value if config.routing.routing is not None else "kv/approx",
     )
+    routing = RoutingParts.build(config.routing, metrics.registry)
     async with (
-        WorkerSet(config.worker_set, observer=WorkerMetrics(metrics)) as workers,
+        WorkerSet(
+            config.worker_set,
+            observer=WorkerMetrics(metrics, routing),
+            companions=routing.companions(),
+        ) as workers,
         anyio.create_task_group() as discovery,
     ):
         metrics.watch_fleet(lambda: _rows(workers))
+        choice = routing.choice(workers)
         # Serving starts once discovery applied its first view (or its first attempt failed).
         await discovery.start(run_discovery, config.discovery, workers)
         try:
-            code = await _serve_http(config, formats, workers, metrics, signals)
+            code = await _serve_http(config, formats, workers, choice, metrics, signals)
         finally:
             discovery.cancel_scope.cancel()
     log.info("stopped")
@@ -176,11 +189,14 @@ async def _serve_http(
     config: FrontendConfig,
     formats: list[Format],
     workers: WorkerSet,
+    choice: RoutedChoice,
     metrics: Metrics,
     signals: AsyncIterator[signal.Signals],
 ) -> int:
     tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
-    frontend = Frontend(formats, workers, config.handler, metrics=metrics, tracing=tracing)
+    frontend = Frontend(
+        formats, workers, config.handler, metrics=metrics, tracing=tracing, choice=choice, watch=choice
+    )
     runner = web.AppRunner(
         frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
     )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -155,6 +155,12 @@ class Worker:
     # The worker's last GetLoad (every frontend's generations) and our own count at that time.
     reported_inflight: int = 0
     own_at_report: int = 0
+    # The prompt tokens this frontend's generations here still have to prefill (each counted
+    # from its call to its first output): what a new request would queue behind.
+    queued_prefill_tokens: int = 0
+    # Its sidecar subscribes to its engine's KV events and serves them on WatchKvCache (the
+    # last GetLoad's kv_cache.subscribed).
+    publishes_cache: bool = False
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     idle: anyio.Event = field(default_factory=anyio.Event)
     # The TLS files' version the pool's connections were made with (0: plaintext or none yet).
@@ -226,11 +232,15 @@ class WorkerSet:
         rand: random.Random | None = None,
         observer: WorkerObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        companions: Sequence[Callable[[Worker], Coroutine[Any, Any, None]]] = (),
     ) -> None:
         self._config = config if config is not None else WorkerSetConfig()
         self._rand = rand if rand is not None else random.Random()
         self._observer = observer
         self._clock = clock
+        # Tasks run beside each worker's own (the KV cache stream), from its first connection
+        # until it leaves the set, in its scope.
+        self._companions = tuple(companions)
         self._workers: dict[str, Worker] = {}
         self._group: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
@@ -470,6 +480,8 @@ class WorkerSet:
             await self._connect(worker)
             async with anyio.create_task_group() as group:
                 group.start_soon(self._poll_load, worker)
+                for companion in self._companions:
+                    group.start_soon(companion, worker)
                 await self._watch_health(worker)
 
     def _new_pool(self, address: str) -> ChannelPool:
@@ -657,6 +669,7 @@ class WorkerSet:
                 )
                 worker.reported_inflight = report.inflight_requests
                 worker.own_at_report = own
+                worker.publishes_cache = report.kv_cache.subscribed
             except SidecarError as err:
                 log.debug("worker load poll failed", worker=worker.address, error=err.message)
             await anyio.sleep(self._config.load_poll_interval)

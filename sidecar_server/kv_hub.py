@@ -16,7 +16,7 @@ from typing import Final
 import anyio
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_server.kv_state import KvDelta
+from sidecar_server.kv_state import KvDelta, RankFeed
 from sidecar_server.kv_view import NumberedDelta, WorkerCacheView
 
 __all__ = ["SNAPSHOT_CHUNK_BLOCKS", "KvCacheHub", "new_epoch"]
@@ -47,6 +47,8 @@ class KvCacheHub:
         self._changed = anyio.Event()
         # Told when the engine's health changes (the subscriber resyncs on a bad verdict).
         self.engine_health_listeners: list[Callable[[bool], None]] = []
+        # One per data-parallel rank subscribed to (their counters are metrics).
+        self.feeds: list[RankFeed] = []
 
     def set_model(self, model: str, block_size: int) -> None:
         """What discovery said: the served model, and the engine's block size if it gave one."""

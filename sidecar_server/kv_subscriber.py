@@ -43,6 +43,7 @@ class KvSubscriber:
         self._config = config
         self._hub = hub
         self._feeds = [RankFeed(replay=config.replay_endpoint is not None) for _ in range(ranks)]
+        hub.feeds = self._feeds
         self._replays: list[MemoryObjectSendStream[int]] = []
         hub.engine_health_listeners.append(self._engine_health)
 

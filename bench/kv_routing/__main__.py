@@ -141,10 +141,12 @@ def run_fleet(
                 spec = replace(fleet_spec, replicas=n)
                 load_before = _load()
                 with Fleet(spec, policy, f"{workload}-{policy}-{n}") as fleet:
+                    cpu_before = fleet.cpu_seconds()
                     if workload == "shared":
                         done, counts, wall = asyncio.run(run_shared(fleet, requests))
                     else:
                         done, counts, wall = asyncio.run(run_multi_turn(fleet, conversations))
+                    cpu_after = fleet.cpu_seconds()
                 row = {
                     "workload": workload,
                     "policy": policy,
@@ -153,6 +155,8 @@ def run_fleet(
                     "load_before": load_before,
                     "load_after": _load(),
                     "capacity_blocks": spec.capacity_blocks,
+                    "cpu_s": {role: round(cpu_after[role] - cpu_before[role], 2) for role in cpu_after},
+                    "sidecar_events": spec.sidecar_events,
                 }
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
@@ -202,6 +206,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"# KV-cache-aware routing ({report['profile']}, {report['date']}, commit {report['commit']}, "
         f"load average {report['load_start']} at start)",
         "",
+        *([report["note"], ""] if report.get("note") else []),
         f"Fleet: {fleet['workers']} testkit vLLM workers, blocks of {fleet['block_size']}, "
         f"{fleet['prefill_us_per_token']:g} µs prefill per uncached token, {fleet['max_num_seqs']} "
         f"request(s) generated at a time per worker, {fleet['max_tokens']} output tokens at "
@@ -307,16 +312,15 @@ def _targets(
                 f"{_verdict(d['choose_us'] < 100)}: a decision for 8,192 tokens over 16 workers "
                 f"costs {d['choose_us']} µs (target: under 100)"
             )
-    one, two = runs.get(("shared", "kv", 1)), runs.get(("shared", "kv", 2))
-    if not replicas:
-        pass
-    elif one and two:
-        out.append(
-            f"{_verdict(two['hit_rate'] >= one['hit_rate'] * 0.99)}: shared, kv: two frontends "
-            f"{two['hit_rate']:.1%} hit rate, one {one['hit_rate']:.1%} (target: no hits lost)"
-        )
-    else:
-        out.append("NOT RUN: two frontend replicas lose no hits against one")
+    for workload in ("shared", "multi") if replicas else ():
+        one, two = runs.get((workload, "kv", 1)), runs.get((workload, "kv", 2))
+        if one and two:
+            out.append(
+                f"{_verdict(two['hit_rate'] >= one['hit_rate'] * 0.99)}: {workload}, kv: two frontends "
+                f"{two['hit_rate']:.1%} hit rate, one {one['hit_rate']:.1%} (target: no hits lost)"
+            )
+        elif workload == "shared":
+            out.append("NOT RUN: two frontend replicas lose no hits against one")
     return [line.replace(": ", ": " + prefix, 1) if prefix else line for line in out]
 
 
@@ -334,11 +338,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", default="shared,multi")
     parser.add_argument("--replicas", default="1", help="frontend counts to run, comma-separated (e.g. 1,2)")
     parser.add_argument("--no-micro", action="store_true")
+    parser.add_argument(
+        "--no-sidecar-events",
+        action="store_true",
+        help="sidecars not subscribed to KV events (A/B of their cost)",
+    )
     parser.add_argument("--no-fleet", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for kv_routing.{json,md}")
     parser.add_argument("--name", default="kv_routing", help="file name stem")
+    parser.add_argument(
+        "--note", default="", help="a line for the report (e.g. where the code under test came from)"
+    )
     args = parser.parse_args(argv)
     prof = profile(args.profile or "quick")
+    if args.no_sidecar_events:
+        prof = replace(prof, fleet=replace(prof.fleet, sidecar_events=False))
     feats = features()
     wanted = [p for p in args.policies.split(",") if p]
     policies = [p for p in wanted if p in feats["policies"]]
@@ -349,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": _commit(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "load_start": _load()[0],
+        "note": args.note,
         "features": feats,
         "skipped_policies": skipped,
         "fleet": asdict(prof.fleet),

@@ -32,6 +32,7 @@ import aiohttp
 from bench.kv_routing.workloads import Conversation, SharedRequest
 from bench.plan import _script
 from bench.procs import Proc, free_port, wait_grpc_ready, wait_http_ready
+from bench.procstat import cpu_seconds
 
 __all__ = ["Completed", "Fleet", "FleetSpec", "features", "run_multi_turn", "run_shared"]
 
@@ -48,6 +49,7 @@ class FleetSpec:
     token_latency_ms: float = 2.0
     max_tokens: int = 16
     replicas: int = 1
+    sidecar_events: bool = True  # subscribe the sidecars to their engines' KV events (if they can)
 
 
 @dataclass
@@ -79,7 +81,7 @@ def features() -> dict[str, Any]:
     if "--routing" in frontend and not policies:
         policies = ["kv", "approx", "load", "round-robin", "random"]
     sidecar = _help("sidecar-vllm")
-    flags = re.findall(r"--kv-events[a-z-]*", sidecar)
+    flags = re.findall(r"--kv-events-[a-z][a-z-]*", sidecar)
     return {
         "routing_flag": "--routing" in frontend,
         "policies": policies,
@@ -129,7 +131,7 @@ class Fleet:
         for i, (_, engine_addr, pub, replay) in enumerate(engines):
             listen = f"127.0.0.1:{free_port()}"
             argv = [_script("sidecar-vllm"), "--grpc-endpoint", engine_addr, "--listen", listen]
-            if "--kv-events-endpoint" in kv_flags:
+            if spec.sidecar_events and "--kv-events-endpoint" in kv_flags:
                 argv += ["--kv-events-endpoint", f"tcp://127.0.0.1:{pub}"]
                 replay_flag = next((f for f in kv_flags if "replay" in f), None)
                 if replay_flag is not None:
@@ -164,6 +166,14 @@ class Fleet:
             wait_http_ready(proc, url + "/health", STARTUP_S)
             self.urls.append(url)
             self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time used so far by the engines, the sidecars and the frontends (each role's sum)."""
+        roles: dict[str, float] = {}
+        for proc in self.procs:
+            role = re.sub(r"^kv-.*-(engine|sidecar|frontend)\d+$", r"\1", proc.name)
+            roles[role] = roles.get(role, 0.0) + cpu_seconds(proc.pid)
+        return {role: round(value, 2) for role, value in roles.items()}
 
     def stop(self) -> None:
         for proc in reversed(self.procs):

@@ -15,12 +15,14 @@ import grpc
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.kv_keys import block_keys
 from sidecar_server.kv_config import KvEventsConfig
 from sidecar_server.kv_events import decode_batch
 from sidecar_server.kv_hub import KvCacheHub
+from sidecar_server.kv_metrics import KvEventsCollector
 from sidecar_server.kv_state import RankFeed, ResyncReason
 from sidecar_server.kv_subscriber import KvSubscriber
 from sidecar_server.server import ServerConfig, SidecarServer
@@ -167,6 +169,12 @@ async def test_a_dropped_batch_is_replayed() -> None:
         feed = running.subscriber.feeds[0]
         assert feed.counters.gaps == 1
         assert feed.counters.resyncs == {}
+        registry = CollectorRegistry()
+        registry.register(KvEventsCollector(running.hub, "vllm"))
+        rank = {"engine": "vllm", "rank": "0"}
+        assert registry.get_sample_value("sidecar_kv_event_gaps_total", rank) == 1
+        assert registry.get_sample_value("sidecar_kv_event_replays_total", rank) == 2  # at start, and the gap
+        assert registry.get_sample_value("sidecar_kv_blocks", {"engine": "vllm"}) == len(sim.truth())
 
 
 async def test_a_publisher_that_restarts_is_heard_again_and_its_old_blocks_are_gone() -> None:

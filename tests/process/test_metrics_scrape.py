@@ -341,8 +341,8 @@ def test_every_frontend_dashboard_query_names_only_metrics_the_frontend_exports(
         unknown = metrics - exported
         assert not unknown, f"{expr!r} names {sorted(unknown)}, which the frontend does not export"
         used |= metrics
-    # What the issue asks the frontend's dashboard to answer: which worker is slow, which fails
-    # and why, why clients are refused, which workers are not used.
+    # What the issues ask the frontend's dashboard to answer: which worker is slow, which fails
+    # and why, why clients are refused, which workers are not used, how the KV cache routes.
     for wanted in (
         "frontend_requests_total",
         "frontend_worker_request_duration_seconds_bucket",
@@ -352,5 +352,10 @@ def test_every_frontend_dashboard_query_names_only_metrics_the_frontend_exports(
         "frontend_workers",
         "frontend_model_workers",
         "frontend_build_info",
+        # KV-cache routing: the hit rate, why workers were chosen, the index.
+        "frontend_kv_reported_cached_tokens_total",
+        "frontend_kv_prompt_tokens_total",
+        "frontend_routing_decisions_total",
+        "frontend_kv_index_blocks",
     ):
         assert wanted in used, f"the frontend dashboard shows no {wanted}"

@@ -22,6 +22,9 @@ from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.routing.router import RouterConfig
+from sidecar_frontend.routing.streams import StreamConfig
+from sidecar_frontend.routing.wiring import RoutingParts
 from sidecar_frontend.workers import WorkerObserver, WorkerSet, WorkerSetConfig
 from tests.integration.frontend.plugin import FORMAT as PROBE
 from tests.sglang_fixtures import sglang_stack
@@ -38,6 +41,7 @@ __all__ = [
 ]
 
 FAST_WORKERS = WorkerSetConfig(connections=1, rpc_timeout=2.0, load_poll_interval=0.1, rewatch_interval=0.05)
+FAST_STREAMS = StreamConfig(ready_check_secs=0.05, retry_first_secs=0.05, retry_max_secs=0.5)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class FrontendStack:
     url: str
     http: aiohttp.ClientSession
     sidecars: list[Any]  # the sidecar stacks (vllm_fixtures.Stack / sglang_fixtures.Stack)
+    routing: RoutingParts | None = None  # None: routed by load
 
     def address(self, index: int) -> str:
         return f"127.0.0.1:{self.sidecars[index].server.port}"
@@ -63,17 +68,38 @@ async def frontend_over(
     serving: int | None = None,
     seed: int = 7,
     tracing: Tracing | None = None,
+    routing: RouterConfig | None = None,
     observer: WorkerObserver | None = None,
     metrics: Metrics | None = None,
 ) -> AsyncIterator[FrontendStack]:
-    """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve."""
+    """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve.
+    Without ``routing`` it chooses by load (the worker set's power of two choices)."""
     metrics = metrics if metrics is not None else Metrics()
-    async with WorkerSet(FAST_WORKERS, rand=random.Random(seed), observer=observer) as workers:
+    parts = (
+        RoutingParts.build(routing, metrics.registry, rand=random.Random(seed), streams=FAST_STREAMS)
+        if routing is not None
+        else None
+    )
+    async with WorkerSet(
+        FAST_WORKERS,
+        rand=random.Random(seed),
+        observer=observer,
+        companions=parts.companions() if parts is not None else (),
+    ) as workers:
         for address in addresses:
             workers.add_worker(address)
         with anyio.fail_after(20):
             await workers.wait_serving(len(addresses) if serving is None else serving)
-        frontend = Frontend(formats, workers, config or HandlerConfig(), metrics=metrics, tracing=tracing)
+        choice = parts.choice(workers) if parts is not None else None
+        frontend = Frontend(
+            formats,
+            workers,
+            config or HandlerConfig(),
+            metrics=metrics,
+            tracing=tracing,
+            choice=choice,
+            watch=choice,
+        )
         runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -81,7 +107,9 @@ async def frontend_over(
         port = runner.addresses[0][1]
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-                yield FrontendStack(frontend, workers, metrics, f"http://127.0.0.1:{port}", http, sidecars)
+                yield FrontendStack(
+                    frontend, workers, metrics, f"http://127.0.0.1:{port}", http, sidecars, parts
+                )
         finally:
             await runner.cleanup()
 

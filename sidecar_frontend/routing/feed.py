@@ -1,0 +1,130 @@
+"""One worker's cache stream applied to a block index (pure: a state machine fed one update at a
+time; the I/O side reads ``WatchKvCache`` and acts on what each step returns).
+
+The stream (docs/api.md, "WatchKvCache"): a snapshot, possibly in chunks sharing one (epoch,
+sequence), whole after its last chunk; then deltas numbered sequence + 1, + 2, ... within the
+epoch. The feed keeps the (epoch, sequence) it last applied, which is what a reconnect asks to
+resume from. What each update does:
+
+* a snapshot chunk: gathered; the last chunk replaces everything the index held for the worker
+  (exact entries and approximate ones alike);
+* the next delta: applied in the stream's order (cleared, then removed, then added);
+* a delta already applied (its sequence is not past the feed's): ignored;
+* a delta past the next one, of another epoch, or before any snapshot: a gap. Nothing of it is
+  applied; the I/O side reconnects from :attr:`CacheFeed.resume_from` and the sidecar either
+  replays the missing deltas or sends a new snapshot.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sidecar_frontend.routing.index import BlockIndex
+
+__all__ = ["CacheFeed", "FeedCounts", "Step"]
+
+
+class Step(enum.Enum):
+    GATHERED = "gathered"  # a snapshot chunk that is not the last
+    SNAPSHOT = "snapshot"  # a whole snapshot replaced the worker's entries
+    APPLIED = "applied"  # the next delta
+    DUPLICATE = "duplicate"  # a delta already applied
+    GAP = "gap"  # reconnect from resume_from
+
+
+@dataclass
+class FeedCounts:
+    snapshots: int = 0
+    deltas: int = 0
+    gaps: int = 0
+
+    @property
+    def resyncs(self) -> int:
+        """Snapshots after the first: each a state rebuilt from scratch."""
+        return max(0, self.snapshots - 1)
+
+
+class CacheFeed:
+    """Applies one worker's ``WatchKvCache`` updates to ``index`` under ``worker``."""
+
+    def __init__(self, worker: str, index: BlockIndex) -> None:
+        self.worker = worker
+        self.index = index
+        self.counts = FeedCounts()
+        self.epoch: int | None = None
+        self.sequence: int | None = None
+        self.block_size = 0
+        # The engine has published at least once (its snapshot's status said so, or a delta came).
+        self.engine_publishes = False
+        self._pending_at: tuple[int, int] | None = None
+        self._pending: list[int] = []
+
+    @property
+    def live(self) -> bool:
+        """A whole snapshot was applied: the index holds the worker's state."""
+        return self.epoch is not None
+
+    @property
+    def resume_from(self) -> tuple[int, int] | None:
+        """The (epoch, sequence) to reconnect with (None: ask for a snapshot)."""
+        if self.epoch is None or self.sequence is None:
+            return None
+        return self.epoch, self.sequence
+
+    def snapshot_chunk(
+        self,
+        epoch: int,
+        sequence: int,
+        block_size: int,
+        keys: Sequence[int],
+        *,
+        last_chunk: bool,
+        engine_published: bool,
+    ) -> Step:
+        """One chunk of a snapshot taken at (``epoch``, ``sequence``)."""
+        if self._pending_at != (epoch, sequence):
+            self._pending_at = (epoch, sequence)
+            self._pending = []
+        self._pending.extend(keys)
+        if not last_chunk:
+            return Step.GATHERED
+        self.index.replace(self.worker, self._pending)
+        self._pending_at = None
+        self._pending = []
+        self.epoch, self.sequence = epoch, sequence
+        self.block_size = block_size
+        self.engine_publishes = self.engine_publishes or engine_published
+        self.counts.snapshots += 1
+        return Step.SNAPSHOT
+
+    def delta(
+        self, epoch: int, sequence: int, *, cleared: bool, removed: Sequence[int], added: Sequence[int]
+    ) -> Step:
+        """One delta; applied only when it is the next one."""
+        if self.epoch is None or self.sequence is None or epoch != self.epoch:
+            self.counts.gaps += 1
+            return Step.GAP
+        if sequence <= self.sequence:
+            return Step.DUPLICATE
+        if sequence != self.sequence + 1:
+            self.counts.gaps += 1
+            return Step.GAP
+        if cleared:
+            self.index.clear(self.worker)
+        if removed:
+            self.index.remove(self.worker, removed)
+        if added:
+            self.index.store(self.worker, added)
+        self.sequence = sequence
+        self.engine_publishes = True
+        self.counts.deltas += 1
+        return Step.APPLIED
+
+    def stop(self) -> None:
+        """The stream is gone for good (the worker left or stopped publishing): its entries go."""
+        self.index.forget(self.worker)
+        self.epoch = self.sequence = None
+        self._pending_at = None
+        self._pending = []

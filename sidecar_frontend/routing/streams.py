@@ -1,0 +1,237 @@
+"""Every worker's cache stream (``sidecar.v1.Worker/WatchKvCache``) feeding the router's index
+(I/O; what each update does is ``feed.py``'s, pure).
+
+One task per worker (:meth:`CacheStreams.follow`), started by the worker set beside the
+worker's own tasks and cancelled with them when the worker leaves the set; its ``finally``
+takes the worker's entries out of the index. The task waits until the worker serves and its
+sidecar says it subscribes to its engine's KV events (``LoadReport.kv_cache.subscribed``, from
+the worker set's load poll); then it watches, and after the stream breaks or shows a gap it
+watches again from the last (epoch, sequence) applied: the sidecar resumes there or sends a
+new snapshot. A worker that keeps failing is retried at the project's backoff (doubling,
+capped, jittered: ``sidecar_common.retry.Backoff``). A sidecar too old to serve the stream
+(UNIMPLEMENTED) is not asked again until it restarts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import grpc
+import structlog
+
+from sidecar_common.api import sidecar_pb2
+from sidecar_common.retry import Backoff
+from sidecar_frontend.routing.feed import CacheFeed, Step
+from sidecar_frontend.routing.metrics import RoutingMetrics, StreamRow
+from sidecar_frontend.routing.router import Router
+from sidecar_frontend.workers import Worker
+
+__all__ = ["CacheStreams", "StreamConfig"]
+
+log = structlog.get_logger("sidecar_frontend.routing")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    # How often a worker not yet ready to stream (not serving, not subscribed) is looked at
+    # again, at the latest (a change of the worker set wakes it sooner).
+    ready_check_secs: float = 1.0
+    # Pause before watching again after the stream failed, doubling up to the cap (jittered).
+    retry_first_secs: float = 0.2
+    retry_max_secs: float = 10.0
+
+
+@dataclass
+class _Stream:
+    worker: Worker
+    feed: CacheFeed
+    model: str
+    # The sidecar answered UNIMPLEMENTED: asked again only after its sidecar restarts.
+    unimplemented: bool = False
+
+
+class CacheStreams:
+    """The workers' cache streams and what the router needs to know of them."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        metrics: RoutingMetrics | None = None,
+        config: StreamConfig | None = None,
+        next_change: Callable[[], anyio.Event] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._router = router
+        self._metrics = metrics
+        self._config = config if config is not None else StreamConfig()
+        self._next_change = next_change
+        self._clock = clock
+        self._streams: dict[str, _Stream] = {}
+
+    def watch_changes(self, next_change: Callable[[], anyio.Event]) -> None:
+        """Wake a waiting stream at each change of the worker set (``WorkerSet.next_change``)."""
+        self._next_change = next_change
+
+    # ---------------------------------------------------------------- what routing reads
+
+    def publishes(self, address: str) -> bool:
+        """Whether ``address``'s entries in the index come from its engine's events: its
+        stream's snapshot arrived and its engine has published at least once."""
+        stream = self._streams.get(address)
+        return stream is not None and stream.feed.live and stream.feed.engine_publishes
+
+    def block_size(self, address: str) -> int:
+        """The block size ``address``'s stream reported (0: none yet)."""
+        stream = self._streams.get(address)
+        return 0 if stream is None else stream.feed.block_size
+
+    def rows(self) -> list[StreamRow]:
+        return [
+            StreamRow(
+                address,
+                stream.model,
+                stream.feed.live,
+                stream.feed.engine_publishes,
+                stream.feed.counts.deltas,
+                stream.feed.counts.gaps,
+                stream.feed.counts.resyncs,
+            )
+            for address, stream in self._streams.items()
+        ]
+
+    # ---------------------------------------------------------------- the per-worker task
+
+    async def follow(self, worker: Worker) -> None:
+        """Watch ``worker``'s cache for as long as it is in the set (a worker set companion)."""
+        backoff = Backoff(self._config.retry_first_secs, self._config.retry_max_secs)
+        failures = 0  # in a row, since the stream last applied anything
+        try:
+            while True:
+                stream = await self._ready(worker)
+                counts = stream.feed.counts
+                applied = counts.snapshots + counts.deltas
+                failure = await self._watch(stream)
+                if counts.snapshots + counts.deltas != applied:
+                    failures = 0
+                if failure is None:
+                    continue
+                failures += 1
+                pause = backoff.pause(failures)
+                if failures == 1:
+                    # Once per series of failures; the snapshot line says when it is over.
+                    log.warning(
+                        "worker cache stream failed, watching again",
+                        worker=worker.address,
+                        error=failure,
+                        retry_in_secs=round(pause, 2),
+                    )
+                await anyio.sleep(pause)
+        finally:
+            ended = self._streams.pop(worker.address, None)
+            if ended is not None:
+                ended.feed.stop()
+
+    async def _ready(self, worker: Worker) -> _Stream:
+        """Until ``worker`` serves, its sidecar subscribes to its engine's events and has not
+        refused the stream: its stream (a new one, on a fresh index, when its model changed)."""
+        while True:
+            changed = self._next_change() if self._next_change is not None else None
+            stream = self._streams.get(worker.address)
+            model = worker.served_model
+            if stream is not None and stream.model != model and model:
+                stream.feed.stop()
+                stream = None
+                del self._streams[worker.address]
+            if worker.model is None and stream is not None:
+                stream.unimplemented = False  # its sidecar restarted: ask again
+            if worker.eligible and model and worker.publishes_cache:
+                if stream is None:
+                    stream = _Stream(worker, CacheFeed(worker.address, self._router.index(model)), model)
+                    self._streams[worker.address] = stream
+                if not stream.unimplemented:
+                    return stream
+            with anyio.move_on_after(self._config.ready_check_secs):
+                if changed is not None:
+                    await changed.wait()
+                else:
+                    await anyio.sleep(self._config.ready_check_secs)
+
+    async def _watch(self, stream: _Stream) -> str | None:
+        """One WatchKvCache call, until it breaks or shows a gap; why it failed (None: a gap,
+        or a sidecar that does not serve the stream)."""
+        feed = stream.feed
+        worker = stream.worker
+        request = sidecar_pb2.WatchKvCacheRequest()
+        resume = feed.resume_from
+        if resume is not None:
+            request.epoch, request.sequence = resume
+        try:
+            call = worker.stub().WatchKvCache(request)
+            try:
+                async for update in _updates(call):
+                    step = self._apply(stream, update)
+                    if step is Step.GAP:
+                        log.info(
+                            "worker cache stream gap: resuming",
+                            worker=worker.address,
+                            resume_from=feed.resume_from,
+                        )
+                        return None
+                    if step is Step.SNAPSHOT:
+                        log.info(
+                            "worker cache snapshot",
+                            worker=worker.address,
+                            model=stream.model,
+                            blocks=feed.index.blocks_of(worker.address),
+                            block_size=feed.block_size,
+                            resyncs=feed.counts.resyncs,
+                        )
+            finally:
+                call.cancel()
+        except grpc.RpcError as err:
+            code = err.code() if callable(getattr(err, "code", None)) else None
+            if code is grpc.StatusCode.UNIMPLEMENTED:
+                stream.unimplemented = True
+                log.warning(
+                    "worker cache stream not served by its sidecar: routing it without its cache",
+                    worker=worker.address,
+                )
+                return None
+            details = err.details() if callable(getattr(err, "details", None)) else None
+            return f"{details or 'no details'} ({code.name if code is not None else 'no status'})"
+        return "the sidecar ended the stream"  # it is going away
+
+    def _apply(self, stream: _Stream, update: sidecar_pb2.KvCacheUpdate) -> Step:
+        feed = stream.feed
+        kind = update.WhichOneof("update")
+        if kind == "snapshot":
+            snap = update.snapshot
+            return feed.snapshot_chunk(
+                snap.epoch,
+                snap.sequence,
+                snap.block_size,
+                snap.keys,
+                last_chunk=snap.last_chunk,
+                engine_published=snap.status.batches_received > 0,
+            )
+        if kind == "delta":
+            delta = update.delta
+            return feed.delta(
+                delta.epoch,
+                delta.sequence,
+                cleared=delta.cleared,
+                removed=delta.removed,
+                added=delta.added_keys,
+            )
+        return Step.DUPLICATE  # an update kind this frontend does not know: nothing to apply
+
+
+async def _updates(call: Any) -> AsyncIterator[sidecar_pb2.KvCacheUpdate]:
+    # grpc.aio's stream calls are async iterables, but the stubs are not typed as such.
+    async for update in call:
+        yield update

@@ -1,0 +1,208 @@
+"""KV events end to end with real processes: a testkit engine publishing on the real wire
+(``--kv-events-config``: PUB + replay ROUTER), the sidecar subscribed with
+``--kv-events-endpoint``, and a client of WatchKvCache that finds the prefix it sent under
+the keys it computes itself (sidecar_common.kv_keys)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from contextlib import ExitStack
+from typing import Any
+
+import grpc
+import pytest
+
+from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
+from sidecar_common.kv_keys import block_keys
+from tests.e2e_helpers import WAIT, free_port, process, public_request, script, serving_port, stop
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = list(range(1000, 1040))  # two full blocks of 16, and a partial one
+
+
+def _kv_events_config(pub_port: int, replay_port: int, *, vllm: bool) -> str:
+    config = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
+    if vllm:
+        config["enable_kv_cache_events"] = True  # type: ignore[assignment]
+    return json.dumps(config)
+
+
+def _sidecar(stack: ExitStack, program: str, engine_flags: list[str], *flags: str) -> int:
+    sidecar = stack.enter_context(
+        process(
+            [
+                script(program),
+                *engine_flags,
+                "--listen",
+                "127.0.0.1:0",
+                "--grpc-connections",
+                "1",
+                "--grpc-retry-interval-secs",
+                "0.2",
+                "--log-format",
+                "json",
+                *flags,
+            ]
+        )
+    )
+    return serving_port(sidecar)
+
+
+def vllm_worker(stack: ExitStack, *, publish: bool) -> int:
+    engine_port, pub_port, replay_port = free_port(), free_port(), free_port()
+    events = ["--kv-events-config", _kv_events_config(pub_port, replay_port, vllm=True)] if publish else []
+    stack.enter_context(
+        process([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}", *events])
+    )
+    return _sidecar(
+        stack,
+        "sidecar-vllm",
+        ["--grpc-endpoint", f"127.0.0.1:{engine_port}"],
+        # The engine's own address for it, wildcard host and all: the sidecar dials this host.
+        "--kv-events-endpoint",
+        f"tcp://*:{pub_port}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{replay_port}",
+    )
+
+
+def sglang_worker(stack: ExitStack) -> int:
+    grpc_port, http_port, pub_port, replay_port = free_port(), free_port(), free_port(), free_port()
+    stack.enter_context(
+        process(
+            [
+                script("testkit-engine"),
+                "sglang",
+                "--grpc-listen",
+                f"127.0.0.1:{grpc_port}",
+                "--http-listen",
+                f"127.0.0.1:{http_port}",
+                "--kv-events-config",
+                _kv_events_config(pub_port, replay_port, vllm=False),
+            ]
+        )
+    )
+    return _sidecar(
+        stack,
+        "sidecar-sglang",
+        ["--grpc-endpoint", f"127.0.0.1:{grpc_port}", "--transport", "grpc"],
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{pub_port}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{replay_port}",
+    )
+
+
+def generate(stub: sidecar_pb2_grpc.WorkerStub, request_id: str, tokens: list[int]) -> None:
+    request = public_request(request_id, tokens, max_tokens=2)
+    for _ in stub.Generate(request, timeout=WAIT):
+        pass
+
+
+def watched_keys(
+    updates: Iterable[sidecar_pb2.KvCacheUpdate], wanted: set[int], unwanted: frozenset[int] = frozenset()
+) -> set[int]:
+    """Apply updates until every wanted key is held and no unwanted one (the call's deadline
+    bounds the wait)."""
+    keys: set[int] = set()
+    pending: set[int] = set()
+    for update in updates:
+        if update.HasField("snapshot"):
+            pending.update(update.snapshot.keys)
+            if update.snapshot.last_chunk:
+                keys, pending = pending, set()
+        else:
+            if update.delta.cleared:
+                keys.clear()
+            keys.difference_update(update.delta.removed)
+            keys.update(update.delta.added_keys)
+        if wanted <= keys and not unwanted & keys:
+            return keys
+    raise AssertionError("the stream ended")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_prompt_the_engine_cached_is_found_under_the_keys_a_frontend_computes(engine: str) -> None:
+    with ExitStack() as stack:
+        port = vllm_worker(stack, publish=True) if engine == "vllm" else sglang_worker(stack)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = sidecar_pb2_grpc.WorkerStub(channel)
+            block_size = stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest(), timeout=WAIT).kv_block_size
+            assert block_size == (16 if engine == "vllm" else 1)
+            generate(stub, "first", PROMPT)
+            wanted = set(block_keys(PROMPT, block_size))
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            watched_keys(stream, wanted)
+            stream.cancel()
+            load = stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=WAIT)
+            assert load.kv_cache.subscribed
+            assert load.kv_cache.batches_received >= 1
+            assert load.kv_cache.block_size == block_size
+
+
+def test_an_engine_that_publishes_nothing_breaks_nothing() -> None:
+    with ExitStack() as stack:
+        port = vllm_worker(stack, publish=False)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = sidecar_pb2_grpc.WorkerStub(channel)
+            generate(stub, "first", PROMPT)
+            load = stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=WAIT)
+            assert load.kv_cache.subscribed
+            assert load.kv_cache.batches_received == 0
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            first = next(stream)
+            assert first.snapshot.last_chunk
+            assert list(first.snapshot.keys) == []
+            stream.cancel()
+
+
+def test_an_engine_restart_leaves_none_of_the_old_engines_blocks() -> None:
+    engine_port, pub_port, replay_port = free_port(), free_port(), free_port()
+    engine_argv = [
+        script("testkit-engine"),
+        "vllm",
+        "--listen",
+        f"127.0.0.1:{engine_port}",
+        "--kv-events-config",
+        _kv_events_config(pub_port, replay_port, vllm=True),
+    ]
+    other = list(range(2000, 2032))
+    with ExitStack() as stack:
+        engine = stack.enter_context(process(engine_argv))
+        port = _sidecar(
+            stack,
+            "sidecar-vllm",
+            ["--grpc-endpoint", f"127.0.0.1:{engine_port}"],
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{pub_port}",
+            "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{replay_port}",
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = sidecar_pb2_grpc.WorkerStub(channel)
+            generate(stub, "before", PROMPT)
+            old = set(block_keys(PROMPT, 16))
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            watched_keys(stream, old)
+            stream.cancel()
+            # A new engine process on the same ports: an empty cache, sequence numbers from 0.
+            stop(engine)
+            stack.enter_context(process(engine_argv))
+            deadline = time.monotonic() + WAIT
+            while True:
+                try:
+                    generate(stub, "after", other)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the sidecar never served the new engine"
+                    time.sleep(0.2)  # polling a real process: the sidecar reconnects on its own
+            stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            watched_keys(stream, set(block_keys(other, 16)), unwanted=frozenset(old))
+            stream.cancel()
