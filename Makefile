@@ -41,9 +41,18 @@ lock:
 	    --python-version 3.11 --override $(VENV)/lock-overrides.txt \
 	    --custom-compile-command "make lock" --quiet $(if $(UPGRADE),--upgrade) --output-file $(LOCK)
 
-# The tests that install from the package index (marker `install`) run in deploy-check instead.
+# The suite on TEST_WORKERS processes (pytest-xdist): most of its time is spent waiting on child
+# processes, etcd and timers, which overlaps on two cores. --dist loadscope keeps each module on
+# one worker, so its module-scoped fixtures start once. TEST_WORKERS=0 runs it in one process.
+# The tests that load every core on purpose (marker `cpu_hog`, in tests/reliability) run
+# afterwards, alone, in one process (exit 5, none selected, is not a failure there); the tests
+# that install from the package index (marker `install`) run in deploy-check instead.
+# docs/testing.md: how the suite is split, how to run a part, where the time goes.
+TEST_WORKERS ?= 4
 test: setup $(BUF)
-	$(BIN)/python -m pytest -q -m "not install" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not install and not cpu_hog" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "cpu_hog and not install" tests/reliability $(PYTEST_ARGS); \
+	    rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,7 +8,8 @@
 * the index, per model, read at each scrape: blocks, (block, worker) entries, estimated bytes,
   its cap, blocks evicted for the cap;
 * each worker's cache stream, read at each scrape: whether it is live, updates applied, gaps
-  and resyncs, and the lag of the engine's events behind the frontend's clock.
+  and resyncs. (The lag of the engine's events is not here: ``KvCacheDelta`` carries no time
+  of the engine's batch yet.)
 
 A worker's series go when it leaves the set (:meth:`RoutingMetrics.forget_worker`, and the
 scrape-time families simply stop listing it).
@@ -20,17 +21,13 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar_frontend.routing.index import BlockIndex
 
-__all__ = ["LAG_BUCKETS", "RoutingMetrics", "StreamRow"]
-
-# The lag of the engine's KV events behind the frontend's clock: sub-millisecond on a healthy
-# loopback, seconds when something queues, minutes when a stream is stuck.
-LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+__all__ = ["RoutingMetrics", "StreamRow"]
 
 
 @dataclass(frozen=True)
@@ -147,12 +144,6 @@ class RoutingMetrics:
             ["worker"],
             registry=registry,
         )
-        self.events_lag = Histogram(
-            "frontend_kv_events_lag_seconds",
-            "From an engine's KV event batch (its timestamp) to the frontend applying it",
-            buckets=LAG_BUCKETS,
-            registry=registry,
-        )
 
     def watch(
         self,
@@ -171,9 +162,6 @@ class RoutingMetrics:
         self.predicted_cached.labels(worker).inc(predicted)
         self.reported_cached.labels(worker).inc(reported)
         self.prompt_tokens.labels(worker).inc(prompt)
-
-    def lagged(self, seconds: float) -> None:
-        self.events_lag.observe(max(0.0, seconds))
 
     def forget_worker(self, worker: str) -> None:
         for metric in (self.predicted_cached, self.reported_cached, self.prompt_tokens):

@@ -26,7 +26,7 @@ import structlog
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.retry import Backoff
 from sidecar_frontend.routing.feed import CacheFeed, Step
-from sidecar_frontend.routing.metrics import RoutingMetrics, StreamRow
+from sidecar_frontend.routing.metrics import StreamRow
 from sidecar_frontend.routing.router import Router
 from sidecar_frontend.workers import Worker
 
@@ -61,13 +61,11 @@ class CacheStreams:
         self,
         router: Router,
         *,
-        metrics: RoutingMetrics | None = None,
         config: StreamConfig | None = None,
         next_change: Callable[[], anyio.Event] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._router = router
-        self._metrics = metrics
         self._config = config if config is not None else StreamConfig()
         self._next_change = next_change
         self._clock = clock

@@ -928,7 +928,7 @@ def _help(command: list[str]) -> str:
 
 
 def _help_pages() -> list[tuple[str, str]]:
-    """(command, --help text) for every console script of pyproject.toml, and for each of its
+    """(command, --help text) for every console script of both pyproject files, and for each of its
     subcommands (the {a,b} choice of its usage line)."""
     pages = []
     for script in _console_scripts():

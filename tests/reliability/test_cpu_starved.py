@@ -34,7 +34,9 @@ from tests.reliability.harness import KINDS, Kind, expected_tokens, outcomes, ri
 from tests.reliability.test_engine_death import WATCH, death_and_return
 from tests.reliability.test_soak import Tally, check_one, decide, make_plans, run_batch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# cpu_hog: the hog must be the only other load, so `make test` runs these after the rest, alone
+# (docs/testing.md).
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_hog, pytest.mark.timeout(300)]
 
 SOAK_REQUESTS = 300  # per engine kind: a tenth of the soak's default scale
 
