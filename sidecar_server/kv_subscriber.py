@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 import zmq
@@ -34,6 +35,14 @@ from sidecar_server.kv_state import RankFeed, Step
 __all__ = ["KvSubscriber"]
 
 _log = structlog.get_logger(__name__)
+
+
+async def _let_others_run() -> None:
+    # pyzmq's asyncio receive returns an already finished future when a message is queued,
+    # and awaiting it does not yield: without this, a backlog of batches (a replay answer, or
+    # live batches queued while the process was descheduled) is decoded and applied in one
+    # turn of the event loop, holding up every request the sidecar relays meanwhile.
+    await anyio.lowlevel.checkpoint()
 
 
 class KvSubscriber:
@@ -108,6 +117,7 @@ class KvSubscriber:
                     continue
                 self._hub.batches_received += 1
                 self._deliver(rank, self._feeds[rank].on_live(sequence, self._decode(rank, frames[2])))
+                await _let_others_run()
         finally:
             socket.close(linger=0)
 
@@ -137,6 +147,7 @@ class KvSubscriber:
                     replayed += 1
                     self._hub.batches_received += 1
                     self._deliver(rank, feed.on_replay(sequence, self._decode(rank, frames[3])))
+                    await _let_others_run()
             except ValueError as exc:
                 _log.warning("KV event replay answer of unexpected shape", rank=rank, error=str(exc))
             finally:

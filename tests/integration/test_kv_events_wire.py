@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import grpc
 import pytest
 import zmq
@@ -222,6 +223,52 @@ async def test_without_a_replay_socket_a_gap_resyncs_and_never_keeps_a_removed_b
             lambda: running.subscriber.feeds[0].counters.resyncs.get(ResyncReason.GAP) == 1
         )
         assert running.held() <= sim.truth()
+
+
+async def _batches_per_turn_while(running: Running, until: Callable[[], bool]) -> list[int]:
+    """How many batches the subscriber took in each turn another task got, until ``until``."""
+    per_turn: list[int] = []
+    with anyio.fail_after(WAIT):
+        while not until():
+            before = running.hub.batches_received
+            await anyio.lowlevel.checkpoint()
+            per_turn.append(running.hub.batches_received - before)
+    return per_turn
+
+
+async def test_a_backlog_of_live_batches_never_holds_the_event_loop() -> None:
+    # Requests share the sidecar's event loop with the subscriber: a backlog of queued batches
+    # must be taken one batch a turn, not all in one (pyzmq answers a receive from its queue
+    # without yielding), or every request relayed meanwhile waits for the whole backlog.
+    sim = SimCache(block_size=4, capacity=10_000)
+    async with subscribed(replay=False) as running:
+        await running.publish_until_heard(sim, [1, 2, 3, 4])
+        heard = running.hub.batches_received
+        backlog = 200
+        for index in range(backlog):  # sent without a turn in between: they queue up
+            await running.publisher.publish(sim.batch(sim.request([7, 7, 7, index])))
+        per_turn = await _batches_per_turn_while(
+            running, lambda: running.hub.batches_received >= heard + backlog
+        )
+        assert max(per_turn) == 1
+        assert {block_keys([7, 7, 7, index], 4)[0] for index in range(backlog)} <= running.held()
+
+
+async def test_a_replay_answer_never_holds_the_event_loop() -> None:
+    sim = SimCache(block_size=4, capacity=10_000)
+    async with subscribed() as running:
+        await running.publish_until_heard(sim, [1, 2, 3, 4])
+        heard = running.hub.batches_received
+        missed = 200
+        for index in range(missed):  # lost on the way: the replay answers them in one burst
+            await running.publisher.publish(sim.batch(sim.request([7, 7, 7, index])), drop=True)
+        await running.publisher.publish(sim.batch(sim.request([8, 8, 8, 8])))
+        per_turn = await _batches_per_turn_while(
+            running, lambda: running.hub.batches_received >= heard + missed + 1
+        )
+        assert max(per_turn) == 1
+        assert running.subscriber.feeds[0].counters.gaps == 1
+        await running.wait_for(lambda: running.held() == sim.truth())
 
 
 async def test_an_engine_that_publishes_nothing_breaks_nothing() -> None:
