@@ -48,6 +48,7 @@ __all__ = [
     "load_formats",
     "run",
     "split_listen",
+    "start_metrics_endpoint",
 ]
 
 # After the drain, how long the cancelled requests get to write their last bytes.
@@ -76,7 +77,9 @@ def split_listen(listen: str) -> tuple[str, int]:
     return address.host, address.port
 
 
-async def _metrics_runner(metrics: Metrics, host: str, port: int) -> web.AppRunner:
+async def start_metrics_endpoint(metrics: Metrics, host: str, port: int) -> web.AppRunner:
+    """The ``/metrics`` endpoint on ``host:port``, started (the caller cleans it up)."""
+
     async def scrape(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -142,9 +145,6 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         return EXIT_STARTUP_FAILED
     metrics = Metrics(version=package_version(), request_timeout=config.handler.request_timeout)
 
-    def on_inflight(worker: Worker) -> None:
-        metrics.set_worker_inflight(worker.address, worker.inflight)
-
     problem = _listen_problem(config)
     if problem is not None:
         log.error("start-up failed", error=problem)
@@ -168,7 +168,6 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
     async with (
         WorkerSet(
             config.worker_set,
-            on_inflight=on_inflight,
             observer=WorkerMetrics(metrics, routing),
             companions=routing.companions(),
         ) as workers,
@@ -209,7 +208,7 @@ async def _serve_http(
         try:
             if config.metrics_port is not None:
                 metrics_host = config.metrics_host or host
-                metrics_runner = await _metrics_runner(metrics, metrics_host, config.metrics_port)
+                metrics_runner = await start_metrics_endpoint(metrics, metrics_host, config.metrics_port)
             await site.start()
         except OSError as err:
             # Taken between the check and the bind: aiohttp's words, still one line.

@@ -145,7 +145,7 @@ class Worker:
     address: str
     role: Role
     pool: ChannelPool
-    stubs: StubCache[Any]
+    stubs: StubCache[sidecar_pb2_grpc.WorkerAsyncStub]
     state: WorkerState = WorkerState.CONNECTING
     model: sidecar_pb2.ModelInfo | None = None
     refusal: Refusal | None = None
@@ -184,7 +184,7 @@ class Worker:
         others = max(0, self.reported_inflight - self.own_at_report)
         return self.inflight + others
 
-    def stub(self) -> Any:
+    def stub(self) -> sidecar_pb2_grpc.WorkerAsyncStub:
         """A ``sidecar.v1.Worker`` stub on the pool's next channel."""
         return self.stubs.next()
 
@@ -230,14 +230,12 @@ class WorkerSet:
         config: WorkerSetConfig | None = None,
         *,
         rand: random.Random | None = None,
-        on_inflight: Callable[[Worker], None] | None = None,
         observer: WorkerObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         companions: Sequence[Callable[[Worker], Coroutine[Any, Any, None]]] = (),
     ) -> None:
         self._config = config if config is not None else WorkerSetConfig()
         self._rand = rand if rand is not None else random.Random()
-        self._on_inflight = on_inflight
         self._observer = observer
         self._clock = clock
         # Tasks run beside each worker's own (the KV cache stream), from its first connection
@@ -291,7 +289,7 @@ class WorkerSet:
         if self._group is None:
             raise RuntimeError("WorkerSet is not running (use `async with`)")
         pool = self._new_pool(address)
-        worker = Worker(address, role, pool, StubCache(pool, sidecar_pb2_grpc.WorkerStub))
+        worker = Worker(address, role, pool, StubCache(pool, _worker_stub))
         worker.idle.set()
         self._workers[address] = worker
         self._group.start_soon(self._run, worker)
@@ -737,13 +735,18 @@ class WorkerSet:
             return
         old = worker.pool
         worker.pool = pool
-        worker.stubs = StubCache(pool, sidecar_pb2_grpc.WorkerStub)
+        worker.stubs = StubCache(pool, _worker_stub)
         worker.tls_version = version
         if worker.rewatch is not None:
             worker.rewatch.cancel()
         log.info("worker reconnected with the new TLS files", worker=worker.address)
         if self._group is not None:
             self._group.start_soon(old.close, self._config.retire_grace)
+
+
+def _worker_stub(channel: grpc.aio.Channel) -> sidecar_pb2_grpc.WorkerAsyncStub:
+    # The generated stub's constructor answers an asyncio channel with its typed async stub.
+    return sidecar_pb2_grpc.WorkerStub(channel)
 
 
 def _describe(error: BaseException) -> str:

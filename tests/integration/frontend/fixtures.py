@@ -25,7 +25,7 @@ from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.routing.router import RouterConfig
 from sidecar_frontend.routing.streams import StreamConfig
 from sidecar_frontend.routing.wiring import RoutingParts
-from sidecar_frontend.workers import WorkerSet, WorkerSetConfig
+from sidecar_frontend.workers import WorkerObserver, WorkerSet, WorkerSetConfig
 from tests.integration.frontend.plugin import FORMAT as PROBE
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import Stack, vllm_stack
@@ -69,10 +69,12 @@ async def frontend_over(
     seed: int = 7,
     tracing: Tracing | None = None,
     routing: RouterConfig | None = None,
+    observer: WorkerObserver | None = None,
+    metrics: Metrics | None = None,
 ) -> AsyncIterator[FrontendStack]:
     """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve.
     Without ``routing`` it chooses by load (the worker set's power of two choices)."""
-    metrics = Metrics()
+    metrics = metrics if metrics is not None else Metrics()
     parts = (
         RoutingParts.build(routing, metrics.registry, rand=random.Random(seed), streams=FAST_STREAMS)
         if routing is not None
@@ -81,7 +83,7 @@ async def frontend_over(
     async with WorkerSet(
         FAST_WORKERS,
         rand=random.Random(seed),
-        on_inflight=lambda w: metrics.set_worker_inflight(w.address, w.inflight),
+        observer=observer,
         companions=parts.companions() if parts is not None else (),
     ) as workers:
         for address in addresses:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 import structlog.testing
@@ -19,7 +22,7 @@ from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.handler import HandlerConfig
 from sidecar_frontend.metrics import Metrics
-from sidecar_frontend.server import WorkerMetrics
+from sidecar_frontend.server import WorkerMetrics, start_metrics_endpoint
 from sidecar_frontend.workers import WorkerSet, WorkerState
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS, FrontendStack, frontend_stack, sse_events
@@ -463,6 +466,56 @@ async def test_the_request_line_of_a_refused_request_says_why_and_carries_its_id
             400,
         )
         assert line["error"] == "ids: required"
+
+
+async def test_a_worker_that_left_the_set_is_gone_from_the_metrics_endpoint() -> None:
+    # The series the handler writes for a worker it used (in flight, call durations, time to
+    # first output) leave /metrics when the worker leaves the set: a fleet whose pods come and
+    # go does not grow the scrape without bound.
+    metrics = Metrics()
+    async with (
+        frontend_stack(2, observer=WorkerMetrics(metrics), metrics=metrics) as fe,
+        scrape_endpoint(metrics) as scrape,
+    ):
+        gone, staying = fe.address(0), fe.address(1)
+        body = {"ids": PROMPT, "max": 2}
+
+        async def used_both() -> bool:
+            text = await scrape()
+            return all(f'worker="{address}"' in text for address in (gone, staying))
+
+        with anyio.fail_after(60):
+            # Until the handler has used both workers (each is drawn at random).
+            while not await used_both():
+                status, _ = await post(fe, "/t/generate", body)
+                assert status == 200
+        changed = fe.workers.next_change()
+        fe.workers.drain_worker(gone)
+        with anyio.fail_after(20):
+            while gone in fe.workers.addresses():
+                await changed.wait()
+                changed = fe.workers.next_change()
+        text = await scrape()
+        assert gone not in text
+        assert f'frontend_worker_inflight{{worker="{staying}"}}' in text
+
+
+@asynccontextmanager
+async def scrape_endpoint(metrics: Metrics) -> AsyncIterator[Callable[[], Awaitable[str]]]:
+    """The frontend's /metrics endpoint on a free port, and a function that scrapes it."""
+    runner = await start_metrics_endpoint(metrics, "127.0.0.1", 0)
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+
+            async def scrape() -> str:
+                async with http.get(f"http://127.0.0.1:{port}/metrics") as response:
+                    assert response.status == 200
+                    return await response.text()
+
+            yield scrape
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_drained_workers_series_leave_the_scrape_with_it() -> None:

@@ -9,6 +9,7 @@ import anyio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar_common.api import sidecar_pb2_grpc
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.pool import ChannelPool, PoolConfig
 from sidecar_common.rpc import StubCache
@@ -21,7 +22,8 @@ def worker(
     address: str, state: WorkerState, inflight: int = 0, role: str = "agg", reported: int = 0
 ) -> Worker:
     pool = ChannelPool(PoolConfig(parse_endpoint(address)))  # never connected: choice does no I/O
-    w = Worker(address, role, pool, StubCache(pool, lambda channel: channel))  # type: ignore[arg-type]
+    stubs = StubCache(pool, lambda channel: sidecar_pb2_grpc.WorkerStub(channel))
+    w = Worker(address, role, pool, stubs)  # type: ignore[arg-type]
     w.state = state
     w.inflight = inflight
     w.reported_inflight = reported
