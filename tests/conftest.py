@@ -1,11 +1,17 @@
-"""Test-wide settings: a hypothesis profile for `make mutation` (chosen there with
-``--hypothesis-profile=mutation``; the default profile is untouched). Under mutmut every
-function call goes through a trampoline, so input generation is slower: health checks on
-speed would fail for that reason only, and fewer examples keep each mutant's run short."""
+"""Test-wide settings: the hypothesis profile every run loads, and one for `make mutation`
+(chosen there with ``--hypothesis-profile=mutation``, which replaces the first). Under mutmut
+every function call goes through a trampoline, so input generation is slower: health checks
+on speed would fail for that reason only, and fewer examples keep each mutant's run short."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
+
+# No per-example deadline: hypothesis's default (200 ms per example) is a timed assertion,
+# and a loaded machine (make test on several workers, other work beside it) misses it with
+# nothing wrong in the code. Every other setting is hypothesis's default.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 settings.register_profile(
     "mutation",

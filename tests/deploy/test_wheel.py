@@ -67,4 +67,39 @@ def test_the_proto_loads_from_the_wheel_through_importlib_resources(
     assert compiled.package == "sidecar.v1"
     (service,) = compiled.service
     assert service.name == "Worker"
-    assert [m.name for m in service.method] == ["Generate", "Abort", "GetModelInfo", "GetLoad"]
+    assert [m.name for m in service.method] == [
+        "Generate",
+        "Abort",
+        "GetModelInfo",
+        "GetLoad",
+        "WatchKvCache",
+    ]
+
+
+# The production wheel (and so the image, which installs only it) holds the programs and
+# their kernel; the CPU test engines are their own distribution (testkit/pyproject.toml).
+PRODUCT_PACKAGES = {
+    "sidecar_common",
+    "sidecar_server",
+    "sidecar_vllm",
+    "sidecar_sglang",
+    "sidecar_frontend",
+    "sidecar_command",
+}
+
+
+def test_the_wheel_carries_the_product_and_no_test_engines(built_wheel: Path) -> None:
+    with zipfile.ZipFile(built_wheel) as wheel:
+        top = {name.split("/", 1)[0] for name in wheel.namelist() if "/" in name}
+    packages = {name for name in top if not name.endswith(".dist-info")}
+    assert packages == PRODUCT_PACKAGES
+
+
+def test_the_image_copies_no_test_engines() -> None:
+    copied = [
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text(encoding="utf-8").splitlines()
+        if line.startswith("COPY ") and "--from=" not in line
+    ]
+    assert "testkit" not in " ".join(copied)
+    assert {name for name in copied if name.startswith("sidecar_")} == PRODUCT_PACKAGES

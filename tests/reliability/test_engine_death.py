@@ -43,6 +43,12 @@ pytestmark = pytest.mark.timeout(90)
 
 STREAMS = 100
 WATCH = 0.2  # the server's health watch period in these tests
+# The engine, the sidecar and the client share this test's one process: at 20 ms a token,
+# 100 streams are 5,000 tokens a second through all three, more than a loaded 2-core machine
+# gives the process, and the sidecar's grpc server then picked up new calls so late that grpc
+# cancelled the ones left waiting over 30 s (its server_max_unrequested_time_in_server).
+# At 250 ms the streams are as much in flight (1000 tokens outlast the test) at 1/12 the rate.
+TOKEN_LATENCY_MS = 250
 PROMPT = [101, 202, 303]
 MIGRATABLE_ENDS = {"CANNOT_CONNECT", "ENGINE_SHUTDOWN"}
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -145,7 +151,7 @@ async def death_and_return(
 @pytest.mark.parametrize("kind", KINDS)
 async def test_engine_death_ends_every_stream_and_the_engines_return_is_noticed(kind: Kind) -> None:
     config = ServerConfig(listen="127.0.0.1:0", health_watch_interval=WATCH, health_probe_timeout=1.0)
-    async with rig(kind, server=config, token_latency_ms=20) as r:
+    async with rig(kind, server=config, token_latency_ms=TOKEN_LATENCY_MS) as r:
         await death_and_return(r.stub, r.health, r.server, r.model, r.kill_engine, r.restart_engine)
         await until(lambda: r.engine_busy() == 0, "the engine is left with nothing running")
 

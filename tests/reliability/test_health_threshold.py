@@ -43,8 +43,13 @@ class ScriptedHealth(FakeEngine):
     answers: list[str] = field(default_factory=list)
     probes: int = 0
     parked: anyio.Event = field(default_factory=anyio.Event)
+    # Probes wait for this before taking an answer: a test that must act before the watch
+    # reaches its verdict holds the probes until it has (the watch runs every millisecond).
+    probes_open: anyio.Event | None = None
 
     async def health(self) -> EngineHealth:
+        if self.probes_open is not None:
+            await self.probes_open.wait()
         if not self.answers:
             self.parked.set()
             await anyio.sleep_forever()
@@ -71,8 +76,11 @@ class Watched:
 
 
 @asynccontextmanager
-async def watched(answers: Sequence[str], probe_timeout: float = 60, **config: Any) -> AsyncIterator[Watched]:
-    engine = ScriptedHealth(answers=list(answers))
+async def watched(
+    answers: Sequence[str], probe_timeout: float = 60, *, hold_probes: bool = False, **config: Any
+) -> AsyncIterator[Watched]:
+    """``hold_probes``: every probe waits until the test sets ``engine.probes_open``."""
+    engine = ScriptedHealth(answers=list(answers), probes_open=anyio.Event() if hold_probes else None)
     verdicts: list[tuple[bool, str, int]] = []
     server = SidecarServer(
         engine,
@@ -156,11 +164,17 @@ async def test_a_probe_that_never_answers_is_late_after_the_probe_timeout() -> N
 async def test_a_flowing_stream_is_never_failed_by_the_probes() -> None:
     release = anyio.Event()
     script: list[Step] = [tokens(1), tokens(2), Gate(release), tokens(3), terminal(4)]
-    async with watched(["late", "late", "late", "hang"]) as w:
+    # The probes are held until the stream has delivered its first chunk: with the 1 ms
+    # watch interval they could otherwise reach their verdict before the request arrives.
+    async with watched(["late", "late", "late", "hang"], hold_probes=True) as w:
         w.engine.scripts["flow"] = script
         call = w.stub.Generate(sidecar_pb2.PreprocessedRequest(request_id="flow", token_ids=[1]))
         first = await call.read()
         assert list(first.token_ids) == [1]
+        assert w.verdicts == []
+        assert w.engine.probes == 0
+        assert w.engine.probes_open is not None
+        w.engine.probes_open.set()
         # The probes time out, the engine is called unhealthy and new requests are turned away...
         with anyio.fail_after(30):
             while not w.verdicts:  # noqa: ASYNC110 - the listener has no event of its own
