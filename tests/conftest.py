@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
-# No per-example deadline: hypothesis's default (200 ms per example) is a timed assertion,
-# and a loaded machine (make test on several workers, other work beside it) misses it with
-# nothing wrong in the code. Every other setting is hypothesis's default.
-settings.register_profile("suite", deadline=None)
+# No per-example deadline and no "input generation is slow" health check: both are timed
+# assertions (hypothesis's defaults: 200 ms per example, 1 s to draw a few inputs), and a loaded
+# machine (make test on several workers, other work beside it) misses them with nothing wrong
+# in the code. Every other setting, the number of examples included, is hypothesis's default.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")
 
 settings.register_profile(
