@@ -134,9 +134,24 @@ class Router:
         return self._indexes
 
     def forget_worker(self, address: str) -> None:
-        """``address`` left the set: its entries go from every index."""
-        for index in self._indexes.values():
+        """``address`` left the set: its entries go from every index, and an index no worker
+        is left in goes too."""
+        for model, index in list(self._indexes.items()):
             index.forget(address)
+            if not index.workers():
+                del self._indexes[model]
+
+    def retain(self, model_of: Mapping[str, str]) -> None:
+        """Keep each index to the workers that serve its model now (``model_of``: address ->
+        served model): a worker that left or now serves another model (a rollout reusing its
+        address) loses its entries there, and an index no worker is left in goes, so a model
+        rolled out of the fleet keeps neither memory nor metric series."""
+        for model, index in list(self._indexes.items()):
+            for worker in index.workers():
+                if model_of.get(worker) != model:
+                    index.forget(worker)
+            if not index.workers():
+                del self._indexes[model]
 
     def choose(
         self, model: str, prompt: Prompt, targets: Sequence[Target], now: float, *, turn_key: str = ""

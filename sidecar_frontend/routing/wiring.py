@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -30,6 +30,8 @@ class RoutingParts:
     router: Router | None
     streams: CacheStreams | None
     metrics: RoutingMetrics
+    # The worker set routing runs over, once choice() was asked (None before).
+    _workers: WorkerSet | None = field(default=None, init=False)
 
     @classmethod
     def build(
@@ -59,6 +61,7 @@ class RoutingParts:
 
     def choice(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> RoutedChoice:
         """The attempt runner's worker choice (and call watch) over ``workers`` (running)."""
+        self._workers = workers
         if self.streams is not None:
             self.streams.watch_changes(workers.next_change)
         return RoutedChoice(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
@@ -70,4 +73,10 @@ class RoutingParts:
         self.metrics.forget_worker(address)
 
     def _indexes(self) -> Mapping[str, BlockIndex]:
-        return self.router.indexes() if self.router is not None else {}
+        """The indexes, read at each scrape; entries of workers that no longer serve an index's
+        model are dropped first (what a rollout leaves behind)."""
+        if self.router is None:
+            return {}
+        if self._workers is not None:
+            self.router.retain({w.address: w.served_model for w in self._workers.workers()})
+        return self.router.indexes()

@@ -168,3 +168,22 @@ def test_a_burst_on_one_cached_worker_of_three_spreads_within_bounds() -> None:
         running[decision.worker] += 1
         queued[decision.worker] += 2048 + 128 - decision.cached_tokens
     assert 40 <= running["a"] <= 90, running
+
+
+def test_retain_drops_the_entries_of_workers_that_no_longer_serve_the_model() -> None:
+    # A rollout: w1 served model-a, now serves model-b at the same address; w2 left.
+    router = Router(RouterConfig(routing=Routing.APPROX), block_keys)
+    router.index("model-a").store("w1", [1, 2, 3])
+    router.index("model-a").store("w2", [1, 2])
+    router.index("model-b").store("w1", [7])
+    router.retain({"w1": "model-b"})
+    assert set(router.indexes()) == {"model-b"}
+    assert router.index("model-b").workers() == frozenset({"w1"})
+
+
+def test_retain_keeps_what_still_serves() -> None:
+    router = Router(RouterConfig(routing=Routing.APPROX), block_keys)
+    router.index("model-a").store("w1", [1, 2])
+    router.retain({"w1": "model-a", "w2": "model-a"})
+    assert router.index("model-a").workers() == frozenset({"w1"})
+    assert router.index("model-a").holders(1) == frozenset({"w1"})
