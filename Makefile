@@ -50,7 +50,7 @@ lock:
 # docs/testing.md: how the suite is split, how to run a part, where the time goes.
 TEST_WORKERS ?= 4
 test: setup $(BUF)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not install and not cpu_hog" $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not install and not cpu_hog" $(PYTEST_ARGS); \
 	    rc=$$?; if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 	$(BIN)/python -m pytest -q -m "cpu_hog and not install" tests/reliability $(PYTEST_ARGS); \
 	    rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]

@@ -25,6 +25,8 @@ from testkit import demo
 from tests.deploy.conftest import ROOT
 from tests.e2e_helpers import free_port
 
+pytestmark = pytest.mark.slow(17)
+
 DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md"]
 SHELLS = ("sh", "bash", "shell", "console")
 # What a block may declare it needs (first line `# needs: ...`): what this machine and CI lack.

@@ -32,7 +32,7 @@ from tests.e2e_helpers import (
 )
 from tests.sglang_fixtures import Stack, Transport, adapter_for, sglang_stack
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow(16)]
 
 TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "http"])
 

@@ -36,6 +36,8 @@ from sidecar_server.config import EngineSpec, SidecarConfig
 from sidecar_server.engine import HEALTHY, Engine, EngineHealth, EngineLoad, GenerateCall
 from tests.e2e_helpers import stop
 
+pytestmark = pytest.mark.slow(58)
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # Bound on every child process wait: far above what any of these needs, never hit when green.

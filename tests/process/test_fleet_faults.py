@@ -33,7 +33,7 @@ from tests.e2e_helpers import WAIT, child_env, free_port, script
 from tests.etcd_fixture import EtcdServer, running_etcd
 from tests.integration.fleet.helpers import engine_argv, sidecar_argv, static_sidecar_argv
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow(20)]
 
 STREAMS = 300
 MAX_TOKENS = 40

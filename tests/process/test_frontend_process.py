@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e_helpers import ROOT, WAIT, free_port, log_lines, process, script, serving_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow(12)]
 
 PROMPT = [101, 202, 303, 404]
 

@@ -20,7 +20,7 @@ from tests.e2e_helpers import WAIT, free_port, log_lines, process, script
 from tests.pki import Ca, Pem, make_ca, make_leaf
 from tests.process.test_frontend_process import PROMPT, post_json, wait_ready
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow(20)]
 
 REFUSED = "worker refused: TLS handshake failed"
 RECONNECTED = "worker reconnected with the new TLS files"

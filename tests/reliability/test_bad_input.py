@@ -27,7 +27,7 @@ from sidecar_common.errors import ORIGIN_ENGINE
 from sidecar_server.server import ServerConfig
 from tests.reliability.harness import KINDS, Ended, Kind, Rig, error_reason, expected_tokens, request, rig
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow(13)]
 
 T = TypeVar("T")
 FIELDS = frozenset(f.name for f in sidecar_pb2.PreprocessedRequest.DESCRIPTOR.fields)

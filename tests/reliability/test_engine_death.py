@@ -39,7 +39,7 @@ from tests.reliability.harness import (
     until,
 )
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow(60)]
 
 STREAMS = 100
 WATCH = 0.2  # the server's health watch period in these tests

@@ -28,7 +28,7 @@ from sidecar_common.pool import CHANNEL_OPTIONS
 from sidecar_server.engine import GenerateCall
 from tests.reliability.harness import KINDS, Kind, Rig, request, rig, until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow(48)]
 
 PROMPT = [101, 202, 303]
 LENGTH = 200_000  # far more than any buffer between the engine and the client can hold

@@ -15,6 +15,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import grpc
 import pytest
@@ -207,10 +208,7 @@ def check_one(res: Result, tally: Tally, engine_aborts: int, engine_outcome: Out
         tally.bad(plan, f"failed but aborted {engine_aborts} times on the engine")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(60 + int(90 * SCALE))
-@pytest.mark.parametrize("kind", KINDS)
-async def test_soak_with_faults_ends_every_request_one_way_and_leaks_nothing(kind: Kind) -> None:
+async def soak(kind: Kind) -> None:
     rng = random.Random(f"{SEED}-{kind}")
     async with rig(kind, token_latency_ms=1, connections=None if kind == "sglang-http" else 4) as r:
         model = r.model
@@ -283,3 +281,31 @@ async def test_soak_with_faults_ends_every_request_one_way_and_leaks_nothing(kin
         assert second < 32 * 2**20 + 1024 * len(halves[1]), (
             f"RSS grew {second / 2**20:.1f} MiB in the second half"
         )
+
+
+# One class per engine kind, not one parametrized function: `make test` hands each pytest-xdist
+# worker a module or a class at a time (--dist loadscope), and three soaks of a minute or more
+# in one module would run one after another on one worker.
+@pytest.mark.slow(75)
+@pytest.mark.timeout(60 + int(90 * SCALE))
+class Soak:
+    kind: ClassVar[Kind]
+
+    async def test_soak_with_faults_ends_every_request_one_way_and_leaks_nothing(self) -> None:
+        await soak(self.kind)
+
+
+class TestSoakVllm(Soak):
+    kind = "vllm"
+
+
+class TestSoakSglangGrpc(Soak):
+    kind = "sglang-grpc"
+
+
+class TestSoakSglangHttp(Soak):
+    kind = "sglang-http"
+
+
+def test_every_engine_kind_has_its_soak() -> None:
+    assert sorted(c.kind for c in Soak.__subclasses__()) == sorted(KINDS)

@@ -19,7 +19,7 @@ from tests.e2e_helpers import WAIT, free_port, log_lines, process, script, servi
 from tests.etcd_fixture import EtcdServer
 from tests.integration.fleet.helpers import engine_argv, sidecar_argv
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow(10)]
 
 PROMPT = [101, 202, 303, 404]
 

@@ -37,7 +37,7 @@ from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS
 from tests.vllm_fixtures import sidecar_config
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow(10)]
 
 SEED = 20261201
 STREAMS = 200

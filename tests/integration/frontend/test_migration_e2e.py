@@ -23,7 +23,7 @@ from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FrontendStack, frontend_over, sse_events, two_workers
 from tests.vllm_fixtures import vllm_stack
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow(16)]
 
 ENGINES = ["vllm", "sglang-grpc", "sglang-http"]
 PROMPT = [101, 202, 303, 404]
