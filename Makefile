@@ -48,10 +48,16 @@ lock:
 # afterwards, alone, in one process (exit 5, none selected, is not a failure there); the tests
 # that install from the package index (marker `install`) run in deploy-check instead.
 # docs/testing.md: how the suite is split, how to run a part, where the time goes.
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE=1, as on
+# some CI machines): each worker and each of the hundreds of daemons the tests start would otherwise
+# compile the same sources again (and pytest rewrite every test module's asserts): 15 % of the
+# suite's CPU on a fresh clone.
 TEST_WORKERS ?= 4
 test: setup $(BUF)
+	export PYTHONDONTWRITEBYTECODE=; \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not install and not cpu_hog" $(PYTEST_ARGS); \
 	    rc=$$?; if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	export PYTHONDONTWRITEBYTECODE=; \
 	$(BIN)/python -m pytest -q -m "cpu_hog and not install" tests/reliability $(PYTEST_ARGS); \
 	    rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 

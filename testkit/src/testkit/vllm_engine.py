@@ -169,8 +169,9 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> int:
         """Bind (after ``startup_delay_secs``, refusing connections until then); the port."""
-        if self.port == 0:
-            # The port must be known before a delayed bind, so reserve a free one now.
+        if self.port == 0 and self.config.startup_delay_secs > 0 and not self._ready.is_set():
+            # The port must be known before a delayed bind, so reserve a free one now (another
+            # socket may take it before the bind: only a delayed start takes that chance).
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((self.config.host, 0))
                 self.port = int(s.getsockname()[1])
@@ -200,8 +201,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         pb_grpc.add_VllmEngineServicer_to_server(self, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if server.add_insecure_port(format_host_port(self.config.host, self.port)) != self.port:
+        bound = server.add_insecure_port(format_host_port(self.config.host, self.port))
+        if bound == 0 or self.port not in (0, bound):
             raise OSError(f"testkit vllm engine: cannot bind {format_host_port(self.config.host, self.port)}")
+        self.port = bound  # a port 0 bind keeps its port for a restart
         await server.start()
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
