@@ -6,7 +6,8 @@ each, ``sidecar-frontend`` over them, all real processes on loopback.
   reports the cached tokens;
 - an engine that publishes nothing: routing falls back (to the frontend's own decisions), and
   nothing breaks;
-- two frontends see the same map: a prefix cached through one is found through the other.
+- two frontends see the same map: a prefix cached through one is found through the other;
+- the deltas carry the engine's batch time: the frontend's events-lag histogram counts them.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ def test_a_shared_prefix_lands_where_it_is_cached_and_the_response_says_so(
     assert first["meta_info"]["cached_tokens"] == 0
     # The engine's BlockStored events reach the frontend through its sidecar's stream.
     fe.wait_for("frontend_kv_index_blocks", lambda s: sum(s.values()) >= before + 64, "the prefix indexed")
+    # Each delta applied carried the engine's time of its batch: the events lag is observed.
+    lagged = fe.samples("frontend_kv_events_lag_seconds_count")
+    assert sum(lagged.values()) > 0, lagged
     second = fe.generate([*PREFIX, 4, 5, 6])
     assert second["meta_info"]["cached_tokens"] == len(PREFIX)
     decisions = fe.samples("frontend_routing_decisions_total")
