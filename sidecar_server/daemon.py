@@ -51,7 +51,7 @@ from sidecar_server import systemd
 from sidecar_server.config import EngineSpec, SidecarConfig
 from sidecar_server.engine import Engine
 from sidecar_server.kv_hub import KvCacheHub
-from sidecar_server.kv_metrics import KvEventsCollector
+from sidecar_server.kv_metrics import register_kv_events_metrics
 from sidecar_server.metrics import Metrics
 from sidecar_server.registration import Registration, registered
 from sidecar_server.server import ServerConfig, SidecarServer
@@ -388,7 +388,7 @@ async def _start(
         closing.push_async_callback(_bounded, "traces flush", tracing.aclose, _CLOSE_TIMEOUT)
     kv_cache = KvCacheHub(subscribed=config.kv_events is not None)
     if metrics is not None and config.kv_events is not None:
-        metrics.registry.register(KvEventsCollector(kv_cache, spec.name))
+        register_kv_events_metrics(metrics.registry, kv_cache, spec.name)
     server = SidecarServer(
         engine,
         _server_config(config),

@@ -23,6 +23,7 @@ blocks cannot be keyed from token ids alone, so :func:`block_identity` calls the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -89,7 +90,10 @@ class _Batch(msgspec.Struct, array_like=True):
 
 @dataclass(frozen=True)
 class DecodedBatch:
-    ts: float
+    # The engine's wall clock when it made the batch (``time.time()`` in both engines), in
+    # seconds since the Unix epoch; None for a value that is not a finite number, which says
+    # nothing of when the batch was made.
+    ts: float | None
     events: tuple[KvEvent, ...]
     # vLLM's data_parallel_rank, SGLang's attn_dp_rank; None when the engine left it out.
     rank: int | None
@@ -115,7 +119,8 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             if _TAG_DECODER.decode(raw).get("type") in _KNOWN_TAGS:
                 raise
             unknown += 1
-    return DecodedBatch(ts=batch.ts, events=tuple(events), rank=batch.rank, unknown_events=unknown)
+    ts = batch.ts if math.isfinite(batch.ts) else None
+    return DecodedBatch(ts=ts, events=tuple(events), rank=batch.rank, unknown_events=unknown)
 
 
 _KNOWN_TAGS: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})

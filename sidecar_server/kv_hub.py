@@ -49,6 +49,9 @@ class KvCacheHub:
         self.engine_health_listeners: list[Callable[[bool], None]] = []
         # One per data-parallel rank subscribed to (their counters are metrics).
         self.feeds: list[RankFeed] = []
+        # Told each live batch's lag, in seconds (sidecar_common.kv_lag: its arrival here
+        # minus the engine's time of the batch): the lag histogram's observer.
+        self.lag_listeners: list[Callable[[float], None]] = []
 
     def set_model(self, model: str, block_size: int) -> None:
         """What discovery said: the served model, and the engine's block size if it gave one."""
@@ -59,6 +62,10 @@ class KvCacheHub:
     def engine_health(self, healthy: bool) -> None:
         for listener in self.engine_health_listeners:
             listener(healthy)
+
+    def batch_lag(self, seconds: float) -> None:
+        for listener in self.lag_listeners:
+            listener(seconds)
 
     def apply(self, rank: int, delta: KvDelta, block_size: int | None) -> NumberedDelta | None:
         if block_size is not None:
@@ -141,5 +148,6 @@ class KvCacheHub:
                 removed=delta.removed,
                 added_keys=[key for key, _ in delta.added],
                 added_parents=[parent for _, parent in delta.added],
+                engine_time=delta.engine_time,
             )
         )

@@ -1,19 +1,41 @@
-"""The KV-event subscription's Prometheus metrics, read from its state at each scrape.
+"""The KV-event subscription's Prometheus metrics (:func:`register_kv_events_metrics`).
 
-A collector rather than counters moved per event: the feeds already count what matters
-(batches, gaps, replays, resyncs by reason), so the event path does no metrics work at all.
+Mostly a collector read from the subscription's state at each scrape rather than counters
+moved per event: the feeds already count what matters (batches, gaps, replays, resyncs by
+reason). The one exception is the lag histogram, which needs each live batch's lag: the
+subscriber tells the hub, and the hub this histogram (one observation per batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar_common.histograms import LATENCY_BUCKETS
 from sidecar_server.kv_hub import KvCacheHub
 
-__all__ = ["KvEventsCollector"]
+__all__ = ["KvEventsCollector", "register_kv_events_metrics"]
+
+
+def register_kv_events_metrics(registry: CollectorRegistry, hub: KvCacheHub, engine: str) -> None:
+    """Export ``hub``'s subscription on ``registry``: its state, and its events' lag."""
+    registry.register(KvEventsCollector(hub, engine))
+    # Labelled by engine only, like the batches counter: the ranks share the host's clock
+    # and the sidecar's one event loop, so a rank label would multiply the series (17 a
+    # label set) without telling an operator anything the engine's lag does not.
+    lag = Histogram(
+        "sidecar_kv_events_lag_seconds",
+        "From the engine's time of a live KV-event batch (its ts) to the sidecar receiving it; "
+        "replayed batches are not counted. The two times are different hosts' clocks when the "
+        "engine runs elsewhere, so this includes their skew; a negative lag counts as 0",
+        ["engine"],
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+    hub.lag_listeners.append(lag.labels(engine).observe)
 
 
 class KvEventsCollector(Collector):

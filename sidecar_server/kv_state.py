@@ -18,7 +18,7 @@ engine removed, possibly fewer blocks than it has (a missed hit, never a phantom
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from sidecar_common.kv_keys import extend_keys, root_key
@@ -41,12 +41,15 @@ class KvDelta:
     """A net change: apply ``cleared`` first, then ``removed``, then ``added``.
 
     ``added`` pairs each new key with its parent's key (the root key of its adapter and salt
-    for a first block). A key is in at most one of ``removed`` and ``added``.
+    for a first block). A key is in at most one of ``removed`` and ``added``. ``engine_time``
+    is the ``ts`` of the engine's batch the delta comes from (None: no batch made it, e.g. a
+    resync); it is not a change, so a delta with nothing else is empty.
     """
 
     added: tuple[tuple[int, int], ...] = ()
     removed: tuple[int, ...] = ()
     cleared: bool = False
+    engine_time: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.cleared)
@@ -347,7 +350,8 @@ class RankFeed:
             return
         if any(isinstance(event, AllBlocksCleared) for event in batch.events):
             self._count_resync(ResyncReason.CLEARED)
-        self._out.append(self.map.apply(batch.events))
+        # One batch, one delta: the delta carries its batch's time.
+        self._out.append(replace(self.map.apply(batch.events), engine_time=batch.ts))
 
     def _drain(self) -> int | None:
         self._replay = None

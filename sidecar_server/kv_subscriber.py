@@ -7,11 +7,16 @@ do), given up when nothing arrives for ``replay_timeout`` seconds. ZeroMQ reconn
 on its own, so a publisher that restarts is heard again; its sequence numbers starting over
 is what tells the feed to resync. Every task lives in :meth:`KvSubscriber.run`'s task group,
 owned by the daemon and cancelled when it stops.
+
+The clock is read here, when a live batch arrives: its lag (the arrival minus the engine's
+``ts``) goes to the hub's lag listeners. Replayed batches are old by design (the replay
+buffer's age, not the wire's delay) and are not counted there.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import anyio
 import anyio.lowlevel
@@ -21,6 +26,7 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from sidecar_common.kv_lag import events_lag
 from sidecar_server.kv_config import KvEventsConfig, rank_endpoint
 from sidecar_server.kv_events import (
     END_OF_REPLAY,
@@ -107,6 +113,7 @@ class KvSubscriber:
             while True:
                 # The idle wait of a subscription: it lasts as long as the daemon runs.
                 frames = await socket.recv_multipart()
+                received = time.time()  # the engines stamp their batches with time.time()
                 if len(frames) != 3:
                     _log.warning("KV event message of unexpected shape", rank=rank, frames=len(frames))
                     continue
@@ -116,7 +123,10 @@ class KvSubscriber:
                     _log.warning("KV event message of unexpected shape", rank=rank, error=str(exc))
                     continue
                 self._hub.batches_received += 1
-                self._deliver(rank, self._feeds[rank].on_live(sequence, self._decode(rank, frames[2])))
+                batch = self._decode(rank, frames[2])
+                if batch is not None and batch.ts is not None:
+                    self._hub.batch_lag(events_lag(received, batch.ts))
+                self._deliver(rank, self._feeds[rank].on_live(sequence, batch))
                 await _let_others_run()
         finally:
             socket.close(linger=0)

@@ -3,8 +3,9 @@
 A worker's engine may run several data-parallel ranks, each with its own cache and its own
 publisher (:class:`~sidecar_server.kv_state.RankFeed`). :class:`WorkerCacheView` merges them:
 a key is held while any rank holds it. It numbers the merged deltas (1, 2, ... within an
-epoch), keeps the latest ones so a frontend that reconnects can resume where it left off, and
-answers a snapshot (every key held, with its parent) for a frontend that cannot resume.
+epoch; each made from one rank's delta, whose ``engine_time`` it keeps), keeps the latest
+ones so a frontend that reconnects can resume where it left off, and answers a snapshot
+(every key held, with its parent) for a frontend that cannot resume.
 
 The epoch names one view's history: it is chosen by the I/O layer when the view is made
 (every sidecar process picks a new one) and never changes after, so an (epoch, sequence) pair
@@ -85,9 +86,9 @@ class WorkerCacheView:
                 added = [(key, parent) for key, parent in added if key not in again]
         cleared = delta.cleared and not self._ranks_holding_before_add(added)
         if cleared:
-            merged = KvDelta(added=tuple(added), cleared=True)
+            merged = KvDelta(added=tuple(added), cleared=True, engine_time=delta.engine_time)
         else:
-            merged = KvDelta(added=tuple(added), removed=tuple(removed))
+            merged = KvDelta(added=tuple(added), removed=tuple(removed), engine_time=delta.engine_time)
         if not merged:
             return None
         self.sequence += 1

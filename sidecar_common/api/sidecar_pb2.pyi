@@ -1073,9 +1073,16 @@ class KvCacheDelta(_message.Message):
     REMOVED_FIELD_NUMBER: _builtins.int
     ADDED_KEYS_FIELD_NUMBER: _builtins.int
     ADDED_PARENTS_FIELD_NUMBER: _builtins.int
+    ENGINE_TIME_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     sequence: _builtins.int
     cleared: _builtins.bool
+    engine_time: _builtins.float
+    """The engine's time of the KV-event batch this delta comes from (the batch's `ts`: seconds
+    since the Unix epoch, on the engine host's clock), so a client can tell how late it
+    learns of a change. Unset for a delta no batch made (a resync after the engine's health
+    went bad), and from sidecars older than this field.
+    """
     @_builtins.property
     def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1091,12 +1098,15 @@ class KvCacheDelta(_message.Message):
         removed: _abc.Iterable[_builtins.int] | None = ...,
         added_keys: _abc.Iterable[_builtins.int] | None = ...,
         added_parents: _abc.Iterable[_builtins.int] | None = ...,
+        engine_time: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time", "engine_time", b"engine_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["added_keys", b"added_keys", "added_parents", b"added_parents", "cleared", b"cleared", "epoch", b"epoch", "removed", b"removed", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time", "added_keys", b"added_keys", "added_parents", b"added_parents", "cleared", b"cleared", "engine_time", b"engine_time", "epoch", b"epoch", "removed", b"removed", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__engine_time: _TypeAlias = _typing.Literal["engine_time"]  # noqa: Y015
+    _WhichOneofArgType__engine_time: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__engine_time) -> _WhichOneofReturnType__engine_time | None: ...
 
 Global___KvCacheDelta: _TypeAlias = KvCacheDelta  # noqa: Y015
 

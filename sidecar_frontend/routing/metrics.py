@@ -8,8 +8,9 @@
 * the index, per model, read at each scrape: blocks, (block, worker) entries, estimated bytes,
   its cap, blocks evicted for the cap;
 * each worker's cache stream, read at each scrape: whether it is live, updates applied, gaps
-  and resyncs. (The lag of the engine's events is not here: ``KvCacheDelta`` carries no time
-  of the engine's batch yet.)
+  and resyncs;
+* each worker's events lag, observed as its deltas are applied: this frontend's clock minus
+  the engine's time of the batch the delta came from (``KvCacheDelta.engine_time``).
 
 A worker's series go when it leaves the set (:meth:`RoutingMetrics.forget_worker`, and the
 scrape-time families simply stop listing it).
@@ -21,10 +22,11 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sidecar_common.histograms import LATENCY_BUCKETS
 from sidecar_frontend.routing.index import BlockIndex
 
 __all__ = ["RoutingMetrics", "StreamRow"]
@@ -144,6 +146,17 @@ class RoutingMetrics:
             ["worker"],
             registry=registry,
         )
+        # The sidecars' latency ladder, a millisecond to half a minute: a healthy fleet's lag
+        # is milliseconds; past 30 s (a long-missed replay, a wrong clock) is +Inf.
+        self.events_lag = Histogram(
+            "frontend_kv_events_lag_seconds",
+            "From the engine's time of a KV-event batch to this frontend applying the cache delta "
+            "it made to the index, by worker. The engine's and this frontend's clocks differ by "
+            "their hosts' skew, which this includes; a negative lag counts as 0",
+            ["worker"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
 
     def watch(
         self,
@@ -163,7 +176,17 @@ class RoutingMetrics:
         self.reported_cached.labels(worker).inc(reported)
         self.prompt_tokens.labels(worker).inc(prompt)
 
+    def events_lagged(self, worker: str, seconds: float) -> None:
+        """A delta from ``worker`` was applied ``seconds`` after its engine made the batch."""
+        self.events_lag.labels(worker).observe(seconds)
+
     def forget_worker(self, worker: str) -> None:
-        for metric in (self.predicted_cached, self.reported_cached, self.prompt_tokens):
+        metrics: tuple[Counter | Histogram, ...] = (
+            self.predicted_cached,
+            self.reported_cached,
+            self.prompt_tokens,
+            self.events_lag,
+        )
+        for metric in metrics:
             with contextlib.suppress(KeyError):
                 metric.remove(worker)

@@ -10,6 +10,9 @@ watches again from the last (epoch, sequence) applied: the sidecar resumes there
 new snapshot. A worker that keeps failing is retried at the project's backoff (doubling,
 capped, jittered: ``sidecar_common.retry.Backoff``). A sidecar too old to serve the stream
 (UNIMPLEMENTED) is not asked again until it restarts.
+
+Each delta applied whose sidecar sent the engine's time of its batch is observed in
+``frontend_kv_events_lag_seconds``: this frontend's wall clock at that moment minus that time.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import grpc
 import structlog
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.kv_lag import events_lag
 from sidecar_common.retry import Backoff
 from sidecar_frontend.routing.feed import CacheFeed, Step
-from sidecar_frontend.routing.metrics import StreamRow
+from sidecar_frontend.routing.metrics import RoutingMetrics, StreamRow
 from sidecar_frontend.routing.router import Router
 from sidecar_frontend.workers import Worker
 
@@ -63,11 +67,15 @@ class CacheStreams:
         *,
         config: StreamConfig | None = None,
         next_change: Callable[[], anyio.Event] | None = None,
+        metrics: RoutingMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._router = router
         self._config = config if config is not None else StreamConfig()
         self._next_change = next_change
+        self._metrics = metrics
+        # Wall-clock time (the engines stamp their KV-event batches with time.time()): read
+        # when a delta is applied, for the events lag.
         self._clock = clock
         self._streams: dict[str, _Stream] = {}
 
@@ -219,13 +227,16 @@ class CacheStreams:
             )
         if kind == "delta":
             delta = update.delta
-            return feed.delta(
+            step = feed.delta(
                 delta.epoch,
                 delta.sequence,
                 cleared=delta.cleared,
                 removed=delta.removed,
                 added=delta.added_keys,
             )
+            if step is Step.APPLIED and delta.HasField("engine_time") and self._metrics is not None:
+                self._metrics.events_lagged(feed.worker, events_lag(self._clock(), delta.engine_time))
+            return step
         return Step.DUPLICATE  # an update kind this frontend does not know: nothing to apply
 
 

@@ -45,7 +45,9 @@ class RoutingParts:
         metrics = RoutingMetrics(registry)
         router = Router(config, block_keys, rand) if config.routing is not Routing.LOAD else None
         followed = (
-            CacheStreams(router, config=streams) if router is not None and config.follows_streams else None
+            CacheStreams(router, config=streams, metrics=metrics)
+            if router is not None and config.follows_streams
+            else None
         )
         parts = cls(config, router, followed, metrics)
         metrics.watch(

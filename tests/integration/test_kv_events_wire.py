@@ -5,6 +5,7 @@ buffered batches and an end marker), fed by the simulated cache of tests/kv_sim.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from sidecar_common.kv_keys import block_keys
 from sidecar_server.kv_config import KvEventsConfig
 from sidecar_server.kv_events import decode_batch
 from sidecar_server.kv_hub import KvCacheHub
-from sidecar_server.kv_metrics import KvEventsCollector
-from sidecar_server.kv_state import RankFeed, ResyncReason
+from sidecar_server.kv_metrics import KvEventsCollector, register_kv_events_metrics
+from sidecar_server.kv_state import RankFeed, ResyncReason, Step
 from sidecar_server.kv_subscriber import KvSubscriber
 from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import FakeEngine
@@ -158,6 +159,21 @@ async def test_the_cache_state_follows_the_engines_events() -> None:
         await running.publisher.publish(sim.batch(sim.request(list(range(100, 112)), salt="t")))
         await running.wait_for(lambda: running.held() == sim.truth())
         assert block_keys(list(range(100, 112)), 4, cache_salt="t")[-1] in running.held()
+
+
+async def test_each_live_batchs_lag_is_observed() -> None:
+    sim = SimCache(block_size=4)
+    async with subscribed() as running:
+        registry = CollectorRegistry()
+        register_kv_events_metrics(registry, running.hub, "vllm")
+        under_30_s = {"engine": "vllm", "le": "30.0"}
+        # Batches stamped with this host's clock, as an engine beside its sidecar stamps them,
+        # until one is heard live (a SUB hears nothing before it has joined).
+        with anyio.fail_after(WAIT):
+            while not registry.get_sample_value("sidecar_kv_events_lag_seconds_bucket", under_30_s):
+                batch = sim.batch(sim.request([1, 2, 3, running.publisher.sequence]), ts=time.time())
+                await running.publisher.publish(batch)
+                await anyio.sleep(0.05)
 
 
 async def test_a_dropped_batch_is_replayed() -> None:
@@ -387,8 +403,29 @@ class KvSubscriberless:
         self.feed = RankFeed(replay=False)
         self.sequence = 0
 
-    def publish(self, sim: SimCache, tokens: list[int]) -> None:
-        step = self.feed.on_live(self.sequence, decode_batch(sim.batch(sim.request(tokens))))
+    def publish(self, sim: SimCache, tokens: list[int], ts: float = 0.0) -> None:
+        step = self.feed.on_live(self.sequence, decode_batch(sim.batch(sim.request(tokens), ts=ts)))
         self.sequence += 1
+        self.run(step)
+
+    def run(self, step: Step) -> None:
         for delta in step.deltas:
             self.hub.apply(0, delta, self.feed.map.block_size)
+
+
+async def test_a_delta_carries_the_engine_time_of_its_batch() -> None:
+    sim = SimCache(block_size=2)
+    async with serving_with_kv(subscribed=True) as (stub, hub):
+        feed_state = KvSubscriberless(hub)
+        stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+        assert (await stream.read()).snapshot.last_chunk
+        feed_state.publish(sim, [1, 2], ts=1_700_000_000.5)
+        stored = (await stream.read()).delta
+        assert list(stored.added_keys) == block_keys([1, 2], 2)
+        assert stored.engine_time == 1_700_000_000.5
+        # A resync no batch made: no time.
+        feed_state.run(feed_state.feed.on_engine_unhealthy())
+        cleared = (await stream.read()).delta
+        assert cleared.cleared
+        assert not cleared.HasField("engine_time")
+        stream.cancel()

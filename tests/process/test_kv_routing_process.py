@@ -6,7 +6,8 @@ each, ``sidecar-frontend`` over them, all real processes on loopback.
   reports the cached tokens;
 - an engine that publishes nothing: routing falls back (to the frontend's own decisions), and
   nothing breaks;
-- two frontends see the same map: a prefix cached through one is found through the other.
+- two frontends see the same map: a prefix cached through one is found through the other;
+- the deltas carry the engine's batch time: the frontend's events-lag histogram counts them.
 """
 
 from __future__ import annotations
@@ -47,19 +48,8 @@ class Frontend:
             reply: dict[str, Any] = json.loads(response.read())
             return reply
 
-    def scrape(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=WAIT) as response:
-            text: str = response.read().decode()
-            return text
-
     def samples(self, name: str) -> dict[str, float]:
-        """Each sample of ``name``: its label text (``{...}`` or "") -> value."""
-        found: dict[str, float] = {}
-        for line in self.scrape().splitlines():
-            match = re.fullmatch(rf"{re.escape(name)}(\{{[^}}]*\}})? (\S+)", line)
-            if match:
-                found[match.group(1) or ""] = float(match.group(2))
-        return found
+        return samples(self.metrics_url, name)
 
     def wait_for(self, name: str, condition: Any, what: str) -> dict[str, float]:
         """Until ``condition(samples of name)`` holds (polling a real process: bounded)."""
@@ -72,9 +62,24 @@ class Frontend:
             time.sleep(0.05)
 
 
-def worker(stack: ExitStack, *, publishes: bool = True, subscribes: bool = True) -> str:
+def samples(metrics_url: str, name: str) -> dict[str, float]:
+    """Each sample of ``name`` a process exports: its label text (``{...}`` or "") -> value."""
+    with urllib.request.urlopen(metrics_url, timeout=WAIT) as response:
+        text: str = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{re.escape(name)}(\{{[^}}]*\}})? (\S+)", line)
+        if match:
+            found[match.group(1) or ""] = float(match.group(2))
+    return found
+
+
+def worker(
+    stack: ExitStack, *, publishes: bool = True, subscribes: bool = True, metrics_port: int | None = None
+) -> str:
     """A testkit vLLM engine (publishing its KV events when ``publishes``) and its sidecar
-    (subscribed to them when ``subscribes``); the sidecar's address."""
+    (subscribed to them when ``subscribes``, serving its metrics on ``metrics_port`` if
+    given); the sidecar's address."""
     engine_port, events_port, replay_port = free_port(), free_port(), free_port()
     engine_argv = [script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}"]
     engine_argv += ["--block-size", str(BLOCK)]
@@ -92,6 +97,8 @@ def worker(stack: ExitStack, *, publishes: bool = True, subscribes: bool = True)
         *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", "127.0.0.1:0"),
         *("--grpc-retry-interval-secs", "0.2", "--log-format", "json"),
     ]
+    if metrics_port is not None:
+        sidecar_argv += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
     if subscribes:
         sidecar_argv += ["--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}"]
         sidecar_argv += ["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"]
@@ -119,31 +126,45 @@ def _live_streams(samples: dict[str, float]) -> int:
     return sum(1 for labels, value in samples.items() if value == 1 and 'publishing="' in labels)
 
 
+@dataclass(frozen=True)
+class Fleet:
+    workers: list[str]
+    first: Frontend
+    second: Frontend
+    # Each worker's sidecar's /metrics.
+    sidecar_metrics: list[str]
+
+
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[list[str], Frontend, Frontend]]:
+def fleet() -> Iterator[Fleet]:
     """Three publishing workers behind two frontends (--routing kv)."""
     with ExitStack() as stack:
-        workers = [worker(stack) for _ in range(3)]
+        ports = [free_port() for _ in range(3)]
+        workers = [worker(stack, metrics_port=port) for port in ports]
         first = frontend(stack, workers, "--routing", "kv")
         second = frontend(stack, workers, "--routing", "kv")
         for fe in (first, second):
             fe.wait_for("frontend_kv_stream_live", lambda s: _live_streams(s) == 3, "three streams live")
-        yield workers, first, second
+        yield Fleet(workers, first, second, [f"http://127.0.0.1:{port}/metrics" for port in ports])
 
 
 def _blocks(fe: Frontend) -> float:
     return sum(fe.samples("frontend_kv_index_blocks").values())
 
 
-def test_a_shared_prefix_lands_where_it_is_cached_and_the_response_says_so(
-    fleet: tuple[list[str], Frontend, Frontend],
-) -> None:
-    _, fe, _ = fleet
+def test_a_shared_prefix_lands_where_it_is_cached_and_the_response_says_so(fleet: Fleet) -> None:
+    fe = fleet.first
     before = _blocks(fe)
     first = fe.generate([*PREFIX, 1, 2, 3])
     assert first["meta_info"]["cached_tokens"] == 0
     # The engine's BlockStored events reach the frontend through its sidecar's stream.
     fe.wait_for("frontend_kv_index_blocks", lambda s: sum(s.values()) >= before + 64, "the prefix indexed")
+    # The engine's batches carry its time: the sidecar that heard them and the frontend that
+    # applied their deltas observed the events lag.
+    lagged = fe.samples("frontend_kv_events_lag_seconds_count")
+    assert sum(lagged.values()) > 0, lagged
+    heard = [samples(url, "sidecar_kv_events_lag_seconds_count") for url in fleet.sidecar_metrics]
+    assert sum(sum(each.values()) for each in heard) > 0, heard
     second = fe.generate([*PREFIX, 4, 5, 6])
     assert second["meta_info"]["cached_tokens"] == len(PREFIX)
     decisions = fe.samples("frontend_routing_decisions_total")
@@ -154,8 +175,8 @@ def test_a_shared_prefix_lands_where_it_is_cached_and_the_response_says_so(
     assert reported >= len(PREFIX)
 
 
-def test_two_frontends_see_the_same_map(fleet: tuple[list[str], Frontend, Frontend]) -> None:
-    _, first, second = fleet
+def test_two_frontends_see_the_same_map(fleet: Fleet) -> None:
+    first, second = fleet.first, fleet.second
     prefix = [p + 1 for p in PREFIX]  # a prefix neither has seen
     before = _blocks(second)
     assert first.generate([*prefix, 7])["meta_info"]["cached_tokens"] == 0

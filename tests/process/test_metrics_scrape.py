@@ -352,10 +352,11 @@ def test_every_frontend_dashboard_query_names_only_metrics_the_frontend_exports(
         "frontend_workers",
         "frontend_model_workers",
         "frontend_build_info",
-        # KV-cache routing: the hit rate, why workers were chosen, the index.
+        # KV-cache routing: the hit rate, why workers were chosen, the index, the events lag.
         "frontend_kv_reported_cached_tokens_total",
         "frontend_kv_prompt_tokens_total",
         "frontend_routing_decisions_total",
         "frontend_kv_index_blocks",
+        "frontend_kv_events_lag_seconds_bucket",
     ):
         assert wanted in used, f"the frontend dashboard shows no {wanted}"

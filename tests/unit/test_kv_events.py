@@ -48,6 +48,11 @@ def test_a_vllm_batch_without_its_rank_decodes() -> None:
     )
 
 
+@pytest.mark.parametrize("ts", [float("nan"), float("inf")])
+def test_a_batch_time_that_is_not_a_number_decodes_as_none(ts: float) -> None:
+    assert decode_batch(msgspec.msgpack.encode([ts, [], 0])).ts is None
+
+
 def test_an_sglang_batch_with_signed_hashes_and_its_salt_decodes() -> None:
     event = stored(block_hashes=[-(2**63)], parent_block_hash=-5, cache_salt="s", lora_name="a")
     batch = decode_batch(msgspec.msgpack.encode([2, [event], 3]))

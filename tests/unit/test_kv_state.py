@@ -239,10 +239,37 @@ def test_all_blocks_cleared_clears() -> None:
     sim = SimCache(block_size=2, style="sglang")
     feed = RankFeed(replay=False)
     feed.on_live(0, decode_batch(_payload(sim, [1, 2])))
-    step = feed.on_live(1, decode_batch(sim.batch(sim.clear())))
-    assert step.deltas == (KvDelta(cleared=True),)
+    step = feed.on_live(1, decode_batch(sim.batch(sim.clear(), ts=7.5)))
+    assert step.deltas == (KvDelta(cleared=True, engine_time=7.5),)
     assert len(feed.map) == 0
     assert feed.counters.resyncs == {ResyncReason.CLEARED: 1}
+
+
+def test_each_delta_carries_the_time_of_the_engines_batch_it_came_from() -> None:
+    sim = SimCache(block_size=2)
+    feed = RankFeed(replay=True)
+    feed.start()
+    feed.on_replay_end()
+    (live,) = feed.on_live(0, decode_batch(sim.batch(sim.request([1, 2]), ts=1000.25))).deltas
+    assert live.engine_time == 1000.25
+    lost = sim.batch(sim.request([3, 4]), ts=1001.0)
+    assert feed.on_live(2, decode_batch(sim.batch(sim.request([5, 6]), ts=1002.0))).replay_from == 1
+    (replayed,) = feed.on_replay(1, decode_batch(lost)).deltas
+    assert replayed.engine_time == 1001.0  # a replayed batch keeps its own, older time
+    (held,) = feed.on_replay_end().deltas
+    assert held.engine_time == 1002.0
+    # A resync no batch made has no time.
+    (resync,) = feed.on_engine_unhealthy().deltas
+    assert resync.cleared
+    assert resync.engine_time is None
+
+
+def test_a_batch_time_that_is_not_a_number_gives_a_delta_without_time() -> None:
+    sim = SimCache(block_size=2)
+    feed = RankFeed(replay=False)
+    (delta,) = feed.on_live(0, decode_batch(sim.batch(sim.request([1, 2]), ts=float("nan")))).deltas
+    assert delta.added
+    assert delta.engine_time is None
 
 
 def test_an_undecodable_batch_resyncs() -> None:

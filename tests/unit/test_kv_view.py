@@ -79,6 +79,19 @@ def test_a_key_stays_while_another_rank_holds_it() -> None:
     assert len(view) == 0
 
 
+def test_a_merged_delta_keeps_the_engine_time_of_the_ranks_delta() -> None:
+    view = WorkerCacheView(epoch=1)
+    assert view.apply(0, KvDelta(added=((5, 1),), engine_time=12.5)) == NumberedDelta(
+        1, KvDelta(added=((5, 1),), engine_time=12.5)
+    )
+    numbered = view.apply(0, KvDelta(cleared=True, engine_time=13.0))
+    assert numbered == NumberedDelta(2, KvDelta(cleared=True, engine_time=13.0))
+    assert view.deltas_after(1, 0) == [
+        NumberedDelta(1, KvDelta(added=((5, 1),), engine_time=12.5)),
+        NumberedDelta(2, KvDelta(cleared=True, engine_time=13.0)),
+    ]
+
+
 def test_deltas_after_names_what_a_client_can_resume_from() -> None:
     view = WorkerCacheView(epoch=3, kept_deltas=2)
     for key in (1, 2, 3):

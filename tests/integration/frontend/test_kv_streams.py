@@ -6,7 +6,8 @@ and a worker that leaves takes its entries with it."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,9 +15,11 @@ import anyio
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.kv_keys import block_keys
+from sidecar_frontend.routing.metrics import RoutingMetrics
 from sidecar_frontend.routing.router import Router, RouterConfig
 from sidecar_frontend.routing.streams import CacheStreams, StreamConfig
 from sidecar_frontend.workers import WorkerSet
@@ -44,11 +47,21 @@ def _snapshot(epoch: int, sequence: int, keys: list[int], *, last: bool = True) 
 
 
 def _delta(
-    epoch: int, sequence: int, *, added: tuple[int, ...] = (), removed: tuple[int, ...] = ()
+    epoch: int,
+    sequence: int,
+    *,
+    added: tuple[int, ...] = (),
+    removed: tuple[int, ...] = (),
+    engine_time: float | None = None,
 ) -> sidecar_pb2.KvCacheUpdate:
     return sidecar_pb2.KvCacheUpdate(
         delta=sidecar_pb2.KvCacheDelta(
-            epoch=epoch, sequence=sequence, removed=removed, added_keys=added, added_parents=[0] * len(added)
+            epoch=epoch,
+            sequence=sequence,
+            removed=removed,
+            added_keys=added,
+            added_parents=[0] * len(added),
+            engine_time=engine_time,
         )
     )
 
@@ -108,8 +121,10 @@ async def serving(sidecar: CacheSidecar) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def following(router: Router) -> AsyncIterator[tuple[WorkerSet, CacheStreams]]:
-    streams = CacheStreams(router, config=FAST_STREAMS)
+async def following(
+    router: Router, *, metrics: RoutingMetrics | None = None, clock: Callable[[], float] = time.time
+) -> AsyncIterator[tuple[WorkerSet, CacheStreams]]:
+    streams = CacheStreams(router, config=FAST_STREAMS, metrics=metrics, clock=clock)
     async with WorkerSet(FAST_WORKERS, companions=(streams.follow,)) as workers:
         streams.watch_changes(workers.next_change)
         yield workers, streams
@@ -138,6 +153,37 @@ async def test_the_index_follows_a_workers_stream_and_resumes_after_a_gap() -> N
         await until(lambda: index.held(address) == {2, 3, 4, 7}, "the gap filled on resuming")
         (row,) = streams.rows()
         assert (row.live, row.gaps, row.deltas) == (True, 1, 3)
+
+
+async def test_each_delta_applied_observes_the_lag_of_its_engines_batch() -> None:
+    sidecar = CacheSidecar()
+    router = _router()
+    metrics = RoutingMetrics(CollectorRegistry())
+    now = 1_700_000_000.0
+    sidecar.push(
+        _snapshot(5, 10, [1]),
+        _delta(5, 11, added=(2,), engine_time=now - 0.25),
+        _delta(5, 12, added=(3,), engine_time=now + 0.5),  # the engine's clock runs ahead
+        _delta(5, 13, added=(4,)),  # no time: a resync, or an older sidecar
+        _delta(5, 13, added=(4,), engine_time=now - 9.0),  # a duplicate: not applied
+    )
+    async with (
+        serving(sidecar) as address,
+        following(router, metrics=metrics, clock=lambda: now) as (
+            workers,
+            _,
+        ),
+    ):
+        workers.add_worker(address)
+        await until(lambda: router.index("m").held(address) == {1, 2, 3, 4}, "deltas applied")
+        sidecar.push(_delta(5, 14, added=(5,), engine_time=now - 0.004))
+        await until(lambda: 5 in router.index("m").held(address), "the last delta applied")
+        get = metrics.registry.get_sample_value
+        worker = {"worker": address}
+        assert get("frontend_kv_events_lag_seconds_count", worker) == 3
+        assert get("frontend_kv_events_lag_seconds_sum", worker) == pytest.approx(0.254)
+        assert get("frontend_kv_events_lag_seconds_bucket", {**worker, "le": "0.001"}) == 1  # the clamped 0
+        assert get("frontend_kv_events_lag_seconds_bucket", {**worker, "le": "0.005"}) == 2
 
 
 async def test_a_new_history_resyncs_from_its_snapshot() -> None:

@@ -21,6 +21,18 @@ def test_predicted_and_reported_cached_tokens_per_worker() -> None:
     assert get("frontend_kv_prompt_tokens_total", {"worker": "w1"}) is None
 
 
+def test_the_events_lag_per_worker_goes_with_the_worker() -> None:
+    metrics = RoutingMetrics(CollectorRegistry())
+    metrics.events_lagged("w1", 0.003)
+    metrics.events_lagged("w1", 45.0)
+    get = metrics.registry.get_sample_value
+    assert get("frontend_kv_events_lag_seconds_count", {"worker": "w1"}) == 2
+    assert get("frontend_kv_events_lag_seconds_bucket", {"worker": "w1", "le": "0.005"}) == 1
+    assert get("frontend_kv_events_lag_seconds_bucket", {"worker": "w1", "le": "30.0"}) == 1
+    metrics.forget_worker("w1")
+    assert get("frontend_kv_events_lag_seconds_count", {"worker": "w1"}) is None
+
+
 def test_decisions_by_role_and_reason() -> None:
     metrics = RoutingMetrics(CollectorRegistry())
     metrics.decided("agg", "affinity")
