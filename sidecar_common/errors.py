@@ -38,7 +38,6 @@ __all__ = [
     "ORIGIN_ENGINE",
     "SIDECAR_REASONS",
     "EngineOrigin",
-    "ErrorReason",
     "FailureReason",
     "FailureRule",
     "FrontendStatus",
@@ -85,10 +84,6 @@ class FailureReason(enum.Enum):
     NO_WORKER = "NO_WORKER"
     # The frontend's own: its --request-timeout-secs ran out.
     DEADLINE = "DEADLINE"
-
-
-# The name the sidecar packages know the same enum by.
-ErrorReason = FailureReason
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
+from sidecar_common.errors import NOT_SENT, FailureReason, engine_words, invalid_argument
 
 __all__ = [
     "MAX_TOKENS_MINIMUM",
@@ -151,7 +151,7 @@ def _check_token_counts(stop: sidecar_pb2.StopConditions, engine: EngineKind) ->
     if has_max and stop.max_tokens < MAX_TOKENS_MINIMUM[engine]:
         # Only vLLM has a minimum above 0: the refusal is vLLM's, in its words (not sent to it).
         raise engine_words(
-            ErrorReason.INVALID_ARGUMENT, vllm_max_tokens_refusal(stop.max_tokens), "Generate", NOT_SENT
+            FailureReason.INVALID_ARGUMENT, vllm_max_tokens_refusal(stop.max_tokens), "Generate", NOT_SENT
         )
     if has_max and stop.HasField("min_tokens") and stop.min_tokens > stop.max_tokens:
         raise invalid_argument(

@@ -21,7 +21,7 @@ import grpc
 import structlog
 import tenacity
 
-from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.errors import FailureReason, SidecarError, from_rpc_error
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 
 # The settings are plain data apart from this module (no grpc there, for the command lines);
@@ -177,7 +177,7 @@ class NotReady(Exception):
 
 # What an engine that is still starting (or restarting) answers over gRPC.
 _TRANSIENT_CODES: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-_TRANSIENT_REASONS: Final = frozenset({ErrorReason.CANNOT_CONNECT, ErrorReason.CONNECTION_TIMEOUT})
+_TRANSIENT_REASONS: Final = frozenset({FailureReason.CANNOT_CONNECT, FailureReason.CONNECTION_TIMEOUT})
 
 
 def is_transient(error: BaseException) -> bool:
@@ -388,7 +388,7 @@ async def retry_until_deadline(
         raise from_rpc_error(what, error) from None
     cause = f"last error: {_describe(last)}" if last is not None else "the startup deadline was exceeded"
     raise SidecarError(
-        ErrorReason.CANNOT_CONNECT,
+        FailureReason.CANNOT_CONNECT,
         f"cannot connect to {what}: gave up after {attempts} attempt{'' if attempts == 1 else 's'} "
         f"in {clock.monotonic() - began:.3f}s (startup deadline {deadline.seconds:g}s, "
         f"{deadline.elapsed():.3f}s elapsed); {cause}",
@@ -433,7 +433,7 @@ class ChannelPool:
         """Slot 1 first, then the rest concurrently, all within ``deadline``."""
         if self._closed:
             raise SidecarError(
-                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is closed"
+                FailureReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is closed"
             )
         if self._channels:
             return
@@ -478,7 +478,7 @@ class ChannelPool:
         if self._closed:
             # close() ran while the slots were connecting (shutdown during start-up).
             raise SidecarError(
-                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool was closed"
+                FailureReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool was closed"
             )
         self._channels = [channel for channel in opened if channel is not None]
 
@@ -490,7 +490,7 @@ class ChannelPool:
         if not channels:
             state = "closed" if self._closed else "not connected"
             raise SidecarError(
-                ErrorReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is {state}"
+                FailureReason.ENGINE_SHUTDOWN, f"the {self._config.peer} connection pool is {state}"
             )
         count = len(channels)
         first = self._next

@@ -13,7 +13,7 @@ from typing import Final, Generic, TypeVar
 import anyio
 import grpc
 
-from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.errors import FailureReason, SidecarError, from_rpc_error
 from sidecar_common.pool import ChannelPool, Deadline, NotReady, RetryPolicy
 
 __all__ = ["GRACE", "NotHealthy", "StubCache", "bounded_call", "discovery_timeout", "probe"]
@@ -57,7 +57,7 @@ async def bounded_call(rpc: str, timeout: float, call: Callable[[float], Awaitab
     except grpc.RpcError as err:
         raise from_rpc_error(rpc, err) from None
     except TimeoutError:
-        raise SidecarError(ErrorReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s") from None
+        raise SidecarError(FailureReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s") from None
 
 
 def discovery_timeout(rpc: str, deadline: Deadline, policy: RetryPolicy) -> float:
@@ -67,7 +67,7 @@ def discovery_timeout(rpc: str, deadline: Deadline, policy: RetryPolicy) -> floa
     timeout = min(policy.attempt_timeout, deadline.remaining())
     if timeout <= 0:
         raise SidecarError(
-            ErrorReason.CONNECTION_TIMEOUT,
+            FailureReason.CONNECTION_TIMEOUT,
             f"{rpc}: the startup deadline ({deadline.seconds:g}s) ran out before discovery",
         )
     return timeout

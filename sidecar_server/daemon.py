@@ -38,7 +38,7 @@ from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.endpoint import format_host_port, parse_host_port
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.flags import FlagSources, flag_sources
 from sidecar_common.logs import configure_logging
 from sidecar_common.operations_flags import metrics_address_flags
@@ -71,7 +71,7 @@ _STARTUP_SLACK: Final = 30.0
 # Start-up failures that are the engine's answer to a configuration that cannot work with it
 # (PROTOCOL_ERROR: it does not speak the expected protocol; INVALID_ARGUMENT: what it runs
 # contradicts a flag, e.g. its disaggregation mode). Anything else may pass: exit 1, retried.
-_CONFIGURATION_REASONS: Final = frozenset({ErrorReason.PROTOCOL_ERROR, ErrorReason.INVALID_ARGUMENT})
+_CONFIGURATION_REASONS: Final = frozenset({FailureReason.PROTOCOL_ERROR, FailureReason.INVALID_ARGUMENT})
 
 log = structlog.get_logger("sidecar_server.daemon")
 

@@ -24,7 +24,7 @@ import anyio
 import structlog
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.errors import FailureReason, SidecarError, protocol_error
 from sidecar_server.engine import Engine, GenerateCall
 
 __all__ = [
@@ -365,6 +365,6 @@ class Generation:
 
     def ended_early(self) -> SidecarError:
         return SidecarError(
-            ErrorReason.ENGINE_SHUTDOWN,
+            FailureReason.ENGINE_SHUTDOWN,
             f"{self.engine.name} stream ended before every choice finished",
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import Clock, Deadline, is_transient, retry_until_deadline
 from sidecar_server.config import SidecarConfig
 from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
@@ -90,7 +90,7 @@ class EngineClient(ABC):
 
     def model_info(self) -> sidecar_pb2.ModelInfo:
         if self._discovery is None:
-            raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, f"the {self.name} engine is not discovered yet")
+            raise SidecarError(FailureReason.ENGINE_SHUTDOWN, f"the {self.name} engine is not discovered yet")
         return self._discovery.info
 
     @abstractmethod

@@ -23,7 +23,7 @@ import anyio
 import structlog
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_server.coalesce import coalesce
 from sidecar_server.dispatch import ChoiceTracker, Generation, run_to_completion
 from sidecar_server.metrics import Metrics
@@ -160,7 +160,9 @@ async def _pump(gen: Generation, buffer: _Buffer, scope: anyio.CancelScope, metr
             if metrics is not None:
                 metrics.internal_error("engine_generate")
             gen.fail(
-                SidecarError(ErrorReason.UNKNOWN, f"{gen.engine.name} generate: {type(exc).__name__}: {exc}")
+                SidecarError(
+                    FailureReason.UNKNOWN, f"{gen.engine.name} generate: {type(exc).__name__}: {exc}"
+                )
             )
         finally:
             buffer.end()

@@ -21,7 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault, to_rpc_status
+from sidecar_common.errors import (
+    FailureReason,
+    SidecarError,
+    engine_went_away,
+    is_engine_fault,
+    to_rpc_status,
+)
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.pool import ReportSchedule
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
@@ -279,12 +285,12 @@ class SidecarServer:
             else:
                 self._port = server.add_secure_port(self._config.listen, server_credentials(tls))
         except TlsSettingsError as exc:
-            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"cannot serve TLS: {exc}") from exc
+            raise SidecarError(FailureReason.CANNOT_CONNECT, f"cannot serve TLS: {exc}") from exc
         except RuntimeError as exc:
             # With TLS, grpc reports a certificate and key that do not match as a bind failure.
             hint = " (or the TLS certificate and key were refused)" if tls is not None else ""
             raise SidecarError(
-                ErrorReason.CANNOT_CONNECT,
+                FailureReason.CANNOT_CONNECT,
                 f"cannot listen on {self._config.listen}: the address is in use or not available"
                 f"{hint} ({exc})",
             ) from exc
@@ -376,12 +382,12 @@ class SidecarServer:
 
     def _refusal(self) -> SidecarError | None:
         if self._draining:
-            return SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining")
+            return SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is draining")
         if not self._serving:
-            return SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
+            return SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving")
         if not self._engine_ok:
             return SidecarError(
-                ErrorReason.CANNOT_CONNECT,
+                FailureReason.CANNOT_CONNECT,
                 f"{self._engine.name} engine is unhealthy or unreachable: {self._engine_problem}",
             )
         return None
@@ -512,7 +518,7 @@ class SidecarServer:
         # any worker, so it must not look migratable); validation needs the discovered
         # engine, hence after the not-serving check.
         refusal = (
-            None if self._serving else SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving")
+            None if self._serving else SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving")
         )
         native: object = None
         if refusal is None:
@@ -565,14 +571,14 @@ class SidecarServer:
             # answer would have the frontend run the request twice.
             stopped = entry.scope.cancelled_caught and not tracker.delivered_all
             if stopped and entry.cause is CancelCause.DRAIN:
-                raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
+                raise SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
             if stopped:
                 outcome["cancelled_by"] = "abort_rpc"
                 if tracker.stalled:
                     # No CANCELLED terminal can follow a write grpc still holds: the status
                     # says it instead.
                     raise SidecarError(
-                        ErrorReason.CANCELLED, "aborted by request (the frontend was not reading)"
+                        FailureReason.CANCELLED, "aborted by request (the frontend was not reading)"
                     )
                 for terminal in tracker.cancelled_terminals(len(request.token_ids)):
                     tracker.delivered(terminal)
@@ -585,9 +591,9 @@ class SidecarServer:
                 typed = await self._typed_engine_fault(failure)
             except asyncio.CancelledError:
                 # The client went away while the engine's health was being asked.
-                outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
+                outcome.update(error_reason=FailureReason.CANCELLED.value, cancelled_by="client")
                 if metrics is not None:
-                    metrics.failed(ErrorReason.CANCELLED.value)
+                    metrics.failed(FailureReason.CANCELLED.value)
                 raise
             outcome.update(error_reason=typed.reason.value, error=str(typed))
             if metrics is not None:
@@ -595,9 +601,9 @@ class SidecarServer:
             await _fail(context, typed)
         except asyncio.CancelledError:
             # The client went away (cancel, deadline, connection lost).
-            outcome.update(error_reason=ErrorReason.CANCELLED.value, cancelled_by="client")
+            outcome.update(error_reason=FailureReason.CANCELLED.value, cancelled_by="client")
             if metrics is not None:
-                metrics.failed(ErrorReason.CANCELLED.value)
+                metrics.failed(FailureReason.CANCELLED.value)
             raise
         except Exception as exc:
             # Not a typed error: a bug here or in the engine adapter (the relay has already
@@ -632,7 +638,9 @@ class SidecarServer:
         _log.error("internal error", where=where, error=repr(exc), exc_info=exc)
         if self._metrics is not None:
             self._metrics.internal_error(where)
-        return SidecarError(ErrorReason.UNKNOWN, f"{self._engine.name} {where}: {type(exc).__name__}: {exc}")
+        return SidecarError(
+            FailureReason.UNKNOWN, f"{self._engine.name} {where}: {type(exc).__name__}: {exc}"
+        )
 
     def _abort(self, request: sidecar_pb2.AbortRequest) -> sidecar_pb2.AbortResponse:
         count = self._registry.abort_public(request.request_id)
@@ -641,7 +649,7 @@ class SidecarServer:
 
     async def _model_info(self, context: _Context) -> sidecar_pb2.ModelInfo:
         if not self._serving:
-            await _fail(context, SidecarError(ErrorReason.ENGINE_SHUTDOWN, "sidecar is not serving"))
+            await _fail(context, SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving"))
         try:
             return self._engine.model_info()
         except SidecarError as err:
@@ -658,7 +666,9 @@ class SidecarServer:
         except TimeoutError:
             await _fail(
                 context,
-                SidecarError(ErrorReason.CONNECTION_TIMEOUT, f"{self._engine.name} load: no answer in time"),
+                SidecarError(
+                    FailureReason.CONNECTION_TIMEOUT, f"{self._engine.name} load: no answer in time"
+                ),
             )
         except Exception as exc:
             await _fail(context, self._internal_error("load", exc))

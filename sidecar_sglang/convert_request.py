@@ -25,7 +25,7 @@ from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.bootstrap_handoff import PORT_MAX, ROOM_MAX
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import NOT_SENT, ErrorReason, engine_words, invalid_argument
+from sidecar_common.errors import NOT_SENT, FailureReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits
 
 __all__ = [
@@ -181,7 +181,9 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
     if adapter and settings.lora_enabled is False:
         # SGLang refuses it first, before it reads the prompt, but over gRPC with a bare INTERNAL
         # that nothing tells from a failure: refused here, in SGLang's words, on both wires.
-        raise engine_words(ErrorReason.INVALID_ARGUMENT, lora_disabled_refusal(adapter), "Generate", NOT_SENT)
+        raise engine_words(
+            FailureReason.INVALID_ARGUMENT, lora_disabled_refusal(adapter), "Generate", NOT_SENT
+        )
     check_sampling_limits(request, "sglang")
     s = request.sampling_options
     if s.HasField("n") and s.n != 1:

@@ -26,7 +26,7 @@ from typing import Final
 
 from sidecar_common import bootstrap_handoff, prompt_logprobs
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError, engine_words, protocol_error
+from sidecar_common.errors import FailureReason, SidecarError, engine_words, protocol_error
 from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import NativeRequest, handoff_info
 
@@ -58,12 +58,12 @@ def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> 
     words = f"{rpc}: {message} (HTTP {status})"
     if status in (401, 403):
         # Auth is not configured on the sidecar's side: not the request's fault.
-        return SidecarError(ErrorReason.UNKNOWN, words)
+        return SidecarError(FailureReason.UNKNOWN, words)
     if 400 <= status < 500:
-        return engine_words(ErrorReason.INVALID_ARGUMENT, message, rpc, str(status))
+        return engine_words(FailureReason.INVALID_ARGUMENT, message, rpc, str(status))
     if 502 <= status <= 504:
-        return SidecarError(ErrorReason.CANNOT_CONNECT, words)
-    return SidecarError(ErrorReason.UNKNOWN, words)
+        return SidecarError(FailureReason.CANNOT_CONNECT, words)
+    return SidecarError(FailureReason.UNKNOWN, words)
 
 
 # SGLang aborts with 503 what its capacity or its time limits refuse (a full waiting queue,
@@ -72,14 +72,14 @@ def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> 
 _ABORT_BUSY: Final = 503
 
 
-def abort_reason(status: int | None) -> ErrorReason:
+def abort_reason(status: int | None) -> FailureReason:
     """The typed error of an abort SGLang decided on its own, by its ``status_code``: the
     status class a client of SGLang sees (400 stays a refusal, 503 stays "busy")."""
     if status is not None and 400 <= status < 500:
-        return ErrorReason.INVALID_ARGUMENT
+        return FailureReason.INVALID_ARGUMENT
     if status == _ABORT_BUSY:
-        return ErrorReason.OVERLOADED
-    return ErrorReason.UNKNOWN
+        return FailureReason.OVERLOADED
+    return FailureReason.UNKNOWN
 
 
 def event_from_http(payload: object) -> NativeEvent:
@@ -296,9 +296,9 @@ class ResponseState:
     def end_of_stream(self, *, aborted_by_us: bool) -> SidecarError:
         """The error for a stream that ended before its terminal."""
         if aborted_by_us:
-            return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
+            return SidecarError(FailureReason.CANCELLED, "Generate: the request was aborted (cancelled)")
         return SidecarError(
-            ErrorReason.ENGINE_SHUTDOWN, "Generate: the SGLang stream ended before its terminal"
+            FailureReason.ENGINE_SHUTDOWN, "Generate: the SGLang stream ended before its terminal"
         )
 
     def _delta(self, event: NativeEvent) -> sidecar_pb2.LLMEngineOutput | None:
@@ -411,11 +411,11 @@ class ResponseState:
 
     def _abort_error(self, finish: Mapping[str, object], aborted_by_us: bool) -> SidecarError:
         if aborted_by_us:
-            return SidecarError(ErrorReason.CANCELLED, "Generate: the request was aborted (cancelled)")
+            return SidecarError(FailureReason.CANCELLED, "Generate: the request was aborted (cancelled)")
         status = exact_integer(finish.get("status_code"))
         reason = abort_reason(status)
         said = finish.get("message")
-        if reason is not ErrorReason.UNKNOWN and isinstance(said, str) and said:
+        if reason is not FailureReason.UNKNOWN and isinstance(said, str) and said:
             # A refusal or a busy engine: the client reads SGLang's own sentence.
             return engine_words(reason, said, "Generate", f"abort status_code={status}")
         parts = [f"type={finish.get('type')}"]

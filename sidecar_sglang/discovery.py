@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.endpoint import is_wildcard_host
-from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.errors import FailureReason, SidecarError, protocol_error
 from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import RequestSettings, Transport
 
@@ -107,7 +107,7 @@ def discover(
     if mode != expected_mode:
         # A configuration error, not a connectivity one: retrying elsewhere would not help.
         raise SidecarError(
-            ErrorReason.INVALID_ARGUMENT,
+            FailureReason.INVALID_ARGUMENT,
             f"--disaggregation-mode is {expected_mode} but the SGLang engine runs {mode}",
         )
     page = _nonneg(_int(server.get("page_size")))

@@ -20,7 +20,7 @@ import anyio
 import structlog
 
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.errors import ErrorReason, SidecarError, protocol_error
+from sidecar_common.errors import FailureReason, SidecarError, protocol_error
 from sidecar_common.pool import Clock, Deadline, NotReady, RetryPolicy, SystemClock, is_transient
 from sidecar_common.tracing import outgoing_headers
 from sidecar_server.config import SidecarConfig
@@ -179,7 +179,7 @@ class HttpTransport:
             listed = await self._get_json(("/v1/models",), deadline)
         except SidecarError as err:
             # Without the model list the context length comes from server info instead.
-            if err.reason is not ErrorReason.INVALID_ARGUMENT:
+            if err.reason is not FailureReason.INVALID_ARGUMENT:
                 raise
             _log.warning("sglang /v1/models unavailable", error=err.message)
             listed = []
@@ -219,7 +219,9 @@ class HttpTransport:
                     f"{self._base}/generate", json=to_http_json(native), headers=outgoing_headers() or None
                 )
             except aiohttp.ClientError as err:
-                raise SidecarError(ErrorReason.CANNOT_CONNECT, f"Generate: POST /generate: {err!r}") from None
+                raise SidecarError(
+                    FailureReason.CANNOT_CONNECT, f"Generate: POST /generate: {err!r}"
+                ) from None
             if resp.status != 200:
                 body = b""
                 with anyio.move_on_after(_ERROR_BODY_TIMEOUT), contextlib.suppress(aiohttp.ClientError):
@@ -250,7 +252,7 @@ class HttpTransport:
                 # The cause is what an operator needs (reset, truncated body...); after our own
                 # abort the read error is only its echo.
                 error = SidecarError(
-                    ErrorReason.ENGINE_SHUTDOWN,
+                    FailureReason.ENGINE_SHUTDOWN,
                     f"Generate: reading the SGLang stream failed before its terminal: {err!r}",
                 )
                 raise StreamCut(error, abort_echo=True) from err
@@ -302,10 +304,10 @@ class HttpTransport:
                         break
         except TimeoutError:
             raise SidecarError(
-                ErrorReason.CONNECTION_TIMEOUT, f"{method} {path}: no answer in {timeout:.3f}s"
+                FailureReason.CONNECTION_TIMEOUT, f"{method} {path}: no answer in {timeout:.3f}s"
             ) from None
         except aiohttp.ClientError as err:
-            raise SidecarError(ErrorReason.CANNOT_CONNECT, f"{method} {path}: {err!r}") from None
+            raise SidecarError(FailureReason.CANNOT_CONNECT, f"{method} {path}: {err!r}") from None
         return path, status, answer
 
     async def load(self, timeout: float) -> object:

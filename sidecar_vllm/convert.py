@@ -28,7 +28,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import ErrorReason, SidecarError, invalid_argument, protocol_error
+from sidecar_common.errors import FailureReason, SidecarError, invalid_argument, protocol_error
 from sidecar_common.limits import check_media, check_sampling_limits
 from sidecar_common.logprob_floor import clamp_logprob
 from sidecar_common.structs import JSON, json_from_struct, struct_from_json
@@ -429,7 +429,7 @@ class ResponseState:
         reason = done.finish_reason
         if reason == "error":
             raise SidecarError(
-                ErrorReason.UNKNOWN,
+                FailureReason.UNKNOWN,
                 f"Generate: engine reported an error (finish_reason=error, choice {done.index})",
             )
         finish = _FINISH.get(reason)

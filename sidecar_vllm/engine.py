@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import ErrorReason, SidecarError, rpc_status
+from sidecar_common.errors import FailureReason, SidecarError, rpc_status
 from sidecar_common.pool import Clock, Connector, Deadline
 from sidecar_common.rpc import NotHealthy
 from sidecar_common.tracing import outgoing_metadata
@@ -165,7 +165,7 @@ class VllmEngine(EngineClient):
         needed = KV_ROLES.get(self._mode)
         if needed is not None and kv_role not in needed:
             raise SidecarError(
-                ErrorReason.INVALID_ARGUMENT,
+                FailureReason.INVALID_ARGUMENT,
                 f"--disaggregation-mode {self._mode} needs an engine with kv_role "
                 f"{' or '.join(sorted(needed))}, but the engine reports kv_role "
                 f"{kv_role!r}",
@@ -209,7 +209,7 @@ class VllmEngine(EngineClient):
         finally:
             # Leaving early (error, aclose, cancel) must release the HTTP/2 stream now.
             stream.cancel()
-        raise SidecarError(ErrorReason.ENGINE_SHUTDOWN, "engine stream ended before the final chunk")
+        raise SidecarError(FailureReason.ENGINE_SHUTDOWN, "engine stream ended before the final chunk")
 
     async def _abort(self, private_id: str, timeout: float) -> None:
         # vLLM answers OK for an id it no longer knows, so a failure here is a real one (an

@@ -17,7 +17,7 @@ from typing import Final
 
 import grpc
 
-from sidecar_common.errors import ErrorReason, SidecarError, engine_words, from_engine_status
+from sidecar_common.errors import FailureReason, SidecarError, engine_words, from_engine_status
 
 __all__ = ["BUSY_REFUSALS", "generate_error"]
 
@@ -39,5 +39,5 @@ def generate_error(code: grpc.StatusCode, details: str | None) -> SidecarError:
     """The typed error of a failed ``Generate``: vLLM's busy refusal is OVERLOADED in vLLM's
     words (another worker may take the request); anything else as every engine status reads."""
     if code is grpc.StatusCode.UNAVAILABLE and details in BUSY_REFUSALS:
-        return engine_words(ErrorReason.OVERLOADED, details, _CALL, code.name)
+        return engine_words(FailureReason.OVERLOADED, details, _CALL, code.name)
     return from_engine_status(_CALL, code, details)

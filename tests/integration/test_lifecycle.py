@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_server.dispatch import ChoiceTracker, Generation
 from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
 from sidecar_server.relay import RelayConfig, relay
@@ -456,7 +456,7 @@ async def test_stopping_the_server_leaves_no_background_task_running() -> None:
     # The health watch is inside a probe and a failed generation's probe after the engine
     # fault is running too, neither of which would ever end by itself.
     engine = _ProbeNeverAnswers(
-        scripts={"r": [SidecarError(ErrorReason.UNKNOWN, "Generate: boom (INTERNAL)")]}
+        scripts={"r": [SidecarError(FailureReason.UNKNOWN, "Generate: boom (INTERNAL)")]}
     )
     engine.probing = anyio.Event()
     async with servicer_running(

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import (
     ChannelPool,
     Deadline,
@@ -104,7 +104,7 @@ async def test_a_half_open_peer_cannot_stall_start_up_past_the_deadline(half_ope
     with pytest.raises(SidecarError) as info:
         await pool.connect(Deadline.start(SystemClock(), 1.0))
 
-    assert info.value.reason is ErrorReason.CANNOT_CONNECT
+    assert info.value.reason is FailureReason.CANNOT_CONNECT
     assert f"engine 127.0.0.1:{half_open_port} slot 1/2" in info.value.message
     assert "startup deadline 1s" in info.value.message
     # The connector's own timeout normally reports first; the pool's real-time bound is the
@@ -137,7 +137,7 @@ async def test_nothing_listening_is_cannot_connect_naming_the_endpoint(closed_po
         await pool.connect(Deadline.start(SystemClock(), 0.5))
 
     message = info.value.message
-    assert info.value.reason is ErrorReason.CANNOT_CONNECT
+    assert info.value.reason is FailureReason.CANNOT_CONNECT
     assert f"engine 127.0.0.1:{closed_port} slot 1/2" in message
     # Refused, or (when the last attempt had only a sliver of deadline on a loaded machine)
     # not yet failed when that sliver ran out.

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_server.metrics import Metrics
 from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import HANG, FakeEngine, Gate, terminal, tokens
@@ -133,7 +133,7 @@ async def test_scripted_chunks_arrive_in_engine_order() -> None:
 
 
 async def test_engine_error_mid_stream_gives_prefix_then_typed_status() -> None:
-    boom = SidecarError(ErrorReason.CANNOT_CONNECT, "Generate: connection reset (UNAVAILABLE)")
+    boom = SidecarError(FailureReason.CANNOT_CONNECT, "Generate: connection reset (UNAVAILABLE)")
     engine = FakeEngine(scripts={"r": [tokens(1), tokens(2), boom]})
     async with servicer_running(engine) as h:
         call = h.stub.Generate(request("r"))
@@ -385,7 +385,7 @@ async def test_decode_hold_is_bounded() -> None:
 
 async def test_decode_hold_ends_on_an_engine_error_and_still_aborts() -> None:
     gate = anyio.Event()
-    boom = SidecarError(ErrorReason.CANNOT_CONNECT, "Generate: reset (UNAVAILABLE)")
+    boom = SidecarError(FailureReason.CANNOT_CONNECT, "Generate: reset (UNAVAILABLE)")
     engine = FakeEngine(scripts={"r": [Gate(gate), boom]})
     async with servicer_running(engine, hold_decode_cancels=True) as h:
         call = h.stub.Generate(request("r"))
@@ -451,7 +451,9 @@ async def test_model_info_and_load() -> None:
         assert load.inflight_requests == 1
         assert list(load.ranks) == [rank]
         call.cancel()
-        engine.load_error = SidecarError(ErrorReason.CONNECTION_TIMEOUT, "GetLoad: slow (DEADLINE_EXCEEDED)")
+        engine.load_error = SidecarError(
+            FailureReason.CONNECTION_TIMEOUT, "GetLoad: slow (DEADLINE_EXCEEDED)"
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await h.stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

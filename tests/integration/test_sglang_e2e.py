@@ -18,7 +18,7 @@ from testkit.sglang_engine import SglangTestEngine
 from testkit.sglang_info import SglangEngineConfig
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from tests.e2e_helpers import (
     PROMPT,
     collect,
@@ -84,7 +84,7 @@ async def test_no_engine_within_the_deadline_is_cannot_connect(transport: Transp
     try:
         with pytest.raises(SidecarError) as info:
             await adapter.start()
-        assert info.value.reason is ErrorReason.CANNOT_CONNECT
+        assert info.value.reason is FailureReason.CANNOT_CONNECT
     finally:
         await adapter.close()
         await engine.stop()

@@ -19,7 +19,7 @@ from testkit.generator import EOS_TRIGGER_TOKEN, SamplingSpec, detokenize, gener
 from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_vllm.engine import VllmEngine
 from tests.e2e_helpers import (
     PROMPT,
@@ -84,7 +84,7 @@ async def test_no_engine_within_the_deadline_is_cannot_connect() -> None:
     try:
         with pytest.raises(SidecarError) as info:
             await adapter.start()
-        assert info.value.reason is ErrorReason.CANNOT_CONNECT
+        assert info.value.reason is FailureReason.CANNOT_CONNECT
         assert f"127.0.0.1:{port}" in info.value.message
     finally:
         await adapter.close()
@@ -139,7 +139,7 @@ async def test_start_waits_for_health_within_the_one_startup_deadline(sick: int,
         else:
             with pytest.raises(SidecarError) as info:
                 await adapter.start()
-            assert info.value.reason is ErrorReason.CANNOT_CONNECT
+            assert info.value.reason is FailureReason.CANNOT_CONNECT
             assert "HealthCheck" in info.value.message
             assert "warming up" in info.value.message
             assert "startup deadline 1.5s" in info.value.message

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_server.server import ServerConfig, SidecarServer
 from tests.fake_engine import FakeEngine, tokens
 
@@ -36,7 +36,7 @@ class SlowAbortEngine(FakeEngine):
 
 async def test_a_client_cancel_during_the_cleanup_abort_does_not_interrupt_it() -> None:
     engine = SlowAbortEngine()
-    engine.scripts["x"] = [tokens(7), SidecarError(ErrorReason.ENGINE_SHUTDOWN, "stream cut")]
+    engine.scripts["x"] = [tokens(7), SidecarError(FailureReason.ENGINE_SHUTDOWN, "stream cut")]
     server = SidecarServer(engine, ServerConfig(listen="127.0.0.1:0", abort_timeout=5.0))
     await server.start()
     server.set_serving()

@@ -22,7 +22,7 @@ import pytest
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 
-from sidecar_common.errors import FRONTEND_STATUS, ErrorReason
+from sidecar_common.errors import FRONTEND_STATUS, FailureReason
 from tests.reliability.harness import (
     KINDS,
     Ended,
@@ -191,7 +191,7 @@ def check_one(res: Result, tally: Tally, engine_aborts: int, engine_outcome: Out
     if why is None:
         tally.bad(plan, f"status {ended.code} without ErrorInfo: {ended.error.details()}")
         return
-    reason = ErrorReason(why[0])
+    reason = FailureReason(why[0])
     want = FRONTEND_STATUS[reason]
     if want.code != ended.code or why[1] != str(want.migratable).lower():
         tally.bad(plan, f"status {ended.code} does not match reason {why}")

@@ -12,7 +12,7 @@ from google.protobuf import json_format
 from smg_grpc_proto.generated import common_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_sglang.convert_request import (
     INT32_MAX,
     ROOM_MAX,
@@ -42,7 +42,7 @@ def req(**fields: Any) -> Req:
 def message_of(call: Any) -> str:
     with pytest.raises(SidecarError) as info:
         call()
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     return info.value.message
 
 
@@ -269,7 +269,7 @@ def test_sglang_logprob_entries_bounds(entry: list[object], ok: bool) -> None:
     else:
         with pytest.raises(SidecarError) as info:
             state.feed(NativeEvent(ids, meta, True), aborted_by_us=False)
-        assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+        assert info.value.reason is FailureReason.PROTOCOL_ERROR
 
 
 # ---------------------------------------------------------------------------- vLLM response

@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError, from_rpc_error
+from sidecar_common.errors import FailureReason, SidecarError, from_rpc_error
 from sidecar_sglang.convert_request import (
     Bootstrap,
     NativeRequest,
@@ -75,7 +75,7 @@ def vllm_convert(req: Req, mode: Any = "agg") -> vllm_engine_pb2.GenerateRequest
 )
 def test_vllm_guided_decoding_refusals_say_what_is_wrong(mutate: Any, message: str) -> None:
     err = refusal(lambda: vllm_convert(vllm_request(mutate)))
-    assert err.reason is ErrorReason.INVALID_ARGUMENT
+    assert err.reason is FailureReason.INVALID_ARGUMENT
     assert err.message == message
 
 
@@ -128,7 +128,7 @@ def prompt_logprobs(ids: int, values: int, tops: int, top_width: int = 1) -> vll
 )
 def test_vllm_misaligned_prompt_logprobs_are_named(lp: vllm_engine_pb2.InputLogProbs, message: str) -> None:
     err = refusal(lambda: vllm_feed([chunk([1], input_logprobs=lp), complete([1])], prompt_logprobs=1))
-    assert err.reason is ErrorReason.PROTOCOL_ERROR
+    assert err.reason is FailureReason.PROTOCOL_ERROR
     assert err.message == f"invalid vllm response: {message}"
 
 
@@ -150,7 +150,7 @@ def test_vllm_prompt_logprobs_without_alternatives_are_accepted() -> None:
 def test_vllm_a_bad_prefill_handoff_is_named(kv_json: str | None, message: str) -> None:
     done = complete([5], "length", kv_json=kv_json)
     err = refusal(lambda: vllm_feed([chunk([5]), done], mode="prefill"))
-    assert err.reason is ErrorReason.PROTOCOL_ERROR
+    assert err.reason is FailureReason.PROTOCOL_ERROR
     assert err.message.startswith(f"invalid vllm response: {message}")
     if not message.endswith(": "):
         assert err.message == f"invalid vllm response: {message}"
@@ -172,25 +172,25 @@ def test_sglang_dp_rank_out_of_range_names_the_engines_rank_count() -> None:
 @pytest.mark.parametrize(
     ("payload", "reason", "message"),
     [
-        ([1], ErrorReason.PROTOCOL_ERROR, "invalid sglang response: an event is not a JSON object"),
+        ([1], FailureReason.PROTOCOL_ERROR, "invalid sglang response: an event is not a JSON object"),
         (
             {"text": ""},
-            ErrorReason.PROTOCOL_ERROR,
+            FailureReason.PROTOCOL_ERROR,
             "invalid sglang response: an event has no meta_info object",
         ),
         (
             {"meta_info": {}, "output_ids": 5},
-            ErrorReason.PROTOCOL_ERROR,
+            FailureReason.PROTOCOL_ERROR,
             "invalid sglang response: output_ids is not a list",
         ),
         # A refusal is SGLang's own words, unchanged (the call and the status ride in ErrorInfo).
-        ({"error": {"message": "too long", "code": 400}}, ErrorReason.INVALID_ARGUMENT, "too long"),
-        ({"error": {"code": "503"}}, ErrorReason.CANNOT_CONNECT, "Generate: {'code': '503'} (HTTP 503)"),
-        ({"error": "scheduler died"}, ErrorReason.UNKNOWN, "Generate: scheduler died (HTTP 500)"),
-        ({"error": {"message": "odd", "code": "4.0e2"}}, ErrorReason.UNKNOWN, "Generate: odd (HTTP 500)"),
+        ({"error": {"message": "too long", "code": 400}}, FailureReason.INVALID_ARGUMENT, "too long"),
+        ({"error": {"code": "503"}}, FailureReason.CANNOT_CONNECT, "Generate: {'code': '503'} (HTTP 503)"),
+        ({"error": "scheduler died"}, FailureReason.UNKNOWN, "Generate: scheduler died (HTTP 500)"),
+        ({"error": {"message": "odd", "code": "4.0e2"}}, FailureReason.UNKNOWN, "Generate: odd (HTTP 500)"),
     ],
 )
-def test_sglang_http_events_that_are_errors(payload: object, reason: ErrorReason, message: str) -> None:
+def test_sglang_http_events_that_are_errors(payload: object, reason: FailureReason, message: str) -> None:
     err = refusal(lambda: event_from_http(payload))
     assert err.reason is reason
     assert err.message == message
@@ -218,12 +218,12 @@ def test_sglang_end_of_stream_words() -> None:
     state = ResponseState(native(), cumulative=False)
     ours = state.end_of_stream(aborted_by_us=True)
     assert (ours.reason, ours.message) == (
-        ErrorReason.CANCELLED,
+        FailureReason.CANCELLED,
         "Generate: the request was aborted (cancelled)",
     )
     cut = state.end_of_stream(aborted_by_us=False)
     assert (cut.reason, cut.message) == (
-        ErrorReason.ENGINE_SHUTDOWN,
+        FailureReason.ENGINE_SHUTDOWN,
         "Generate: the SGLang stream ended before its terminal",
     )
 
@@ -247,7 +247,7 @@ def test_sglang_engine_abort_words(finish: dict[str, object], message: str) -> N
     ours = ResponseState(native(), cumulative=False)
     err = refusal(lambda: ours.feed(NativeEvent([], {"finish_reason": finish}, True), aborted_by_us=True))
     assert (err.reason, err.message) == (
-        ErrorReason.CANCELLED,
+        FailureReason.CANCELLED,
         "Generate: the request was aborted (cancelled)",
     )
 
@@ -281,7 +281,7 @@ def test_sglang_a_malformed_prompt_logprob_entry_is_named(key: str, bad: list[ob
     meta[key] = bad
     state = ResponseState(request, cumulative=False)
     err = refusal(lambda: state.feed(NativeEvent([5], meta, True), aborted_by_us=False))
-    assert err.reason is ErrorReason.PROTOCOL_ERROR
+    assert err.reason is FailureReason.PROTOCOL_ERROR
     assert err.message.startswith(f"invalid sglang response: {key} entry ")
 
 
@@ -307,5 +307,5 @@ class OddRpcError(grpc.RpcError):
 
 def test_an_rpc_error_without_a_status_code_or_text_is_unknown_with_no_details() -> None:
     err = from_rpc_error("Generate", OddRpcError())
-    assert err.reason is ErrorReason.UNKNOWN
+    assert err.reason is FailureReason.UNKNOWN
     assert err.message == "Generate: engine error with no details (UNKNOWN)"

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_server.dispatch import (
     PRIVATE_ID_HEAD_LEN,
     CancelCause,
@@ -90,7 +90,7 @@ def test_tracker_refuses_malformed_streams(chunks: list[Out], what: str) -> None
         tracker.observe(c)
     with pytest.raises(SidecarError) as info:
         tracker.observe(chunks[-1])
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     assert info.value.message == f"invalid fake response: {what}"
 
 
@@ -246,7 +246,7 @@ async def test_relay_stops_reading_the_engine_when_the_frontend_does_not_drain()
 
 
 async def test_relay_raises_the_engine_error_after_the_prefix() -> None:
-    boom = SidecarError(ErrorReason.OVERLOADED, "Generate: busy (RESOURCE_EXHAUSTED)")
+    boom = SidecarError(FailureReason.OVERLOADED, "Generate: busy (RESOURCE_EXHAUSTED)")
     engine = FakeEngine(scripts={"r": [tokens(1), tokens(2), boom]})
     gen = _generation(engine)
     sent: list[int] = []
@@ -489,7 +489,7 @@ async def test_an_engine_adapter_bug_is_logged_with_its_traceback_counted_and_ty
         gen = _generation(engine)
         with pytest.raises(SidecarError) as info:
             await relay(gen, write, RelayConfig(), metrics=metrics)
-    assert info.value.reason is ErrorReason.UNKNOWN
+    assert info.value.reason is FailureReason.UNKNOWN
     assert info.value.message == "fake generate: KeyError: 'meta_info'"
     errors = [entry for entry in logs if entry["log_level"] == "error"]
     assert errors == [
@@ -563,7 +563,7 @@ async def test_protocol_errors_of_the_stream_name_the_engine() -> None:
 
     with pytest.raises(SidecarError) as info:
         await relay(gen, write, RelayConfig())
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     assert info.value.message == "invalid fake response: choice index 3 with n=1"
 
 
@@ -586,7 +586,7 @@ async def test_the_abort_of_a_generation_the_frontend_left_is_counted_by_outcome
 
 async def test_an_engine_failure_after_every_terminal_was_delivered_is_logged_not_reported() -> None:
     late = anyio.Event()
-    failure = SidecarError(ErrorReason.ENGINE_SHUTDOWN, "stream reset after the terminal")
+    failure = SidecarError(FailureReason.ENGINE_SHUTDOWN, "stream reset after the terminal")
     engine = FakeEngine(scripts={"r": [terminal(1), Gate(late), failure]})
     gen = _generation(engine)
 

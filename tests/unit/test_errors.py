@@ -11,7 +11,7 @@ from sidecar_common.errors import (
     ENGINE_NOT_FOUND,
     SIDECAR_REASONS,
     EngineOrigin,
-    ErrorReason,
+    FailureReason,
     SidecarError,
     engine_words,
     from_engine_status,
@@ -21,7 +21,7 @@ from sidecar_common.errors import (
     to_rpc_status,
 )
 
-R = ErrorReason
+R = FailureReason
 C = grpc.StatusCode
 
 # Written out by hand from the spec, not derived from the module's own table.
@@ -60,19 +60,19 @@ REASON_TO_FRONTEND = {
 def test_the_tables_cover_every_status_code_and_every_reason() -> None:
     assert set(ENGINE_TO_REASON) == set(grpc.StatusCode)
     # Every reason but the frontend's own two, which no sidecar sends.
-    assert set(REASON_TO_FRONTEND) == set(ErrorReason) - {R.NO_WORKER, R.DEADLINE}
+    assert set(REASON_TO_FRONTEND) == set(FailureReason) - {R.NO_WORKER, R.DEADLINE}
     assert set(REASON_TO_FRONTEND) == SIDECAR_REASONS
 
 
 @pytest.mark.parametrize("reason", [R.NO_WORKER, R.DEADLINE])
-def test_the_frontends_own_reasons_have_no_sidecar_status(reason: ErrorReason) -> None:
+def test_the_frontends_own_reasons_have_no_sidecar_status(reason: FailureReason) -> None:
     with pytest.raises(ValueError, match="the frontend's own reason"):
         to_rpc_status(SidecarError(reason, "m"))
 
 
 @pytest.mark.parametrize(("code", "reason"), list(ENGINE_TO_REASON.items()), ids=lambda v: str(v))
 def test_engine_status_maps_to_its_reason_keeping_the_rpc_and_engine_words(
-    code: grpc.StatusCode, reason: ErrorReason
+    code: grpc.StatusCode, reason: FailureReason
 ) -> None:
     error = from_engine_status("Generate", code, "model is warming up")
     assert error.reason is reason
@@ -116,7 +116,7 @@ def test_an_rpc_error_without_a_status_is_unknown() -> None:
     ("reason", "frontend"), list(REASON_TO_FRONTEND.items()), ids=lambda v: getattr(v, "name", str(v))
 )
 def test_every_reason_has_its_frontend_code_migratable_flag_and_error_info(
-    reason: ErrorReason, frontend: tuple[grpc.StatusCode, bool]
+    reason: FailureReason, frontend: tuple[grpc.StatusCode, bool]
 ) -> None:
     code, migratable = frontend
     error = SidecarError(reason, "what happened")

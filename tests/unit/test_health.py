@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_common.errors import ErrorReason, SidecarError, engine_went_away, is_engine_fault
+from sidecar_common.errors import FailureReason, SidecarError, engine_went_away, is_engine_fault
 from sidecar_common.rpc import NotHealthy
 from sidecar_common.rpc import probe as health_probe
 from sidecar_server.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
@@ -80,16 +80,16 @@ def test_a_threshold_below_one_is_refused() -> None:
 INTERNAL = "Generate: EngineCore encountered an issue. See stack trace (above) for the root cause. (INTERNAL)"
 
 
-@pytest.mark.parametrize("reason", list(ErrorReason))
+@pytest.mark.parametrize("reason", list(FailureReason))
 @pytest.mark.parametrize("probe", list(Probe))
 def test_only_an_untyped_engine_fault_with_the_engine_unhealthy_becomes_the_engine_going_away(
-    reason: ErrorReason, probe: Probe
+    reason: FailureReason, probe: Probe
 ) -> None:
     error = SidecarError(reason, INTERNAL)
     typed = after_engine_fault(error, probe, "engine reports not healthy: Engine is not alive")
-    if reason is ErrorReason.UNKNOWN and probe is Probe.UNHEALTHY:
+    if reason is FailureReason.UNKNOWN and probe is Probe.UNHEALTHY:
         assert typed is not None
-        assert typed.reason is ErrorReason.ENGINE_SHUTDOWN
+        assert typed.reason is FailureReason.ENGINE_SHUTDOWN
         assert typed.migratable
         # The engine's own words stay, and why it was judged gone follows them.
         assert typed.message == (
@@ -102,15 +102,15 @@ def test_only_an_untyped_engine_fault_with_the_engine_unhealthy_becomes_the_engi
 
 @pytest.mark.parametrize(
     ("reason", "fault"),
-    [(reason, reason is ErrorReason.UNKNOWN) for reason in ErrorReason],
+    [(reason, reason is FailureReason.UNKNOWN) for reason in FailureReason],
 )
-def test_which_failures_are_engine_faults(reason: ErrorReason, fault: bool) -> None:
+def test_which_failures_are_engine_faults(reason: FailureReason, fault: bool) -> None:
     assert is_engine_fault(SidecarError(reason, "x")) is fault
 
 
 def test_the_engine_going_away_is_migratable_with_the_engines_words() -> None:
-    gone = engine_went_away(SidecarError(ErrorReason.UNKNOWN, "Generate: boom (INTERNAL)"), "why")
-    assert (gone.reason, gone.migratable) == (ErrorReason.ENGINE_SHUTDOWN, True)
+    gone = engine_went_away(SidecarError(FailureReason.UNKNOWN, "Generate: boom (INTERNAL)"), "why")
+    assert (gone.reason, gone.migratable) == (FailureReason.ENGINE_SHUTDOWN, True)
     assert gone.message == "Generate: boom (INTERNAL); the engine then reported itself unhealthy: why"
 
 

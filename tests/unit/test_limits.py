@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.limits import SAMPLING_LIMITS, EngineKind, Span, check_sampling_limits, exact_integer
 from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
 from sidecar_sglang.convert_response import NativeEvent, ResponseState
@@ -53,7 +53,7 @@ def refusal(engine: EngineKind, req: Req) -> str | None:
         caught = err
     else:
         return None
-    assert caught.reason is ErrorReason.INVALID_ARGUMENT
+    assert caught.reason is FailureReason.INVALID_ARGUMENT
     return caught.message
 
 

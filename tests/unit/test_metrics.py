@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.rpc import NotHealthy, probe
 from sidecar_server.engine import EngineHealth
 from sidecar_server.health import FAILURE_THRESHOLD
@@ -138,7 +138,7 @@ def test_a_refusal_is_both_refused_and_failed() -> None:
 
 
 async def test_every_arrival_is_started_and_ends_exactly_once() -> None:
-    boom = SidecarError(ErrorReason.CANNOT_CONNECT, "Generate: connection reset (UNAVAILABLE)")
+    boom = SidecarError(FailureReason.CANNOT_CONNECT, "Generate: connection reset (UNAVAILABLE)")
     engine = FakeEngine(
         scripts={
             "errors": [tokens(1), tokens(2), boom],
@@ -220,7 +220,7 @@ async def test_an_abort_that_times_out_is_counted_and_logged_as_such() -> None:
 
 
 async def test_one_info_line_per_finished_request_with_what_an_operator_needs() -> None:
-    boom = SidecarError(ErrorReason.CANNOT_CONNECT, "Generate: connection reset (UNAVAILABLE)")
+    boom = SidecarError(FailureReason.CANNOT_CONNECT, "Generate: connection reset (UNAVAILABLE)")
     engine = FakeEngine(scripts={"errors": [tokens(1), boom]})
     async with sidecar(engine) as s:
         with capture_logs() as logs:
@@ -277,7 +277,7 @@ async def test_engine_unhealthy_says_why() -> None:
             self.probes += 1
             if self.probes > FAILURE_THRESHOLD:
                 self.probed.set()
-            raise SidecarError(ErrorReason.CANNOT_CONNECT, "HealthCheck: connection refused (UNAVAILABLE)")
+            raise SidecarError(FailureReason.CANNOT_CONNECT, "HealthCheck: connection refused (UNAVAILABLE)")
 
     engine = FailingProbe()
     engine.probed = anyio.Event()
@@ -306,7 +306,7 @@ async def test_a_failed_probe_tells_why() -> None:
         raise NotHealthy("engine reports not healthy: loading weights")
 
     async def unreachable(timeout: float) -> None:
-        raise SidecarError(ErrorReason.CANNOT_CONNECT, "HealthCheck: connection refused (UNAVAILABLE)")
+        raise SidecarError(FailureReason.CANNOT_CONNECT, "HealthCheck: connection refused (UNAVAILABLE)")
 
     async def silent(timeout: float) -> None:
         await anyio.sleep_forever()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import (
     ChannelPool,
     Deadline,
@@ -66,7 +66,7 @@ async def test_a_later_slot_that_needs_more_than_is_left_fails_the_pool_naming_i
         await pool.connect(Deadline.start(clock, 0.100))
 
     error = info.value
-    assert error.reason is ErrorReason.CANNOT_CONNECT
+    assert error.reason is FailureReason.CANNOT_CONNECT
     assert "engine 127.0.0.1:5 slot 2/2" in error.message
     assert "2 attempts" in error.message
     assert "startup deadline 0.1s" in error.message
@@ -79,7 +79,7 @@ async def test_a_later_slot_that_needs_more_than_is_left_fails_the_pool_naming_i
     assert pool.size == 0
     with pytest.raises(SidecarError) as not_connected:
         pool.channel()
-    assert not_connected.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert not_connected.value.reason is FailureReason.ENGINE_SHUTDOWN
 
 
 async def test_slot_one_failing_stops_before_the_others_are_tried() -> None:
@@ -215,7 +215,7 @@ async def test_an_attempt_ignoring_its_timeout_is_cut_in_real_time() -> None:
     with pytest.raises(SidecarError) as info:
         await retry_until_deadline("engine h", stalls, Deadline.start(SystemClock(), 0.2), policy)
 
-    assert info.value.reason is ErrorReason.CANNOT_CONNECT
+    assert info.value.reason is FailureReason.CANNOT_CONNECT
     assert "attempt timed out after" in info.value.message
 
 
@@ -233,7 +233,7 @@ async def test_channels_are_handed_out_round_robin_and_close_is_idempotent() -> 
     assert [channel.closed for channel in connector.channels] == [1, 1, 1]
     with pytest.raises(SidecarError) as info:
         pool.channel()
-    assert info.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert info.value.reason is FailureReason.ENGINE_SHUTDOWN
     assert "closed" in info.value.message
 
 
@@ -266,12 +266,12 @@ async def test_no_channel_before_connect_and_no_connect_after_close() -> None:
     pool = make_pool(clock, connector, 2, RetryPolicy())
     with pytest.raises(SidecarError, match="not connected") as before:
         pool.channel()
-    assert before.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert before.value.reason is FailureReason.ENGINE_SHUTDOWN
 
     await pool.close()
     with pytest.raises(SidecarError, match="closed") as after:
         await pool.connect(Deadline.start(clock, 1.0))
-    assert after.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert after.value.reason is FailureReason.ENGINE_SHUTDOWN
     assert connector.calls == []
 
 
@@ -308,7 +308,7 @@ async def test_closing_while_connecting_leaves_no_channel_open() -> None:
             with pytest.raises(SidecarError, match="closed") as info:
                 await pool.connect(Deadline.start(clock, 10.0))
 
-    assert info.value.reason is ErrorReason.ENGINE_SHUTDOWN
+    assert info.value.reason is FailureReason.ENGINE_SHUTDOWN
     assert info.value.message == "the engine connection pool was closed"
     assert [channel.closed for channel in connector.channels] == [1, 1]
     assert pool.size == 0
@@ -336,7 +336,7 @@ def test_no_schedule_of_failures_outlives_the_deadline(
     async def run() -> None:
         with pytest.raises(SidecarError) as info:
             await retry_until_deadline("e", attempt_with(connector), deadline, policy, rand=rng.random)
-        assert info.value.reason is ErrorReason.CANNOT_CONNECT
+        assert info.value.reason is FailureReason.CANNOT_CONNECT
 
     anyio.run(run)
     assert clock.now - 1000.0 <= deadline_secs + 1e-9
@@ -361,8 +361,8 @@ def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
         _rpc_error(grpc.StatusCode.UNAVAILABLE),
         _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED),
         NotReady("engine reports not healthy"),
-        SidecarError(ErrorReason.CANNOT_CONNECT, "GetModelInfo: connection reset (UNAVAILABLE)"),
-        SidecarError(ErrorReason.CONNECTION_TIMEOUT, "HealthCheck: no answer in 1s"),
+        SidecarError(FailureReason.CANNOT_CONNECT, "GetModelInfo: connection reset (UNAVAILABLE)"),
+        SidecarError(FailureReason.CONNECTION_TIMEOUT, "HealthCheck: no answer in 1s"),
     ],
     ids=lambda e: type(e).__name__ + (f"-{e.code().name}" if isinstance(e, grpc.aio.AioRpcError) else ""),
 )
@@ -426,14 +426,14 @@ async def test_a_definite_engine_answer_ends_start_up_at_once_typed() -> None:
         )
 
     assert attempts == 1
-    assert info.value.reason is ErrorReason.UNKNOWN
+    assert info.value.reason is FailureReason.UNKNOWN
     assert info.value.message == "engine u (HealthCheck): engine says so (UNIMPLEMENTED)"
 
 
 async def test_a_typed_refusal_is_not_retried() -> None:
     clock = FakeClock()
     refusal = SidecarError(
-        ErrorReason.PROTOCOL_ERROR, "invalid sglang response: GET /health answered HTTP 404"
+        FailureReason.PROTOCOL_ERROR, "invalid sglang response: GET /health answered HTTP 404"
     )
     attempts = 0
 
@@ -570,7 +570,7 @@ async def test_a_connect_that_failed_can_be_tried_again() -> None:
 
 async def test_slot_one_answering_definitely_stops_the_pool_without_trying_the_others() -> None:
     clock = FakeClock()
-    refusal = SidecarError(ErrorReason.INVALID_ARGUMENT, "not an engine")
+    refusal = SidecarError(FailureReason.INVALID_ARGUMENT, "not an engine")
     connector = ScriptedConnector(clock, then=Step(error=refusal))
     pool = make_pool(clock, connector, 3, RetryPolicy())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import Deadline, RetryPolicy
 from sidecar_common.rpc import NotHealthy, bounded_call, discovery_timeout, probe
 from tests.fakes_clock import FakeClock
@@ -25,7 +25,7 @@ async def test_an_rpc_error_becomes_the_typed_error_named_after_the_rpc() -> Non
 
     with pytest.raises(SidecarError) as info:
         await bounded_call("GetLoads", 1.0, call)
-    assert info.value.reason is ErrorReason.OVERLOADED
+    assert info.value.reason is FailureReason.OVERLOADED
     assert info.value.message == "GetLoads: queue full (RESOURCE_EXHAUSTED)"
 
 
@@ -50,7 +50,7 @@ def test_discovery_is_bounded_by_the_attempt_timeout_and_the_remaining_deadline(
     clock.now += 2.0
     with pytest.raises(SidecarError) as info:
         discovery_timeout("GetModelInfo", deadline, policy)
-    assert info.value.reason is ErrorReason.CONNECTION_TIMEOUT
+    assert info.value.reason is FailureReason.CONNECTION_TIMEOUT
     assert "GetModelInfo" in info.value.message
     assert "10s" in info.value.message
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sglang_pb2, sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_sglang.convert_request import (
     ROOM_MAX,
     Bootstrap,
@@ -49,7 +49,7 @@ def http_of(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings 
 def refused(request: sidecar_pb2.PreprocessedRequest, settings: RequestSettings = AGG) -> str:
     with pytest.raises(SidecarError) as info:
         build_native(request, PID, settings, room=7)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     return info.value.message
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import EngineOrigin, ErrorReason, SidecarError
+from sidecar_common.errors import EngineOrigin, FailureReason, SidecarError
 from sidecar_sglang.convert_request import Bootstrap, NativeRequest, NativeSampling, handoff_info
 from sidecar_sglang.convert_response import (
     NativeEvent,
@@ -109,7 +109,7 @@ def test_finished_without_known_finish_reason_is_protocol_error(finish: object) 
     state = ResponseState(native(), cumulative=False)
     with pytest.raises(SidecarError) as info:
         state.feed(ev([1], finish, finished=True), aborted_by_us=False)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     assert "missing finish_reason" in info.value.message
 
 
@@ -118,20 +118,20 @@ def test_abort_we_asked_for_is_cancelled() -> None:
     state.feed(ev([1]), aborted_by_us=False)
     with pytest.raises(SidecarError) as info:
         state.feed(ev([1], {"type": "abort", "message": "Abort"}), aborted_by_us=True)
-    assert info.value.reason is ErrorReason.CANCELLED
+    assert info.value.reason is FailureReason.CANCELLED
 
 
 @pytest.mark.parametrize(
     ("status", "reason", "exact"),
     [
-        (400, ErrorReason.INVALID_ARGUMENT, True),
-        (503, ErrorReason.OVERLOADED, True),
-        (None, ErrorReason.UNKNOWN, False),
-        (500, ErrorReason.UNKNOWN, False),
-        (502, ErrorReason.UNKNOWN, False),
+        (400, FailureReason.INVALID_ARGUMENT, True),
+        (503, FailureReason.OVERLOADED, True),
+        (None, FailureReason.UNKNOWN, False),
+        (500, FailureReason.UNKNOWN, False),
+        (502, FailureReason.UNKNOWN, False),
     ],
 )
-def test_engine_abort_keeps_engine_words(status: int | None, reason: ErrorReason, exact: bool) -> None:
+def test_engine_abort_keeps_engine_words(status: int | None, reason: FailureReason, exact: bool) -> None:
     finish = {"type": "abort", "message": "prompt too long", "status_code": status, "err_type": "BadRequest"}
     with pytest.raises(SidecarError) as info:
         ResponseState(native(), cumulative=False).feed(ev([], finish), aborted_by_us=False)
@@ -154,7 +154,7 @@ def test_completion_count_mismatch_on_terminal_is_protocol_error() -> None:
     run(state, [ev([5, 6])])
     with pytest.raises(SidecarError) as info:
         state.feed(ev([5, 6, 7], "length", completion_tokens=4), aborted_by_us=False)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     ok = ResponseState(native(), cumulative=True)
     assert run(ok, [ev([5, 6, 7], "length", completion_tokens=3)])[0].completion_usage.completion_tokens == 3
 
@@ -171,7 +171,7 @@ def test_out_of_range_logprob_entries_are_protocol_errors(meta: dict[str, Any]) 
     state = ResponseState(native(return_logprob=True, logprobs=1), cumulative=False)
     with pytest.raises(SidecarError) as info:
         state.feed(ev([5], **meta), aborted_by_us=False)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
 
 
 def test_out_of_range_usage_numbers_fall_back_or_stay_absent() -> None:
@@ -185,8 +185,8 @@ def test_out_of_range_usage_numbers_fall_back_or_stay_absent() -> None:
 
 def test_end_of_stream_errors() -> None:
     state = ResponseState(native(), cumulative=False)
-    assert state.end_of_stream(aborted_by_us=False).reason is ErrorReason.ENGINE_SHUTDOWN
-    assert state.end_of_stream(aborted_by_us=True).reason is ErrorReason.CANCELLED
+    assert state.end_of_stream(aborted_by_us=False).reason is FailureReason.ENGINE_SHUTDOWN
+    assert state.end_of_stream(aborted_by_us=True).reason is FailureReason.CANCELLED
 
 
 def triple(lp: float, tid: int) -> list[object]:
@@ -291,14 +291,14 @@ def test_text_deltas_cumulative_and_incremental() -> None:
 @pytest.mark.parametrize(
     ("code", "reason"),
     [
-        ("400", ErrorReason.INVALID_ARGUMENT),
-        (" 503 ", ErrorReason.CANNOT_CONNECT),
-        ("²", ErrorReason.UNKNOWN),  # a digit int() refuses: no code, so the default 500
-        ("--400", ErrorReason.UNKNOWN),
-        ("", ErrorReason.UNKNOWN),
+        ("400", FailureReason.INVALID_ARGUMENT),
+        (" 503 ", FailureReason.CANNOT_CONNECT),
+        ("²", FailureReason.UNKNOWN),  # a digit int() refuses: no code, so the default 500
+        ("--400", FailureReason.UNKNOWN),
+        ("", FailureReason.UNKNOWN),
     ],
 )
-def test_http_error_codes_given_as_text(code: str, reason: ErrorReason) -> None:
+def test_http_error_codes_given_as_text(code: str, reason: FailureReason) -> None:
     with pytest.raises(SidecarError) as info:
         event_from_http({"error": {"message": "boom", "code": code}})
     assert info.value.reason is reason
@@ -309,28 +309,28 @@ def test_http_events() -> None:
     assert (event.finished, event.text, list(event.output_ids)) == (False, "a", [1])
     with pytest.raises(SidecarError) as info:
         event_from_http({"error": {"message": "bad input", "type": "invalid_request_error", "code": 400}})
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert "bad input" in info.value.message
     with pytest.raises(SidecarError) as info:
         event_from_http([1, 2])
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
 
 
 @pytest.mark.parametrize(
     ("status", "reason"),
     [
-        (400, ErrorReason.INVALID_ARGUMENT),
-        (404, ErrorReason.INVALID_ARGUMENT),
-        (401, ErrorReason.UNKNOWN),
-        (403, ErrorReason.UNKNOWN),
-        (500, ErrorReason.UNKNOWN),
-        (502, ErrorReason.CANNOT_CONNECT),
-        (503, ErrorReason.CANNOT_CONNECT),
-        (504, ErrorReason.CANNOT_CONNECT),
-        (505, ErrorReason.UNKNOWN),
+        (400, FailureReason.INVALID_ARGUMENT),
+        (404, FailureReason.INVALID_ARGUMENT),
+        (401, FailureReason.UNKNOWN),
+        (403, FailureReason.UNKNOWN),
+        (500, FailureReason.UNKNOWN),
+        (502, FailureReason.CANNOT_CONNECT),
+        (503, FailureReason.CANNOT_CONNECT),
+        (504, FailureReason.CANNOT_CONNECT),
+        (505, FailureReason.UNKNOWN),
     ],
 )
-def test_http_status_table(status: int, reason: ErrorReason) -> None:
+def test_http_status_table(status: int, reason: FailureReason) -> None:
     error = error_from_http_status(status, "words")
     assert error.reason is reason
     assert "words" in error.message
@@ -455,16 +455,16 @@ def test_a_prefill_aborted_at_our_request_is_cancelled_and_hands_nothing_off(cum
     assert run(state, [ev([5])]) == []
     with pytest.raises(SidecarError) as info:
         state.feed(ev([5], {"type": "abort", "message": "Abort"}), aborted_by_us=True)
-    assert info.value.reason is ErrorReason.CANCELLED
+    assert info.value.reason is FailureReason.CANCELLED
     assert state.done, "nothing after the abort may produce a terminal (with its handoff)"
 
 
 @pytest.mark.parametrize(
     ("status", "reason"),
-    [(None, ErrorReason.UNKNOWN), (503, ErrorReason.OVERLOADED), (400, ErrorReason.INVALID_ARGUMENT)],
+    [(None, FailureReason.UNKNOWN), (503, FailureReason.OVERLOADED), (400, FailureReason.INVALID_ARGUMENT)],
 )
 def test_a_prefill_the_engine_aborted_on_its_own_keeps_the_engines_error(
-    status: int | None, reason: ErrorReason
+    status: int | None, reason: FailureReason
 ) -> None:
     state = ResponseState(native(prefill=True, bootstrap=PREFILL_BOOTSTRAP), cumulative=True)
     finish = {"type": "abort", "message": "scheduler is shutting down", "status_code": status}

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_sglang.discovery import Discovered, discover, loads_from_json
 
 MODEL = {
@@ -109,14 +109,14 @@ def test_prefill_engine_settings() -> None:
 def test_mode_disagreement_is_a_startup_error(engine: str, flag: Any) -> None:
     with pytest.raises(SidecarError) as info:
         run({**SERVER, "disaggregation_mode": engine}, mode=flag)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert flag in info.value.message
 
 
 def test_unknown_engine_mode_is_a_protocol_error() -> None:
     with pytest.raises(SidecarError) as info:
         run({**SERVER, "disaggregation_mode": "both"})
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
 
 
 def test_absent_figures_are_zero_and_vision_only_over_http() -> None:

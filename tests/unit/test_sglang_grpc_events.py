@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_sglang.convert_request import NativeRequest, NativeSampling
 from sidecar_sglang.convert_response import NativeEvent, ResponseState
 from sidecar_sglang.grpc_events import ABSENT, CumulativeJsonList, GrpcEventDecoder
@@ -365,7 +365,7 @@ def test_bytes_that_are_not_a_generate_response_are_a_protocol_error(raw: bytes)
     decoder = GrpcEventDecoder(native(return_logprob=True, logprobs=0), cumulative=True)
     with pytest.raises(SidecarError) as info:
         decoder.decode(raw)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
 
 
 @given(st.binary(max_size=40), st.booleans())
@@ -378,7 +378,7 @@ def test_any_bytes_decode_or_are_a_protocol_error(raw: bytes, cumulative: bool) 
         decoder.decode(raw)
     except SidecarError as err:
         reason = err.reason
-    assert reason in (None, ErrorReason.PROTOCOL_ERROR)
+    assert reason in (None, FailureReason.PROTOCOL_ERROR)
 
 
 def test_a_repeated_map_key_keeps_the_last_value() -> None:

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from sidecar_common.endpoint import parse_endpoint
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_server.config import SidecarConfig
 from sidecar_sglang.http_transport import over_http
@@ -64,6 +64,6 @@ async def test_a_discovery_get_gets_only_what_is_left_of_the_startup_deadline(pa
                 await engine.start()
         finally:
             await engine.close()
-    assert caught.value.reason is ErrorReason.CONNECTION_TIMEOUT
+    assert caught.value.reason is FailureReason.CONNECTION_TIMEOUT
     # The bound the GET really had (the attempt timeout would say 5.000s).
     assert caught.value.message == f"GET {path}: no answer in 0.300s"

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.endpoint import parse_endpoint
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import PoolConfig, RetryPolicy
 from sidecar_server.config import SidecarConfig
 from sidecar_server.engine import GenerateCall
@@ -163,16 +163,16 @@ async def test_a_long_event_split_across_reads() -> None:
 @pytest.mark.parametrize(
     ("status", "reason"),
     [
-        (400, ErrorReason.INVALID_ARGUMENT),
-        (404, ErrorReason.INVALID_ARGUMENT),
-        (401, ErrorReason.UNKNOWN),
-        (403, ErrorReason.UNKNOWN),
-        (500, ErrorReason.UNKNOWN),
-        (502, ErrorReason.CANNOT_CONNECT),
-        (503, ErrorReason.CANNOT_CONNECT),
+        (400, FailureReason.INVALID_ARGUMENT),
+        (404, FailureReason.INVALID_ARGUMENT),
+        (401, FailureReason.UNKNOWN),
+        (403, FailureReason.UNKNOWN),
+        (500, FailureReason.UNKNOWN),
+        (502, FailureReason.CANNOT_CONNECT),
+        (503, FailureReason.CANNOT_CONNECT),
     ],
 )
-async def test_http_status_before_the_stream(status: int, reason: ErrorReason) -> None:
+async def test_http_status_before_the_stream(status: int, reason: FailureReason) -> None:
     async with adapter(Script(status=status)) as engine:
         outs, err = await run(engine)
     assert outs == []
@@ -184,35 +184,35 @@ async def test_http_status_before_the_stream(status: int, reason: ErrorReason) -
 @pytest.mark.parametrize(
     ("chunks", "close_early", "prefix", "reason", "words"),
     [
-        ([event([5]), b"data: {not json\n\n"], False, 1, ErrorReason.PROTOCOL_ERROR, "not JSON"),
-        ([event([5]), b"data: [DONE]\n\n"], False, 1, ErrorReason.PROTOCOL_ERROR, "[DONE]"),
+        ([event([5]), b"data: {not json\n\n"], False, 1, FailureReason.PROTOCOL_ERROR, "not JSON"),
+        ([event([5]), b"data: [DONE]\n\n"], False, 1, FailureReason.PROTOCOL_ERROR, "[DONE]"),
         # A connection cut mid-body: the read error is kept as the cause.
         (
             [event([5])],
             True,
             1,
-            ErrorReason.ENGINE_SHUTDOWN,
+            FailureReason.ENGINE_SHUTDOWN,
             "stream failed before its terminal: ClientPayloadError",
         ),
-        ([event([5])], False, 1, ErrorReason.ENGINE_SHUTDOWN, "ended"),
+        ([event([5])], False, 1, FailureReason.ENGINE_SHUTDOWN, "ended"),
         (
             [event([5]), b'data: {"error": {"message": "too long", "code": 400}}\n\ndata: [DONE]\n\n'],
             False,
             1,
-            ErrorReason.INVALID_ARGUMENT,
+            FailureReason.INVALID_ARGUMENT,
             "too long",
         ),
         (
             [event([5]), event([6], {"type": "mystery"})],
             False,
             1,
-            ErrorReason.PROTOCOL_ERROR,
+            FailureReason.PROTOCOL_ERROR,
             "finish_reason",
         ),
     ],
 )
 async def test_broken_streams_give_the_prefix_then_a_typed_error(
-    chunks: list[bytes], close_early: bool, prefix: int, reason: ErrorReason, words: str
+    chunks: list[bytes], close_early: bool, prefix: int, reason: FailureReason, words: str
 ) -> None:
     async with adapter(Script(chunks=chunks, close_early=close_early)) as engine:
         outs, err = await run(engine)
@@ -241,5 +241,5 @@ async def test_an_abort_we_asked_for_ends_cancelled() -> None:
         script.chunks.append(abort_event)
         with pytest.raises(SidecarError) as info:
             await anext(stream)
-        assert info.value.reason is ErrorReason.CANCELLED
+        assert info.value.reason is FailureReason.CANCELLED
         await stream.aclose()  # type: ignore[attr-defined]

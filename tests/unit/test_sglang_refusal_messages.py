@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import NOT_SENT, EngineOrigin, ErrorReason, SidecarError
+from sidecar_common.errors import NOT_SENT, EngineOrigin, FailureReason, SidecarError
 from sidecar_sglang.convert_request import RequestSettings, build_native, to_http_json
 from tests.unit.test_sglang_convert_request import DECODE, PID, req
 
@@ -23,7 +23,7 @@ def refusal(
 ) -> str:
     with pytest.raises(SidecarError) as info:
         build_native(request, private_id, settings, room=7)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     return info.value.message
 
 
@@ -206,7 +206,7 @@ def test_a_lora_adapter_while_lora_is_off_is_refused_in_sglangs_words(transport:
     request = req(routing={"loraName": "sql"})
     with pytest.raises(SidecarError) as info:
         build_native(request, PID, RequestSettings(transport=transport, lora_enabled=False), room=1)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert info.value.message == (
         "LoRA adapter 'sql' was requested, but LoRA is not enabled. Please launch the server with "
         "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_sglang.convert_request import NativeRequest, NativeSampling
 from sidecar_sglang.convert_response import NativeEvent, ResponseState
 
@@ -47,7 +47,7 @@ def test_a_malformed_alternative_names_output_top_logprobs() -> None:
     }
     with pytest.raises(SidecarError) as info:
         state.feed(NativeEvent([5], meta, False), aborted_by_us=False)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     assert info.value.message == (
         "invalid sglang response: output_top_logprobs entry [-0.2, -3, None] is not [logprob, token_id, text]"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_sglang.convert_response import NativeEvent, ResponseState
 from tests.unit.test_sglang_convert_response import ev, native, run, triple
 
@@ -23,7 +23,7 @@ def _error(events: list[NativeEvent], *, cumulative: bool = False, **request: An
     run(state, before)
     with pytest.raises(SidecarError) as info:
         state.feed(last, aborted_by_us=False)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     return info.value.message
 
 

@@ -15,7 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from testkit.vllm_engine import MAX_QUEUED_TOKENS_MESSAGE, QUEUE_OVERFLOW_MESSAGE
 
-from sidecar_common.errors import ORIGIN_ENGINE, EngineOrigin, ErrorReason, from_engine_status, to_rpc_status
+from sidecar_common.errors import (
+    ORIGIN_ENGINE,
+    EngineOrigin,
+    FailureReason,
+    from_engine_status,
+    to_rpc_status,
+)
 from sidecar_vllm.refusals import BUSY_REFUSALS, generate_error
 
 U = grpc.StatusCode.UNAVAILABLE
@@ -28,7 +34,7 @@ REFUSED = (
 @pytest.mark.parametrize("words", [QUEUE_OVERFLOW_MESSAGE, MAX_QUEUED_TOKENS_MESSAGE])
 def test_a_busy_refusal_is_overloaded_in_the_engines_words(words: str) -> None:
     error = generate_error(U, words)
-    assert error.reason is ErrorReason.OVERLOADED
+    assert error.reason is FailureReason.OVERLOADED
     assert error.message == words
     assert error.origin == EngineOrigin("Generate", "UNAVAILABLE")
     # The frontend reads it as a busy worker (not migratable: another may take it only while
@@ -45,28 +51,28 @@ def test_a_busy_refusal_is_overloaded_in_the_engines_words(words: str) -> None:
 @pytest.mark.parametrize(
     ("code", "details", "reason"),
     [
-        (U, REFUSED, ErrorReason.CANNOT_CONNECT),
-        (U, "Socket closed", ErrorReason.CANNOT_CONNECT),
-        (U, "Cancelling all calls", ErrorReason.CANNOT_CONNECT),
-        (U, "recvmsg:Connection reset by peer", ErrorReason.CANNOT_CONNECT),
-        (U, None, ErrorReason.CANNOT_CONNECT),
-        (U, "", ErrorReason.CANNOT_CONNECT),
+        (U, REFUSED, FailureReason.CANNOT_CONNECT),
+        (U, "Socket closed", FailureReason.CANNOT_CONNECT),
+        (U, "Cancelling all calls", FailureReason.CANNOT_CONNECT),
+        (U, "recvmsg:Connection reset by peer", FailureReason.CANNOT_CONNECT),
+        (U, None, FailureReason.CANNOT_CONNECT),
+        (U, "", FailureReason.CANNOT_CONNECT),
         # Only vLLM's sentence itself: a proxy's or a wrapper's text around it is not vLLM's.
-        (U, "upstream: " + QUEUE_OVERFLOW_MESSAGE, ErrorReason.CANNOT_CONNECT),
-        (U, QUEUE_OVERFLOW_MESSAGE.upper(), ErrorReason.CANNOT_CONNECT),
+        (U, "upstream: " + QUEUE_OVERFLOW_MESSAGE, FailureReason.CANNOT_CONNECT),
+        (U, QUEUE_OVERFLOW_MESSAGE.upper(), FailureReason.CANNOT_CONNECT),
         # The sentence under another code is not the servicer's admission refusal.
-        (grpc.StatusCode.INTERNAL, QUEUE_OVERFLOW_MESSAGE, ErrorReason.UNKNOWN),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ErrorReason.OVERLOADED),
-        (grpc.StatusCode.INVALID_ARGUMENT, "bad n", ErrorReason.INVALID_ARGUMENT),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ErrorReason.CONNECTION_TIMEOUT),
+        (grpc.StatusCode.INTERNAL, QUEUE_OVERFLOW_MESSAGE, FailureReason.UNKNOWN),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", FailureReason.OVERLOADED),
+        (grpc.StatusCode.INVALID_ARGUMENT, "bad n", FailureReason.INVALID_ARGUMENT),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", FailureReason.CONNECTION_TIMEOUT),
     ],
 )
 def test_every_other_failure_reads_as_before(
-    code: grpc.StatusCode, details: str | None, reason: ErrorReason
+    code: grpc.StatusCode, details: str | None, reason: FailureReason
 ) -> None:
     error = generate_error(code, details)
     assert error.reason is reason
-    if reason is not ErrorReason.INVALID_ARGUMENT:
+    if reason is not FailureReason.INVALID_ARGUMENT:
         assert error.origin is None
 
 
@@ -80,7 +86,7 @@ def test_only_a_busy_sentence_under_unavailable_differs_from_the_shared_table(
 ) -> None:
     error = generate_error(code, details)
     if code is U and details in BUSY_REFUSALS:
-        assert (error.reason, error.message) == (ErrorReason.OVERLOADED, details)
+        assert (error.reason, error.message) == (FailureReason.OVERLOADED, details)
         return
     shared = from_engine_status("Generate", code, details)
     assert (error.reason, error.message, error.origin) == (shared.reason, shared.message, shared.origin)

@@ -14,7 +14,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_vllm.convert import to_generate_request, wire_seed
 
 Req = sidecar_pb2.PreprocessedRequest
@@ -43,7 +43,7 @@ def struct(obj: dict[str, Any]) -> struct_pb2.Struct:
 def refused(req: Req, field: str, mode: DisaggregationMode = "agg", vision: bool = False) -> str:
     with pytest.raises(SidecarError) as info:
         convert(req, mode, vision)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert info.value.message.startswith(field), info.value.message
     return info.value.message
 
@@ -428,7 +428,7 @@ def test_data_parallel_rank_beyond_the_engines_size_is_refused_by_name(
     else:
         with pytest.raises(SidecarError) as info:
             run()
-        assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+        assert info.value.reason is FailureReason.INVALID_ARGUMENT
         assert f"routing.{field}" in info.value.message
         assert str(size) in info.value.message
 

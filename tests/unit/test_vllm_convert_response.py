@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.logprob_floor import LOGPROB_FLOOR
 from sidecar_vllm.convert import ResponseState
 from tests.vllm_fixtures import chunk, complete, output_logprobs, servicer_stream
@@ -50,7 +50,7 @@ def tokens(outs: list[Out], index: int = 0) -> list[int]:
     return [t for o in outs if o.index == index for t in o.token_ids]
 
 
-def fails(msgs: Iterable[vllm_engine_pb2.GenerateResponse], reason: ErrorReason, **opts: Any) -> str:
+def fails(msgs: Iterable[vllm_engine_pb2.GenerateResponse], reason: FailureReason, **opts: Any) -> str:
     with pytest.raises(SidecarError) as info:
         run(msgs, **opts)
     assert info.value.reason is reason
@@ -92,7 +92,7 @@ def test_cumulative_complete_forwards_only_the_unstreamed_tail() -> None:
 
 
 def test_complete_contradicting_the_stream_is_a_protocol_error() -> None:
-    msg = fails([chunk([1, 2]), chunk([3]), complete([9], "length")], ErrorReason.PROTOCOL_ERROR)
+    msg = fails([chunk([1, 2]), chunk([3]), complete([9], "length")], FailureReason.PROTOCOL_ERROR)
     assert msg.startswith("invalid vllm response:")
 
 
@@ -124,13 +124,13 @@ def test_finish_reasons(reason: str, finish: int) -> None:
 
 
 def test_error_finish_is_an_unknown_engine_error() -> None:
-    msg = fails(servicer_stream([[1]], "error"), ErrorReason.UNKNOWN)
+    msg = fails(servicer_stream([[1]], "error"), FailureReason.UNKNOWN)
     assert "engine reported an error" in msg
 
 
 @pytest.mark.parametrize("reason", ["", "eos", "STOP", "timeout"])
 def test_unknown_finish_reason_is_a_protocol_error(reason: str) -> None:
-    msg = fails(servicer_stream([[1]], reason), ErrorReason.PROTOCOL_ERROR)
+    msg = fails(servicer_stream([[1]], reason), FailureReason.PROTOCOL_ERROR)
     assert "unknown finish reason" in msg
 
 
@@ -251,7 +251,7 @@ def test_one_choice_done_is_not_the_end() -> None:
 
 @pytest.mark.parametrize("msg", [chunk([1], 2), complete([1], "stop", 2)])
 def test_choice_index_beyond_n_is_a_protocol_error(msg: vllm_engine_pb2.GenerateResponse) -> None:
-    fails([msg], ErrorReason.PROTOCOL_ERROR, n=2)
+    fails([msg], FailureReason.PROTOCOL_ERROR, n=2)
 
 
 # ------------------------------------------------------------------------------ logprobs
@@ -321,7 +321,7 @@ def test_logprob_values_are_clamped(value: float, sent: float) -> None:
     ],
 )
 def test_misaligned_logprobs_are_a_protocol_error(lp: vllm_engine_pb2.OutputLogProbs | None) -> None:
-    fails([chunk([4, 5], logprobs=lp)], ErrorReason.PROTOCOL_ERROR, logprobs=1)
+    fails([chunk([4, 5], logprobs=lp)], FailureReason.PROTOCOL_ERROR, logprobs=1)
 
 
 def test_logprobs_of_a_cumulative_complete_cover_only_the_new_tail() -> None:
@@ -403,7 +403,7 @@ def test_prompt_logprobs_carried_only_by_the_complete_are_forwarded() -> None:
 def test_misaligned_prompt_logprobs_are_a_protocol_error() -> None:
     lp = prompt_lp()
     lp.token_ids.append(13)
-    fails([chunk([1], input_logprobs=lp)], ErrorReason.PROTOCOL_ERROR, prompt_logprobs=1)
+    fails([chunk([1], input_logprobs=lp)], FailureReason.PROTOCOL_ERROR, prompt_logprobs=1)
 
 
 # ------------------------------------------------------------------------------ prefill
@@ -425,7 +425,7 @@ def test_prefill_terminal_carries_the_handoff_and_no_tokens() -> None:
 
 @pytest.mark.parametrize("kv", [None, "", "nope", "[1]", "5", '{"a": NaN}'])
 def test_successful_prefill_without_a_valid_handoff_is_a_protocol_error(kv: str | None) -> None:
-    fails([chunk([42]), complete([42], "length", kv_json=kv)], ErrorReason.PROTOCOL_ERROR, mode="prefill")
+    fails([chunk([42]), complete([42], "length", kv_json=kv)], FailureReason.PROTOCOL_ERROR, mode="prefill")
 
 
 def test_aborted_prefill_is_cancelled_without_handoff_or_error() -> None:
@@ -456,7 +456,7 @@ def test_decode_and_agg_ignore_a_handoff() -> None:
 def test_per_message_count_that_disagrees_with_the_ids_is_a_protocol_error(
     msg: vllm_engine_pb2.GenerateResponse,
 ) -> None:
-    assert "completion_tokens" in fails([msg], ErrorReason.PROTOCOL_ERROR)
+    assert "completion_tokens" in fails([msg], FailureReason.PROTOCOL_ERROR)
 
 
 # ------------------------------------------------------------------------------------ ranks

@@ -11,7 +11,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_vllm.convert import ResponseState, to_generate_request
 from tests.vllm_fixtures import chunk, complete, servicer_stream
 
@@ -297,7 +297,7 @@ def test_arbitrary_requests_convert_or_raise_invalid_argument_only(
     except SidecarError as err:
         refusal = err
     if refusal is not None:
-        assert refusal.reason is ErrorReason.INVALID_ARGUMENT
+        assert refusal.reason is FailureReason.INVALID_ARGUMENT
         return
     assert native.request_id == "p"
     assert list(native.tokenized.input_ids) == list(req.token_ids)

@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
-from sidecar_common.errors import ErrorReason, SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_vllm.convert import MAX_CHOICES, ResponseState, to_generate_request
 from tests.vllm_fixtures import chunk, complete, output_logprobs
 
@@ -230,14 +230,14 @@ def test_each_refusal_reads_exactly(case: str) -> None:
     mutate(req)
     with pytest.raises(SidecarError) as info:
         to_generate_request(req, "priv", mode=mode, supports_vision=vision, data_parallel_size=dp_size)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert info.value.message == expected
 
 
 def test_empty_prompt_reads_exactly() -> None:
     with pytest.raises(SidecarError) as info:
         to_generate_request(Req(request_id="pub"), "priv", mode="agg", supports_vision=False)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert info.value.message == "token_ids: the prompt is empty"
 
 
@@ -248,7 +248,7 @@ def test_a_json_schema_number_beyond_any_float_is_refused_naming_the_field(numbe
     req.sampling_options.guided_decoding.json = f'{{"type": "number", "maximum": {number}}}'
     with pytest.raises(SidecarError) as info:
         to_generate_request(req, "priv", mode="agg", supports_vision=False)
-    assert info.value.reason is ErrorReason.INVALID_ARGUMENT
+    assert info.value.reason is FailureReason.INVALID_ARGUMENT
     assert info.value.message == (
         f"sampling_options.guided_decoding.json: not JSON: the number {number} is out of range"
     )
@@ -274,7 +274,7 @@ def _protocol_error(lp: vllm_engine_pb2.OutputLogProbs) -> str:
     state = ResponseState(req, "agg")
     with pytest.raises(SidecarError) as info:
         state.feed(chunk([4, 5], logprobs=lp))
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     return info.value.message
 
 
@@ -341,5 +341,5 @@ def test_each_malformed_engine_stream_reads_exactly(case: str) -> None:
         state.feed(msg)
     with pytest.raises(SidecarError) as info:
         state.feed(last)
-    assert info.value.reason is ErrorReason.PROTOCOL_ERROR
+    assert info.value.reason is FailureReason.PROTOCOL_ERROR
     assert info.value.message == f"invalid vllm response: {expected}"
