@@ -344,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sidecars not subscribed to KV events (A/B of their cost)",
     )
     parser.add_argument("--no-fleet", action="store_true")
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        help="the engines' simulated prefill per uncached prompt token (default: the profile's)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for kv_routing.{json,md}")
     parser.add_argument("--name", default="kv_routing", help="file name stem")
     parser.add_argument(
@@ -353,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prof = profile(args.profile or "quick")
     if args.no_sidecar_events:
         prof = replace(prof, fleet=replace(prof.fleet, sidecar_events=False))
+    if args.prefill_us_per_token is not None:
+        prof = replace(prof, fleet=replace(prof.fleet, prefill_us_per_token=args.prefill_us_per_token))
     feats = features()
     wanted = [p for p in args.policies.split(",") if p]
     policies = [p for p in wanted if p in feats["policies"]]
