@@ -40,13 +40,15 @@ class Profile:
 
 
 def _fleet(capacity_blocks: int, **kw: Any) -> FleetSpec:
-    # prefill 20 us per uncached token: a 2,048-token prefill costs 41 ms (a slow GPU: this
-    # machine drives about 40 requests/s through the real fleet, and at 8 us the fleet would
-    # idle at that rate; bench/README.md). One request generated at a time per engine and a
-    # short answer, so a worker's time goes mostly to prefill and a miss delays the requests
-    # queued behind it, as on a GPU busy with prefills.
+    # prefill 35 us per uncached token: a 2,176-token prompt costs 76 ms (about 29k tokens/s
+    # across the fleet, a mid-range GPU's prefill), so that at the rates this 2-core machine
+    # can drive through the real fleet (60 requests/s, `--full`) the fleet is busy under
+    # `load` routing, as the issue asks; at 20 us it is half idle (bench/README.md has both).
+    # One request generated at a time per engine and a short answer, so a worker's time goes
+    # mostly to prefill and a miss delays the requests queued behind it, as on a GPU busy with
+    # prefills.
     base = FleetSpec(
-        workers=4, block_size=16, capacity_blocks=capacity_blocks, prefill_us_per_token=20.0,
+        workers=4, block_size=16, capacity_blocks=capacity_blocks, prefill_us_per_token=35.0,
         max_num_seqs=1, token_latency_ms=1.0, max_tokens=8,
     )  # fmt: skip
     return replace(base, **kw)
@@ -344,6 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sidecars not subscribed to KV events (A/B of their cost)",
     )
     parser.add_argument("--no-fleet", action="store_true")
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=None,
+        help="the engines' simulated prefill per uncached prompt token (default: the profile's)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for kv_routing.{json,md}")
     parser.add_argument("--name", default="kv_routing", help="file name stem")
     parser.add_argument(
@@ -353,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prof = profile(args.profile or "quick")
     if args.no_sidecar_events:
         prof = replace(prof, fleet=replace(prof.fleet, sidecar_events=False))
+    if args.prefill_us_per_token is not None:
+        prof = replace(prof, fleet=replace(prof.fleet, prefill_us_per_token=args.prefill_us_per_token))
     feats = features()
     wanted = [p for p in args.policies.split(",") if p]
     policies = [p for p in wanted if p in feats["policies"]]

@@ -118,7 +118,9 @@ class Fleet:
                 "--prefill-us-per-token", f"{spec.prefill_us_per_token:g}",
                 "--max-num-seqs", str(spec.max_num_seqs),
                 "--token-latency-ms", f"{spec.token_latency_ms:g}",
-                "--chunk-tokens", str(spec.max_tokens),
+                # One token a chunk, as vLLM streams each step: a chunk of the whole answer
+                # would hold the first token back for the answer's decode (8 ms here).
+                "--chunk-tokens", "1",
                 "--kv-events-config", json.dumps(events),
             ]  # fmt: skip
             proc = Proc(f"kv-{self.tag}-engine{i}", argv, None).start()

@@ -12,9 +12,15 @@ The cost of a worker, in prompt tokens to prefill before this request's first to
          + queued prefill tokens                 ours, ahead of it
          + running requests * running_request_tokens
 
-and the cheapest worker wins (ties drawn at random). The last term stands for everything else
-a worker is busy with (decoding, other frontends' prefills) that the frontend can count only
-in requests.
+and the cheapest worker wins. The last term stands for everything else a worker is busy with
+(decoding, other frontends' prefills) that the frontend can count only in requests.
+
+Ties go to the worker this frontend has sent the fewest requests, then at random. A prompt no
+worker holds any of (a conversation's first turn, a new system prompt) costs the same on every
+idle worker; drawn at random, the new prefixes, and with them every later turn that follows its
+prefix, pile up unevenly (in ``python -m bench.kv_routing``'s simulation: the busiest of 4
+workers served 2.0 times the requests of the least busy on multi-turn conversations, 1.0 with
+this rule). Taken in turn, each worker's cache gets its share of them.
 
 Hot-spot guard: a worker running more than ``hot_spot_ratio`` times the requests of the least
 busy candidate, plus ``hot_spot_slack``, loses its affinity: it is not chosen until the others
@@ -52,6 +58,7 @@ class Candidate:
     cached_tokens: int = 0  # the request's prefix cached there (predicted)
     running: int = 0  # requests in flight there (every frontend's)
     queued_prefill_tokens: int = 0  # this frontend's prefill waiting there
+    sent: int = 0  # requests this frontend has sent there (ties go to the fewest)
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,9 @@ def choose(
             cheapest = [candidate]
         elif cost == best_cost:
             cheapest.append(candidate)
+    if len(cheapest) > 1:
+        fewest = min(c.sent for c in cheapest)
+        cheapest = [c for c in cheapest if c.sent == fewest]
     chosen = cheapest[0] if len(cheapest) == 1 else rand.choice(cheapest)
     longest = max(c.cached_tokens for c in candidates)
     if longest <= 0:

@@ -122,6 +122,7 @@ class Router:
         self._rand = rand if rand is not None else random.Random()
         self._indexes: dict[str, BlockIndex] = {}
         self._turns: dict[str, int] = {}
+        self._sent: dict[str, int] = {}  # decisions per worker address (the policy's tie-break)
 
     def index(self, model: str) -> BlockIndex:
         """The index of ``model`` (made empty on first use)."""
@@ -136,6 +137,7 @@ class Router:
     def forget_worker(self, address: str) -> None:
         """``address`` left the set: its entries go from every index, and an index no worker
         is left in goes too."""
+        self._sent.pop(address, None)
         for model, index in list(self._indexes.items()):
             index.forget(address)
             if not index.workers():
@@ -146,6 +148,8 @@ class Router:
         served model): a worker that left or now serves another model (a rollout reusing its
         address) loses its entries there, and an index no worker is left in goes, so a model
         rolled out of the fleet keeps neither memory nor metric series."""
+        for address in [a for a in self._sent if a not in model_of]:
+            del self._sent[address]
         for model, index in list(self._indexes.items()):
             for worker in index.workers():
                 if model_of.get(worker) != model:
@@ -185,7 +189,13 @@ class Router:
                     cached[address] = blocks * size
         decision = choose(
             [
-                Candidate(t.address, cached.get(t.address, 0), t.running, t.queued_prefill_tokens)
+                Candidate(
+                    t.address,
+                    cached.get(t.address, 0),
+                    t.running,
+                    t.queued_prefill_tokens,
+                    self._sent.get(t.address, 0),
+                )
                 for t in targets
             ],
             len(tokens),
@@ -194,6 +204,7 @@ class Router:
         )
         if decision is None:
             return None
+        self._sent[decision.worker] = self._sent.get(decision.worker, 0) + 1
         chosen = next(t for t in targets if t.address == decision.worker)
         if prompt.cacheable and self._records(chosen):
             size = _block_size(chosen)

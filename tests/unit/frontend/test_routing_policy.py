@@ -67,6 +67,22 @@ def test_the_predicted_cache_never_exceeds_the_prompt() -> None:
     assert decision.cached_tokens == 100
 
 
+def test_ties_go_to_the_worker_sent_the_fewest_requests() -> None:
+    candidates = [Candidate("a", sent=3), Candidate("b", sent=1), Candidate("c", sent=2)]
+    for seed in range(20):
+        decision = choose(candidates, 10, random.Random(seed))
+        assert decision is not None
+        assert decision.worker == "b"
+
+
+def test_the_fewest_sent_breaks_ties_only() -> None:
+    # b was sent fewer requests but holds less of the prompt: the cheaper worker still wins.
+    candidates = [Candidate("a", cached_tokens=64, sent=9), Candidate("b", sent=0)]
+    decision = choose(candidates, 100, RAND)
+    assert decision is not None
+    assert decision.worker == "a"
+
+
 def test_ties_are_drawn_at_random() -> None:
     rand = random.Random(1)
     seen = {choose([Candidate("a"), Candidate("b"), Candidate("c")], 10, rand).worker for _ in range(60)}  # type: ignore[union-attr]

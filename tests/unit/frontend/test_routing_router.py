@@ -187,3 +187,36 @@ def test_retain_keeps_what_still_serves() -> None:
     router.retain({"w1": "model-a", "w2": "model-a"})
     assert router.index("model-a").workers() == frozenset({"w1"})
     assert router.index("model-a").holders(1) == frozenset({"w1"})
+
+
+@pytest.mark.parametrize("routing", [Routing.KV, Routing.APPROX, None])
+def test_new_prefixes_on_idle_workers_are_spread_in_turn(routing: Routing | None) -> None:
+    """Prompts that no worker holds, on workers equally idle: each worker gets its share
+    (random ties gave one of 4 workers twice another's share of multi-turn conversations)."""
+    router = _router(routing)
+    targets = [Target(w, 16, routing is Routing.KV) for w in ("a", "b", "c", "d")]
+    sent: dict[str, int] = {}
+    for i in range(40):
+        decision = router.choose("m", Prompt(list(range(i * 1000, i * 1000 + 64))), targets, now=0.0)
+        assert decision is not None
+        sent[decision.worker] = sent.get(decision.worker, 0) + 1
+    assert sent == {"a": 10, "b": 10, "c": 10, "d": 10}
+
+
+@pytest.mark.parametrize("leaves", ["forget_worker", "retain"])
+def test_a_worker_that_left_and_came_back_starts_its_count_again(leaves: str) -> None:
+    router = _router(Routing.KV)
+    targets = [Target(w, 16, True) for w in ("a", "b")]
+
+    def pick(i: int) -> str:
+        decision = router.choose("m", Prompt(list(range(i * 100, i * 100 + 40))), targets, now=0.0)
+        assert decision is not None
+        return decision.worker
+
+    assert sorted(pick(i) for i in range(8)) == ["a"] * 4 + ["b"] * 4
+    if leaves == "forget_worker":
+        router.forget_worker("a")
+    else:
+        router.retain({"b": "m"})
+    # "a" is back with a count of 0 and "b" has 4: the next four ties all go to "a".
+    assert [pick(100 + i) for i in range(4)] == ["a"] * 4
