@@ -16,7 +16,7 @@ import pytest
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.kv_keys import block_keys
-from tests.e2e_helpers import WAIT, free_port, process, public_request, script, serving_port, stop
+from tests.e2e_helpers import WAIT, free_port, log_lines, process, public_request, script, stop
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,7 +34,18 @@ def _kv_events_config(pub_port: int, replay_port: int, *, vllm: bool) -> str:
     return json.dumps(config)
 
 
+BLOCKS_OF_ONE_WARNING = "KV events in blocks of one token"
+
+
 def _sidecar(stack: ExitStack, program: str, engine_flags: list[str], *flags: str) -> int:
+    port, _ = _sidecar_and_log(stack, program, engine_flags, *flags)
+    return port
+
+
+def _sidecar_and_log(
+    stack: ExitStack, program: str, engine_flags: list[str], *flags: str
+) -> tuple[int, list[dict[str, Any]]]:
+    """The sidecar's port, and its log lines up to the one that says it serves."""
     sidecar = stack.enter_context(
         process(
             [
@@ -52,16 +63,24 @@ def _sidecar(stack: ExitStack, program: str, engine_flags: list[str], *flags: st
             ]
         )
     )
-    return serving_port(sidecar)
+    lines = []
+    for entry in log_lines(sidecar):
+        lines.append(entry)
+        if entry.get("event") == "serving":
+            return int(entry["port"]), lines
+    raise AssertionError(f"the sidecar never served; exit {sidecar.poll()}; log: {lines}")
 
 
-def vllm_worker(stack: ExitStack, *, publish: bool) -> int:
+Worker = tuple[int, list[dict[str, Any]]]  # the sidecar's port, its log up to serving
+
+
+def vllm_worker(stack: ExitStack, *, publish: bool) -> Worker:
     engine_port, pub_port, replay_port = free_port(), free_port(), free_port()
     events = ["--kv-events-config", _kv_events_config(pub_port, replay_port, vllm=True)] if publish else []
     stack.enter_context(
         process([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}", *events])
     )
-    return _sidecar(
+    return _sidecar_and_log(
         stack,
         "sidecar-vllm",
         ["--grpc-endpoint", f"127.0.0.1:{engine_port}"],
@@ -73,7 +92,7 @@ def vllm_worker(stack: ExitStack, *, publish: bool) -> int:
     )
 
 
-def sglang_worker(stack: ExitStack) -> int:
+def sglang_worker(stack: ExitStack) -> Worker:
     grpc_port, http_port, pub_port, replay_port = free_port(), free_port(), free_port(), free_port()
     stack.enter_context(
         process(
@@ -89,7 +108,7 @@ def sglang_worker(stack: ExitStack) -> int:
             ]
         )
     )
-    return _sidecar(
+    return _sidecar_and_log(
         stack,
         "sidecar-sglang",
         ["--grpc-endpoint", f"127.0.0.1:{grpc_port}", "--transport", "grpc"],
@@ -131,7 +150,7 @@ def watched_keys(
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_a_prompt_the_engine_cached_is_found_under_the_keys_a_frontend_computes(engine: str) -> None:
     with ExitStack() as stack:
-        port = vllm_worker(stack, publish=True) if engine == "vllm" else sglang_worker(stack)
+        port, log = vllm_worker(stack, publish=True) if engine == "vllm" else sglang_worker(stack)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = sidecar_pb2_grpc.WorkerStub(channel)
             block_size = stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest(), timeout=WAIT).kv_block_size
@@ -145,11 +164,14 @@ def test_a_prompt_the_engine_cached_is_found_under_the_keys_a_frontend_computes(
             assert load.kv_cache.subscribed
             assert load.kv_cache.batches_received >= 1
             assert load.kv_cache.block_size == block_size
+        # SGLang's default page of one token is worth a warning at start; blocks of 16 are not.
+        warned = [e for e in log if str(e.get("event", "")).startswith(BLOCKS_OF_ONE_WARNING)]
+        assert [e.get("level") for e in warned] == (["warning"] if block_size == 1 else [])
 
 
 def test_an_engine_that_publishes_nothing_breaks_nothing() -> None:
     with ExitStack() as stack:
-        port = vllm_worker(stack, publish=False)
+        port, _ = vllm_worker(stack, publish=False)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = sidecar_pb2_grpc.WorkerStub(channel)
             generate(stub, "first", PROMPT)
