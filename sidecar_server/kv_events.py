@@ -55,7 +55,9 @@ END_OF_REPLAY: Final = -1
 _GPU_MEDIUMS: Final = frozenset({None, "GPU"})
 
 
-class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+# gc=False: a decoded event holds lists of ints, bytes and strings, never a cycle, so the
+# garbage collector need not track one per event (vLLM sends one event per removed block).
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     """Full blocks newly in the cache, chained: each block's parent is the block before it."""
 
     block_hashes: list[int | bytes]
@@ -69,7 +71,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     group_idx: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[int | bytes]
     medium: str | None = None
     group_idx: int | None = None
@@ -88,6 +90,15 @@ class _Batch(msgspec.Struct, array_like=True):
     rank: int | None = None
 
 
+class _KnownBatch(msgspec.Struct, array_like=True):
+    """A batch whose every event is of a kind this module knows: the usual one, decoded in
+    one call rather than one call per event (vLLM sends one event per removed block)."""
+
+    ts: float
+    events: list[KvEvent]
+    rank: int | None = None
+
+
 @dataclass(frozen=True)
 class DecodedBatch:
     # The engine's wall clock when it made the batch (``time.time()`` in both engines), in
@@ -100,6 +111,7 @@ class DecodedBatch:
     unknown_events: int
 
 
+_KNOWN_BATCH_DECODER: Final = msgspec.msgpack.Decoder(_KnownBatch)
 _BATCH_DECODER: Final = msgspec.msgpack.Decoder(_Batch)
 _EVENT_DECODER: Final = msgspec.msgpack.Decoder(KvEvent)
 _TAG_DECODER: Final = msgspec.msgpack.Decoder(dict[str, Any])
@@ -107,6 +119,13 @@ _TAG_DECODER: Final = msgspec.msgpack.Decoder(dict[str, Any])
 
 def decode_batch(payload: bytes) -> DecodedBatch:
     """One published payload; raises ``msgspec.DecodeError`` (a ValueError) if malformed."""
+    try:
+        known = _KNOWN_BATCH_DECODER.decode(payload)
+    except msgspec.ValidationError:
+        pass  # an unknown kind of event, or a malformed batch: the event-by-event path says which
+    else:
+        ts = known.ts if math.isfinite(known.ts) else None
+        return DecodedBatch(ts=ts, events=tuple(known.events), rank=known.rank, unknown_events=0)
     batch = _BATCH_DECODER.decode(payload)
     events: list[KvEvent] = []
     unknown = 0

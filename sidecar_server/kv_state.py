@@ -18,7 +18,7 @@ engine removed, possibly fewer blocks than it has (a missed hit, never a phantom
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Final
 
 from sidecar_common.kv_keys import extend_keys, root_key
@@ -63,14 +63,6 @@ class ResyncReason:
     ENGINE_UNHEALTHY: Final = "engine_unhealthy"
 
 
-@dataclass
-class _Held:
-    parent: int
-    # How many engine hashes name this key (an engine may hash the same tokens two ways, e.g.
-    # vLLM's LoRA path is in its hash but not in ours): the key leaves with the last of them.
-    hashes: int
-
-
 class CacheMap:
     """The routable blocks of one publisher's GPU cache."""
 
@@ -80,30 +72,45 @@ class CacheMap:
         # Blocks present in the engine that no token-id key names (multimodal, prompt
         # embeddings, an unknown parent): kept so their children are known to be opaque too.
         self._opaque: set[EngineHash] = set()
-        self._blocks: dict[int, _Held] = {}
+        # Every key held, with its parent's key.
+        self._parent: dict[int, int] = {}
+        # How many engine hashes beyond the first name a held key (an engine may hash the same
+        # tokens two ways, e.g. vLLM's LoRA path is in its hash but not in ours): the key
+        # leaves with the last of them. Absent for the usual one hash, so a block costs one
+        # dict entry here, not an object.
+        self._more_hashes: dict[int, int] = {}
         self._touched: dict[int, bool] = {}
         self._cleared = False
         self.skipped_events = 0
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._parent)
 
     def blocks(self) -> list[tuple[int, int]]:
         """Every key held, with its parent's key."""
-        return [(key, held.parent) for key, held in self._blocks.items()]
+        return list(self._parent.items())
 
     def key_of(self, engine_hash: EngineHash) -> int | None:
         return self._key_of.get(engine_hash)
 
     def apply(self, events: tuple[KvEvent, ...] | list[KvEvent]) -> KvDelta:
         """Apply one batch's events in order; the net change they made."""
+        # vLLM sends one BlockRemoved per block: a run of them is forgotten in one loop.
+        removed: list[EngineHash] = []
         for event in events:
+            if isinstance(event, BlockRemoved):
+                if is_tracked_tier(event.medium, event.group_idx):
+                    removed += event.block_hashes
+                continue
+            if removed:
+                self._forget_all(removed)
+                removed = []
             if isinstance(event, BlockStored):
                 self._store(event)
-            elif isinstance(event, BlockRemoved):
-                self._remove(event)
             elif isinstance(event, AllBlocksCleared):
                 self._clear()
+        if removed:
+            self._forget_all(removed)
         return self._take_delta()
 
     def clear(self) -> KvDelta:
@@ -113,29 +120,23 @@ class CacheMap:
 
     def _take_delta(self) -> KvDelta:
         if self._cleared:
-            delta = KvDelta(added=tuple(self.blocks()), cleared=True)
+            delta = KvDelta(added=tuple(self._parent.items()), cleared=True)
         else:
-            added: list[tuple[int, int]] = []
-            removed: list[int] = []
-            for key, was_present in self._touched.items():
-                held = self._blocks.get(key)
-                if held is not None and not was_present:
-                    added.append((key, held.parent))
-                elif held is None and was_present:
-                    removed.append(key)
-            delta = KvDelta(added=tuple(added), removed=tuple(removed))
+            parents = self._parent
+            touched = self._touched.items()
+            delta = KvDelta(
+                added=tuple([(key, parents[key]) for key, was in touched if not was and key in parents]),
+                removed=tuple([key for key, was in touched if was and key not in parents]),
+            )
         self._touched.clear()
         self._cleared = False
         return delta
 
-    def _touch(self, key: int) -> None:
-        if not self._cleared and key not in self._touched:
-            self._touched[key] = key in self._blocks
-
     def _clear(self) -> None:
         self._key_of.clear()
         self._opaque.clear()
-        self._blocks.clear()
+        self._parent.clear()
+        self._more_hashes.clear()
         self._touched.clear()
         self._cleared = True
 
@@ -143,10 +144,12 @@ class CacheMap:
         if not is_tracked_tier(event.medium, event.group_idx):
             return
         size = event.block_size
-        count = len(event.block_hashes)
+        hashes = event.block_hashes
+        count = len(hashes)
+        token_ids = event.token_ids
         if (
             size < 1
-            or len(event.token_ids) != count * size
+            or len(token_ids) != count * size
             or (self.block_size is not None and size != self.block_size)
         ):
             self.skipped_events += 1
@@ -165,46 +168,81 @@ class CacheMap:
         # A chain is routable up to its first opaque block; everything after is opaque too.
         routable = 0
         if parent is not None:
-            while routable < count and (routable == 0 or block_identity(event, routable) is not None):
-                routable += 1
-        keys = extend_keys(parent, event.token_ids[: routable * size], size) if parent is not None else []
-        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
-            self._add(engine_hash, key, parent if parent is not None else 0)
-            parent = key
-        for engine_hash in event.block_hashes[routable:]:
+            extra_keys = event.extra_keys
+            if not extra_keys or not any(extra_keys[1:count]):
+                # No block after the first has extra keys (vLLM's usual [None, ...]): all are
+                # keyed by tokens, without asking block_identity block by block.
+                routable = count
+            else:
+                routable = min(1, count)
+                while routable < count and block_identity(event, routable) is not None:
+                    routable += 1
+        if parent is not None and routable:
+            tokens = token_ids if routable == count else token_ids[: routable * size]
+            self._add_chain(hashes, extend_keys(parent, tokens, size), parent)
+        for engine_hash in hashes[routable:]:
             self._forget(engine_hash)
             self._opaque.add(engine_hash)
 
-    def _add(self, engine_hash: EngineHash, key: int, parent: int) -> None:
-        known = self._key_of.get(engine_hash)
-        if known == key:
-            return  # a re-store of a cached block (vLLM reports prefix hits so)
-        if known is not None or engine_hash in self._opaque:
-            self._forget(engine_hash)
-        self._touch(key)
-        self._key_of[engine_hash] = key
-        held = self._blocks.get(key)
-        if held is None:
-            self._blocks[key] = _Held(parent=parent, hashes=1)
-        else:
-            held.hashes += 1
+    def _add_chain(self, hashes: list[EngineHash], keys: list[int], parent: int) -> None:
+        """Hold ``keys`` (each the child of the one before, the first of ``parent``)."""
+        # The per-block loop of every store: attribute and method lookups hoisted.
+        key_of = self._key_of
+        opaque = self._opaque
+        parents = self._parent
+        touched = None if self._cleared else self._touched
+        for engine_hash, key in zip(hashes, keys, strict=False):
+            known = key_of.get(engine_hash)
+            if known == key:
+                parent = key
+                continue  # a re-store of a cached block (vLLM reports prefix hits so)
+            if known is not None or engine_hash in opaque:
+                self._forget(engine_hash)
+            if touched is not None and key not in touched:
+                touched[key] = key in parents
+            key_of[engine_hash] = key
+            if key in parents:
+                more = self._more_hashes
+                more[key] = more.get(key, 0) + 1
+            else:
+                parents[key] = parent
+            parent = key
 
     def _forget(self, engine_hash: EngineHash) -> None:
         self._opaque.discard(engine_hash)
         key = self._key_of.pop(engine_hash, None)
-        if key is None:
-            return
-        self._touch(key)
-        held = self._blocks[key]
-        held.hashes -= 1
-        if held.hashes == 0:
-            del self._blocks[key]
+        if key is not None:
+            if not self._cleared and key not in self._touched:
+                self._touched[key] = key in self._parent
+            self._release(key)
 
-    def _remove(self, event: BlockRemoved) -> None:
-        if not is_tracked_tier(event.medium, event.group_idx):
-            return
-        for engine_hash in event.block_hashes:
-            self._forget(engine_hash)
+    def _release(self, key: int) -> None:
+        more = self._more_hashes.get(key)
+        if more is None:
+            del self._parent[key]
+        elif more == 1:
+            del self._more_hashes[key]
+        else:
+            self._more_hashes[key] = more - 1
+
+    def _forget_all(self, hashes: list[EngineHash]) -> None:
+        """_forget each of ``hashes``, in order (inlined: the per-block loop of removals)."""
+        opaque = self._opaque
+        pop = self._key_of.pop
+        parents = self._parent
+        touched = None if self._cleared else self._touched
+        for engine_hash in hashes:
+            if opaque:
+                opaque.discard(engine_hash)
+            key = pop(engine_hash, None)
+            if key is None:
+                continue
+            if touched is not None and key not in touched:
+                touched[key] = key in parents
+            if key in self._more_hashes:
+                self._release(key)
+            else:
+                del parents[key]
 
 
 @dataclass(frozen=True)
@@ -348,10 +386,14 @@ class RankFeed:
         if batch is None:
             self._resync(ResyncReason.UNDECODABLE)
             return
-        if any(isinstance(event, AllBlocksCleared) for event in batch.events):
+        delta = self.map.apply(batch.events)
+        # A map's delta says cleared exactly when the batch had an AllBlocksCleared.
+        if delta.cleared:
             self._count_resync(ResyncReason.CLEARED)
         # One batch, one delta: the delta carries its batch's time.
-        self._out.append(replace(self.map.apply(batch.events), engine_time=batch.ts))
+        self._out.append(
+            KvDelta(added=delta.added, removed=delta.removed, cleared=delta.cleared, engine_time=batch.ts)
+        )
 
     def _drain(self) -> int | None:
         self._replay = None

@@ -64,20 +64,29 @@ class WorkerCacheView:
                 if self._release(key):
                     removed.append(key)
             held.clear()
+        # The per-key loops of every delta: _release inlined, lookups hoisted.
+        ranks_holding = self._ranks_holding
+        parents = self._parent
         for key in delta.removed:
             if key in held:
-                held.discard(key)
-                if self._release(key):
+                held.remove(key)
+                count = ranks_holding[key] - 1
+                if count:
+                    ranks_holding[key] = count
+                else:
+                    del ranks_holding[key]
+                    del parents[key]
                     removed.append(key)
-        for key, parent in delta.added:
+        for pair in delta.added:
+            key = pair[0]
             if key in held:
                 continue
             held.add(key)
-            count = self._ranks_holding.get(key, 0)
-            self._ranks_holding[key] = count + 1
+            count = ranks_holding.get(key, 0)
+            ranks_holding[key] = count + 1
             if count == 0:
-                self._parent[key] = parent
-                added.append((key, parent))
+                parents[key] = pair[1]
+                added.append(pair)
         # A key removed and added again in the same delta is simply still there.
         if added and removed:
             again = {key for key, _ in added}.intersection(removed)
