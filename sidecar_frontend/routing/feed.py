@@ -18,7 +18,7 @@ resume from. What each update does:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sidecar_frontend.routing.index import BlockIndex
@@ -47,11 +47,17 @@ class FeedCounts:
 
 
 class CacheFeed:
-    """Applies one worker's ``WatchKvCache`` updates to ``index`` under ``worker``."""
+    """Applies one worker's ``WatchKvCache`` updates under ``worker`` to the index ``index_of``
+    returns at each update.
 
-    def __init__(self, worker: str, index: BlockIndex) -> None:
+    Asked each time rather than held: the router drops an index that holds no worker (at a
+    scrape, or when its last worker leaves) and makes a new one on next use, so an index held
+    from before the snapshot could be one the router no longer reads.
+    """
+
+    def __init__(self, worker: str, index_of: Callable[[], BlockIndex]) -> None:
         self.worker = worker
-        self.index = index
+        self._index_of = index_of
         self.counts = FeedCounts()
         self.epoch: int | None = None
         self.sequence: int | None = None
@@ -60,6 +66,10 @@ class CacheFeed:
         self.engine_publishes = False
         self._pending_at: tuple[int, int] | None = None
         self._pending: list[int] = []
+
+    @property
+    def index(self) -> BlockIndex:
+        return self._index_of()
 
     @property
     def live(self) -> bool:

@@ -143,16 +143,22 @@ class Router:
             if not index.workers():
                 del self._indexes[model]
 
-    def retain(self, model_of: Mapping[str, str]) -> None:
-        """Keep each index to the workers that serve its model now (``model_of``: address ->
-        served model): a worker that left or now serves another model (a rollout reusing its
-        address) loses its entries there, and an index no worker is left in goes, so a model
-        rolled out of the fleet keeps neither memory nor metric series."""
+    def retain(self, model_of: Mapping[str, str | None]) -> None:
+        """Keep each index to the workers that serve its model now (``model_of``: every
+        worker's address -> its served model, None while unknown): a worker that left or now
+        serves another model (a rollout reusing its address) loses its entries there, and an
+        index no worker is left in goes, so a model rolled out of the fleet keeps neither
+        memory nor metric series.
+
+        A worker whose model is unknown for a while (its health watch broke and it has not
+        been asked again) keeps its entries: they came from its cache stream, which does not
+        send them again, so dropping them would leave the index without that worker's cache
+        until its next resync."""
         for address in [a for a in self._sent if a not in model_of]:
             del self._sent[address]
         for model, index in list(self._indexes.items()):
             for worker in index.workers():
-                if model_of.get(worker) != model:
+                if worker not in model_of or model_of[worker] not in (None, model):
                     index.forget(worker)
             if not index.workers():
                 del self._indexes[model]

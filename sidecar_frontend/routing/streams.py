@@ -17,6 +17,7 @@ Each delta applied whose sidecar sent the engine's time of its batch is observed
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -157,7 +158,8 @@ class CacheStreams:
                 stream.unimplemented = False  # its sidecar restarted: ask again
             if worker.eligible and model and worker.publishes_cache:
                 if stream is None:
-                    stream = _Stream(worker, CacheFeed(worker.address, self._router.index(model)), model)
+                    feed = CacheFeed(worker.address, functools.partial(self._router.index, model))
+                    stream = _Stream(worker, feed, model)
                     self._streams[worker.address] = stream
                 if not stream.unimplemented:
                     return stream

@@ -80,5 +80,5 @@ class RoutingParts:
         if self.router is None:
             return {}
         if self._workers is not None:
-            self.router.retain({w.address: w.served_model for w in self._workers.workers()})
+            self.router.retain({w.address: w.served_model or None for w in self._workers.workers()})
         return self.router.indexes()

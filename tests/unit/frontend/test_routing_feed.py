@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar_common.kv_keys import block_keys
 from sidecar_frontend.routing.feed import CacheFeed, Step
 from sidecar_frontend.routing.index import BlockIndex
+from sidecar_frontend.routing.router import Router, RouterConfig, Routing
 
 
 def _feed() -> CacheFeed:
-    return CacheFeed("w", BlockIndex())
+    index = BlockIndex()
+    return CacheFeed("w", lambda: index)
 
 
 def test_a_snapshot_in_chunks_is_whole_after_its_last_chunk() -> None:
@@ -162,3 +166,19 @@ def test_law_after_a_resync_nothing_the_snapshot_lacks_is_indexed(
         feed.delta(1, n, cleared=d.cleared, removed=d.removed, added=d.added)
     feed.snapshot_chunk(2, 0, 16, sorted(fresh), last_chunk=True, engine_published=True)
     assert feed.index.held("w") == fresh
+
+
+def test_a_snapshot_after_the_router_dropped_the_empty_index_lands_in_the_one_it_reads() -> None:
+    """The router drops an index that holds no worker (at each scrape) and makes a new one on
+    next use; a feed whose snapshot had not come yet must not fill the dropped one (the streams
+    give it ``functools.partial(router.index, model)``). A feed that held the first index
+    object left a frontend's index empty for good under load."""
+    router = Router(RouterConfig(routing=Routing.KV), block_keys)
+    feed = CacheFeed("w", functools.partial(router.index, "m"))
+    assert feed.index is router.index("m")
+    router.retain({"w": "m"})  # a scrape before the snapshot: no worker in the index yet
+    assert "m" not in router.indexes()
+    assert feed.snapshot_chunk(1, 0, 16, [5, 6], last_chunk=True, engine_published=True) is Step.SNAPSHOT
+    assert router.index("m").holders(5) == frozenset({"w"})
+    assert feed.delta(1, 1, cleared=False, removed=[], added=[7]) is Step.APPLIED
+    assert router.index("m").holders(7) == frozenset({"w"})

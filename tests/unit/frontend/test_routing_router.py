@@ -220,3 +220,14 @@ def test_a_worker_that_left_and_came_back_starts_its_count_again(leaves: str) ->
         router.retain({"b": "m"})
     # "a" is back with a count of 0 and "b" has 4: the next four ties all go to "a".
     assert [pick(100 + i) for i in range(4)] == ["a"] * 4
+
+
+def test_retain_keeps_a_worker_whose_model_is_unknown_for_now() -> None:
+    # Its health watch broke (the frontend asks for its model again once it serves): its
+    # entries came from its cache stream, which will not send them again.
+    router = Router(RouterConfig(routing=Routing.KV), block_keys)
+    router.index("model-a").store("w1", [1, 2, 3])
+    router.retain({"w1": None})
+    assert router.index("model-a").holders(1) == frozenset({"w1"})
+    router.retain({"w1": "model-b"})  # known again, and it serves another model now
+    assert "model-a" not in router.indexes()
