@@ -140,6 +140,8 @@ async def test_a_model_outside_the_frontends_models_is_refused_and_counted() -> 
         assert refused is not None
         await until(lambda: refused.state is WorkerState.REFUSED, "the other model is refused")
         assert refused.refusal is Refusal.MODEL
+        with anyio.fail_after(10):  # the two health watches run apart: a may come second
+            await workers.wait_serving()
         assert [w.address for w in workers.serving()] == [a]
         assert list(workers.models()) == ["m"]
         assert observer.refused == [(b, "model")]
