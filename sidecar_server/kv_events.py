@@ -124,8 +124,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     except msgspec.ValidationError:
         pass  # an unknown kind of event, or a malformed batch: the event-by-event path says which
     else:
-        ts = known.ts if math.isfinite(known.ts) else None
-        return DecodedBatch(ts=ts, events=tuple(known.events), rank=known.rank, unknown_events=0)
+        return DecodedBatch(_finite(known.ts), tuple(known.events), known.rank, unknown_events=0)
     batch = _BATCH_DECODER.decode(payload)
     events: list[KvEvent] = []
     unknown = 0
@@ -138,8 +137,11 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             if _TAG_DECODER.decode(raw).get("type") in _KNOWN_TAGS:
                 raise
             unknown += 1
-    ts = batch.ts if math.isfinite(batch.ts) else None
-    return DecodedBatch(ts=ts, events=tuple(events), rank=batch.rank, unknown_events=unknown)
+    return DecodedBatch(_finite(batch.ts), tuple(events), batch.rank, unknown_events=unknown)
+
+
+def _finite(ts: float) -> float | None:
+    return ts if math.isfinite(ts) else None
 
 
 _KNOWN_TAGS: Final = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})

@@ -18,6 +18,7 @@ engine removed, possibly fewer blocks than it has (a missed hit, never a phantom
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -209,12 +210,7 @@ class CacheMap:
             parent = key
 
     def _forget(self, engine_hash: EngineHash) -> None:
-        self._opaque.discard(engine_hash)
-        key = self._key_of.pop(engine_hash, None)
-        if key is not None:
-            if not self._cleared and key not in self._touched:
-                self._touched[key] = key in self._parent
-            self._release(key)
+        self._forget_all((engine_hash,))
 
     def _release(self, key: int) -> None:
         more = self._more_hashes.get(key)
@@ -225,7 +221,7 @@ class CacheMap:
         else:
             self._more_hashes[key] = more - 1
 
-    def _forget_all(self, hashes: list[EngineHash]) -> None:
+    def _forget_all(self, hashes: Sequence[EngineHash]) -> None:
         """_forget each of ``hashes``, in order (inlined: the per-block loop of removals)."""
         opaque = self._opaque
         pop = self._key_of.pop
