@@ -40,9 +40,12 @@ from array import array
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["KEY_BITS", "block_keys", "extend_keys", "root_key"]
+__all__ = ["KEY_BITS", "KEY_SCHEME", "block_keys", "extend_keys", "root_key"]
 
 KEY_BITS: Final = 64
+# The version of the key layout. A frontend and a sidecar agree on keys only when they compute
+# them the same way, so the cache stream says which layout its keys follow.
+KEY_SCHEME: Final = 1
 _DIGEST_BYTES: Final = KEY_BITS // 8
 _KEY_MAX: Final = (1 << KEY_BITS) - 1
 # BLAKE2b's personalisation parameter separates the two uses (a root and a block can never
