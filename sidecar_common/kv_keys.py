@@ -1,4 +1,5 @@
-"""Routing keys of KV-cache blocks, computed from token ids (pure: no I/O, no clock, no globals).
+"""Routing keys of KV-cache blocks, computed from token ids (pure: no I/O, no clock, no globals
+but memoised constants).
 
 A paged KV cache stores a prompt's prefix in blocks of ``block_size`` tokens; only full blocks
 are stored, so a trailing partial block has no key. The key of a block is chained: it is
@@ -12,52 +13,103 @@ The sidecar computes these keys from the token ids the engine's KV events carry
 (:func:`extend_keys` from the stored parent's key), the frontend from a request's token ids
 (:func:`block_keys`); both get the same integers without the engine's own hash function.
 
-Keys are unsigned 64-bit integers: BLAKE2b with an 8-byte digest over the parent key and the
-block's token ids packed as little-endian unsigned 32-bit integers. Nothing here depends on
-Python's salted ``hash()`` or on the platform, so every process and Python version agrees.
-Being 64-bit, keys are routing hints, not proofs: a collision can only mislead a routing
-choice; the engines look their caches up by their own hashes.
+Layout 2 (:data:`KEY_SCHEME`), all arithmetic modulo 2**64:
 
-Cost (``python -m bench.kv_keys``; CPython 3.11 on this repository's 2-core machine, shared,
-so figures are upper bounds). First measured at load average 5-6 with one
-``blake2b(..., digest_size=..., person=...)`` call per block: 1.6-1.8 µs per key in blocks of
-16, e.g. 512 keys for 8,192 tokens in 0.9 ms; blocks of 1 (SGLang's default page) make one key
-per token, 8,192 keys in about 23 ms. Alternatives measured in the same conditions, per 512
-keys: the same loop with SHA-256 about 1.7x and MD5 1.5x slower; a C-level pipeline (``map``
-over slices and ``accumulate``, no Python bytecode per block) no faster; a zlib CRC-32 +
-Adler-32 chain no faster than BLAKE2b. Per-block object work (slice, call, digest) dominates
-the hashing itself. Starting each block's hash as a ``copy()`` of one configured state instead
-(the same digests) saves the keyword parsing and parameter setup per call: at load average 0.2,
-0.94 -> 0.62 µs per key in blocks of 16 (512 keys in 0.48 -> 0.32 ms), 0.82 -> 0.50 µs in
-blocks of 1 (8,192 keys in 6.7 -> 4.1 ms). A C extension would be needed to go much lower.
+* a block's value: ``mix(sum(token[p] * weight[p]))`` over its positions ``p``, where
+  ``weight[p] = mix(WEIGHT_SEED + p) | 1`` and ``mix`` is MurmurHash3's 64-bit finaliser (a
+  bijection that spreads every input bit over every output bit);
+* a block's key: ``parent * CHAIN + value``;
+* a root key: the first 8 bytes (big-endian) of BLAKE2b over the adapter name and the salt.
+
+The chain is linear on purpose: ``key[i] = parent * CHAIN**(i+1) + sum(value[j] *
+CHAIN**(i-j))``, so a long prompt's keys are a cumulative sum computed in a few array
+operations (numpy) instead of one hash call per block in Python; short inputs (a KV event of a
+block or two) take a plain loop that gives the same integers. Keys are routing hints, not proofs:
+the layout is not meant to resist a client crafting two prompts with one key (that client only
+misleads the routing of its own requests); the engines look their caches up by their own hashes.
+Nothing depends on Python's salted ``hash()`` or on the platform, so every process agrees.
+
+Cost (``python -m bench.kv_keys``): layout 1 (one BLAKE2b call per block) took 321 µs for the
+512 keys of 8,192 tokens; layout 2 takes the time to read the token ids into an array (about
+57 µs from a list on this repository's 2-core machine) plus about 25 µs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import sys
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Final
+
+import numpy as np
+import numpy.typing as npt
 
 __all__ = ["KEY_BITS", "KEY_SCHEME", "block_keys", "extend_keys", "root_key"]
 
 KEY_BITS: Final = 64
 # The version of the key layout. A frontend and a sidecar agree on keys only when they compute
 # them the same way, so the cache stream says which layout its keys follow.
-KEY_SCHEME: Final = 1
+KEY_SCHEME: Final = 2
+
+_MASK: Final = (1 << KEY_BITS) - 1
 _DIGEST_BYTES: Final = KEY_BITS // 8
-_KEY_MAX: Final = (1 << KEY_BITS) - 1
-# BLAKE2b's personalisation parameter separates the two uses (a root and a block can never
-# share a key by construction) and versions the scheme: a change of layout changes the names.
-_ROOT_PERSON: Final = b"sidecar.kv.root1"
-_BLOCK_PERSON: Final = b"sidecar.kv.blk1"
+# BLAKE2b's personalisation names the layout's roots (layout 1 used "root1").
+_ROOT_PERSON: Final = b"sidecar.kv.root2"
+# Odd, so multiplying by it is invertible modulo 2**64 (the vector path divides by its powers).
+_CHAIN: Final = 0x9E3779B97F4A7C15
+_CHAIN_INVERSE: Final = pow(_CHAIN, -1, 1 << KEY_BITS)
+_WEIGHT_SEED: Final = 0x2545F4914F6CDD1D
+_MIX_1: Final = 0xFF51AFD7ED558CCD
+_MIX_2: Final = 0xC4CEB9FE1A85EC53
 _TOKEN_TYPECODE: Final = "I"
 _TOKEN_BYTES: Final = 4
 _TOKEN_MAX: Final = (1 << (8 * _TOKEN_BYTES)) - 1
+# The array path costs about 20 µs whatever the length; the loop about 0.75 + 0.17 * block_size
+# µs per block (measured on this repository's 2-core machine): the array path is taken from
+# blocks * (block_size + 4) >= _VECTOR_FROM on (6 blocks of 16, 24 blocks of 1).
+_VECTOR_FROM: Final = 120
 
 if array(_TOKEN_TYPECODE).itemsize != _TOKEN_BYTES:  # pragma: no cover - no such platform seen
     raise ImportError("sidecar_common.kv_keys needs a 4-byte array('I')")
+
+_U64 = npt.NDArray[np.uint64]
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 33
+    x = (x * _MIX_1) & _MASK
+    x ^= x >> 33
+    x = (x * _MIX_2) & _MASK
+    return x ^ (x >> 33)
+
+
+def _mix_array(x: _U64) -> _U64:
+    # In place: x is a fresh intermediate of the caller's.
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(_MIX_1)
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(_MIX_2)
+    x ^= x >> np.uint64(33)
+    return x
+
+
+@lru_cache(maxsize=32)
+def _weights(block_size: int) -> tuple[tuple[int, ...], _U64]:
+    weights = tuple(_mix((_WEIGHT_SEED + p) & _MASK) | 1 for p in range(block_size))
+    return weights, np.array(weights, dtype=np.uint64)
+
+
+@lru_cache(maxsize=32)
+def _powers(length: int) -> tuple[_U64, _U64]:
+    """CHAIN**i and CHAIN**-i for i in 0..length-1 (lengths are powers of two, so few)."""
+    chain = np.full(length, _CHAIN, dtype=np.uint64)
+    chain[0] = 1
+    inverse = np.full(length, _CHAIN_INVERSE, dtype=np.uint64)
+    inverse[0] = 1
+    return np.cumprod(chain), np.cumprod(inverse)
 
 
 def _field(value: str | None) -> bytes:
@@ -80,14 +132,42 @@ def root_key(*, lora_name: str | None = None, cache_salt: str | None = None) -> 
     return int.from_bytes(digest, "big")
 
 
-def _packed(token_ids: Sequence[int]) -> bytes:
+def _token_array(token_ids: Sequence[int]) -> array[int]:
+    if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPECODE:
+        return token_ids
     try:
-        tokens = array(_TOKEN_TYPECODE, token_ids)
+        return array(_TOKEN_TYPECODE, token_ids)
     except OverflowError:
         raise ValueError(f"token ids must be within 0..{_TOKEN_MAX}") from None
+
+
+def _vector_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> list[int]:
+    tokens = np.frombuffer(_token_array(token_ids), dtype=np.uint32, count=blocks * block_size)
     if sys.byteorder != "little":  # pragma: no cover - every platform we ship on is little
-        tokens.byteswap()
-    return tokens.tobytes()
+        tokens = tokens.byteswap()
+    weighted = tokens.reshape(blocks, block_size) * _weights(block_size)[1]
+    values = _mix_array(weighted.sum(axis=1, dtype=np.uint64))
+    chain, inverse = _powers(1 << (blocks - 1).bit_length())
+    # key[i] = CHAIN**i * (parent * CHAIN + sum(value[j] * CHAIN**-j for j <= i))
+    sums = np.cumsum(values * inverse[:blocks], dtype=np.uint64)
+    sums += np.uint64((parent_key * _CHAIN) & _MASK)
+    keys: list[int] = (sums * chain[:blocks]).tolist()
+    return keys
+
+
+def _loop_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> list[int]:
+    tokens = token_ids[: blocks * block_size]
+    if min(tokens) < 0 or max(tokens) > _TOKEN_MAX:
+        raise ValueError(f"token ids must be within 0..{_TOKEN_MAX}")
+    weights = _weights(block_size)[0]
+    mul = operator.mul
+    keys: list[int] = []
+    key = parent_key
+    for start in range(0, blocks * block_size, block_size):
+        value = _mix(sum(map(mul, tokens[start : start + block_size], weights)) & _MASK)
+        key = (key * _CHAIN + value) & _MASK
+        keys.append(key)
+    return keys
 
 
 def extend_keys(parent_key: int, token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -98,28 +178,14 @@ def extend_keys(parent_key: int, token_ids: Sequence[int], block_size: int) -> l
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
-    if not 0 <= parent_key <= _KEY_MAX:
+    if not 0 <= parent_key <= _MASK:
         raise ValueError(f"parent_key must be an unsigned {KEY_BITS}-bit integer")
-    full_blocks = len(token_ids) // block_size
-    if full_blocks == 0:
+    blocks = len(token_ids) // block_size
+    if blocks == 0:
         return []
-    packed = _packed(token_ids)
-    step = block_size * _TOKEN_BYTES
-    digest = parent_key.to_bytes(_DIGEST_BYTES, "big")
-    # The hot loop: one hash per block, the ints made afterwards in one C-level map. Each
-    # block's hash starts as a copy of one configured (empty) BLAKE2b state: the same digest
-    # as a fresh blake2b(digest_size=..., person=...) call, without parsing its keyword
-    # arguments and initialising its parameter block again per block.
-    copy = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=_BLOCK_PERSON).copy
-    digests: list[bytes] = []
-    append = digests.append
-    for start in range(0, full_blocks * step, step):
-        block = copy()
-        block.update(digest)
-        block.update(packed[start : start + step])
-        digest = block.digest()
-        append(digest)
-    return list(map(int.from_bytes, digests))
+    if blocks * (block_size + 4) >= _VECTOR_FROM:
+        return _vector_keys(parent_key, token_ids, block_size, blocks)
+    return _loop_keys(parent_key, token_ids, block_size, blocks)
 
 
 def block_keys(

@@ -4,33 +4,38 @@ compute the same integers from the same token ids, in every process and Python v
 from __future__ import annotations
 
 import hashlib
-import struct
+from array import array
 from typing import Final
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_common.kv_keys import block_keys, extend_keys, root_key
+from sidecar_common import kv_keys
+from sidecar_common.kv_keys import KEY_SCHEME, block_keys, extend_keys, root_key
 
 TOKEN: Final = st.integers(min_value=0, max_value=2**32 - 1)
-TOKENS: Final = st.lists(TOKEN, max_size=80)
+TOKENS: Final = st.lists(TOKEN, max_size=200)
 BLOCK_SIZES: Final = st.sampled_from([1, 2, 3, 16])
 NAMES: Final = st.none() | st.text(max_size=12)
 
 # Pinned: a change of these numbers breaks every frontend and sidecar of a mixed-version fleet
-# (they would stop agreeing on keys), so it must be a deliberate, versioned change.
+# (they would stop agreeing on keys), so it must be a deliberate change of KEY_SCHEME.
 KNOWN_VECTORS: Final = [
-    ((list(range(32)), 16, None, None), [9728747262404133374, 8779133219659900176]),
+    ((list(range(32)), 16, None, None), [7961711506729889092, 16384403228851467164]),
     (
         ([1, 2, 3], 1, None, None),
-        [12660779696305460193, 3832226038579616068, 16765323507196799996],
+        [5596390716994570471, 1577230895747052827, 10274657506554174062],
     ),
-    ((list(range(16)), 16, "adapter-a", None), [15357903584608071701]),
-    ((list(range(16)), 16, None, "s"), [1873068078805240450]),
+    ((list(range(16)), 16, "adapter-a", None), [15707320223261826163]),
+    ((list(range(16)), 16, None, "s"), [6325485213806262548]),
     # An empty salt is no salt (vLLM leaves it out of its hashes).
-    ((list(range(16)), 16, None, ""), [9728747262404133374]),
+    ((list(range(16)), 16, None, ""), [7961711506729889092]),
 ]
+
+
+def test_the_scheme_is_layout_2() -> None:
+    assert KEY_SCHEME == 2
 
 
 @pytest.mark.parametrize(("args", "keys"), KNOWN_VECTORS)
@@ -41,20 +46,55 @@ def test_known_vectors_are_stable(
     assert block_keys(tokens, block_size, lora_name=lora, cache_salt=salt) == keys
 
 
-def test_the_layout_is_blake2b_of_parent_and_little_endian_tokens() -> None:
-    # The scheme written out independently, so another implementation (a frontend in another
-    # language) can be checked against this one.
-    def blake(data: bytes, person: bytes) -> bytes:
-        return hashlib.blake2b(data, digest_size=8, person=person).digest()
+def _layout_2(tokens: list[int], block_size: int, root: bytes) -> list[int]:
+    # The layout written out from the module's docstring, in plain integers, so another
+    # implementation (a frontend in another language) can be checked against this one.
+    mask = 2**64 - 1
 
-    root = blake(b"\x00\x00", b"sidecar.kv.root1")
-    first = blake(root + struct.pack("<4I", 5, 6, 7, 8), b"sidecar.kv.blk1")
-    second = blake(first + struct.pack("<4I", 9, 10, 11, 12), b"sidecar.kv.blk1")
+    def mix(x: int) -> int:
+        x ^= x >> 33
+        x = x * 0xFF51AFD7ED558CCD & mask
+        x ^= x >> 33
+        x = x * 0xC4CEB9FE1A85EC53 & mask
+        return x ^ (x >> 33)
+
+    weights = [mix(0x2545F4914F6CDD1D + p) | 1 for p in range(block_size)]
+    key = int.from_bytes(root, "big")
+    keys = []
+    for start in range(0, len(tokens) // block_size * block_size, block_size):
+        block = tokens[start : start + block_size]
+        value = mix(sum(t * w for t, w in zip(block, weights, strict=True)) & mask)
+        key = (key * 0x9E3779B97F4A7C15 + value) & mask
+        keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize(("length", "block_size"), [(9, 4), (40, 1), (200, 16), (1000, 3)])
+def test_the_layout_is_the_documented_one(length: int, block_size: int) -> None:
+    # Short and long inputs: the loop and the array paths.
+    tokens = [(i * 2654435761) % 2**32 for i in range(length)]
+    root = hashlib.blake2b(b"\x00\x00", digest_size=8, person=b"sidecar.kv.root2").digest()
     assert root_key() == int.from_bytes(root, "big")
-    assert block_keys([5, 6, 7, 8, 9, 10, 11, 12, 13], 4) == [
-        int.from_bytes(first, "big"),
-        int.from_bytes(second, "big"),
-    ]
+    assert block_keys(tokens, block_size) == _layout_2(tokens, block_size, root)
+
+
+@given(
+    st.lists(TOKEN, min_size=1, max_size=600),
+    st.sampled_from([1, 2, 3, 5, 16, 64]),
+    st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_the_array_and_the_loop_give_the_same_keys(tokens: list[int], block_size: int, parent: int) -> None:
+    blocks = len(tokens) // block_size
+    if blocks == 0:
+        return
+    assert kv_keys._vector_keys(parent, tokens, block_size, blocks) == kv_keys._loop_keys(
+        parent, tokens, block_size, blocks
+    )
+
+
+def test_a_token_array_gives_the_keys_of_its_list() -> None:
+    tokens = list(range(5_000, 5_300))
+    assert block_keys(array("I", tokens), 16) == block_keys(tokens, 16)
 
 
 @pytest.mark.parametrize(
@@ -72,9 +112,10 @@ def test_a_block_size_below_one_is_refused(block_size: int) -> None:
 
 
 @pytest.mark.parametrize("token", [-1, 2**32])
-def test_a_token_id_outside_32_bits_is_refused(token: int) -> None:
+@pytest.mark.parametrize("length", [1, 500])
+def test_a_token_id_outside_32_bits_is_refused(token: int, length: int) -> None:
     with pytest.raises(ValueError, match="token ids"):
-        block_keys([token], 1)
+        block_keys([7] * (length - 1) + [token], 1)
 
 
 @pytest.mark.parametrize("parent", [-1, 2**64])
