@@ -145,8 +145,8 @@ def _vector_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blo
     tokens = np.frombuffer(_token_array(token_ids), dtype=np.uint32, count=blocks * block_size)
     if sys.byteorder != "little":  # pragma: no cover - every platform we ship on is little
         tokens = tokens.byteswap()
-    weighted = tokens.reshape(blocks, block_size) * _weights(block_size)[1]
-    values = _mix_array(weighted.sum(axis=1, dtype=np.uint64))
+    # uint32 rows times uint64 weights: numpy's integer dot wraps modulo 2**64 like the loop.
+    values = _mix_array(np.dot(tokens.reshape(blocks, block_size), _weights(block_size)[1]))
     chain, inverse = _powers(1 << (blocks - 1).bit_length())
     # key[i] = CHAIN**i * (parent * CHAIN + sum(value[j] * CHAIN**-j for j <= i))
     sums = np.cumsum(values * inverse[:blocks], dtype=np.uint64)

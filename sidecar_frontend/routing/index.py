@@ -3,9 +3,16 @@
 A block is named by its routing key (``sidecar_common.kv_keys.block_keys``: chained over the
 token ids of the blocks before it, so a key names a whole prefix, not one block's tokens). The
 index maps each key to the set of workers holding it (a bitmask of small worker slots), and
-each worker to the keys it holds. For a request, :meth:`BlockIndex.match` walks the request's
-keys from the first block and gives each worker the number of leading blocks it holds: an
-engine's prefix cache stops at the first block it lacks, so a worker drops out there.
+each worker to the keys it holds. For a request, :meth:`BlockIndex.match` gives each worker the
+number of leading blocks of the request's keys it holds: an engine's prefix cache stops at the
+first block it lacks.
+
+A worker's holdings are prefix-closed: a block is held only with every block before it. The
+engines store a block only after its parent and evict a block only after its descendants (vLLM
+frees a finished request's blocks tail first, and a block's reference count is never below its
+descendants'; SGLang's radix cache evicts leaves); the index's own cap evicts a chain's tail
+before its head, and an approximate chain's head expires no earlier than its tail. So
+:meth:`BlockIndex.match` bisects each worker's count instead of walking every block.
 
 Two sources feed it, per worker:
 
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -120,36 +127,49 @@ class BlockIndex:
     def match(self, keys: Sequence[int], among: Iterable[str]) -> dict[str, int]:
         """For each worker of ``among`` holding the first block of ``keys``: how many leading
         blocks of ``keys`` it holds (workers holding none are left out). Touches the matched
-        keys (they become the most recently used)."""
+        keys (they become the most recently used).
+
+        A worker's holdings are read as prefix-closed: holding a block means holding every
+        block before it, which is how they come (module docstring). So each worker's count is
+        found by bisection, about log2(len(keys)) lookups per distinct count, instead of one
+        lookup per block (512 blocks: 93 µs walked, a few µs bisected). Were a worker to hold
+        a block without one before it, its count would be the end of some run of blocks it
+        holds, not necessarily the first."""
         candidates = 0
         for worker in among:
             slot = self._slot_of.get(worker)
             if slot is not None:
                 candidates |= 1 << slot
         found: dict[str, int] = {}
-        if not candidates:
+        if not candidates or not keys:
             return found
-        holders = self._holders
-        alive = candidates
-        depth = 0
-        for key in keys:
-            mask = holders.get(key)
-            still = alive & mask if mask is not None else 0
-            if still != alive:
-                for slot in _bits(alive & ~still):
-                    if depth:
-                        found[self._name_of[slot]] = depth
-            alive = still
-            if not alive:
-                break
-            depth += 1
-        if depth:
-            for slot in _bits(alive):
-                found[self._name_of[slot]] = depth
+        get = self._holders.get
+        name_of = self._name_of
+        # (lo, hi, workers): each of these workers holds between lo and hi leading blocks.
+        pending = [(0, len(keys), candidates)]
+        while pending:
+            lo, hi, workers = pending.pop()
+            if lo == hi:
+                if lo:
+                    for slot in _bits(workers):
+                        found[name_of[slot]] = lo
+                continue
+            mid = (lo + hi + 1) // 2
+            holding = get(keys[mid - 1], 0) & workers
+            if holding:
+                pending.append((mid, hi, holding))
+            if holding != workers:
+                pending.append((lo, mid - 1, workers & ~holding))
         # The longest matched prefix, touched from its last block to its first.
         longest = max(found.values(), default=0)
-        for key in reversed(keys[:longest]):
-            holders.move_to_end(key)
+        if longest:
+            holders = self._holders
+            try:
+                deque(map(holders.move_to_end, reversed(keys[:longest])), maxlen=0)
+            except KeyError:  # a count past a hole (see above): touch what is there, in order
+                for key in reversed(keys[:longest]):
+                    if key in holders:
+                        holders.move_to_end(key)
         return found
 
     # ---------------------------------------------------------------- writing

@@ -38,6 +38,7 @@ import enum
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Candidate", "Decision", "PolicyConfig", "Reason", "choose"]
 
@@ -52,8 +53,9 @@ class Reason(enum.Enum):
     RANDOM = "random"
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
+    # A tuple, not a frozen dataclass: a decision makes one per worker, and a frozen
+    # dataclass's __init__ costs about 1.5 µs (16 workers: a quarter of a decision).
     worker: str
     cached_tokens: int = 0  # the request's prefix cached there (predicted)
     running: int = 0  # requests in flight there (every frontend's)
@@ -99,9 +101,10 @@ def choose(
     for candidate in candidates:
         if candidate.running > hot_above:
             continue
+        cached = candidate.cached_tokens
         cost = (
             prompt_tokens
-            - min(candidate.cached_tokens, prompt_tokens)
+            - (cached if cached < prompt_tokens else prompt_tokens)
             + candidate.queued_prefill_tokens
             + candidate.running * config.running_request_tokens
         )

@@ -23,12 +23,25 @@ def test_match_counts_each_workers_leading_blocks() -> None:
     assert index.match([1, 2, 3, 4, 5], WORKERS) == {"a": 4, "b": 2}
 
 
-def test_match_stops_at_the_first_block_a_worker_lacks() -> None:
-    # An engine's prefix cache ends at its first miss: later blocks held do not count.
+def test_match_stops_where_a_workers_blocks_end() -> None:
+    # An engine's prefix cache ends at its first miss; an engine evicts a chain from its tail.
     index = BlockIndex()
-    index.store("a", [1, 2, 3])
-    index.remove("a", [2])
-    assert index.match([1, 2, 3], WORKERS) == {"a": 1}
+    index.store("a", [1, 2, 3, 4, 5])
+    index.remove("a", [5, 4])
+    assert index.match([1, 2, 3, 4, 5], WORKERS) == {"a": 3}
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 48, 49, 300])
+def test_a_long_walk_counts_every_workers_depth(length: int) -> None:
+    # Walks longer than one stretch of the walk (16, 32, 64... blocks).
+    keys = list(range(1_000, 1_000 + length))
+    index = BlockIndex()
+    index.store("whole", keys)
+    index.store("half", keys[: length // 2])
+    index.store("one", keys[:1])
+    index.store("none", [5])
+    expected = {"whole": length, "half": length // 2, "one": 1}
+    assert index.match(keys, ["whole", "half", "one", "none"]) == {w: d for w, d in expected.items() if d}
 
 
 def test_match_only_among_the_workers_asked() -> None:
@@ -190,19 +203,41 @@ def test_law_the_index_equals_a_replay_of_what_it_was_fed(ops: list[tuple[str, s
     assert index.entries == sum(len(held) for held in model.values())
 
 
-@given(st.lists(_op, max_size=40), st.lists(st.integers(min_value=0, max_value=30), max_size=10))
-def test_law_match_is_the_longest_held_prefix(
+@given(
+    st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=300, unique=True),
+    st.dictionaries(st.sampled_from(WORKERS), st.tuples(st.integers(min_value=0), st.integers(min_value=0))),
+)
+def test_law_match_is_the_longest_held_prefix(request: list[int], holdings: dict[str, tuple[int, int]]) -> None:
+    # Holdings as they come (prefix-closed): each worker holds a leading run of the request's
+    # blocks, stored as a longer chain and cut back from its tail, as an engine evicts.
+    index = BlockIndex()
+    expected = {}
+    for worker, (held, stored) in holdings.items():
+        held %= len(request) + 1
+        stored = held + stored % (len(request) + 1 - held)
+        index.store(worker, request[:stored])
+        index.remove(worker, request[held:stored])
+        index.store(worker, [20_000 + held])  # a block of another prompt
+        if held:
+            expected[worker] = held
+    assert index.match(request, WORKERS) == expected
+
+
+@given(st.lists(_op, max_size=40), st.lists(st.integers(min_value=0, max_value=30), max_size=70))
+def test_law_match_ends_each_count_at_the_end_of_a_held_run(
     ops: list[tuple[str, str, list[int]]], request: list[int]
 ) -> None:
+    # Any holdings, holes included: a worker's count ends a run of blocks it holds.
     index, model = _replay(ops)
-    expected = {}
+    found = index.match(request, WORKERS)
+    for worker, depth in found.items():
+        held = model.get(worker, set())
+        assert 0 < depth <= len(request)
+        assert request[depth - 1] in held
+        assert depth == len(request) or request[depth] not in held
     for worker, held in model.items():
-        depth = 0
-        while depth < len(request) and request[depth] in held:
-            depth += 1
-        if depth:
-            expected[worker] = depth
-    assert index.match(request, WORKERS) == expected
+        if request and request[0] in held and worker not in found:
+            raise AssertionError(f"{worker} holds the first block and was left out")
 
 
 @given(
