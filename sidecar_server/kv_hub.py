@@ -16,6 +16,7 @@ from typing import Final
 import anyio
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.kv_keys import KEY_SCHEME
 from sidecar_server.kv_state import KvDelta, RankFeed
 from sidecar_server.kv_view import NumberedDelta, WorkerCacheView
 
@@ -133,6 +134,8 @@ class KvCacheHub:
                         parents=[parent for _, parent in chunk],
                         last_chunk=start + step >= len(blocks),
                         status=self.status(),
+                        # On every chunk: a client on another key layout can match none of them.
+                        key_scheme=KEY_SCHEME,
                     )
                 )
             )

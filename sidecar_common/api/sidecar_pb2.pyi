@@ -1025,6 +1025,7 @@ class KvCacheSnapshot(_message.Message):
     PARENTS_FIELD_NUMBER: _builtins.int
     LAST_CHUNK_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    KEY_SCHEME_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """Names this sidecar process's history; a new process picks a new one."""
     sequence: _builtins.int
@@ -1034,6 +1035,11 @@ class KvCacheSnapshot(_message.Message):
     last_chunk: _builtins.bool
     """A large snapshot comes in several chunks, all with the same epoch and sequence; the
     client's view is whole (and deltas follow) after the chunk with last_chunk set.
+    """
+    key_scheme: _builtins.int
+    """The layout of the keys (sidecar_common/kv_keys.py KEY_SCHEME): a client that computes keys
+    another way can match none of them. 0 = a sidecar older than this field, whose keys
+    follow layout 1. Every chunk of a snapshot carries it.
     """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -1052,10 +1058,11 @@ class KvCacheSnapshot(_message.Message):
         parents: _abc.Iterable[_builtins.int] | None = ...,
         last_chunk: _builtins.bool = ...,
         status: Global___KvCacheStatus | None = ...,
+        key_scheme: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "keys", b"keys", "last_chunk", b"last_chunk", "model", b"model", "parents", b"parents", "sequence", b"sequence", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "epoch", b"epoch", "key_scheme", b"key_scheme", "keys", b"keys", "last_chunk", b"last_chunk", "model", b"model", "parents", b"parents", "sequence", b"sequence", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

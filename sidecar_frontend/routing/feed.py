@@ -8,6 +8,11 @@ resume from. What each update does:
 
 * a snapshot chunk: gathered; the last chunk replaces everything the index held for the worker
   (exact entries and approximate ones alike);
+* a snapshot chunk whose keys follow another layout than this frontend's (its ``key_scheme``,
+  0 read as 1: a sidecar older than the field): none of its keys could match a request's, so
+  the feed stops as if the stream were gone (the worker's entries go, nothing is indexed,
+  :attr:`CacheFeed.live` is false: the worker counts as publishing no cache state) and
+  remembers the layout in :attr:`CacheFeed.foreign_scheme`; the I/O side stops watching;
 * the next delta: applied in the stream's order (cleared, then removed, then added);
 * a delta already applied (its sequence is not past the feed's): ignored;
 * a delta past the next one, of another epoch, or before any snapshot: a gap. Nothing of it is
@@ -20,10 +25,20 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
+from sidecar_common.kv_keys import KEY_SCHEME
 from sidecar_frontend.routing.index import BlockIndex
 
-__all__ = ["CacheFeed", "FeedCounts", "Step"]
+__all__ = ["UNSTATED_KEY_SCHEME", "CacheFeed", "FeedCounts", "Step", "stated_key_scheme"]
+
+# The layout of the keys of a sidecar older than KvCacheSnapshot.key_scheme (which reads 0).
+UNSTATED_KEY_SCHEME: Final = 1
+
+
+def stated_key_scheme(key_scheme: int) -> int:
+    """The key layout a snapshot's ``key_scheme`` names (0: a sidecar older than the field)."""
+    return key_scheme if key_scheme else UNSTATED_KEY_SCHEME
 
 
 class Step(enum.Enum):
@@ -32,6 +47,7 @@ class Step(enum.Enum):
     APPLIED = "applied"  # the next delta
     DUPLICATE = "duplicate"  # a delta already applied
     GAP = "gap"  # reconnect from resume_from
+    FOREIGN = "foreign"  # keys of another layout: nothing indexed, the feed stopped
 
 
 @dataclass
@@ -55,9 +71,15 @@ class CacheFeed:
     from before the snapshot could be one the router no longer reads.
     """
 
-    def __init__(self, worker: str, index_of: Callable[[], BlockIndex]) -> None:
+    def __init__(
+        self, worker: str, index_of: Callable[[], BlockIndex], *, key_scheme: int = KEY_SCHEME
+    ) -> None:
         self.worker = worker
         self._index_of = index_of
+        # This frontend's key layout: a snapshot in another one is not indexed.
+        self.key_scheme = key_scheme
+        # The layout of the last snapshot when it was another one (None: the same, or none yet).
+        self.foreign_scheme: int | None = None
         self.counts = FeedCounts()
         self.epoch: int | None = None
         self.sequence: int | None = None
@@ -92,8 +114,15 @@ class CacheFeed:
         *,
         last_chunk: bool,
         engine_published: bool,
+        key_scheme: int,
     ) -> Step:
-        """One chunk of a snapshot taken at (``epoch``, ``sequence``)."""
+        """One chunk of a snapshot taken at (``epoch``, ``sequence``), its keys in layout
+        ``key_scheme`` (the field as sent: 0 from a sidecar older than it)."""
+        scheme = stated_key_scheme(key_scheme)
+        if scheme != self.key_scheme:
+            self.stop()
+            self.foreign_scheme = scheme
+            return Step.FOREIGN
         if self._pending_at != (epoch, sequence):
             self._pending_at = (epoch, sequence)
             self._pending = []
@@ -105,6 +134,7 @@ class CacheFeed:
         self._pending = []
         self.epoch, self.sequence = epoch, sequence
         self.block_size = block_size
+        self.foreign_scheme = None
         self.engine_publishes = self.engine_publishes or engine_published
         self.counts.snapshots += 1
         return Step.SNAPSHOT

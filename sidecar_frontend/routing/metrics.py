@@ -8,7 +8,7 @@
 * the index, per model, read at each scrape: blocks, (block, worker) entries, estimated bytes,
   its cap, blocks evicted for the cap;
 * each worker's cache stream, read at each scrape: whether it is live, updates applied, gaps
-  and resyncs;
+  and resyncs, and whether its keys follow another layout than this frontend's;
 * each worker's events lag, observed as its deltas are applied: this frontend's clock minus
   the engine's time of the batch the delta came from (``KvCacheDelta.engine_time``).
 
@@ -43,6 +43,8 @@ class StreamRow:
     deltas: int
     gaps: int
     resyncs: int
+    # Its snapshot's keys follow another layout than this frontend's (nothing of it indexed).
+    foreign_keys: bool = False
 
 
 class _RoutingCollector(Collector):
@@ -103,12 +105,20 @@ class _RoutingCollector(Collector):
             "Cache snapshots after the first (the worker's state rebuilt from scratch), by worker",
             labels=["worker"],
         )
+        foreign = GaugeMetricFamily(
+            "frontend_kv_stream_foreign_keys",
+            "1 while a worker's cache keys follow another layout than this frontend's "
+            "(KvCacheSnapshot.key_scheme, a rolling upgrade): none is indexed and the worker is "
+            "routed as one that publishes no cache state, else 0",
+            labels=["worker"],
+        )
         for row in sorted(self._streams(), key=lambda r: r.worker):
             live.add_metric([row.worker, row.model, str(row.engine_publishes).lower()], 1 if row.live else 0)
             deltas.add_metric([row.worker], row.deltas)
             gaps.add_metric([row.worker], row.gaps)
             resyncs.add_metric([row.worker], row.resyncs)
-        yield from (live, deltas, gaps, resyncs)
+            foreign.add_metric([row.worker], 1 if row.foreign_keys else 0)
+        yield from (live, deltas, gaps, resyncs, foreign)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

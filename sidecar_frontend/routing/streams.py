@@ -9,7 +9,10 @@ the worker set's load poll); then it watches, and after the stream breaks or sho
 watches again from the last (epoch, sequence) applied: the sidecar resumes there or sends a
 new snapshot. A worker that keeps failing is retried at the project's backoff (doubling,
 capped, jittered: ``sidecar_common.retry.Backoff``). A sidecar too old to serve the stream
-(UNIMPLEMENTED) is not asked again until it restarts.
+(UNIMPLEMENTED), and one whose keys follow another layout than this frontend's
+(``KvCacheSnapshot.key_scheme``: a rolling upgrade of ``sidecar_common.kv_keys``), are not asked
+again until they restart; meanwhile the worker is routed as one that publishes no cache state,
+and the second is named in one warning.
 
 Each delta applied whose sidecar sent the engine's time of its batch is observed in
 ``frontend_kv_events_lag_seconds``: this frontend's wall clock at that moment minus that time.
@@ -55,8 +58,12 @@ class _Stream:
     worker: Worker
     feed: CacheFeed
     model: str
-    # The sidecar answered UNIMPLEMENTED: asked again only after its sidecar restarts.
-    unimplemented: bool = False
+    # Asked again only after its sidecar restarts: it answered UNIMPLEMENTED, or its snapshot's
+    # keys follow another layout (feed.foreign_scheme).
+    until_restart: bool = False
+    # The foreign key layout this worker was last warned about: one warning, not one at each
+    # restart of a sidecar that still sends it.
+    warned_scheme: int | None = None
 
 
 class CacheStreams:
@@ -107,6 +114,7 @@ class CacheStreams:
                 stream.feed.counts.deltas,
                 stream.feed.counts.gaps,
                 stream.feed.counts.resyncs,
+                foreign_keys=stream.feed.foreign_scheme is not None,
             )
             for address, stream in self._streams.items()
         ]
@@ -155,13 +163,13 @@ class CacheStreams:
                 stream = None
                 del self._streams[worker.address]
             if worker.model is None and stream is not None:
-                stream.unimplemented = False  # its sidecar restarted: ask again
+                stream.until_restart = False  # its sidecar restarted: ask again
             if worker.eligible and model and worker.publishes_cache:
                 if stream is None:
                     feed = CacheFeed(worker.address, functools.partial(self._router.index, model))
                     stream = _Stream(worker, feed, model)
                     self._streams[worker.address] = stream
-                if not stream.unimplemented:
+                if not stream.until_restart:
                     return stream
             with anyio.move_on_after(self._config.ready_check_secs):
                 if changed is not None:
@@ -190,6 +198,10 @@ class CacheStreams:
                             resume_from=feed.resume_from,
                         )
                         return None
+                    if step is Step.FOREIGN:
+                        stream.until_restart = True
+                        self._foreign(stream)
+                        return None
                     if step is Step.SNAPSHOT:
                         log.info(
                             "worker cache snapshot",
@@ -204,7 +216,7 @@ class CacheStreams:
         except grpc.RpcError as err:
             code = err.code() if callable(getattr(err, "code", None)) else None
             if code is grpc.StatusCode.UNIMPLEMENTED:
-                stream.unimplemented = True
+                stream.until_restart = True
                 log.warning(
                     "worker cache stream not served by its sidecar: routing it without its cache",
                     worker=worker.address,
@@ -213,6 +225,20 @@ class CacheStreams:
             details = err.details() if callable(getattr(err, "details", None)) else None
             return f"{details or 'no details'} ({code.name if code is not None else 'no status'})"
         return "the sidecar ended the stream"  # it is going away
+
+    def _foreign(self, stream: _Stream) -> None:
+        """Warn once per worker (and layout) that its keys follow another layout."""
+        feed = stream.feed
+        if feed.foreign_scheme is None or feed.foreign_scheme == stream.warned_scheme:
+            return
+        stream.warned_scheme = feed.foreign_scheme
+        log.warning(
+            "worker cache keys follow another layout than this frontend's: routing it as a worker "
+            "that publishes no cache state until its sidecar restarts",
+            worker=stream.worker.address,
+            worker_key_scheme=feed.foreign_scheme,
+            frontend_key_scheme=feed.key_scheme,
+        )
 
     def _apply(self, stream: _Stream, update: sidecar_pb2.KvCacheUpdate) -> Step:
         feed = stream.feed
@@ -226,6 +252,7 @@ class CacheStreams:
                 snap.keys,
                 last_chunk=snap.last_chunk,
                 engine_published=snap.status.batches_received > 0,
+                key_scheme=snap.key_scheme,
             )
         if kind == "delta":
             delta = update.delta

@@ -1,7 +1,8 @@
 """The workers' cache streams against a scripted sidecar (a grpc.aio server on loopback whose
 WatchKvCache a test controls): the index follows the stream, a gap resumes from the last
-update applied, a restarted history resyncs, a worker that publishes nothing is never asked,
-and a worker that leaves takes its entries with it."""
+update applied, a restarted history resyncs, a worker that publishes nothing is never asked, a
+worker whose keys follow another layout is routed as one that publishes nothing until its
+sidecar restarts, and a worker that leaves takes its entries with it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from typing import Any
 import anyio
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.kv_keys import block_keys
+from sidecar_common.kv_keys import KEY_SCHEME, block_keys
 from sidecar_frontend.routing.metrics import RoutingMetrics
 from sidecar_frontend.routing.router import Router, RouterConfig
 from sidecar_frontend.routing.streams import CacheStreams, StreamConfig
@@ -31,7 +33,9 @@ pytestmark = pytest.mark.timeout(60)
 FAST_STREAMS = StreamConfig(ready_check_secs=0.05, retry_first_secs=0.05, retry_max_secs=0.2)
 
 
-def _snapshot(epoch: int, sequence: int, keys: list[int], *, last: bool = True) -> sidecar_pb2.KvCacheUpdate:
+def _snapshot(
+    epoch: int, sequence: int, keys: list[int], *, last: bool = True, key_scheme: int = KEY_SCHEME
+) -> sidecar_pb2.KvCacheUpdate:
     return sidecar_pb2.KvCacheUpdate(
         snapshot=sidecar_pb2.KvCacheSnapshot(
             epoch=epoch,
@@ -42,6 +46,7 @@ def _snapshot(epoch: int, sequence: int, keys: list[int], *, last: bool = True) 
             parents=[0] * len(keys),
             last_chunk=last,
             status=sidecar_pb2.KvCacheStatus(subscribed=True, batches_received=1, block_size=16),
+            key_scheme=key_scheme,
         )
     )
 
@@ -75,6 +80,7 @@ class CacheSidecar(sidecar_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServic
         self.updates: list[sidecar_pb2.KvCacheUpdate | None] = []
         self.requests: list[tuple[int | None, int | None]] = []
         self.pushed = anyio.Event()
+        self._restarted = anyio.Event()
 
     async def GetModelInfo(self, request: Any, context: Any) -> sidecar_pb2.ModelInfo:
         return sidecar_pb2.ModelInfo(engine="vllm", served_model_name="m", kv_block_size=16)
@@ -84,7 +90,12 @@ class CacheSidecar(sidecar_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthServic
 
     async def Watch(self, request: Any, context: Any) -> AsyncIterator[Any]:
         yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-        await anyio.sleep_forever()
+        await self._restarted.wait()
+
+    def restart(self) -> None:
+        """End the health Watch, as a sidecar's restart does (the frontend checks it again)."""
+        self._restarted.set()
+        self._restarted = anyio.Event()
 
     async def WatchKvCache(self, request: Any, context: Any) -> AsyncIterator[sidecar_pb2.KvCacheUpdate]:
         self.requests.append(
@@ -227,3 +238,34 @@ async def test_a_worker_that_leaves_takes_its_entries() -> None:
         workers.drain_worker(address)
         await until(lambda: address not in index.workers(), "its entries gone")
         assert streams.rows() == []
+
+
+async def test_a_worker_whose_keys_follow_another_layout_is_routed_as_one_that_publishes_nothing() -> None:
+    """A rolling upgrade of sidecar_common.kv_keys: a sidecar restarted on another key layout
+    sends keys no request of this frontend can match. Its entries go, nothing of it is indexed,
+    one warning names it and both layouts, and once its sidecar restarts on this frontend's
+    layout it is followed again."""
+    sidecar = CacheSidecar()
+    other = KEY_SCHEME + 1
+    sidecar.push(_snapshot(1, 0, [1, 2]), None, _snapshot(2, 0, [9], key_scheme=other))
+    router = _router()
+    with structlog.testing.capture_logs() as logs:
+        async with serving(sidecar) as address, following(router) as (workers, streams):
+            workers.add_worker(address)
+            index = router.index("m")
+            await until(lambda: [r.foreign_keys for r in streams.rows()] == [True], "the other layout seen")
+            assert index.held(address) == set()
+            assert not streams.publishes(address)
+            (row,) = streams.rows()
+            assert not row.live
+            # Asked again only after its sidecar restarts, which now sends this frontend's layout.
+            sidecar.push(_snapshot(3, 0, [7]))
+            sidecar.restart()
+            await until(lambda: index.held(address) == {7}, "followed again after the restart")
+            assert streams.publishes(address)
+            assert [r.foreign_keys for r in streams.rows()] == [False]
+            assert sidecar.requests == [(None, None), (1, 0), (None, None)]
+    warnings = [e for e in logs if e["log_level"] == "warning" and "layout" in e["event"]]
+    assert [(w["worker"], w["worker_key_scheme"], w["frontend_key_scheme"]) for w in warnings] == [
+        (address, other, KEY_SCHEME)
+    ]

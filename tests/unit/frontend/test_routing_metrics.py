@@ -46,7 +46,12 @@ def test_decisions_by_role_and_reason() -> None:
 def test_the_index_and_the_streams_are_read_at_each_scrape() -> None:
     metrics = RoutingMetrics(CollectorRegistry())
     index = BlockIndex(max_bytes=1 << 20)
-    rows = [StreamRow("w1", "m", live=True, engine_publishes=True, deltas=5, gaps=1, resyncs=2)]
+    rows = [
+        StreamRow("w1", "m", live=True, engine_publishes=True, deltas=5, gaps=1, resyncs=2),
+        StreamRow(
+            "w2", "m", live=False, engine_publishes=True, deltas=0, gaps=0, resyncs=0, foreign_keys=True
+        ),
+    ]
     metrics.watch(lambda: {"m": index}, lambda: rows, 1 << 20)
     get = metrics.registry.get_sample_value
     index.store("w1", [1, 2, 3])
@@ -60,5 +65,7 @@ def test_the_index_and_the_streams_are_read_at_each_scrape() -> None:
     assert get("frontend_kv_stream_gaps_total", {"worker": "w1"}) == 1
     assert get("frontend_kv_stream_resyncs_total", {"worker": "w1"}) == 2
     assert get("frontend_kv_stream_updates_total", {"worker": "w1"}) == 5
+    assert get("frontend_kv_stream_foreign_keys", {"worker": "w1"}) == 0
+    assert get("frontend_kv_stream_foreign_keys", {"worker": "w2"}) == 1  # another key layout
     rows.clear()
     assert get("frontend_kv_stream_gaps_total", {"worker": "w1"}) is None
