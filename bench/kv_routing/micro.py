@@ -23,7 +23,9 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
+from sidecar_common.api import sidecar_pb2
 from sidecar_common.kv_keys import block_keys
+from sidecar_frontend.routing.choice import prompt_of
 from sidecar_frontend.routing.router import Prompt, Router, RouterConfig, Routing, Target
 
 __all__ = ["decision_cost", "index_memory"]
@@ -53,14 +55,21 @@ def decision_cost(
     for i, address in enumerate(addresses):
         index.store(address, keys if i == 0 else keys[: len(keys) // 2])
     targets = [Target(a, block_size=BLOCK, publishes=True, running=i % 3) for i, a in enumerate(addresses)]
-    prompt = Prompt(tokens)
+    # As the frontend routes: from the request message it sends (its token ids a protobuf
+    # repeated field, which numpy reads natively), through the choice's own prompt_of.
+    request = sidecar_pb2.PreprocessedRequest(token_ids=tokens)
+    prompt = prompt_of(request)
+    listed = Prompt(tokens)
     lookable = keys[: (prompt_tokens - 1) // BLOCK]
 
     def whole() -> object:
-        return router.choose("m", prompt, targets, 0.0)
+        return router.choose("m", prompt_of(request), targets, 0.0)
+
+    def from_list() -> object:
+        return router.choose("m", listed, targets, 0.0)
 
     def keys_only() -> object:
-        return block_keys(tokens, BLOCK)
+        return block_keys(request.token_ids, BLOCK)
 
     def walk_only() -> object:
         return index.match(lookable, addresses)
@@ -77,6 +86,7 @@ def decision_cost(
         "prompt_tokens": prompt_tokens,
         "workers": workers,
         "choose_us": round(_best_us(whole, calls, rounds), 1),
+        "choose_from_list_us": round(_best_us(from_list, calls, rounds), 1),
         "keys_us": round(_best_us(keys_only, calls, rounds), 1),
         "walk_us": round(_best_us(walk_only, calls, rounds), 1),
     }

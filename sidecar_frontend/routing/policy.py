@@ -38,7 +38,8 @@ import enum
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from operator import itemgetter
+from typing import Final, NamedTuple
 
 __all__ = ["Candidate", "Decision", "PolicyConfig", "Reason", "choose"]
 
@@ -61,6 +62,10 @@ class Candidate(NamedTuple):
     running: int = 0  # requests in flight there (every frontend's)
     queued_prefill_tokens: int = 0  # this frontend's prefill waiting there
     sent: int = 0  # requests this frontend has sent there (ties go to the fewest)
+
+
+_CACHED: Final = itemgetter(Candidate._fields.index("cached_tokens"))
+_RUNNING: Final = itemgetter(Candidate._fields.index("running"))
 
 
 @dataclass(frozen=True)
@@ -94,19 +99,23 @@ def choose(
     """The cheapest of ``candidates`` for a prompt of ``prompt_tokens`` (None: no candidate)."""
     if not candidates:
         return None
-    least_busy = min(c.running for c in candidates)
+    # Tuple fields by position (Candidate's order), in C-level passes: a decision makes these
+    # passes over every worker, so they are a good part of its cost with many workers.
+    least_busy = min(map(_RUNNING, candidates))
     hot_above = config.hot_spot_ratio * least_busy + config.hot_spot_slack
+    per_running = config.running_request_tokens
     best_cost = -1
     cheapest: list[Candidate] = []
     for candidate in candidates:
-        if candidate.running > hot_above:
+        running = candidate.running
+        if running > hot_above:
             continue
         cached = candidate.cached_tokens
         cost = (
             prompt_tokens
             - (cached if cached < prompt_tokens else prompt_tokens)
             + candidate.queued_prefill_tokens
-            + candidate.running * config.running_request_tokens
+            + running * per_running
         )
         if best_cost < 0 or cost < best_cost:
             best_cost = cost
@@ -117,7 +126,7 @@ def choose(
         fewest = min(c.sent for c in cheapest)
         cheapest = [c for c in cheapest if c.sent == fewest]
     chosen = cheapest[0] if len(cheapest) == 1 else rand.choice(cheapest)
-    longest = max(c.cached_tokens for c in candidates)
+    longest = max(map(_CACHED, candidates))
     if longest <= 0:
         reason = Reason.LOAD
     elif chosen.cached_tokens >= longest:

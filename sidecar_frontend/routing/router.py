@@ -184,10 +184,13 @@ class Router:
         keys_by_size: dict[int, list[int]] = {}
         cached: dict[str, int] = {}
         if prompt.cacheable and len(tokens) > 1:
+            # approx or unset: every worker is indexed; kv: those publishing their cache.
+            indexed = targets if routing is not Routing.KV else [t for t in targets if t.publishes]
             sizes: dict[int, list[str]] = {}
-            every = routing is not Routing.KV  # approx or unset: every worker is indexed
-            for target in targets:
-                if every or target.publishes:
+            if len({t.block_size for t in indexed}) == 1:  # one engine kind: the usual fleet
+                sizes[_block_size(indexed[0])] = [t.address for t in indexed]
+            else:
+                for target in indexed:
                     sizes.setdefault(_block_size(target), []).append(target.address)
             for size, addresses in sizes.items():
                 keys = self._keys(prompt, size, keys_by_size)
@@ -195,14 +198,15 @@ class Router:
                 matched = index.match(keys if lookable == len(keys) else keys[:lookable], addresses)
                 for address, blocks in matched.items():
                     cached[address] = blocks * size
+        cached_at, sent_to = cached.get, self._sent.get
         decision = choose(
             [
                 Candidate(
                     t.address,
-                    cached.get(t.address, 0),
+                    cached_at(t.address, 0),
                     t.running,
                     t.queued_prefill_tokens,
-                    self._sent.get(t.address, 0),
+                    sent_to(t.address, 0),
                 )
                 for t in targets
             ],
@@ -213,8 +217,10 @@ class Router:
         if decision is None:
             return None
         self._sent[decision.worker] = self._sent.get(decision.worker, 0) + 1
+        if not prompt.cacheable or routing is Routing.KV:  # kv records nothing (_records)
+            return decision
         chosen = next(t for t in targets if t.address == decision.worker)
-        if prompt.cacheable and self._records(chosen):
+        if self._records(chosen):
             size = _block_size(chosen)
             keys = self._keys(prompt, size, keys_by_size)
             index.store(chosen.address, keys, expires=now + self.config.approx_ttl)

@@ -57,7 +57,7 @@ def test_capacity_holds_about_half_the_distinct_prefixes() -> None:
 
 def test_decision_cost_runs_the_real_router_and_reports_its_parts() -> None:
     row = micro.decision_cost(256, 3, rounds=1, budget_s=0.001)
-    assert set(row) == {"prompt_tokens", "workers", "choose_us", "keys_us", "walk_us"}
+    assert set(row) == {"prompt_tokens", "workers", "choose_us", "choose_from_list_us", "keys_us", "walk_us"}
     assert row["choose_us"] > 0
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Final, cast
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar_common import kv_keys
+from sidecar_common.api import sidecar_pb2
 from sidecar_common.kv_keys import KEY_SCHEME, block_keys, extend_keys, root_key
 
 TOKEN: Final = st.integers(min_value=0, max_value=2**32 - 1)
@@ -92,9 +95,30 @@ def test_the_array_and_the_loop_give_the_same_keys(tokens: list[int], block_size
     )
 
 
-def test_a_token_array_gives_the_keys_of_its_list() -> None:
-    tokens = list(range(5_000, 5_300))
-    assert block_keys(array("I", tokens), 16) == block_keys(tokens, 16)
+@pytest.mark.parametrize("length", [20, 300])  # the loop and the array paths
+@pytest.mark.parametrize(
+    "form",
+    [
+        tuple,
+        lambda ids: array("I", ids),
+        lambda ids: np.array(ids, dtype=np.uint32),
+        lambda ids: np.array(ids, dtype=np.int64),
+        # What the frontend routes from: the request message's repeated field.
+        lambda ids: sidecar_pb2.PreprocessedRequest(token_ids=ids).token_ids,
+    ],
+    ids=["tuple", "array", "numpy-uint32", "numpy-int64", "protobuf"],
+)
+def test_every_form_of_token_ids_gives_the_keys_of_its_list(
+    form: Callable[[list[int]], Sequence[int]], length: int
+) -> None:
+    tokens = [(i * 2654435761) % 2**32 for i in range(length)]
+    assert block_keys(form(tokens), 4) == block_keys(tokens, 4)
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32]])
+def test_a_numpy_array_outside_32_bits_is_refused(bad: list[int]) -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        block_keys(cast(Sequence[int], np.array([5] * 299 + bad, dtype=np.int64)), 1)
 
 
 @pytest.mark.parametrize(

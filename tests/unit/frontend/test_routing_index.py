@@ -119,6 +119,22 @@ def test_the_cap_evicts_least_recently_used_keys() -> None:
     assert left_of_b == list(range(200, 200 + len(left_of_b)))
 
 
+def test_a_match_below_half_the_cap_leaves_the_store_order() -> None:
+    # Below half its cap the index cannot evict before as much again is stored, so a match
+    # there does not pay to reorder: keys not used since are evicted in the order stored.
+    per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
+    index = BlockIndex(max_bytes=10 * per_key)
+    index.store("a", [100, 101])  # chain A, 2 of 10
+    index.store("a", [200, 201])  # chain B, 4 of 10
+    assert index.match([100, 101], WORKERS) == {"a": 2}  # below half: A stays the oldest
+    index.store("a", list(range(300, 306)))  # 10 of 10
+    assert index.match([300], WORKERS) == {"a": 1}  # over half: touched
+    index.store("a", [400])  # over the cap: evicts down to 95 %
+    assert 100 not in index
+    assert 200 in index
+    assert 300 in index
+
+
 def test_eviction_takes_a_chains_tail_before_its_head() -> None:
     per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
     index = BlockIndex(max_bytes=20 * per_key)
@@ -207,7 +223,9 @@ def test_law_the_index_equals_a_replay_of_what_it_was_fed(ops: list[tuple[str, s
     st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=300, unique=True),
     st.dictionaries(st.sampled_from(WORKERS), st.tuples(st.integers(min_value=0), st.integers(min_value=0))),
 )
-def test_law_match_is_the_longest_held_prefix(request: list[int], holdings: dict[str, tuple[int, int]]) -> None:
+def test_law_match_is_the_longest_held_prefix(
+    request: list[int], holdings: dict[str, tuple[int, int]]
+) -> None:
     # Holdings as they come (prefix-closed): each worker holds a leading run of the request's
     # blocks, stored as a longer chain and cut back from its tail, as an engine evicts.
     index = BlockIndex()
