@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.kv_keys import block_keys
+from sidecar_common.kv_keys import block_key_chain, block_keys
 from sidecar_frontend.routing.choice import prompt_of
 from sidecar_frontend.routing.router import Prompt, Router, RouterConfig, Routing, Target
 
@@ -48,7 +48,7 @@ def decision_cost(
 ) -> dict[str, Any]:
     rng = random.Random(prompt_tokens * 131 + workers)
     tokens = [rng.randrange(1_000, 30_000) for _ in range(prompt_tokens)]
-    router = Router(RouterConfig(routing=Routing.KV), block_keys, random.Random(1))
+    router = Router(RouterConfig(routing=Routing.KV), block_key_chain, random.Random(1))
     index = router.index("m")
     keys = block_keys(tokens, BLOCK)
     addresses = [f"10.0.0.{i}:50051" for i in range(workers)]
@@ -69,7 +69,7 @@ def decision_cost(
         return router.choose("m", listed, targets, 0.0)
 
     def keys_only() -> object:
-        return block_keys(request.token_ids, BLOCK)
+        return block_key_chain(request.token_ids, BLOCK)
 
     def walk_only() -> object:
         return index.match(lookable, addresses)

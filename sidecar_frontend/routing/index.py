@@ -44,7 +44,12 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import reduce
+from itertools import repeat
+from operator import or_
 from typing import Final
+
+from sidecar_common.kv_keys import KeyChain
 
 __all__ = ["BYTES_PER_ENTRY", "BYTES_PER_KEY", "BlockIndex", "IndexStats", "as_mapping"]
 
@@ -78,6 +83,7 @@ class BlockIndex:
         # key -> bitmask of the slots holding it; iteration order is least recently used first.
         self._holders: OrderedDict[int, int] = OrderedDict()
         self._slot_of: dict[str, int] = {}
+        self._bit_of: dict[str, int] = {}  # 1 << its slot
         self._name_of: dict[int, str] = {}
         self._free_slots: list[int] = []
         # Per slot: key -> expiry (math.inf: exact, never expires).
@@ -139,27 +145,25 @@ class BlockIndex:
         lookup per block (512 blocks: 93 µs walked, a few µs bisected). Were a worker to hold
         a block without one before it, its count would be the end of some run of blocks it
         holds, not necessarily the first."""
-        candidates = 0
-        for worker in among:
-            slot = self._slot_of.get(worker)
-            if slot is not None:
-                candidates |= 1 << slot
+        candidates = reduce(or_, map(self._bit_of.get, among, repeat(0)), 0)
         found: dict[str, int] = {}
         if not candidates or not keys:
             return found
         get = self._holders.get
         name_of = self._name_of
+        key_at = keys.at if isinstance(keys, KeyChain) else keys.__getitem__
         # (lo, hi, workers): each of these workers holds between lo and hi leading blocks.
         pending = [(0, len(keys), candidates)]
         while pending:
             lo, hi, workers = pending.pop()
             if lo == hi:
-                if lo:
-                    for slot in _bits(workers):
-                        found[name_of[slot]] = lo
+                while lo and workers:  # each set bit: a worker holding lo blocks
+                    low = workers & -workers
+                    found[name_of[low.bit_length() - 1]] = lo
+                    workers ^= low
                 continue
             mid = (lo + hi + 1) // 2
-            holding = get(keys[mid - 1], 0) & workers
+            holding = get(key_at(mid - 1), 0) & workers
             if holding:
                 pending.append((mid, hi, holding))
             if holding != workers:
@@ -247,6 +251,7 @@ class BlockIndex:
             return
         self.clear(worker)
         del self._slot_of[worker]
+        del self._bit_of[worker]
         del self._name_of[slot]
         del self._held[slot]
         del self._tenancy[slot]
@@ -281,6 +286,7 @@ class BlockIndex:
         else:
             slot = len(self._slot_of)
         self._slot_of[worker] = slot
+        self._bit_of[worker] = 1 << slot
         self._name_of[slot] = worker
         self._held[slot] = {}
         self._tenancies += 1

@@ -55,7 +55,8 @@ class Routing(enum.Enum):
 
 
 class BlockKeys(Protocol):
-    """``sidecar_common.kv_keys.block_keys``: the routing keys of the full blocks, chained."""
+    """``sidecar_common.kv_keys.block_key_chain`` (or ``block_keys``): the routing keys of the
+    full blocks, chained."""
 
     def __call__(
         self,
@@ -64,7 +65,7 @@ class BlockKeys(Protocol):
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> list[int]: ...
+    ) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class Router:
         tokens = prompt.token_ids
         index = self.index(model)
         index.expire(now)
-        keys_by_size: dict[int, list[int]] = {}
+        keys_by_size: dict[int, Sequence[int]] = {}
         cached: dict[str, int] = {}
         if prompt.cacheable and len(tokens) > 1:
             # approx or unset: every worker is indexed; kv: those publishing their cache.
@@ -235,7 +236,7 @@ class Router:
             return True
         return routing is None and not target.publishes
 
-    def _keys(self, prompt: Prompt, size: int, memo: dict[int, list[int]]) -> list[int]:
+    def _keys(self, prompt: Prompt, size: int, memo: dict[int, Sequence[int]]) -> Sequence[int]:
         keys = memo.get(size)
         if keys is None:
             keys = memo[size] = self._block_keys(

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from sidecar_common.kv_keys import block_keys
+from sidecar_common.kv_keys import block_key_chain
 from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.index import BlockIndex
 from sidecar_frontend.routing.metrics import RoutingMetrics
@@ -43,7 +43,7 @@ class RoutingParts:
         streams: StreamConfig | None = None,
     ) -> RoutingParts:
         metrics = RoutingMetrics(registry)
-        router = Router(config, block_keys, rand) if config.routing is not Routing.LOAD else None
+        router = Router(config, block_key_chain, rand) if config.routing is not Routing.LOAD else None
         followed = (
             CacheStreams(router, config=streams, metrics=metrics)
             if router is not None and config.follows_streams

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from sidecar_common import kv_keys
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.kv_keys import KEY_SCHEME, block_keys, extend_keys, root_key
+from sidecar_common.kv_keys import KEY_SCHEME, block_key_chain, block_keys, extend_keys, root_key
 
 TOKEN: Final = st.integers(min_value=0, max_value=2**32 - 1)
 TOKENS: Final = st.lists(TOKEN, max_size=200)
@@ -90,9 +90,30 @@ def test_the_array_and_the_loop_give_the_same_keys(tokens: list[int], block_size
     blocks = len(tokens) // block_size
     if blocks == 0:
         return
-    assert kv_keys._vector_keys(parent, tokens, block_size, blocks) == kv_keys._loop_keys(
+    assert kv_keys._vector_keys(parent, tokens, block_size, blocks).tolist() == kv_keys._loop_keys(
         parent, tokens, block_size, blocks
     )
+
+
+@given(
+    TOKENS,
+    BLOCK_SIZES,
+    NAMES,
+    st.integers(min_value=-5, max_value=30),
+    st.integers(min_value=-5, max_value=30),
+)
+def test_a_key_chain_reads_as_the_list_of_keys(
+    tokens: list[int], block_size: int, salt: str | None, start: int, stop: int
+) -> None:
+    keys = block_keys(tokens, block_size, cache_salt=salt)
+    chain = block_key_chain(tokens, block_size, cache_salt=salt)
+    assert len(chain) == len(keys)
+    assert list(chain) == keys
+    assert list(reversed(chain)) == keys[::-1]
+    assert [chain[i] for i in range(-len(keys), len(keys))] == keys[-len(keys) :] + keys
+    assert all(type(key) is int for key in chain)
+    assert list(chain[start:stop]) == keys[start:stop]
+    assert list(chain[start:stop][1:]) == keys[start:stop][1:]
 
 
 @pytest.mark.parametrize("length", [20, 300])  # the loop and the array paths
