@@ -65,10 +65,12 @@ _MIX_1: Final = 0xFF51AFD7ED558CCD
 _MIX_2: Final = 0xC4CEB9FE1A85EC53
 _TOKEN_TYPECODE: Final = "I"
 _TOKEN_MAX: Final = (1 << 32) - 1
-# The array path costs about 20 µs whatever the length; the loop about 0.75 + 0.17 * block_size
-# µs per block (measured on this repository's 2-core machine): the array path is taken from
-# blocks * (block_size + 4) >= _VECTOR_FROM on (6 blocks of 16, 24 blocks of 1).
-_VECTOR_FROM: Final = 120
+# Three ways to the same keys (`python -m bench.kv_keys`, this repository's 2-core machine):
+# all in Python, about 0.9 + 0.17 * block_size µs a block; the blocks' values in numpy and the
+# chain in Python, about 8.5 µs + 0.3 µs a block; all in numpy, about 15.5 µs + 0.02 µs a token.
+# Python up to blocks * (block_size + 5) < 50 (2 blocks of 16, 8 of 1), all-numpy from 64 blocks.
+_ARRAY_VALUES_FROM: Final = 50
+_ARRAY_CHAIN_FROM: Final = 64
 
 if array(_TOKEN_TYPECODE).itemsize != np.dtype(np.uint32).itemsize:  # pragma: no cover - none seen
     raise ImportError("sidecar_common.kv_keys needs a 4-byte array('I')")
@@ -158,10 +160,26 @@ def _token_view(token_ids: Sequence[int]) -> npt.NDArray[np.uint32]:
     return given.astype(np.uint32)
 
 
-def _vector_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> _U64:
+def _block_values(token_ids: Sequence[int], block_size: int, blocks: int) -> _U64:
     tokens = _token_view(token_ids)[: blocks * block_size]
     # uint32 rows times uint64 weights: numpy's integer dot wraps modulo 2**64 like the loop.
-    values = _mix_array(np.dot(tokens.reshape(blocks, block_size), _weights(block_size)[1]))
+    return _mix_array(np.dot(tokens.reshape(blocks, block_size), _weights(block_size)[1]))
+
+
+def _chained_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> list[int]:
+    """The block values in an array, the chain in Python: cheaper than either all-array or
+    all-Python for a few blocks (a KV event's)."""
+    values: list[int] = _block_values(token_ids, block_size, blocks).tolist()
+    keys: list[int] = []
+    key = parent_key
+    for value in values:
+        key = (key * _CHAIN + value) & _MASK
+        keys.append(key)
+    return keys
+
+
+def _vector_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> _U64:
+    values = _block_values(token_ids, block_size, blocks)
     chain, inverse = _powers(1 << (blocks - 1).bit_length())
     # key[i] = CHAIN**i * (parent * CHAIN + sum(value[j] * CHAIN**-j for j <= i))
     sums = np.cumsum(values * inverse[:blocks], dtype=np.uint64)
@@ -195,8 +213,13 @@ def _checked_blocks(parent_key: int, token_ids: Sequence[int], block_size: int) 
     return len(token_ids) // block_size
 
 
-def _vector_pays(blocks: int, block_size: int) -> bool:
-    return blocks * (block_size + 4) >= _VECTOR_FROM
+def _keys_as_list(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> list[int]:
+    if blocks >= _ARRAY_CHAIN_FROM:
+        keys: list[int] = _vector_keys(parent_key, token_ids, block_size, blocks).tolist()
+        return keys
+    if blocks * (block_size + 5) >= _ARRAY_VALUES_FROM:
+        return _chained_keys(parent_key, token_ids, block_size, blocks)
+    return _loop_keys(parent_key, token_ids, block_size, blocks)
 
 
 def extend_keys(parent_key: int, token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -208,10 +231,7 @@ def extend_keys(parent_key: int, token_ids: Sequence[int], block_size: int) -> l
     blocks = _checked_blocks(parent_key, token_ids, block_size)
     if blocks == 0:
         return []
-    if _vector_pays(blocks, block_size):
-        keys: list[int] = _vector_keys(parent_key, token_ids, block_size, blocks).tolist()
-        return keys
-    return _loop_keys(parent_key, token_ids, block_size, blocks)
+    return _keys_as_list(parent_key, token_ids, block_size, blocks)
 
 
 def block_keys(
@@ -274,7 +294,7 @@ def block_key_chain(
     """:func:`block_keys` as a :class:`KeyChain` (the same keys)."""
     parent = root_key(lora_name=lora_name, cache_salt=cache_salt)
     blocks = _checked_blocks(parent, token_ids, block_size)
-    if blocks and _vector_pays(blocks, block_size):
+    if blocks >= _ARRAY_CHAIN_FROM:
         return KeyChain(_vector_keys(parent, token_ids, block_size, blocks))
-    keys = _loop_keys(parent, token_ids, block_size, blocks) if blocks else []
+    keys = _keys_as_list(parent, token_ids, block_size, blocks) if blocks else []
     return KeyChain(np.array(keys, dtype=np.uint64))

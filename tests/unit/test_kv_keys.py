@@ -86,13 +86,14 @@ def test_the_layout_is_the_documented_one(length: int, block_size: int) -> None:
     st.sampled_from([1, 2, 3, 5, 16, 64]),
     st.integers(min_value=0, max_value=2**64 - 1),
 )
-def test_the_array_and_the_loop_give_the_same_keys(tokens: list[int], block_size: int, parent: int) -> None:
+def test_the_three_ways_give_the_same_keys(tokens: list[int], block_size: int, parent: int) -> None:
+    # All in Python, values in numpy and the chain in Python, all in numpy (by input size).
     blocks = len(tokens) // block_size
     if blocks == 0:
         return
-    assert kv_keys._vector_keys(parent, tokens, block_size, blocks).tolist() == kv_keys._loop_keys(
-        parent, tokens, block_size, blocks
-    )
+    in_python = kv_keys._loop_keys(parent, tokens, block_size, blocks)
+    assert kv_keys._chained_keys(parent, tokens, block_size, blocks) == in_python
+    assert kv_keys._vector_keys(parent, tokens, block_size, blocks).tolist() == in_python
 
 
 @given(
