@@ -40,15 +40,17 @@ class Profile:
 
 
 def _fleet(capacity_blocks: int, **kw: Any) -> FleetSpec:
-    # prefill 35 us per uncached token: a 2,176-token prompt costs 76 ms (about 29k tokens/s
-    # across the fleet, a mid-range GPU's prefill), so that at the rates this 2-core machine
-    # can drive through the real fleet (60 requests/s, `--full`) the fleet is busy under
-    # `load` routing, as the issue asks; at 20 us it is half idle (bench/README.md has both).
+    # prefill 40 us per uncached token: a 2,176-token prompt costs 87 ms (about 25k tokens/s
+    # across the fleet, a mid-range GPU's prefill), so that at the rate this 2-core machine
+    # can drive through the real fleet (60 requests/s, `--full`) the fleet under `load`
+    # routing is busy, as the issue asks (about 85 % of the time: its 44 % hits leave ~1,200
+    # tokens to prefill a request); at 35 us it is 76 % busy, at 20 us half idle
+    # (bench/README.md has all three).
     # One request generated at a time per engine and a short answer, so a worker's time goes
     # mostly to prefill and a miss delays the requests queued behind it, as on a GPU busy with
     # prefills.
     base = FleetSpec(
-        workers=4, block_size=16, capacity_blocks=capacity_blocks, prefill_us_per_token=35.0,
+        workers=4, block_size=16, capacity_blocks=capacity_blocks, prefill_us_per_token=40.0,
         max_num_seqs=1, token_latency_ms=1.0, max_tokens=8,
     )  # fmt: skip
     return replace(base, **kw)
