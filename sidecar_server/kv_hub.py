@@ -16,7 +16,8 @@ from typing import Final
 import anyio
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.kv_keys import KEY_SCHEME
+from sidecar_common.kv_keys import KEY_SCHEME, block_key_chain
+from sidecar_common.kv_request import cacheable, key_namespace
 from sidecar_server.kv_state import KvDelta, RankFeed
 from sidecar_server.kv_view import NumberedDelta, WorkerCacheView
 
@@ -76,6 +77,19 @@ class KvCacheHub:
             self._changed.set()
             self._changed = anyio.Event()
         return numbered
+
+    def announce(self, request: sidecar_pb2.PreprocessedRequest) -> None:
+        """Tell the watchers which blocks ``request``, just accepted, will have the engine
+        prefill here (its prompt's full blocks after those already held), so a frontend that
+        did not route it learns where its prefix goes before the engine's own event."""
+        block_size = self.view.block_size
+        if not self.subscribed or not block_size or not cacheable(request):
+            return
+        lora_name, cache_salt = key_namespace(request)
+        keys = block_key_chain(request.token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+        if self.view.announce(keys) is not None:
+            self._changed.set()
+            self._changed = anyio.Event()
 
     def status(self) -> sidecar_pb2.KvCacheStatus:
         return sidecar_pb2.KvCacheStatus(
@@ -152,5 +166,6 @@ class KvCacheHub:
                 added_keys=[key for key, _ in delta.added],
                 added_parents=[parent for _, parent in delta.added],
                 engine_time=delta.engine_time,
+                announced_keys=delta.announced,
             )
         )

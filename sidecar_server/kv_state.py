@@ -44,16 +44,19 @@ class KvDelta:
     ``added`` pairs each new key with its parent's key (the root key of its adapter and salt
     for a first block). A key is in at most one of ``removed`` and ``added``. ``engine_time``
     is the ``ts`` of the engine's batch the delta comes from (None: no batch made it, e.g. a
-    resync); it is not a change, so a delta with nothing else is empty.
+    resync); it is not a change, so a delta with nothing else is empty. ``announced`` are keys
+    of blocks a request accepted here is about to prefill (``KvCacheDelta.announced_keys``):
+    a notice, not a change of what is held.
     """
 
     added: tuple[tuple[int, int], ...] = ()
     removed: tuple[int, ...] = ()
     cleared: bool = False
     engine_time: float | None = None
+    announced: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed or self.cleared)
+        return bool(self.added or self.removed or self.cleared or self.announced)
 
 
 class ResyncReason:

@@ -17,6 +17,7 @@ snapshot, never for a wrong resume. A rank's resync reaches frontends as removal
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sidecar_server.kv_state import KvDelta
@@ -102,6 +103,26 @@ class WorkerCacheView:
             return None
         self.sequence += 1
         numbered = NumberedDelta(self.sequence, merged)
+        self._kept.append(numbered)
+        return numbered
+
+    def announce(self, keys: Sequence[int]) -> NumberedDelta | None:
+        """Number a notice of blocks about to be prefilled here: the keys of ``keys`` (a chain,
+        first block first) after the leading ones already held (None: all held)."""
+        held = self._ranks_holding
+        # Holdings are prefix-closed (the engines evict a block after its descendants), so
+        # the first block not held is found by bisection.
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if keys[mid] in held:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == len(keys):
+            return None
+        self.sequence += 1
+        numbered = NumberedDelta(self.sequence, KvDelta(announced=tuple(keys[lo:])))
         self._kept.append(numbered)
         return numbered
 

@@ -546,6 +546,8 @@ class SidecarServer:
                 error=str(refusal),
             )
             await _fail(context, refusal)
+        # Every frontend hears where this prompt's blocks are going before the prefill ends.
+        self.kv_cache.announce(request)
         entry = self._registry.register(request.request_id)
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)

@@ -1081,6 +1081,7 @@ class KvCacheDelta(_message.Message):
     ADDED_KEYS_FIELD_NUMBER: _builtins.int
     ADDED_PARENTS_FIELD_NUMBER: _builtins.int
     ENGINE_TIME_FIELD_NUMBER: _builtins.int
+    ANNOUNCED_KEYS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     sequence: _builtins.int
     cleared: _builtins.bool
@@ -1096,6 +1097,16 @@ class KvCacheDelta(_message.Message):
     def added_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def added_parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def announced_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Blocks this worker has accepted a request for and will prefill, not cached yet: the keys
+        of the full blocks of the prompt of a Generate call the sidecar has just taken. A client
+        may count them as held here for a short while (until the engine's own stored blocks
+        arrive), so a frontend that did not route that request learns where its prefix is going
+        before the prefill ends (the next turn of a conversation can come through another
+        frontend). Changes nothing the snapshot holds; empty from sidecars older than this field.
+        """
+
     def __init__(
         self,
         *,
@@ -1106,10 +1117,11 @@ class KvCacheDelta(_message.Message):
         added_keys: _abc.Iterable[_builtins.int] | None = ...,
         added_parents: _abc.Iterable[_builtins.int] | None = ...,
         engine_time: _builtins.float | None = ...,
+        announced_keys: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time", "engine_time", b"engine_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time", "added_keys", b"added_keys", "added_parents", b"added_parents", "cleared", b"cleared", "engine_time", b"engine_time", "epoch", b"epoch", "removed", b"removed", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time", "added_keys", b"added_keys", "added_parents", b"added_parents", "announced_keys", b"announced_keys", "cleared", b"cleared", "engine_time", b"engine_time", "epoch", b"epoch", "removed", b"removed", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__engine_time: _TypeAlias = _typing.Literal["engine_time"]  # noqa: Y015
     _WhichOneofArgType__engine_time: _TypeAlias = _typing.Literal["_engine_time", b"_engine_time"]  # noqa: Y015

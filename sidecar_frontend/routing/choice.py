@@ -22,6 +22,7 @@ from typing import Final
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import Role
+from sidecar_common.kv_request import cacheable, key_namespace
 from sidecar_frontend.routing.metrics import RoutingMetrics
 from sidecar_frontend.routing.policy import Decision, Reason
 from sidecar_frontend.routing.router import Prompt, Router, Target
@@ -39,15 +40,8 @@ def prompt_of(request: sidecar_pb2.PreprocessedRequest) -> Prompt:
     """What the cache keys of ``request`` depend on: its tokens, LoRA adapter and cache salt
     (``routing.cache_namespace``: vLLM's ``cache_salt``). Requests with images or other media
     are not cacheable by tokens alone."""
-    routing = request.routing
-    return Prompt(
-        request.token_ids,
-        lora_name=routing.lora_name if routing.HasField("lora_name") and routing.lora_name else None,
-        cache_salt=routing.cache_namespace
-        if routing.HasField("cache_namespace") and routing.cache_namespace
-        else None,
-        cacheable=not request.multi_modal_data,
-    )
+    lora_name, cache_salt = key_namespace(request)
+    return Prompt(request.token_ids, lora_name=lora_name, cache_salt=cache_salt, cacheable=cacheable(request))
 
 
 class RoutedChoice:

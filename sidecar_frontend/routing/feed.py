@@ -41,6 +41,12 @@ def stated_key_scheme(key_scheme: int) -> int:
     return key_scheme if key_scheme else UNSTATED_KEY_SCHEME
 
 
+# How long an announced block counts as held without the engine's own event: a prefill queued
+# behind others can take seconds; a request that fails before its prefill leaves an entry no
+# longer than this.
+ANNOUNCED_TTL: Final = 30.0
+
+
 class Step(enum.Enum):
     GATHERED = "gathered"  # a snapshot chunk that is not the last
     SNAPSHOT = "snapshot"  # a whole snapshot replaced the worker's entries
@@ -140,9 +146,19 @@ class CacheFeed:
         return Step.SNAPSHOT
 
     def delta(
-        self, epoch: int, sequence: int, *, cleared: bool, removed: Sequence[int], added: Sequence[int]
+        self,
+        epoch: int,
+        sequence: int,
+        *,
+        cleared: bool,
+        removed: Sequence[int],
+        added: Sequence[int],
+        announced: Sequence[int] = (),
+        now: float = 0.0,
     ) -> Step:
-        """One delta; applied only when it is the next one."""
+        """One delta; applied only when it is the next one. ``announced`` keys (blocks a
+        request accepted there is about to prefill) count as held there until ``now`` +
+        :data:`ANNOUNCED_TTL`, unless the worker's own stored blocks make them exact first."""
         if self.epoch is None or self.sequence is None or epoch != self.epoch:
             self.counts.gaps += 1
             return Step.GAP
@@ -157,6 +173,8 @@ class CacheFeed:
             self.index.remove(self.worker, removed)
         if added:
             self.index.store(self.worker, added)
+        if announced:
+            self.index.store(self.worker, announced, expires=now + ANNOUNCED_TTL)
         self.sequence = sequence
         self.engine_publishes = True
         self.counts.deltas += 1

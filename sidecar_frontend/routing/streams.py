@@ -77,6 +77,7 @@ class CacheStreams:
         next_change: Callable[[], anyio.Event] | None = None,
         metrics: RoutingMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._router = router
         self._config = config if config is not None else StreamConfig()
@@ -85,6 +86,8 @@ class CacheStreams:
         # Wall-clock time (the engines stamp their KV-event batches with time.time()): read
         # when a delta is applied, for the events lag.
         self._clock = clock
+        # The router's clock (RoutedChoice's), for the expiry of announced blocks.
+        self._monotonic = monotonic
         self._streams: dict[str, _Stream] = {}
 
     def watch_changes(self, next_change: Callable[[], anyio.Event]) -> None:
@@ -262,6 +265,8 @@ class CacheStreams:
                 cleared=delta.cleared,
                 removed=delta.removed,
                 added=delta.added_keys,
+                announced=delta.announced_keys,
+                now=self._monotonic(),
             )
             if step is Step.APPLIED and delta.HasField("engine_time") and self._metrics is not None:
                 self._metrics.events_lagged(feed.worker, events_lag(self._clock(), delta.engine_time))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.kv_keys import KEY_SCHEME
+from sidecar_common.kv_keys import KEY_SCHEME, block_keys, root_key
 from sidecar_server.kv_hub import KvCacheHub
 from sidecar_server.kv_state import KvDelta
 
@@ -40,3 +40,54 @@ async def test_every_snapshot_chunk_names_the_key_layout() -> None:
 async def test_the_empty_snapshot_of_a_sidecar_without_kv_events_names_it_too() -> None:
     (chunk,) = await _first_snapshot(KvCacheHub(subscribed=False))
     assert (chunk.last_chunk, chunk.key_scheme) == (True, KEY_SCHEME)
+
+
+def _request(tokens: list[int], cache_namespace: str | None = None) -> sidecar_pb2.PreprocessedRequest:
+    request = sidecar_pb2.PreprocessedRequest(token_ids=tokens)
+    if cache_namespace is not None:
+        request.routing.cache_namespace = cache_namespace
+    return request
+
+
+async def _next_delta(hub: KvCacheHub, after: int) -> sidecar_pb2.KvCacheDelta:
+    got: list[sidecar_pb2.KvCacheDelta] = []
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tg:
+
+            async def write(update: sidecar_pb2.KvCacheUpdate) -> None:
+                if update.HasField("delta"):
+                    got.append(update.delta)
+                    tg.cancel_scope.cancel()
+
+            request = sidecar_pb2.WatchKvCacheRequest(epoch=hub.view.epoch, sequence=after)
+            tg.start_soon(hub.watch, request, write)
+    return got[0]
+
+
+async def test_an_accepted_request_announces_its_uncached_blocks_to_the_watchers() -> None:
+    hub = KvCacheHub(subscribed=True, epoch=7)
+    tokens = list(range(1_000, 1_050))  # 3 full blocks of 16, and 2 tokens more
+    keys = block_keys(tokens, 16, cache_salt="s")
+    hub.apply(0, KvDelta(added=((keys[0], root_key(cache_salt="s")),)), block_size=16)
+    hub.announce(_request(tokens, cache_namespace="s"))
+    delta = await _next_delta(hub, after=1)
+    assert list(delta.announced_keys) == keys[1:]  # the first block is cached already
+    assert (list(delta.added_keys), list(delta.removed)) == ([], [])
+
+
+async def test_nothing_is_announced_without_events_a_block_size_or_tokens_alone() -> None:
+    tokens = list(range(64))
+    unsubscribed = KvCacheHub(subscribed=False)
+    unsubscribed.set_model("m", 16)
+    unsubscribed.announce(_request(tokens))
+    no_block_size = KvCacheHub(subscribed=True)
+    no_block_size.announce(_request(tokens))
+    with_images = KvCacheHub(subscribed=True)
+    with_images.set_model("m", 16)
+    with_images.announce(
+        sidecar_pb2.PreprocessedRequest(
+            token_ids=tokens,
+            multi_modal_data=[sidecar_pb2.MultimodalItem(kind=sidecar_pb2.MultimodalItem.IMAGE)],
+        )
+    )
+    assert [hub.view.sequence for hub in (unsubscribed, no_block_size, with_images)] == [0, 0, 0]

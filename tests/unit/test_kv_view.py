@@ -106,3 +106,16 @@ def test_deltas_after_names_what_a_client_can_resume_from() -> None:
 def test_kept_deltas_must_be_positive() -> None:
     with pytest.raises(ValueError, match="kept_deltas"):
         WorkerCacheView(epoch=1, kept_deltas=0)
+
+
+def test_an_announcement_names_the_blocks_after_those_held_and_changes_nothing_held() -> None:
+    view = WorkerCacheView(epoch=1)
+    view.apply(0, KvDelta(added=((10, 0), (11, 10))))
+    before = view.snapshot().blocks
+    numbered = view.announce([10, 11, 12, 13])
+    assert numbered is not None
+    assert (numbered.sequence, numbered.delta.announced) == (2, (12, 13))
+    assert view.snapshot().blocks == before
+    assert view.deltas_after(1, 1) == [numbered]  # a client resuming gets it too
+    assert view.announce([10, 11]) is None  # all held already: nothing to say
+    assert view.announce([]) is None

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar_common.kv_keys import KEY_SCHEME, block_keys
-from sidecar_frontend.routing.feed import CacheFeed, Step, stated_key_scheme
+from sidecar_frontend.routing.feed import ANNOUNCED_TTL, CacheFeed, Step, stated_key_scheme
 from sidecar_frontend.routing.index import BlockIndex
 from sidecar_frontend.routing.router import Router, RouterConfig, Routing
 
@@ -244,3 +244,24 @@ def test_a_snapshot_after_the_router_dropped_the_empty_index_lands_in_the_one_it
     assert router.index("m").holders(5) == frozenset({"w"})
     assert feed.delta(1, 1, cleared=False, removed=[], added=[7]) is Step.APPLIED
     assert router.index("m").holders(7) == frozenset({"w"})
+
+
+def test_announced_blocks_count_as_held_until_the_engine_stores_them_or_they_expire() -> None:
+    feed = _feed()
+    feed.snapshot_chunk(1, 0, 16, [1], last_chunk=True, engine_published=True, key_scheme=KEY_SCHEME)
+    assert (
+        feed.delta(1, 1, cleared=False, removed=[], added=[], announced=[2, 3, 4], now=100.0) is Step.APPLIED
+    )
+    assert feed.index.match([1, 2, 3, 4], ["w"]) == {"w": 4}
+    # The engine's stored blocks arrive for 2 and 3 (the prefill ended): those are exact now.
+    feed.delta(1, 2, cleared=False, removed=[], added=[2, 3], now=100.5)
+    feed.index.expire(100.0 + ANNOUNCED_TTL)
+    assert feed.index.held("w") == {1, 2, 3}  # 4, never stored, went at its expiry
+
+
+def test_an_announcement_changes_no_exact_entry() -> None:
+    feed = _feed()
+    feed.snapshot_chunk(1, 0, 16, [1, 2], last_chunk=True, engine_published=True, key_scheme=KEY_SCHEME)
+    feed.delta(1, 1, cleared=False, removed=[], added=[], announced=[1, 2], now=0.0)
+    feed.index.expire(ANNOUNCED_TTL + 1)
+    assert feed.index.held("w") == {1, 2}
