@@ -74,11 +74,13 @@ def _sidecar_and_log(
 Worker = tuple[int, list[dict[str, Any]]]  # the sidecar's port, its log up to serving
 
 
-def vllm_worker(stack: ExitStack, *, publish: bool) -> Worker:
+def vllm_worker(stack: ExitStack, *, publish: bool, engine_flags: tuple[str, ...] = ()) -> Worker:
     engine_port, pub_port, replay_port = free_port(), free_port(), free_port()
     events = ["--kv-events-config", _kv_events_config(pub_port, replay_port, vllm=True)] if publish else []
     stack.enter_context(
-        process([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}", *events])
+        process(
+            [script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}", *events, *engine_flags]
+        )
     )
     return _sidecar_and_log(
         stack,
@@ -167,6 +169,34 @@ def test_a_prompt_the_engine_cached_is_found_under_the_keys_a_frontend_computes(
         # SGLang's default page of one token is worth a warning at start; blocks of 16 are not.
         warned = [e for e in log if str(e.get("event", "")).startswith(BLOCKS_OF_ONE_WARNING)]
         assert [e.get("level") for e in warned] == (["warning"] if block_size == 1 else [])
+
+
+def test_the_sidecar_announces_a_prompts_blocks_before_the_engine_has_prefilled_them() -> None:
+    # A long prefill (40 tokens at 0.1 s each): the announcement must come on the stream while
+    # the engine is still at it, and the engine's own stored blocks after it.
+    with ExitStack() as stack:
+        port, _ = vllm_worker(stack, publish=True, engine_flags=("--prefill-us-per-token", "100000"))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = sidecar_pb2_grpc.WorkerStub(channel)
+            wanted = block_keys(PROMPT, 16)
+            stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
+            first = next(stream)
+            assert first.HasField("snapshot")
+            # A server stream's call is under way once made, and is a future too (done()).
+            call: Any = stub.Generate(public_request("slow", PROMPT, max_tokens=2), timeout=WAIT)
+            seen: list[str] = []
+            for update in stream:
+                delta = update.delta
+                if list(delta.announced_keys) == wanted:
+                    seen.append("announced")
+                    assert not call.done()  # the prefill has 4 seconds to go
+                if set(wanted) <= set(delta.added_keys):
+                    seen.append("stored")
+                    break
+            stream.cancel()
+            outputs = list(call)
+            assert outputs[-1].finish_reason != sidecar_pb2.UNSPECIFIED
+            assert seen == ["announced", "stored"]
 
 
 def test_an_engine_that_publishes_nothing_breaks_nothing() -> None:
