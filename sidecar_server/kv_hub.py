@@ -83,7 +83,9 @@ class KvCacheHub:
         prefill here (its prompt's full blocks after those already held), so a frontend that
         did not route it learns where its prefix goes before the engine's own event."""
         block_size = self.view.block_size
-        if not self.subscribed or not block_size or not cacheable(request):
+        # Only for an engine that publishes (a batch came): a frontend reads a worker's stream
+        # as exact once its engine does, and routes any other worker on its own decisions.
+        if not self.batches_received or not block_size or not cacheable(request):
             return
         lora_name, cache_salt = key_namespace(request)
         keys = block_key_chain(request.token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)

@@ -176,7 +176,8 @@ class CacheFeed:
         if announced:
             self.index.store(self.worker, announced, expires=now + ANNOUNCED_TTL)
         self.sequence = sequence
-        self.engine_publishes = True
+        if cleared or removed or added:  # the engine's own change, not a sidecar's notice
+            self.engine_publishes = True
         self.counts.deltas += 1
         return Step.APPLIED
 

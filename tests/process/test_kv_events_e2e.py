@@ -173,15 +173,17 @@ def test_a_prompt_the_engine_cached_is_found_under_the_keys_a_frontend_computes(
 
 def test_the_sidecar_announces_a_prompts_blocks_before_the_engine_has_prefilled_them() -> None:
     # A long prefill (40 tokens at 0.1 s each): the announcement must come on the stream while
-    # the engine is still at it, and the engine's own stored blocks after it.
+    # the engine is still at it, and the engine's own stored blocks after it. The sidecar
+    # announces for an engine that has published: a first request (one block) shows it does.
     with ExitStack() as stack:
         port, _ = vllm_worker(stack, publish=True, engine_flags=("--prefill-us-per-token", "100000"))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = sidecar_pb2_grpc.WorkerStub(channel)
-            wanted = block_keys(PROMPT, 16)
+            warm_up = [7] * 16
+            generate(stub, "warm-up", warm_up)
             stream: Any = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
-            first = next(stream)
-            assert first.HasField("snapshot")
+            watched_keys(stream, set(block_keys(warm_up, 16)))
+            wanted = block_keys(PROMPT, 16)
             # A server stream's call is under way once made, and is a future too (done()).
             call: Any = stub.Generate(public_request("slow", PROMPT, max_tokens=2), timeout=WAIT)
             seen: list[str] = []

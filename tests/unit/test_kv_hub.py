@@ -69,6 +69,7 @@ async def test_an_accepted_request_announces_its_uncached_blocks_to_the_watchers
     tokens = list(range(1_000, 1_050))  # 3 full blocks of 16, and 2 tokens more
     keys = block_keys(tokens, 16, cache_salt="s")
     hub.apply(0, KvDelta(added=((keys[0], root_key(cache_salt="s")),)), block_size=16)
+    hub.batches_received = 1
     hub.announce(_request(tokens, cache_namespace="s"))
     delta = await _next_delta(hub, after=1)
     assert list(delta.announced_keys) == keys[1:]  # the first block is cached already
@@ -80,9 +81,15 @@ async def test_nothing_is_announced_without_events_a_block_size_or_tokens_alone(
     unsubscribed = KvCacheHub(subscribed=False)
     unsubscribed.set_model("m", 16)
     unsubscribed.announce(_request(tokens))
+    # Subscribed, but the engine has published nothing: frontends route it on their own.
+    silent = KvCacheHub(subscribed=True)
+    silent.set_model("m", 16)
+    silent.announce(_request(tokens))
     no_block_size = KvCacheHub(subscribed=True)
+    no_block_size.batches_received = 1
     no_block_size.announce(_request(tokens))
     with_images = KvCacheHub(subscribed=True)
+    with_images.batches_received = 1
     with_images.set_model("m", 16)
     with_images.announce(
         sidecar_pb2.PreprocessedRequest(
@@ -90,4 +97,4 @@ async def test_nothing_is_announced_without_events_a_block_size_or_tokens_alone(
             multi_modal_data=[sidecar_pb2.MultimodalItem(kind=sidecar_pb2.MultimodalItem.IMAGE)],
         )
     )
-    assert [hub.view.sequence for hub in (unsubscribed, no_block_size, with_images)] == [0, 0, 0]
+    assert [hub.view.sequence for hub in (unsubscribed, silent, no_block_size, with_images)] == [0, 0, 0, 0]

@@ -265,3 +265,10 @@ def test_an_announcement_changes_no_exact_entry() -> None:
     feed.delta(1, 1, cleared=False, removed=[], added=[], announced=[1, 2], now=0.0)
     feed.index.expire(ANNOUNCED_TTL + 1)
     assert feed.index.held("w") == {1, 2}
+
+
+def test_an_announcement_does_not_say_the_engine_publishes() -> None:
+    feed = _feed()
+    feed.snapshot_chunk(1, 0, 16, [], last_chunk=True, engine_published=False, key_scheme=KEY_SCHEME)
+    feed.delta(1, 1, cleared=False, removed=[], added=[], announced=[1, 2], now=0.0)
+    assert feed.engine_publishes is False
