@@ -123,12 +123,13 @@ def test_a_key_chain_reads_as_the_list_of_keys(
     [
         tuple,
         lambda ids: array("I", ids),
+        lambda ids: array("q", ids),
         lambda ids: np.array(ids, dtype=np.uint32),
         lambda ids: np.array(ids, dtype=np.int64),
         # What the frontend routes from: the request message's repeated field.
         lambda ids: sidecar_pb2.PreprocessedRequest(token_ids=ids).token_ids,
     ],
-    ids=["tuple", "array", "numpy-uint32", "numpy-int64", "protobuf"],
+    ids=["tuple", "array", "array-int64", "numpy-uint32", "numpy-int64", "protobuf"],
 )
 def test_every_form_of_token_ids_gives_the_keys_of_its_list(
     form: Callable[[list[int]], Sequence[int]], length: int
@@ -236,3 +237,21 @@ def test_salt_and_adapter_are_not_interchangeable() -> None:
 
 def test_a_tuple_and_a_list_give_the_same_keys() -> None:
     assert block_keys(tuple(range(40)), 8) == block_keys(list(range(40)), 8)
+
+
+@pytest.mark.parametrize(("length", "block_size"), [(300, 1), (2_000, 16), (40, 16), (100, 3)])
+def test_a_key_chain_of_any_length_is_the_list_of_keys(length: int, block_size: int) -> None:
+    # Long enough for the all-array way (64 blocks and more), and short.
+    tokens = [(i * 40503) % 150_000 for i in range(length)]
+    for lora, salt in ((None, None), ("adapter", None), (None, "salt"), ("adapter", "salt")):
+        chain = block_key_chain(tokens, block_size, lora_name=lora, cache_salt=salt)
+        assert list(chain) == block_keys(tokens, block_size, lora_name=lora, cache_salt=salt)
+
+
+def test_the_largest_token_id_and_the_extreme_parents_are_accepted() -> None:
+    top = 2**32 - 1
+    assert block_keys(cast(Sequence[int], np.array([top] * 300, dtype=np.int64)), 1) == block_keys(
+        [top] * 300, 1
+    )
+    for parent in (0, 2**64 - 1):
+        assert len(extend_keys(parent, [1] * 32, 16)) == 2

@@ -119,3 +119,13 @@ def test_an_announcement_names_the_blocks_after_those_held_and_changes_nothing_h
     assert view.deltas_after(1, 1) == [numbered]  # a client resuming gets it too
     assert view.announce([10, 11]) is None  # all held already: nothing to say
     assert view.announce([]) is None
+
+
+@pytest.mark.parametrize("held", [0, 1, 2, 5, 7, 8])
+def test_an_announcement_starts_after_any_length_of_held_blocks(held: int) -> None:
+    view = WorkerCacheView(epoch=1)
+    chain = list(range(100, 108))
+    if held:
+        view.apply(0, KvDelta(added=tuple(zip(chain[:held], [0, *chain[: held - 1]], strict=True))))
+    numbered = view.announce(chain)
+    assert (numbered.delta.announced if numbered is not None else ()) == tuple(chain[held:])

@@ -135,6 +135,29 @@ def test_a_match_below_half_the_cap_leaves_the_store_order() -> None:
     assert 300 in index
 
 
+def test_a_match_over_half_the_cap_keeps_the_matched_prefix_from_eviction() -> None:
+    per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
+    index = BlockIndex(max_bytes=10 * per_key)
+    index.store("a", list(range(100, 105)))  # A, the oldest
+    index.store("a", list(range(200, 205)))  # B
+    assert index.match(list(range(100, 105)), WORKERS) == {"a": 5}  # A is the most recent now
+    index.store("a", [300, 301, 302])  # over the cap: 4 keys go, B's tail
+    assert index.match(list(range(100, 105)), WORKERS) == {"a": 5}
+    assert [k for k in range(200, 205) if k in index] == [200]
+
+
+def test_a_match_past_a_hole_touches_the_blocks_there_are() -> None:
+    per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
+    index = BlockIndex(max_bytes=7 * per_key)
+    index.store("a", [1, 2, 3, 4, 5, 6])
+    index.remove("a", [2])  # a hole, which no engine makes: the bisection counts past it
+    index.store("b", [9])  # the most recent, until the match
+    assert index.match([1, 2, 3, 4, 5, 6], WORKERS) == {"a": 6}  # over half the cap: touched
+    index.store("b", [10, 11, 12])  # over the cap: the 3 least recent go, 9 first
+    assert 9 not in index
+    assert all(k in index for k in (1, 3, 4))
+
+
 def test_eviction_takes_a_chains_tail_before_its_head() -> None:
     per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
     index = BlockIndex(max_bytes=20 * per_key)
