@@ -218,10 +218,10 @@ class Router:
         if decision is None:
             return None
         self._sent[decision.worker] = self._sent.get(decision.worker, 0) + 1
-        if not prompt.cacheable or routing is Routing.KV:  # kv records nothing (_records)
+        if not prompt.cacheable:
             return decision
-        chosen = next(t for t in targets if t.address == decision.worker)
-        if self._records(chosen):
+        chosen = self._recorded(targets, decision.worker)
+        if chosen is not None:
             size = _block_size(chosen)
             keys = self._keys(prompt, size, keys_by_size)
             index.store(chosen.address, keys, expires=now + self.config.approx_ttl)
@@ -229,12 +229,15 @@ class Router:
 
     # ---------------------------------------------------------------- internals
 
-    def _records(self, target: Target) -> bool:
-        """Whether a decision for ``target`` becomes an approximate entry."""
+    def _recorded(self, targets: Sequence[Target], worker: str) -> Target | None:
+        """The target of ``worker`` when a decision for it becomes an approximate entry, else
+        None: always with ``approx``; with routing unset, for a worker whose cache stream says
+        nothing; never with ``kv`` (found without looking, on every decision)."""
         routing = self.config.routing
-        if routing is Routing.APPROX:
-            return True
-        return routing is None and not target.publishes
+        if routing is Routing.KV:
+            return None
+        target = next(t for t in targets if t.address == worker)
+        return target if routing is Routing.APPROX or not target.publishes else None
 
     def _keys(self, prompt: Prompt, size: int, memo: dict[int, Sequence[int]]) -> Sequence[int]:
         keys = memo.get(size)
