@@ -116,11 +116,21 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of 0 or more, got {text!r}")
+    return value
+
+
 def _refuse_inapplicable(ns: argparse.Namespace) -> None:
     """Flags the chosen discovery mode, formats or routing do not use (the rule of docs/common.md)."""
     routing = ns.routing
     indexed = routing in (None, Routing.KV.value, Routing.APPROX.value)
-    for dest in ("routing_index_max_mb", "routing_hot_spot_ratio"):
+    for dest in ("routing_index_max_mb", "routing_hot_spot_ratio", "routing_left_behind_weight"):
         refuse_inapplicable(
             ns,
             dest,
@@ -304,6 +314,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="a worker running more than R times the requests of the least busy one (plus 2) "
         "loses its cache affinity until the others catch up",
     )
+    routing.add_argument(
+        "--routing-left-behind-weight",
+        type=_weight,
+        default=PolicyConfig.left_behind_weight,
+        metavar="W",
+        help="what each cached prompt token left behind weighs, in prompt tokens to prefill, "
+        "when a worker holding less of the prompt than the best holder is considered",
+    )
     add_discovery_arguments(parser)
     add_operations_arguments(
         parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
@@ -365,7 +383,10 @@ def parse_config(
             routing=Routing(ns.routing) if ns.routing is not None else None,
             index_max_bytes=ns.routing_index_max_mb * 1024 * 1024,
             approx_ttl=ns.routing_approx_ttl_secs,
-            policy=PolicyConfig(hot_spot_ratio=ns.routing_hot_spot_ratio),
+            policy=PolicyConfig(
+                hot_spot_ratio=ns.routing_hot_spot_ratio,
+                left_behind_weight=ns.routing_left_behind_weight,
+            ),
         ),
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,

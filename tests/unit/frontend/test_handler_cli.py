@@ -135,3 +135,59 @@ def test_a_switch_its_variable_turns_off_is_not_a_flag_that_does_not_apply() -> 
     off = {"SIDECAR_FRONTEND_SGLANG_INCREMENTAL_STREAMING_OUTPUT": "false"}
     config = parse_config(["--worker", "a:1", "--format", "vllm"], off)
     assert config.sglang_incremental_streaming_output is False
+
+
+def test_routing_flags_reach_the_router_config() -> None:
+    default = parse_config(["--worker", "a:1"], {}).routing
+    assert default.routing is None, "kv where workers publish, approx elsewhere"
+    assert default.index_max_bytes == 256 * 1024 * 1024
+    assert default.approx_ttl == 120.0
+    assert (default.policy.hot_spot_ratio, default.policy.left_behind_weight) == (1.5, 1.0)
+    argv = [
+        "--worker",
+        "a:1",
+        "--routing",
+        "approx",
+        "--routing-index-max-mb",
+        "64",
+        "--routing-approx-ttl-secs",
+        "30",
+        "--routing-hot-spot-ratio",
+        "2.5",
+        "--routing-left-behind-weight",
+        "0",
+    ]
+    config = parse_config(argv, {}).routing
+    assert config.routing is not None
+    assert config.routing.value == "approx"
+    assert config.index_max_bytes == 64 * 1024 * 1024
+    assert config.approx_ttl == 30.0
+    assert (config.policy.hot_spot_ratio, config.policy.left_behind_weight) == (2.5, 0.0)
+    from_env = parse_config(["--worker", "a:1"], {"SIDECAR_FRONTEND_ROUTING_LEFT_BEHIND_WEIGHT": "0.5"})
+    assert from_env.routing.policy.left_behind_weight == 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--routing-left-behind-weight", "-1"], "--routing-left-behind-weight"),
+        (["--routing-left-behind-weight", "nan"], "--routing-left-behind-weight"),
+        (["--routing-left-behind-weight", "inf"], "--routing-left-behind-weight"),
+        (["--routing-hot-spot-ratio", "0.5"], "--routing-hot-spot-ratio"),
+        (
+            ["--routing", "load", "--routing-left-behind-weight", "2"],
+            "--routing-left-behind-weight is used only with --routing kv or approx",
+        ),
+        (
+            ["--routing", "random", "--routing-hot-spot-ratio", "2"],
+            "--routing-hot-spot-ratio is used only with --routing kv or approx",
+        ),
+    ],
+)
+def test_routing_usage_errors_name_the_flag(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--worker", "a:1", *argv], {})
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err

@@ -89,8 +89,53 @@ def test_ties_are_drawn_at_random() -> None:
     assert seen == {"a", "b", "c"}
 
 
+def test_a_holder_briefly_busy_keeps_the_conversation() -> None:
+    """A turn of 1,160 tokens, 1,088 of them cached on b, where another conversation's first
+    turn (1,088 uncached tokens) is prefilling; a is idle. Moving the turn to a would save a
+    little waiting and copy the conversation's 1,088 cached tokens there (bench/README.md, "Two
+    frontends on multi-turn")."""
+    candidates = [Candidate("a"), Candidate("b", cached_tokens=1088, running=1, queued_prefill_tokens=1088)]
+    stays = choose(candidates, 1160, RAND)
+    assert stays is not None
+    assert (stays.worker, stays.reason, stays.cached_tokens) == ("b", Reason.AFFINITY, 1088)
+    # Counting only the wait, as before the left-behind term: it moved.
+    moves = choose(candidates, 1160, RAND, PolicyConfig(left_behind_weight=0.0))
+    assert moves is not None
+    assert (moves.worker, moves.reason, moves.cached_tokens) == ("a", Reason.LOAD, 0)
+
+
+def test_a_long_queue_still_moves_the_request() -> None:
+    # b's queue is worth more than the prefix's prefill here and its copy's room elsewhere.
+    candidates = [Candidate("a"), Candidate("b", cached_tokens=1088, queued_prefill_tokens=2400)]
+    decision = choose(candidates, 1160, RAND)
+    assert decision is not None
+    assert (decision.worker, decision.reason) == ("a", Reason.LOAD)
+
+
+def test_left_behind_counts_only_what_the_prompt_uses() -> None:
+    # b holds 4,096 tokens of this family of prompts but the prompt has 100: a worker holding
+    # 64 of them leaves 36 behind, not 4,032.
+    candidates = [
+        Candidate("a", cached_tokens=64),
+        Candidate("b", cached_tokens=4096, queued_prefill_tokens=80),
+    ]
+    decision = choose(candidates, 100, RAND)  # a: 36 + 36; b: 0 + 80
+    assert decision is not None
+    assert decision.worker == "a"
+    decision = choose(candidates, 100, RAND, PolicyConfig(left_behind_weight=2.0))  # a: 36 + 72; b: 80
+    assert decision is not None
+    assert decision.worker == "b"
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{"hot_spot_ratio": 0.5}, {"hot_spot_slack": -1}, {"running_request_tokens": -1}]
+    "kwargs",
+    [
+        {"hot_spot_ratio": 0.5},
+        {"hot_spot_slack": -1},
+        {"running_request_tokens": -1},
+        {"left_behind_weight": -0.5},
+        {"left_behind_weight": float("nan")},
+    ],
 )
 def test_config_refuses_nonsense(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
@@ -130,9 +175,12 @@ def test_a_burst_sharing_a_prefix_cached_on_one_of_three_workers(seed: int) -> N
         st.tuples(st.integers(0, 4096), st.integers(0, 50), st.integers(0, 100_000)), min_size=1, max_size=8
     ),
     st.integers(1, 8192),
+    st.sampled_from([0.0, 0.5, 1.0, 3.0]),
 )
-def test_law_the_choice_is_a_cheapest_candidate(workers: list[tuple[int, int, int]], prompt: int) -> None:
-    config = PolicyConfig()
+def test_law_the_choice_is_a_cheapest_candidate(
+    workers: list[tuple[int, int, int]], prompt: int, left_behind_weight: float
+) -> None:
+    config = PolicyConfig(left_behind_weight=left_behind_weight)
     candidates = [Candidate(f"w{i}", c, r, q) for i, (c, r, q) in enumerate(workers)]
     decision = choose(candidates, prompt, random.Random(0), config)
     assert decision is not None
@@ -141,9 +189,17 @@ def test_law_the_choice_is_a_cheapest_candidate(workers: list[tuple[int, int, in
     def hot(c: Candidate) -> bool:
         return c.running > config.hot_spot_ratio * least + config.hot_spot_slack
 
+    best_held = min(max(c.cached_tokens for c in candidates), prompt)
+
     def cost(c: Candidate) -> float:
         cached = min(c.cached_tokens, prompt)
-        return prompt - cached + c.queued_prefill_tokens + c.running * config.running_request_tokens
+        return (
+            prompt
+            - cached
+            + c.queued_prefill_tokens
+            + c.running * config.running_request_tokens
+            + (best_held - cached) * left_behind_weight
+        )
 
     chosen = next(c for c in candidates if c.worker == decision.worker)
     assert not hot(chosen)
