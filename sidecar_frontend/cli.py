@@ -116,6 +116,16 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text!r}")
+    return value
+
+
 def _weight(text: str) -> float:
     try:
         value = float(text)
@@ -130,7 +140,12 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
     """Flags the chosen discovery mode, formats or routing do not use (the rule of docs/common.md)."""
     routing = ns.routing
     indexed = routing in (None, Routing.KV.value, Routing.APPROX.value)
-    for dest in ("routing_index_max_mb", "routing_hot_spot_ratio", "routing_left_behind_weight"):
+    for dest in (
+        "routing_index_max_mb",
+        "routing_hot_spot_ratio",
+        "routing_hot_spot_slack",
+        "routing_left_behind_weight",
+    ):
         refuse_inapplicable(
             ns,
             dest,
@@ -311,8 +326,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=_ratio,
         default=PolicyConfig.hot_spot_ratio,
         metavar="R",
-        help="a worker running more than R times the requests of the least busy one (plus 2) "
-        "loses its cache affinity until the others catch up",
+        help="a worker running more than R times the requests of the least busy one (plus "
+        "--routing-hot-spot-slack) loses its cache affinity until the others catch up",
+    )
+    routing.add_argument(
+        "--routing-hot-spot-slack",
+        type=_count,
+        default=PolicyConfig.hot_spot_slack,
+        metavar="N",
+        help="requests a worker may run beyond R times the least busy one's before it counts as a hot spot",
     )
     routing.add_argument(
         "--routing-left-behind-weight",
@@ -385,6 +407,7 @@ def parse_config(
             approx_ttl=ns.routing_approx_ttl_secs,
             policy=PolicyConfig(
                 hot_spot_ratio=ns.routing_hot_spot_ratio,
+                hot_spot_slack=ns.routing_hot_spot_slack,
                 left_behind_weight=ns.routing_left_behind_weight,
             ),
         ),

@@ -78,7 +78,9 @@ _RUNNING: Final = itemgetter(Candidate._fields.index("running"))
 @dataclass(frozen=True)
 class PolicyConfig:
     hot_spot_ratio: float = 1.5
-    hot_spot_slack: int = 2
+    # 2 fired on noise: the other frontends' running requests are counted from a GetLoad up to a
+    # second old (docs/frontend.md, "Hot-spot guard").
+    hot_spot_slack: int = 4
     # What one running request weighs against one prompt token to prefill: a decoding request
     # takes a share of every engine step, which a few hundred prompt tokens also take.
     running_request_tokens: int = 128

@@ -142,7 +142,8 @@ def test_routing_flags_reach_the_router_config() -> None:
     assert default.routing is None, "kv where workers publish, approx elsewhere"
     assert default.index_max_bytes == 256 * 1024 * 1024
     assert default.approx_ttl == 120.0
-    assert (default.policy.hot_spot_ratio, default.policy.left_behind_weight) == (1.5, 1.0)
+    policy = default.policy
+    assert (policy.hot_spot_ratio, policy.hot_spot_slack, policy.left_behind_weight) == (1.5, 4, 1.0)
     argv = [
         "--worker",
         "a:1",
@@ -154,6 +155,8 @@ def test_routing_flags_reach_the_router_config() -> None:
         "30",
         "--routing-hot-spot-ratio",
         "2.5",
+        "--routing-hot-spot-slack",
+        "0",
         "--routing-left-behind-weight",
         "0",
     ]
@@ -162,7 +165,8 @@ def test_routing_flags_reach_the_router_config() -> None:
     assert config.routing.value == "approx"
     assert config.index_max_bytes == 64 * 1024 * 1024
     assert config.approx_ttl == 30.0
-    assert (config.policy.hot_spot_ratio, config.policy.left_behind_weight) == (2.5, 0.0)
+    policy = config.policy
+    assert (policy.hot_spot_ratio, policy.hot_spot_slack, policy.left_behind_weight) == (2.5, 0, 0.0)
     from_env = parse_config(["--worker", "a:1"], {"SIDECAR_FRONTEND_ROUTING_LEFT_BEHIND_WEIGHT": "0.5"})
     assert from_env.routing.policy.left_behind_weight == 0.5
 
@@ -174,6 +178,12 @@ def test_routing_flags_reach_the_router_config() -> None:
         (["--routing-left-behind-weight", "nan"], "--routing-left-behind-weight"),
         (["--routing-left-behind-weight", "inf"], "--routing-left-behind-weight"),
         (["--routing-hot-spot-ratio", "0.5"], "--routing-hot-spot-ratio"),
+        (["--routing-hot-spot-slack", "-1"], "--routing-hot-spot-slack"),
+        (["--routing-hot-spot-slack", "1.5"], "--routing-hot-spot-slack"),
+        (
+            ["--routing", "round-robin", "--routing-hot-spot-slack", "3"],
+            "--routing-hot-spot-slack is used only with --routing kv or approx",
+        ),
         (
             ["--routing", "load", "--routing-left-behind-weight", "2"],
             "--routing-left-behind-weight is used only with --routing kv or approx",
