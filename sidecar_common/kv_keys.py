@@ -88,9 +88,17 @@ def _mix(x: int) -> int:
     return x ^ (x >> 33)
 
 
-_SHIFT_U64: Final = np.uint64(33)
-_MIX_1_U64: Final = np.uint64(_MIX_1)
-_MIX_2_U64: Final = np.uint64(_MIX_2)
+def _constant(value: int) -> npt.NDArray[np.uint64]:
+    # A read-only 0-d array, not a numpy scalar: a ufunc resolves a scalar operand's type on
+    # every call, about 0.2 µs more each (the mix below: 7.3 against 5.6 µs for 512 blocks).
+    constant = np.array(value, dtype=np.uint64)
+    constant.setflags(write=False)
+    return constant
+
+
+_SHIFT_U64: Final = _constant(33)
+_MIX_1_U64: Final = _constant(_MIX_1)
+_MIX_2_U64: Final = _constant(_MIX_2)
 
 
 def _mix_array(x: _U64) -> _U64:
@@ -164,8 +172,9 @@ def _token_view(token_ids: Sequence[int]) -> npt.NDArray[np.uint32]:
 
 def _block_values(token_ids: Sequence[int], block_size: int, blocks: int) -> _U64:
     tokens = _token_view(token_ids)[: blocks * block_size]
-    # uint32 rows times uint64 weights: numpy's integer dot wraps modulo 2**64 like the loop.
-    return _mix_array(np.dot(tokens.reshape(blocks, block_size), _weights(block_size)[1]))
+    # uint32 rows times uint64 weights: numpy's integer product wraps modulo 2**64 like the loop.
+    # matmul, not dot: the same integers in about half the time (8,192 tokens: 9 against 17 µs).
+    return _mix_array(np.matmul(tokens.reshape(blocks, block_size), _weights(block_size)[1]))
 
 
 def _chained_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> list[int]:
@@ -181,13 +190,15 @@ def _chained_keys(parent_key: int, token_ids: Sequence[int], block_size: int, bl
 
 
 def _vector_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> _U64:
-    values = _block_values(token_ids, block_size, blocks)
+    values = _block_values(token_ids, block_size, blocks)  # a fresh array: worked in place
     chain, inverse = _powers(1 << (blocks - 1).bit_length())
-    # key[i] = CHAIN**i * (parent * CHAIN + sum(value[j] * CHAIN**-j for j <= i))
-    sums = np.cumsum(values * inverse[:blocks], dtype=np.uint64)
-    sums += np.uint64((parent_key * _CHAIN) & _MASK)
-    sums *= chain[:blocks]
-    return sums
+    # key[i] = CHAIN**i * (parent * CHAIN + sum(value[j] * CHAIN**-j for j <= i)): the parent's
+    # term joins the first value (CHAIN**-0 = 1), so one running sum carries it to every key.
+    np.multiply(values, inverse[:blocks], out=values)
+    values[0] = (values.item(0) + parent_key * _CHAIN) & _MASK
+    np.add.accumulate(values, out=values)  # np.cumsum's dtype handling costs 2 µs more
+    np.multiply(values, chain[:blocks], out=values)
+    return values
 
 
 def _loop_keys(parent_key: int, token_ids: Sequence[int], block_size: int, blocks: int) -> list[int]:

@@ -97,8 +97,7 @@ class PolicyConfig:
             raise ValueError(f"left_behind_weight must be 0 or more, got {self.left_behind_weight}")
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):  # a tuple for the reason Candidate is one: a frozen dataclass costs 1 µs more
     worker: str
     reason: Reason
     cached_tokens: int  # what the chosen worker is predicted to find cached
@@ -119,22 +118,22 @@ def choose(
     hot_above = config.hot_spot_ratio * least_busy + config.hot_spot_slack
     per_running = config.running_request_tokens
     longest = max(map(_CACHED, candidates))
-    best_held = longest if longest < prompt_tokens else prompt_tokens
-    per_left_behind = config.left_behind_weight
+    # The cost of the module's docstring with its terms in held tokens gathered:
+    # prompt + best_held * left_behind_weight - held * (1 + left_behind_weight) + ...
+    weight = config.left_behind_weight
+    base = prompt_tokens + (longest if longest < prompt_tokens else prompt_tokens) * weight
+    per_held = 1.0 + weight
     best_cost: float = -1
     cheapest: list[Candidate] = []
     for candidate in candidates:
-        running = candidate.running
+        _, cached, running, queued, _ = candidate  # unpacked: cheaper than five attribute reads
         if running > hot_above:
             continue
-        cached = candidate.cached_tokens
-        held = cached if cached < prompt_tokens else prompt_tokens
         cost = (
-            prompt_tokens
-            - held
-            + candidate.queued_prefill_tokens
+            base
+            - (cached if cached < prompt_tokens else prompt_tokens) * per_held
+            + queued
             + running * per_running
-            + (best_held - held) * per_left_behind
         )
         if best_cost < 0 or cost < best_cost:
             best_cost = cost

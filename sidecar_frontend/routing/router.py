@@ -26,6 +26,8 @@ import enum
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import itemgetter
 from typing import Final, NamedTuple, Protocol
 
 from sidecar_frontend.routing.index import BlockIndex
@@ -185,11 +187,14 @@ class Router:
         keys_by_size: dict[int, Sequence[int]] = {}
         cached: dict[str, int] = {}
         if prompt.cacheable and len(tokens) > 1:
-            # approx or unset: every worker is indexed; kv: those publishing their cache.
-            indexed = targets if routing is not Routing.KV else [t for t in targets if t.publishes]
+            # approx or unset: every worker is indexed; kv: those publishing their cache. (In
+            # C-level passes, as in the policy: per worker, these add up with many workers.)
+            indexed = targets
+            if routing is Routing.KV:
+                indexed = list(compress(targets, map(_PUBLISHES, targets)))
             sizes: dict[int, list[str]] = {}
-            if len({t.block_size for t in indexed}) == 1:  # one engine kind: the usual fleet
-                sizes[_block_size(indexed[0])] = [t.address for t in indexed]
+            if len(set(map(_BLOCK_SIZE, indexed))) == 1:  # one engine kind: the usual fleet
+                sizes[_block_size(indexed[0])] = list(map(_ADDRESS, indexed))
             else:
                 for target in indexed:
                     sizes.setdefault(_block_size(target), []).append(target.address)
@@ -197,19 +202,14 @@ class Router:
                 keys = self._keys(prompt, size, keys_by_size)
                 lookable = (len(tokens) - 1) // size
                 matched = index.match(keys if lookable == len(keys) else keys[:lookable], addresses)
-                for address, blocks in matched.items():
-                    cached[address] = blocks * size
+                cached.update({address: blocks * size for address, blocks in matched.items()})
         cached_at, sent_to = cached.get, self._sent.get
+        # Candidate's fields in order, made as the tuple they are: the NamedTuple's own
+        # __new__ is a Python call, 0.3 µs a worker (16 workers: 8 µs against 5).
         decision = choose(
             [
-                Candidate(
-                    t.address,
-                    cached_at(t.address, 0),
-                    t.running,
-                    t.queued_prefill_tokens,
-                    sent_to(t.address, 0),
-                )
-                for t in targets
+                _new_tuple(Candidate, (address, cached_at(address, 0), running, queued, sent_to(address, 0)))
+                for address, _, _, running, queued in targets
             ],
             len(tokens),
             self._rand,
@@ -246,6 +246,12 @@ class Router:
                 prompt.token_ids, size, lora_name=prompt.lora_name, cache_salt=prompt.cache_salt
             )
         return keys
+
+
+_new_tuple: Final = tuple.__new__
+_ADDRESS: Final = itemgetter(Target._fields.index("address"))
+_BLOCK_SIZE: Final = itemgetter(Target._fields.index("block_size"))
+_PUBLISHES: Final = itemgetter(Target._fields.index("publishes"))
 
 
 def _block_size(target: Target) -> int:
