@@ -61,6 +61,24 @@ def test_a_hot_worker_loses_its_affinity() -> None:
     assert (decision.worker, decision.reason) == ("a", Reason.AFFINITY)
 
 
+def test_a_few_requests_more_than_an_idle_worker_is_not_a_hot_spot() -> None:
+    """The holder runs 3 requests that hit its cache, another worker none: with the other
+    frontends' requests counted from a GetLoad up to a second old, that is noise, not a hot
+    spot (a slack of 2 moved such requests off their prefix: docs/frontend.md)."""
+    holder = Candidate("a", cached_tokens=2048, running=3, queued_prefill_tokens=256)
+    decision = choose([holder, Candidate("b")], 2176, RAND)
+    assert decision is not None
+    assert (decision.worker, decision.reason) == ("a", Reason.AFFINITY)
+    moved = choose([holder, Candidate("b")], 2176, RAND, PolicyConfig(hot_spot_slack=2))
+    assert moved is not None
+    assert (moved.worker, moved.reason) == ("b", Reason.HOT_SPOT)
+    # Beyond the slack it is one: 5 > 1.5 * 0 + 4.
+    busy = Candidate("a", cached_tokens=2048, running=5, queued_prefill_tokens=256)
+    decision = choose([busy, Candidate("b")], 2176, RAND)
+    assert decision is not None
+    assert (decision.worker, decision.reason) == ("b", Reason.HOT_SPOT)
+
+
 def test_the_predicted_cache_never_exceeds_the_prompt() -> None:
     decision = choose([Candidate("a", cached_tokens=4096)], 100, RAND)
     assert decision is not None
