@@ -42,6 +42,7 @@ then caching the prefix too.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,24 +119,19 @@ def choose(
     hot_above = config.hot_spot_ratio * least_busy + config.hot_spot_slack
     per_running = config.running_request_tokens
     longest = max(map(_CACHED, candidates))
-    # The cost of the module's docstring with its terms in held tokens gathered:
-    # prompt + best_held * left_behind_weight - held * (1 + left_behind_weight) + ...
-    weight = config.left_behind_weight
-    base = prompt_tokens + (longest if longest < prompt_tokens else prompt_tokens) * weight
-    per_held = 1.0 + weight
-    best_cost: float = -1
+    # The module's cost less what every candidate pays alike (the prompt, and the best holder's
+    # prefix times the weight): each token held there counts 1 + left_behind_weight.
+    per_held = 1.0 + config.left_behind_weight
+    best_cost = math.inf
     cheapest: list[Candidate] = []
     for candidate in candidates:
         _, cached, running, queued, _ = candidate  # unpacked: cheaper than five attribute reads
         if running > hot_above:
             continue
         cost = (
-            base
-            - (cached if cached < prompt_tokens else prompt_tokens) * per_held
-            + queued
-            + running * per_running
+            queued + running * per_running - (cached if cached < prompt_tokens else prompt_tokens) * per_held
         )
-        if best_cost < 0 or cost < best_cost:
+        if cost < best_cost:
             best_cost = cost
             cheapest = [candidate]
         elif cost == best_cost:

@@ -225,3 +225,53 @@ def test_law_the_choice_is_a_cheapest_candidate(
     assert decision.cached_tokens == min(chosen.cached_tokens, prompt)
     if decision.reason is Reason.AFFINITY:
         assert chosen.cached_tokens == max(c.cached_tokens for c in candidates) > 0
+
+
+def test_one_cached_token_is_affinity() -> None:
+    # SGLang's default page of one token: a hit can be a single token.
+    decision = choose([Candidate("a", cached_tokens=1), Candidate("b")], 10, RAND)
+    assert decision is not None
+    assert (decision.worker, decision.reason, decision.cached_tokens) == ("a", Reason.AFFINITY, 1)
+
+
+def test_a_holder_at_the_hot_spot_threshold_that_loses_on_cost_is_a_load_decision() -> None:
+    # a runs exactly 1.5 * 0 + 4 = 4 requests: not hot, just too busy for its 16 tokens.
+    decision = choose([Candidate("a", cached_tokens=16, running=4), Candidate("b")], 1000, RAND)
+    assert decision is not None
+    assert (decision.worker, decision.reason) == ("b", Reason.LOAD)
+
+
+def test_a_hot_worker_holding_no_more_than_the_choice_is_not_why() -> None:
+    # a holds the most but its queue decides; h is hot but holds nothing b lacks.
+    candidates = [
+        Candidate("a", cached_tokens=2048, queued_prefill_tokens=100_000),
+        Candidate("h", cached_tokens=0, running=9),
+        Candidate("b", cached_tokens=0, running=1),
+    ]
+    decision = choose(candidates, 2176, RAND)
+    assert decision is not None
+    assert (decision.worker, decision.reason) == ("b", Reason.LOAD)
+
+
+def test_ties_at_no_cost_still_go_to_the_fewest_sent() -> None:
+    # Both hold the whole prompt and run nothing: equal (and the cheapest possible) costs.
+    candidates = [Candidate("a", cached_tokens=100, sent=5), Candidate("b", cached_tokens=100, sent=2)]
+    for seed in range(10):
+        decision = choose(candidates, 100, random.Random(seed))
+        assert decision is not None
+        assert decision.worker == "b"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"hot_spot_ratio": 1.0},
+        {"hot_spot_slack": 0},
+        {"running_request_tokens": 0},
+        {"left_behind_weight": 0.0},
+    ],
+)
+def test_config_takes_its_bounds(kwargs: dict[str, float]) -> None:
+    config = PolicyConfig(**kwargs)  # type: ignore[arg-type]
+    for name, value in kwargs.items():
+        assert getattr(config, name) == value

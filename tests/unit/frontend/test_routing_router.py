@@ -7,7 +7,7 @@ import random
 import pytest
 
 from sidecar_common.kv_keys import block_keys
-from sidecar_frontend.routing.policy import Reason
+from sidecar_frontend.routing.policy import PolicyConfig, Reason
 from sidecar_frontend.routing.router import Prompt, Router, RouterConfig, Routing, Target
 
 PREFIX = list(range(1000, 1000 + 2048))
@@ -231,3 +231,104 @@ def test_retain_keeps_a_worker_whose_model_is_unknown_for_now() -> None:
     assert router.index("model-a").holders(1) == frozenset({"w1"})
     router.retain({"w1": "model-b"})  # known again, and it serves another model now
     assert "model-a" not in router.indexes()
+
+
+@pytest.mark.parametrize("routing", [Routing.KV, Routing.APPROX, None])
+def test_the_first_new_prefixes_go_to_distinct_idle_workers(routing: Routing | None) -> None:
+    targets = [Target(w, 16, routing is Routing.KV) for w in ("a", "b", "c", "d")]
+    for seed in range(10):
+        router = Router(RouterConfig(routing=routing), block_keys, random.Random(seed))
+        picks = []
+        for i in range(4):
+            decision = router.choose("m", Prompt(list(range(i * 1000, i * 1000 + 64))), targets, now=0.0)
+            assert decision is not None
+            picks.append(decision.worker)
+        assert sorted(picks) == ["a", "b", "c", "d"], (seed, picks)
+
+
+def test_round_robin_and_random_predict_nothing_cached() -> None:
+    for routing, reason in ((Routing.ROUND_ROBIN, Reason.ROUND_ROBIN), (Routing.RANDOM, Reason.RANDOM)):
+        decision = _router(routing).choose("m", Prompt([*PREFIX, 1]), [Target("a", 16)], 0.0)
+        assert decision is not None
+        assert (decision.worker, decision.reason, decision.cached_tokens) == ("a", reason, 0)
+
+
+def test_a_two_token_prompt_can_hit_a_page_of_one() -> None:
+    router = _router(Routing.KV)
+    router.index("m").store("a", block_keys([7], 1))
+    targets = [Target("a", 1, publishes=True), Target("b", 1, publishes=True)]
+    decision = router.choose("m", Prompt([7, 8]), targets, now=0.0)
+    assert decision is not None
+    assert (decision.worker, decision.reason, decision.cached_tokens) == ("a", Reason.AFFINITY, 1)
+
+
+def test_the_configured_policy_is_the_one_applied() -> None:
+    # b holds the conversation but is busy with a queued prefill about as long as the turn.
+    targets = [Target("a", 16, True), Target("b", 16, True, running=1, queued_prefill_tokens=1088)]
+    turn = Prompt([*PREFIX[:1088], *range(72)])
+    chosen = {}
+    for weight in (0.0, 1.0):
+        router = _router(Routing.KV, policy=PolicyConfig(left_behind_weight=weight))
+        router.index("m").store("b", block_keys(PREFIX[:1088], 16))
+        decision = router.choose("m", turn, targets, now=0.0)
+        assert decision is not None
+        chosen[weight] = decision.worker
+    assert chosen == {0.0: "a", 1.0: "b"}
+
+
+def test_a_worker_of_unknown_block_size_is_matched_in_blocks_of_16() -> None:
+    router = _router(Routing.KV)
+    router.index("m").store("a", block_keys(PREFIX, 16))
+    decision = router.choose("m", Prompt([*PREFIX, 1]), [Target("a", 0, publishes=True)], now=0.0)
+    assert decision is not None
+    assert decision.cached_tokens == 2048
+
+
+def test_unset_routing_guesses_only_for_the_workers_that_publish_nothing() -> None:
+    router = _router(None)
+    targets = [Target("exact", 16, publishes=True), Target("guess", 16, publishes=False)]
+    chosen = set()
+    for i in range(6):  # prompts sharing nothing: ties, dealt out in turn
+        decision = router.choose("m", Prompt(list(range(i * 1000, i * 1000 + 64))), targets, now=0.0)
+        assert decision is not None
+        chosen.add(decision.worker)
+    assert chosen == {"exact", "guess"}
+    assert router.index("m").blocks_of("exact") == 0
+    assert router.index("m").blocks_of("guess") == 3 * 4
+
+
+def test_approx_guesses_even_for_a_worker_that_publishes() -> None:
+    router = _router(Routing.APPROX)
+    decision = router.choose("m", Prompt([*PREFIX, 1]), [Target("a", 16, publishes=True)], now=0.0)
+    assert decision is not None
+    assert router.index("m").blocks_of("a") == 2048 // 16
+
+
+def test_approx_records_a_one_token_prompt_on_a_page_of_one() -> None:
+    router = _router(Routing.APPROX)
+    decision = router.choose("m", Prompt([7]), [Target("a", 1)], now=0.0)
+    assert decision is not None
+    assert router.index("m").blocks_of("a") == 1
+
+
+def test_the_index_cap_is_the_configured_one() -> None:
+    router = _router(Routing.KV, index_max_bytes=64 * 1024)
+    router.index("m").store("a", block_keys(list(range(16 * 4096)), 16))
+    stats = router.index("m").stats()
+    assert stats.evicted > 0
+    assert stats.bytes <= 64 * 1024
+
+
+def test_forgetting_one_worker_keeps_the_others_entries() -> None:
+    router = _router(Routing.KV)
+    router.index("m").store("a", [1, 2])
+    router.index("m").store("b", [1])
+    router.forget_worker("a")
+    assert router.indexes()["m"].blocks_of("b") == 1
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0])
+def test_approx_ttl_must_be_positive(ttl: float) -> None:
+    with pytest.raises(ValueError, match="approx_ttl must be positive"):
+        RouterConfig(approx_ttl=ttl)
+    assert RouterConfig(approx_ttl=0.5).approx_ttl == 0.5
