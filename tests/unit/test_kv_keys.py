@@ -115,6 +115,9 @@ def test_a_key_chain_reads_as_the_list_of_keys(
     assert all(type(key) is int for key in chain)
     assert list(chain[start:stop]) == keys[start:stop]
     assert list(chain[start:stop][1:]) == keys[start:stop][1:]
+    # What a bisecting reader (BlockIndex.match) calls instead of indexing.
+    assert [chain.at(i) for i in range(len(keys))] == keys
+    assert all(type(chain.at(i)) is int for i in range(len(keys)))
 
 
 @pytest.mark.parametrize("length", [20, 300])  # the loop and the array paths
