@@ -8,7 +8,8 @@ variable, and nothing here does network I/O.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -106,34 +107,26 @@ def _formats(text: str) -> tuple[str, ...]:
     return names
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value >= 1.0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of 1 or more, got {text!r}")
-    return value
+def _at_least(lowest: float, *, whole: bool = False) -> Callable[[str], float]:
+    """A flag type: a finite number (an integer if ``whole``) of ``lowest`` or more."""
+    kind = "a whole number" if whole else "a number"
+
+    def convert(text: str) -> float:
+        try:
+            value: float = int(text) if whole else float(text)
+        except ValueError:
+            value = math.nan
+        if not lowest <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"expected {kind} of {lowest:g} or more, got {text!r}")
+        return value
+
+    convert.__name__ = "number"
+    return convert
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text!r}")
-    return value
-
-
-def _weight(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of 0 or more, got {text!r}")
-    return value
+_ratio: Final = _at_least(1.0)
+_count: Final = _at_least(0, whole=True)
+_weight: Final = _at_least(0.0)
 
 
 def _refuse_inapplicable(ns: argparse.Namespace) -> None:
