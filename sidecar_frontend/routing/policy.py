@@ -20,7 +20,8 @@ second time, and its copy takes the room of as many tokens of other prefixes, wh
 prefilled again later. Without it a turn of a conversation left the worker holding the
 conversation whenever another request's prefill there was about as long as the turn's own, and
 the hit was lost for nothing (``python -m bench.kv_routing``, two frontends on multi-turn
-conversations: 77.9-79.8 % of hits against one frontend's 80.3-80.8 %; with it 80.5-80.8 %).
+conversations: 77.9-79.8 % of hits against one frontend's 80.3-80.8 %; with it, and the
+hot-spot slack of 4, 80.0-80.8 % against 80.5-80.8 %: bench/README.md).
 
 Ties go to the worker this frontend has sent the fewest requests, then at random. A prompt no
 worker holds any of (a conversation's first turn, a new system prompt) costs the same on every
