@@ -209,7 +209,7 @@ class Router:
         decision = choose(
             [
                 _new_tuple(Candidate, (address, cached_at(address, 0), running, queued, sent_to(address, 0)))
-                for address, _, _, running, queued in targets
+                for address, running, queued in map(_LOAD_FIELDS, targets)
             ],
             len(tokens),
             self._rand,
@@ -252,6 +252,7 @@ _new_tuple: Final = tuple.__new__
 _ADDRESS: Final = itemgetter(Target._fields.index("address"))
 _BLOCK_SIZE: Final = itemgetter(Target._fields.index("block_size"))
 _PUBLISHES: Final = itemgetter(Target._fields.index("publishes"))
+_LOAD_FIELDS: Final = itemgetter(*map(Target._fields.index, ("address", "running", "queued_prefill_tokens")))
 
 
 def _block_size(target: Target) -> int:
