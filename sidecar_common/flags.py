@@ -39,6 +39,7 @@ __all__ = [
     "FlagParser",
     "FlagSources",
     "annotate_env_help",
+    "at_least_arg",
     "bind_host_arg",
     "env_var_for",
     "flag_sources",
@@ -229,6 +230,23 @@ def seconds_arg(*, allow_zero: bool) -> Callable[[str], float]:
         return value
 
     convert.__name__ = "seconds"
+    return convert
+
+
+def at_least_arg(lowest: float, *, whole: bool = False) -> Callable[[str], float]:
+    """A flag type: a finite number (an integer if ``whole``) of ``lowest`` or more."""
+    kind = "a whole number" if whole else "a number"
+
+    def convert(text: str) -> float:
+        try:
+            value: float = int(text) if whole else float(text)
+        except ValueError:
+            value = math.nan
+        if not lowest <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"expected {kind} of {lowest:g} or more, got {text!r}")
+        return value
+
+    convert.__name__ = "number"
     return convert
 
 

@@ -31,7 +31,7 @@ Nothing depends on Python's salted ``hash()`` or on the platform, so every proce
 
 Cost (``python -m bench.kv_keys``; CPython 3.11, numpy 2.4, this repository's 2-core machine):
 layout 1 (one BLAKE2b call per block) took 321 µs for the 512 keys of 8,192 tokens; layout 2
-takes about 37 µs from a request message's repeated field (numpy reads it natively in 4 µs),
+takes about 31 µs from a request message's repeated field (numpy reads it natively in 4 µs),
 about 95 from a Python list (reading 8,192 Python ints costs 57). A KV event's few blocks take
 the middle way (values in numpy, chain in Python): 8 blocks of 16 in 11 µs (BLAKE2b: 5).
 """

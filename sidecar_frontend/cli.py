@@ -8,8 +8,7 @@ variable, and nothing here does network I/O.
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -18,6 +17,7 @@ from sidecar_common.flags import (
     FlagParser,
     FlagSources,
     annotate_env_help,
+    at_least_arg,
     flag_sources,
     listen_arg,
     parse_with_env,
@@ -107,26 +107,9 @@ def _formats(text: str) -> tuple[str, ...]:
     return names
 
 
-def _at_least(lowest: float, *, whole: bool = False) -> Callable[[str], float]:
-    """A flag type: a finite number (an integer if ``whole``) of ``lowest`` or more."""
-    kind = "a whole number" if whole else "a number"
-
-    def convert(text: str) -> float:
-        try:
-            value: float = int(text) if whole else float(text)
-        except ValueError:
-            value = math.nan
-        if not lowest <= value < math.inf:
-            raise argparse.ArgumentTypeError(f"expected {kind} of {lowest:g} or more, got {text!r}")
-        return value
-
-    convert.__name__ = "number"
-    return convert
-
-
-_ratio: Final = _at_least(1.0)
-_count: Final = _at_least(0, whole=True)
-_weight: Final = _at_least(0.0)
+_ratio: Final = at_least_arg(1.0)
+_count: Final = at_least_arg(0, whole=True)
+_weight: Final = at_least_arg(0.0)
 
 
 def _refuse_inapplicable(ns: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ import structlog
 
 from sidecar_command import main
 from sidecar_common.endpoint import Endpoint
-from sidecar_common.flags import env_var_for, listen_arg
+from sidecar_common.flags import at_least_arg, env_var_for, listen_arg
 from sidecar_common.logs import OUR_LOGGERS, configure_logging, default_log_format
 from sidecar_server.cli import ENV_PREFIX, build_parser, parse_config
 from sidecar_server.config import EngineSpec, SidecarConfig
@@ -479,3 +479,38 @@ def test_a_usage_error_names_only_the_variables_of_flags_it_names(capsys: pytest
     # --metrics-host came from the command line: no variable to name; the others are not named.
     assert "--metrics-host needs --metrics-port" in err
     assert "SIDECAR_" not in err
+
+
+@pytest.mark.parametrize(
+    ("lowest", "whole", "text", "value"),
+    [
+        (1.0, False, "1", 1.0),
+        (1.0, False, "2.5", 2.5),
+        (0.0, False, "0", 0.0),
+        (0, True, "0", 0),
+        (0, True, "7", 7),
+    ],
+)
+def test_at_least_arg_takes_numbers_from_its_bound(
+    lowest: float, whole: bool, text: str, value: float
+) -> None:
+    parsed = at_least_arg(lowest, whole=whole)(text)
+    assert parsed == value
+    assert type(parsed) is (int if whole else float)
+
+
+@pytest.mark.parametrize(
+    ("lowest", "whole", "text"),
+    [
+        (1.0, False, "0.99"),
+        (0.0, False, "-1"),
+        (0.0, False, "nan"),
+        (0.0, False, "inf"),
+        (0.0, False, "x"),
+        (0, True, "-1"),
+        (0, True, "1.5"),
+    ],
+)
+def test_at_least_arg_refuses_naming_the_bound(lowest: float, whole: bool, text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=f"of {lowest:g} or more, got {text!r}"):
+        at_least_arg(lowest, whole=whole)(text)
