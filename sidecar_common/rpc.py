@@ -7,16 +7,26 @@ catches a call that ignores it. Failures come out as typed errors, named after t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Final, Generic, TypeVar
 
 import anyio
 import grpc
 
-from sidecar_common.errors import FailureReason, SidecarError, from_rpc_error
+from sidecar_common.errors import FailureReason, SidecarError, decode_rpc_error, from_rpc_error
 from sidecar_common.pool import ChannelPool, Deadline, NotReady, RetryPolicy
 
-__all__ = ["GRACE", "NotHealthy", "StubCache", "bounded_call", "discovery_timeout", "probe"]
+__all__ = [
+    "GRACE",
+    "NotHealthy",
+    "StubCache",
+    "bounded_call",
+    "call_failures",
+    "cancel_is_ours",
+    "discovery_timeout",
+    "probe",
+]
 
 GRACE: Final = 0.5
 
@@ -48,14 +58,44 @@ class StubCache(Generic[S]):
         self._stubs.clear()
 
 
-async def bounded_call(rpc: str, timeout: float, call: Callable[[float], Awaitable[T]]) -> T:
-    """``call(timeout)``; an RpcError becomes the typed error of the status table, no answer
-    in time CONNECTION_TIMEOUT."""
+def cancel_is_ours() -> bool:
+    """Whether a ``CancelledError`` just caught around a grpc.aio call cancels the calling task
+    (someone cancelled it: a cancel scope, a task group), rather than ending the call alone.
+
+    grpc.aio raises a bare ``CancelledError`` out of a call that was cancelled locally while
+    nobody cancelled the task: its channel was closed under it (a redial retiring the old
+    connections, a pool closing). That is a failed call, and must not pass for a cancel of the
+    task, which a task group would take as a request to stop. A real cancel of the task goes
+    through ``Task.cancel()`` (anyio's scopes and asyncio's timeouts alike), which
+    ``Task.cancelling()`` counts until it is taken back."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
+@contextmanager
+def call_failures(rpc: str, *, engine: bool = False) -> Iterator[None]:
+    """Around one grpc.aio call (unary or a stream being read): its failures typed. An
+    ``RpcError`` becomes the error of the status table (an engine's when ``engine``, else a
+    worker's); a ``CancelledError`` that is not a cancel of this task (:func:`cancel_is_ours`)
+    becomes CANNOT_CONNECT, so retries and supervision treat it as the broken call it is."""
     try:
-        with anyio.fail_after(timeout + GRACE):
-            return await call(timeout)
+        yield
     except grpc.RpcError as err:
-        raise from_rpc_error(rpc, err) from None
+        raise (from_rpc_error(rpc, err) if engine else decode_rpc_error(err)) from None
+    except asyncio.CancelledError:
+        if cancel_is_ours():
+            raise
+        raise SidecarError(
+            FailureReason.CANNOT_CONNECT, f"{rpc}: the call was cancelled under us (its connection closed)"
+        ) from None
+
+
+async def bounded_call(rpc: str, timeout: float, call: Callable[[float], Awaitable[T]]) -> T:
+    """``call(timeout)``; its failures typed as :func:`call_failures` does for an engine's, no
+    answer in time CONNECTION_TIMEOUT."""
+    try:
+        with anyio.fail_after(timeout + GRACE), call_failures(rpc, engine=True):
+            return await call(timeout)
     except TimeoutError:
         raise SidecarError(FailureReason.CONNECTION_TIMEOUT, f"{rpc}: no answer in {timeout:.3f}s") from None
 
