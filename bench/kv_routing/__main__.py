@@ -251,10 +251,12 @@ def markdown(report: dict[str, Any]) -> str:
             "Routing decision, CPU µs per call (min over rounds): the whole `Router.choose` of a "
             "request message's prompt (`prompt_of`, as the frontend routes), its keys "
             "(`block_keys`) and its walk (`BlockIndex.match`); and `Router.choose` given the "
-            "token ids as a Python list instead (reading 8,192 Python ints costs about 57 µs)",
+            "token ids as a Python list instead (reading 8,192 Python ints costs about 57 µs); "
+            "`Router.choose` with routing approx (it also stores the prompt's blocks, and expires "
+            "an earlier store)",
             "",
-            "| prompt tokens | workers | choose | keys | walk | choose from a list |",
-            "|---|---|---|---|---|---|",
+            "| prompt tokens | workers | choose | keys | walk | choose from a list | choose, approx |",
+            "|---|---|---|---|---|---|---|",
         ]
         for d in report["micro"]["decisions"]:
             cells = [
@@ -264,6 +266,7 @@ def markdown(report: dict[str, Any]) -> str:
                 d["keys_us"],
                 d["walk_us"],
                 d.get("choose_from_list_us", "-"),
+                d.get("approx_choose_us", "-"),
             ]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
         m = report["micro"]["memory"]
