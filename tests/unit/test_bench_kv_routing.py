@@ -3,14 +3,17 @@ bound it checks the hit rate against."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from bench.kv_routing import micro
 from bench.kv_routing.__main__ import _half_shared, markdown, summarize, targets
+from bench.kv_routing.ab import load_routing_at
 from bench.kv_routing.fleet import Completed, FleetSpec
 from bench.kv_routing.oracle import best_hits
 from bench.kv_routing.sim import simulate_multi_turn, simulate_shared
 from bench.kv_routing.workloads import MultiTurn, SharedPrefix, multi_turn, shared_prefix
+from sidecar_frontend.routing import router as router_module
 
 
 def test_shared_prefix_requests_share_their_group_prefix_and_arrive_in_order() -> None:
@@ -57,8 +60,27 @@ def test_capacity_holds_about_half_the_distinct_prefixes() -> None:
 
 def test_decision_cost_runs_the_real_router_and_reports_its_parts() -> None:
     row = micro.decision_cost(256, 3, rounds=1, budget_s=0.001)
-    assert set(row) == {"prompt_tokens", "workers", "choose_us", "choose_from_list_us", "keys_us", "walk_us"}
+    assert set(row) == {
+        "prompt_tokens",
+        "workers",
+        "choose_us",
+        "choose_from_list_us",
+        "keys_us",
+        "walk_us",
+        "approx_choose_us",
+    }
     assert row["choose_us"] > 0
+    assert row["approx_choose_us"] > 0
+
+
+def test_the_ab_loads_another_commits_routing_beside_the_working_trees(tmp_path: Path) -> None:
+    base = load_routing_at("HEAD", tmp_path)
+    assert base is not router_module
+    assert base.Router is not router_module.Router
+    calls = micro.decision_setup(256, 3, base)
+    assert base.Router.__module__ == base.__name__
+    for call in calls.values():
+        call()
 
 
 def test_index_memory_is_reported_per_million_blocks() -> None:
