@@ -41,15 +41,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import reduce
-from itertools import repeat
-from operator import or_
 from typing import Final
-
-from sidecar_common.kv_keys import KeyChain
 
 __all__ = ["BYTES_PER_ENTRY", "BYTES_PER_KEY", "BlockIndex", "IndexStats", "as_mapping"]
 
@@ -145,13 +140,13 @@ class BlockIndex:
         lookup per block (512 blocks: 93 µs walked, a few µs bisected). Were a worker to hold
         a block without one before it, its count would be the end of some run of blocks it
         holds, not necessarily the first."""
-        candidates = reduce(or_, map(self._bit_of.get, among, repeat(0)), 0)
+        candidates = 0
+        for worker in among:
+            candidates |= self._bit_of.get(worker, 0)
         found: dict[str, int] = {}
         if not candidates or not keys:
             return found
-        get = self._holders.get
-        name_of = self._name_of
-        key_at = keys.at if isinstance(keys, KeyChain) else keys.__getitem__
+        holders = self._holders
         # (lo, hi, workers): each of these workers holds between lo and hi leading blocks.
         pending = [(0, len(keys), candidates)]
         while pending:
@@ -159,11 +154,11 @@ class BlockIndex:
             if lo == hi:
                 while lo and workers:  # each set bit: a worker holding lo blocks
                     low = workers & -workers
-                    found[name_of[low.bit_length() - 1]] = lo
+                    found[self._name_of[low.bit_length() - 1]] = lo
                     workers ^= low
                 continue
             mid = (lo + hi + 1) // 2
-            holding = get(key_at(mid - 1), 0) & workers
+            holding = holders.get(keys[mid - 1], 0) & workers
             if holding:
                 pending.append((mid, hi, holding))
             if holding != workers:
@@ -171,13 +166,9 @@ class BlockIndex:
         # The longest matched prefix, touched from its last block to its first.
         longest = max(found.values(), default=0)
         if longest and self._max_bytes is not None and 2 * self.bytes > self._max_bytes:
-            holders = self._holders
-            try:
-                deque(map(holders.move_to_end, reversed(keys[:longest])), maxlen=0)
-            except KeyError:  # a count past a hole (see above): touch what is there, in order
-                for key in reversed(keys[:longest]):
-                    if key in holders:
-                        holders.move_to_end(key)
+            for key in reversed(keys[:longest]):
+                if key in holders:  # not always, past a hole (see above)
+                    holders.move_to_end(key)
         return found
 
     # ---------------------------------------------------------------- writing

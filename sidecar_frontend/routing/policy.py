@@ -47,8 +47,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
-from typing import Final, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["Candidate", "Decision", "PolicyConfig", "Reason", "choose"]
 
@@ -71,10 +70,6 @@ class Candidate(NamedTuple):
     running: int = 0  # requests in flight there (every frontend's)
     queued_prefill_tokens: int = 0  # this frontend's prefill waiting there
     sent: int = 0  # requests this frontend has sent there (ties go to the fewest)
-
-
-_CACHED: Final = itemgetter(Candidate._fields.index("cached_tokens"))
-_RUNNING: Final = itemgetter(Candidate._fields.index("running"))
 
 
 @dataclass(frozen=True)
@@ -114,23 +109,22 @@ def choose(
     """The cheapest of ``candidates`` for a prompt of ``prompt_tokens`` (None: no candidate)."""
     if not candidates:
         return None
-    # Tuple fields by position (Candidate's order), in C-level passes: a decision makes these
-    # passes over every worker, so they are a good part of its cost with many workers.
-    least_busy = min(map(_RUNNING, candidates))
+    least_busy = min(c.running for c in candidates)
     hot_above = config.hot_spot_ratio * least_busy + config.hot_spot_slack
     per_running = config.running_request_tokens
-    longest = max(map(_CACHED, candidates))
+    longest = max(c.cached_tokens for c in candidates)
     # The module's cost less what every candidate pays alike (the prompt, and the best holder's
     # prefix times the weight): each token held there counts 1 + left_behind_weight.
     per_held = 1.0 + config.left_behind_weight
     best_cost = math.inf
     cheapest: list[Candidate] = []
     for candidate in candidates:
-        _, cached, running, queued, _ = candidate  # unpacked: cheaper than five attribute reads
-        if running > hot_above:
+        if candidate.running > hot_above:
             continue
         cost = (
-            queued + running * per_running - (cached if cached < prompt_tokens else prompt_tokens) * per_held
+            candidate.queued_prefill_tokens
+            + candidate.running * per_running
+            - min(candidate.cached_tokens, prompt_tokens) * per_held
         )
         if cost < best_cost:
             best_cost = cost
