@@ -8,14 +8,14 @@ the wire bytes (:mod:`sidecar_sglang.grpc_events`). The rules are :class:`Sglang
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final
 
 import grpc
 
 from sidecar_common.api import sglang_pb2, sglang_pb2_grpc
-from sidecar_common.errors import from_rpc_error, protocol_error
+from sidecar_common.errors import protocol_error, rpc_status
 from sidecar_common.pool import Clock, Connector, Deadline, is_transient
 from sidecar_common.rpc import NotHealthy
 from sidecar_common.tracing import outgoing_headers
@@ -27,6 +27,7 @@ from sidecar_sglang.convert_request import NativeRequest, Transport, to_grpc
 from sidecar_sglang.convert_response import NativeEvent
 from sidecar_sglang.engine import SglangEngine, random_room
 from sidecar_sglang.grpc_events import GrpcEventDecoder
+from sidecar_sglang.refusals import generate_error
 from sidecar_sglang.transport import EngineFacts, StreamCut
 
 __all__ = ["GrpcTransport", "over_grpc"]
@@ -137,7 +138,7 @@ class GrpcTransport:
         request = to_grpc(native)
         request.trace_headers.update(outgoing_headers())  # the request's trace context
         call = self._generate.next()(request)
-        events = self._events(call, GrpcEventDecoder(native, cumulative=cumulative).decode)
+        events = self._events(call, GrpcEventDecoder(native, cumulative=cumulative).decode, native.input_ids)
         try:
             yield events
         finally:
@@ -149,6 +150,7 @@ class GrpcTransport:
         self,
         call: grpc.aio.UnaryStreamCall[sglang_pb2.GenerateRequest, bytes],
         decode: Callable[[bytes], NativeEvent],
+        prompt: Sequence[int],
     ) -> AsyncGenerator[NativeEvent]:
         try:
             async for message in call:
@@ -156,7 +158,7 @@ class GrpcTransport:
         except grpc.RpcError as err:
             # SGLang ends a stream it aborted at our request with CANCELLED and no terminal.
             abort_echo = err.code() == grpc.StatusCode.CANCELLED
-            raise StreamCut(from_rpc_error("Generate", err), abort_echo=abort_echo) from None
+            raise StreamCut(generate_error(*rpc_status(err), prompt), abort_echo=abort_echo) from None
 
     async def abort(self, rid: str, timeout: float) -> None:
         request = sglang_pb2.AbortRequest(rid=rid, abort_all=False)

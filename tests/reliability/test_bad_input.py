@@ -209,33 +209,11 @@ async def answer(r: Rig, req: sidecar_pb2.PreprocessedRequest) -> tuple[Ended, b
     return ended, saw
 
 
-# SGLang's discovery reports no vocabulary size, so a prompt with an id outside the vocabulary
-# reaches SGLang's gRPC server, which refuses it (before any output) with status INTERNAL: the
-# sidecar reports UNKNOWN. Pinned by test_sglang_grpc_engine_refusals_are_invalid_argument
-# (xfail, defect). That one case, and no other SGLang INTERNAL, is recognised here.
-def known_sglang_grpc_refusal(
-    kind: Kind, req: sidecar_pb2.PreprocessedRequest, ended: Ended, engine_saw_it: bool, vocab_size: int
-) -> bool:
-    details = (ended.error.details() if ended.error is not None else "") or ""
-    return (
-        kind == "sglang-grpc"
-        and engine_saw_it
-        and not ended.outs
-        and ended.code is grpc.StatusCode.UNKNOWN
-        and any(t >= vocab_size for t in req.token_ids)
-        and details.startswith("Generate: The input_ids ")
-        and "are outside the vocabulary" in details
-        and details.endswith("(INTERNAL)")
-    )
-
-
 def check(
     kind: Kind, req: sidecar_pb2.PreprocessedRequest, ended: Ended, engine_saw_it: bool, vocab_size: int
 ) -> None:
     if ended.error is None:
         return  # a stream: accepted and served
-    if known_sglang_grpc_refusal(kind, req, ended, engine_saw_it, vocab_size):
-        return
     details = ended.error.details() or ""
     assert ended.code is grpc.StatusCode.INVALID_ARGUMENT, (ended.code, details, req)
     assert error_reason(ended.error) == ("INVALID_ARGUMENT", "false"), details
@@ -304,21 +282,7 @@ def test_non_finite_sampling_floats_are_refused_by_name(stack: Background, value
     check(stack.rig.kind, req, ended, saw, stack.rig.model.vocab_size)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            "out_of_vocabulary",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="defect: SGLang's discovery reports no vocab size, so an out-of-vocabulary id "
-                "reaches the engine, whose INTERNAL refusal reaches the frontend as UNKNOWN",
-            ),
-        ),
-        "too_long",
-        "dp_rank",
-    ],
-)
+@pytest.mark.parametrize("case", ["out_of_vocabulary", "too_long", "dp_rank"])
 def test_sglang_grpc_engine_refusals_are_invalid_argument(case: str) -> None:
     req = request("refused", [32000] if case == "out_of_vocabulary" else [101] * 5000, 4)
     if case == "dp_rank":
@@ -328,7 +292,16 @@ def test_sglang_grpc_engine_refusals_are_invalid_argument(case: str) -> None:
     try:
         ended, engine_saw_it = bg.run(answer(bg.rig, req))
         assert ended.code is grpc.StatusCode.INVALID_ARGUMENT, (ended.code, ended.error)
-        assert not engine_saw_it, "refused by name before any engine call"
+        if case == "out_of_vocabulary":
+            # SGLang reports no vocabulary size, so only the engine can refuse this one: its
+            # INTERNAL refusal reaches the client as its mistake, in SGLang's words.
+            assert ended.error is not None
+            assert in_the_engines_words(ended.error)
+            assert ended.error.details() == (
+                "input_ids contains out-of-vocabulary token id 32000; valid range is [0, 32000)."
+            )
+        else:
+            assert not engine_saw_it, "refused by name before any engine call"
     finally:
         bg.close()
 

@@ -139,7 +139,10 @@ def check_request(cfg: SglangEngineConfig, req: NativeRequest) -> tuple[NativeRe
         raise RequestRejected("The input_ids is empty; at least one token is required.")
     bad = [t for t in req.input_ids if t < 0 or t >= cfg.vocab_size]
     if bad:
-        raise RequestRejected(f"The input_ids {bad[:4]} are outside the vocabulary [0, {cfg.vocab_size}).")
+        # SGLang's HTTP server's sentence (sglang-server's request checks), naming the first.
+        raise RequestRejected(
+            f"input_ids contains out-of-vocabulary token id {bad[0]}; valid range is [0, {cfg.vocab_size})."
+        )
     dp = cfg.dp_size
     rank = req.routed_dp_rank
     if rank is not None and not (dp <= 1 and rank == 0) and not 0 <= rank < dp:

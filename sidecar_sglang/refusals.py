@@ -1,0 +1,61 @@
+"""How a failed SGLang gRPC ``Generate`` reads: a refusal of the prompt, or an engine fault (pure).
+
+SGLang's Rust gRPC server ends a stream with INTERNAL and the text of every error its Python
+bridge reports, a refusal of the request or a failure alike (docs/sglang.md, "Refusals only
+SGLang makes, over gRPC"). Most refusals the sidecar makes first, from what discovery tells.
+One it cannot: a prompt id outside the vocabulary. SGLang learns its vocabulary size from the
+model's own configuration (``ModelConfig.vocab_size``, the Hugging Face config's
+``vocab_size``) and reports it on none of its info calls (``/model_info``, ``/server_info``,
+``/v1/models``, and over gRPC ``GetModelInfo``, ``GetServerInfo``, ``ListModels``), so the
+sidecar has nothing to check the ids against. SGLang's HTTP server refuses such a prompt with a
+400 and the sentence below; an engine that gives the same refusal over gRPC arrives as INTERNAL
+with those words. So that sentence, naming an id the request's prompt holds outside the range
+it states, is read as the client's mistake (INVALID_ARGUMENT in SGLang's words, as its HTTP
+server answers it); any other INTERNAL stays an engine fault (UNKNOWN), as before.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Final
+
+import grpc
+
+from sidecar_common.errors import FailureReason, SidecarError, engine_words, from_engine_status
+
+__all__ = ["OUT_OF_VOCABULARY", "generate_error", "out_of_vocabulary"]
+
+_CALL: Final = "Generate"
+
+# SGLang 0.5.23's refusal of a prompt id outside the vocabulary (its Rust HTTP server,
+# sglang-server's request checks; the same sentence as the tokenizer manager's for
+# token_ids_logprob), whole: the id it names and the vocabulary size.
+OUT_OF_VOCABULARY: Final = re.compile(
+    r"input_ids contains out-of-vocabulary token id (-?[0-9]+); valid range is \[0, ([0-9]+)\)\."
+)
+
+
+def out_of_vocabulary(token_id: int, vocab_size: int) -> str:
+    """SGLang's sentence for a prompt holding ``token_id`` outside ``[0, vocab_size)``."""
+    return f"input_ids contains out-of-vocabulary token id {token_id}; valid range is [0, {vocab_size})."
+
+
+def generate_error(code: grpc.StatusCode, details: str | None, prompt: Sequence[int]) -> SidecarError:
+    """The typed error of a failed ``Generate`` of ``prompt``: SGLang's refusal of one of its
+    ids as outside the vocabulary is INVALID_ARGUMENT in SGLang's words; anything else as every
+    engine status reads."""
+    if code is grpc.StatusCode.INTERNAL and details and _refuses_prompt_id(details, prompt):
+        return engine_words(FailureReason.INVALID_ARGUMENT, details, _CALL, code.name)
+    return from_engine_status(_CALL, code, details)
+
+
+def _refuses_prompt_id(details: str, prompt: Sequence[int]) -> bool:
+    # The whole text must be the sentence, and what it names must be true of this request: an
+    # id of its prompt, outside the range stated. A failure that merely quotes the words is not
+    # a refusal.
+    match = OUT_OF_VOCABULARY.fullmatch(details)
+    if match is None:
+        return False
+    token_id, vocab_size = int(match.group(1)), int(match.group(2))
+    return not 0 <= token_id < vocab_size and token_id in prompt
