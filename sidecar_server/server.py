@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import anyio
@@ -19,28 +19,23 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from structlog.typing import FilteringBoundLogger
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import (
-    FailureReason,
-    SidecarError,
-    engine_went_away,
-    is_engine_fault,
-    to_rpc_status,
-)
+from sidecar_common.errors import FailureReason, SidecarError, to_rpc_status
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
-from sidecar_common.pool import ReportSchedule
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata
-from sidecar_server.background import BackgroundTasks
 from sidecar_server.dispatch import (
     CancelCause,
     Generation,
+    Inflight,
     Registry,
     new_public_id,
 )
 from sidecar_server.engine import Engine, GenerateCall
-from sidecar_server.health import FAILURE_THRESHOLD, HealthStreak, Probe, after_engine_fault
+from sidecar_server.engine_health import EngineHealthMonitor
+from sidecar_server.health import FAILURE_THRESHOLD
 from sidecar_server.kv_hub import KvCacheHub
 from sidecar_server.metrics import Metrics
 from sidecar_server.relay import RelayConfig, relay
@@ -155,6 +150,19 @@ async def _fail(context: _Context, error: SidecarError) -> NoReturn:
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
+@dataclass
+class _Run:
+    """One admitted Generate call: its request (named), its registry entry, its generation,
+    and what its one "generate finished" line says about how it ended."""
+
+    request: sidecar_pb2.PreprocessedRequest
+    entry: Inflight
+    gen: Generation
+    log: FilteringBoundLogger  # bound to the call's public and private ids
+    started_at: float  # monotonic
+    outcome: dict[str, str] = field(default_factory=dict)
+
+
 class _Worker(sidecar_pb2_grpc.WorkerServicer):
     def __init__(self, owner: SidecarServer) -> None:
         self._owner = owner
@@ -222,18 +230,18 @@ class SidecarServer:
         self._server: grpc.aio.Server | None = None
         self._port = 0
         self._serving = False  # engine connected and discovered
-        self._engine_ok = True  # the health watch's verdict
-        self._engine_problem = ""  # why the engine was last found unhealthy
-        self._streak = HealthStreak(config.health_failure_threshold)
-        self._down_since = 0.0  # when the engine was last found unhealthy (monotonic)
-        self._down_reports = ReportSchedule()
-        # The probes run after an engine fault; concurrent faults share them.
-        self._fault_check: asyncio.Task[tuple[Probe, str]] | None = None
+        # The health watch and the probes after an engine fault: stop() ends them.
+        self._engine_health = EngineHealthMonitor(
+            engine,
+            watch_interval=config.health_watch_interval,
+            probe_timeout=config.health_probe_timeout,
+            failure_threshold=config.health_failure_threshold,
+            fault_window=config.engine_fault_window,
+            on_change=self._engine_health_changed,
+            internal_error=self._internal_error,
+        )
         self._draining = False
         self._stopped = False
-        # The health watch and the probes after an engine fault: stop() ends them.
-        self._background = BackgroundTasks("sidecar server")
-        self._watch: asyncio.Task[None] | None = None
         # The drain's wait for in-flight work; cancel_inflight() ends it early.
         self._drain_wait: anyio.CancelScope | None = None
 
@@ -308,13 +316,10 @@ class SidecarServer:
     def set_serving(self) -> None:
         """The engine is connected and discovered: accept requests and watch its health."""
         self._serving = True
-        self._engine_ok = True
-        self._streak.reset(True)
+        self._engine_health.start()
         if self._metrics is not None:
             self._metrics.set_engine_connected(True)
         self._update_health()
-        if self._watch is None:
-            self._watch = self._background.spawn(self._health_watch, "health watch")
 
     async def drain(self) -> None:
         """Refuse new work, let in-flight work finish up to drain_timeout, cancel the rest."""
@@ -357,8 +362,7 @@ class SidecarServer:
             return
         self._stopped = True
         self.cancel_inflight()
-        await self._background.close(self._config.health_probe_timeout)
-        self._watch = self._fault_check = None
+        await self._engine_health.close()
         if self._server is not None:
             # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
             # engine abort; the grace lets those statuses reach the clients, where stop(None)
@@ -377,7 +381,7 @@ class SidecarServer:
         return self._registry.inflight >= self._config.coalesce_min_inflight
 
     def _update_health(self) -> None:
-        accepting = self._serving and self._engine_ok and not self._draining
+        accepting = self._serving and self._engine_health.healthy and not self._draining
         self._health.set(_SERVING if accepting else _NOT_SERVING)
 
     def _refusal(self) -> SidecarError | None:
@@ -385,157 +389,62 @@ class SidecarServer:
             return SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is draining")
         if not self._serving:
             return SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving")
-        if not self._engine_ok:
+        if not self._engine_health.healthy:
             return SidecarError(
                 FailureReason.CANNOT_CONNECT,
-                f"{self._engine.name} engine is unhealthy or unreachable: {self._engine_problem}",
+                f"{self._engine.name} engine is unhealthy or unreachable: {self._engine_health.problem}",
             )
         return None
 
-    async def _health_watch(self) -> None:
-        while True:
-            await anyio.sleep(self._config.health_watch_interval)
-            probe, why = await self._probe_engine()
-            streak = self._streak
-            change = streak.observe(probe)
-            if change is not None:
-                self._set_engine_ok(change, why)
-            elif probe is not Probe.HEALTHY and streak.healthy:
-                # Below the threshold: said once per failed probe, so a busy engine's late
-                # answers are visible before (and without) any verdict.
-                _log.warning(
-                    "engine health probe late" if probe is Probe.LATE else "engine health probe failed",
-                    reason=why,
-                    failures=streak.failures,
-                    threshold=streak.threshold,
-                )
-            elif probe is not Probe.HEALTHY:
-                # Still down: said again at a growing interval (never silence for minutes
-                # while the channels reconnect), with the probe's latest reason.
-                self._report_still_down(why)
-
-    async def _probe_engine(self) -> tuple[Probe, str]:
-        """One bounded probe of the engine, and why it did not find it healthy."""
-        timeout = self._config.health_probe_timeout
-        try:
-            # asyncio's own timeout, not an anyio scope: these probes run in plain asyncio
-            # tasks, where an anyio scope's repeated cancel delivery could outlive the scope
-            # (seen under CPU starvation: a stray CancelledError ended the probing task).
-            async with asyncio.timeout(timeout):
-                answer = await self._engine.health()
-        except TimeoutError as exc:
-            return Probe.LATE, str(exc) or f"no health check answer within {timeout:g}s"
-        except SidecarError as err:
-            return Probe.UNHEALTHY, f"health check failed: {err.message}"
-        except Exception as exc:
-            return Probe.UNHEALTHY, self._internal_error("health_watch", exc).message
-        if answer.healthy:
-            return Probe.HEALTHY, ""
-        return Probe.UNHEALTHY, answer.problem or "the health check answered not serving"
-
-    def _report_still_down(self, why: str) -> None:
-        now = time.monotonic()
-        interval = self._down_reports.due(now)
-        if interval is not None:
-            _log.warning(
-                "engine still unhealthy: refusing new requests",
-                reason=why,
-                down_secs=round(now - self._down_since, 1),
-                next_report_secs=interval,
-            )
-
-    def _set_engine_ok(self, ok: bool, why: str) -> None:
-        if ok == self._engine_ok:
-            return
-        self._engine_ok = ok
-        if ok:
-            _log.info("engine healthy again")
-        else:
-            # The verdict line is the first report; the schedule spaces out the next ones.
-            self._down_since = time.monotonic()
-            self._down_reports = ReportSchedule()
-            self._down_reports.due(self._down_since)
-            self._engine_problem = why
-            _log.warning("engine unhealthy: refusing new requests", reason=why)
+    def _engine_health_changed(self, ok: bool, why: str) -> None:
         if self._metrics is not None:
             self._metrics.set_engine_connected(ok)
         self._update_health()
         if self._engine_health_listener is not None:
             self._engine_health_listener(ok, why)
 
-    async def _typed_engine_fault(self, error: SidecarError) -> SidecarError:
-        """An engine fault (an untyped engine error) that comes with, or is followed within
-        ``engine_fault_window`` by, the engine reporting itself unhealthy is the engine going
-        away: migratable. Anything else stands as it was."""
-        if not is_engine_fault(error):
-            return error
-        if not self._engine_ok:
-            return engine_went_away(error, self._engine_problem)
-        check = self._fault_check
-        if check is None or check.done():
-            check = self._fault_check = self._background.spawn(
-                self._probe_after_fault, "probe after engine fault"
-            )
-        if check is None:
-            return error  # the server is stopping: no verdict, the failure stands
-        try:
-            probe, why = await asyncio.shield(check)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # this call is being cancelled (the client left, the server stops)
-            # Only the shared probing was cut short: no verdict, the failure stands.
-            return error
-        return after_engine_fault(error, probe, why) or error
-
-    async def _probe_after_fault(self) -> tuple[Probe, str]:
-        """Probe until the engine reports itself unhealthy or the window closes; the last
-        probe's outcome. A confirmed departure also turns health NOT_SERVING at once: no new
-        request should follow the failed ones there."""
-        window = self._config.engine_fault_window
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + window
-        probe, why = Probe.LATE, "no health check answer in time"
-        try:
-            async with asyncio.timeout_at(deadline):
-                while True:
-                    probe, why = await self._probe_engine()
-                    if probe is Probe.UNHEALTHY:
-                        self._streak.reset(False)
-                        self._set_engine_ok(False, why)
-                        break
-                    await asyncio.sleep(window / 10)
-        except TimeoutError:
-            pass  # the window closed: the last probe's outcome stands
-        return probe, why
-
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: _Context) -> None:
+        """One Generate call: admitted (or refused), run, then concluded: its status, its
+        metrics and its one "generate finished" line."""
         started_at = time.monotonic()
-        metrics = self._metrics
-        if metrics is not None:
-            metrics.arrived()
-        # A bad request is refused as such whatever the engine's state (it would fail on
-        # any worker, so it must not look migratable); validation needs the discovered
-        # engine, hence after the not-serving check.
-        refusal = (
-            None if self._serving else SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving")
-        )
-        native: object = None
-        if refusal is None:
+        if self._metrics is not None:
+            self._metrics.arrived()
+        run = await self._admit(request, context, started_at)
+        try:
+            await self._run(run, context)
+        except SidecarError as failure:
             try:
-                native = self._engine.validate(request)
-            except SidecarError as err:
-                refusal = err
-            except Exception as exc:
-                refusal = self._internal_error("validate", exc)
-        if refusal is None:
-            refusal = self._refusal()
+                typed = await self._engine_health.typed_fault(failure)
+            except asyncio.CancelledError:
+                # The client went away while the engine's health was being asked.
+                self._client_left(run)
+                raise
+            await self._end_failed(run, context, typed)
+        except asyncio.CancelledError:
+            # The client went away (cancel, deadline, connection lost).
+            self._client_left(run)
+            raise
+        except Exception as exc:
+            # Not a typed error: a bug here or in the engine adapter (the relay has already
+            # aborted the engine request). Logged and counted as such, and the call still
+            # ends with a status the frontend can read (UNKNOWN, ErrorInfo, not migratable).
+            await self._end_failed(run, context, self._internal_error("generate", exc))
+        finally:
+            self._conclude(run)
+
+    async def _admit(
+        self, request: sidecar_pb2.PreprocessedRequest, context: _Context, started_at: float
+    ) -> _Run:
+        """Refuse the call (its status and its one line), or register it and build its
+        generation."""
+        refusal, native = self._refusal_of(request)
         if not request.request_id:
             # Named before anything is logged: a refused request's line carries an id too.
             named = sidecar_pb2.PreprocessedRequest()
             named.CopyFrom(request)
             named.request_id = new_public_id()
             request = named
+        metrics = self._metrics
         if refusal is not None:
             if metrics is not None:
                 metrics.refused(refusal.reason.value)
@@ -552,86 +461,89 @@ class SidecarServer:
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)
         gen = Generation(self._engine, call, abort_timeout=self._config.abort_timeout)
-        tracker = gen.tracker
         if metrics is not None:
             metrics.started()
-        log.debug("generate started", choices=tracker.n, prompt_tokens=len(request.token_ids))
-        # What the one "generate finished" line says about how it ended.
-        outcome: dict[str, str] = {}
+        log.debug("generate started", choices=gen.tracker.n, prompt_tokens=len(request.token_ids))
+        return _Run(request, entry, gen, log, started_at)
+
+    def _refusal_of(self, request: sidecar_pb2.PreprocessedRequest) -> tuple[SidecarError | None, object]:
+        """Why the request is refused (None: admitted), and the engine's native request."""
+        # A bad request is refused as such whatever the engine's state (it would fail on any
+        # worker, so it must not look migratable); validation needs the discovered engine,
+        # hence after the not-serving check.
+        if not self._serving:
+            return SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving"), None
         try:
-            with entry.scope:
-                await relay(
-                    gen,
-                    context.write,
-                    self._relay_config,
-                    metrics=metrics,
-                    started_at=started_at,
-                    under_load=self._under_load,
-                )
-            # Once every terminal was delivered the call is a success, whatever stopped it
-            # while the engine stream was still closing: a migratable error after a complete
-            # answer would have the frontend run the request twice.
-            stopped = entry.scope.cancelled_caught and not tracker.delivered_all
-            if stopped and entry.cause is CancelCause.DRAIN:
-                raise SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
-            if stopped:
-                outcome["cancelled_by"] = "abort_rpc"
-                if tracker.stalled:
-                    # No CANCELLED terminal can follow a write grpc still holds: the status
-                    # says it instead.
-                    raise SidecarError(
-                        FailureReason.CANCELLED, "aborted by request (the frontend was not reading)"
-                    )
-                for terminal in tracker.cancelled_terminals(len(request.token_ids)):
-                    tracker.delivered(terminal)
-                    await context.write(terminal)
-            outcome["finish_reason"] = tracker.last_finish_reason()
-            if metrics is not None:
-                metrics.finished(outcome["finish_reason"])
-        except SidecarError as failure:
-            try:
-                typed = await self._typed_engine_fault(failure)
-            except asyncio.CancelledError:
-                # The client went away while the engine's health was being asked.
-                outcome.update(error_reason=FailureReason.CANCELLED.value, cancelled_by="client")
-                if metrics is not None:
-                    metrics.failed(FailureReason.CANCELLED.value)
-                raise
-            outcome.update(error_reason=typed.reason.value, error=str(typed))
-            if metrics is not None:
-                metrics.failed(typed.reason.value)
-            await _fail(context, typed)
-        except asyncio.CancelledError:
-            # The client went away (cancel, deadline, connection lost).
-            outcome.update(error_reason=FailureReason.CANCELLED.value, cancelled_by="client")
-            if metrics is not None:
-                metrics.failed(FailureReason.CANCELLED.value)
-            raise
+            native = self._engine.validate(request)
+        except SidecarError as err:
+            return err, None
         except Exception as exc:
-            # Not a typed error: a bug here or in the engine adapter (the relay has already
-            # aborted the engine request). Logged and counted as such, and the call still
-            # ends with a status the frontend can read (UNKNOWN, ErrorInfo, not migratable).
-            error = self._internal_error("generate", exc)
-            outcome.update(error_reason=error.reason.value, error=str(error))
-            if metrics is not None:
-                metrics.failed(error.reason.value)
-            await _fail(context, error)
-        finally:
-            self._registry.unregister(entry)
-            duration = time.monotonic() - started_at
-            completion_tokens = tracker.completion_tokens
-            if metrics is not None:
-                metrics.ended(duration, len(request.token_ids), completion_tokens)
-            # One line per request at INFO (never per chunk): what an operator greps for.
-            log.info(
-                "generate finished",
-                duration_secs=round(duration, 6),
-                prompt_tokens=len(request.token_ids),
-                completion_tokens=completion_tokens,
-                engine_aborted=gen.aborted,
-                abort_outcome=gen.abort_outcome,
-                **outcome,
+            return self._internal_error("validate", exc), None
+        return self._refusal(), native
+
+    async def _run(self, run: _Run, context: _Context) -> None:
+        """Relay the engine's stream to the client; raises the typed error the call ends with
+        when it did not end with every terminal delivered."""
+        entry, tracker, metrics = run.entry, run.gen.tracker, self._metrics
+        with entry.scope:
+            await relay(
+                run.gen,
+                context.write,
+                self._relay_config,
+                metrics=metrics,
+                started_at=run.started_at,
+                under_load=self._under_load,
             )
+        # Once every terminal was delivered the call is a success, whatever stopped it
+        # while the engine stream was still closing: a migratable error after a complete
+        # answer would have the frontend run the request twice.
+        stopped = entry.scope.cancelled_caught and not tracker.delivered_all
+        if stopped and entry.cause is CancelCause.DRAIN:
+            raise SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
+        if stopped:
+            run.outcome["cancelled_by"] = "abort_rpc"
+            if tracker.stalled:
+                # No CANCELLED terminal can follow a write grpc still holds: the status
+                # says it instead.
+                raise SidecarError(
+                    FailureReason.CANCELLED, "aborted by request (the frontend was not reading)"
+                )
+            for terminal in tracker.cancelled_terminals(len(run.request.token_ids)):
+                tracker.delivered(terminal)
+                await context.write(terminal)
+        run.outcome["finish_reason"] = tracker.last_finish_reason()
+        if metrics is not None:
+            metrics.finished(run.outcome["finish_reason"])
+
+    async def _end_failed(self, run: _Run, context: _Context, error: SidecarError) -> NoReturn:
+        run.outcome.update(error_reason=error.reason.value, error=str(error))
+        if self._metrics is not None:
+            self._metrics.failed(error.reason.value)
+        await _fail(context, error)
+
+    def _client_left(self, run: _Run) -> None:
+        run.outcome.update(error_reason=FailureReason.CANCELLED.value, cancelled_by="client")
+        if self._metrics is not None:
+            self._metrics.failed(FailureReason.CANCELLED.value)
+
+    def _conclude(self, run: _Run) -> None:
+        """However the call ended: unregistered, measured, and its one line."""
+        self._registry.unregister(run.entry)
+        duration = time.monotonic() - run.started_at
+        prompt_tokens = len(run.request.token_ids)
+        completion_tokens = run.gen.tracker.completion_tokens
+        if self._metrics is not None:
+            self._metrics.ended(duration, prompt_tokens, completion_tokens)
+        # One line per request at INFO (never per chunk): what an operator greps for.
+        run.log.info(
+            "generate finished",
+            duration_secs=round(duration, 6),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            engine_aborted=run.gen.aborted,
+            abort_outcome=run.gen.abort_outcome,
+            **run.outcome,
+        )
 
     def _internal_error(self, where: str, exc: BaseException) -> SidecarError:
         """An untyped exception is a bug: logged with its traceback at error level and
