@@ -5,13 +5,18 @@ the streams when it changes, and answers ``GetLoad``'s :class:`KvCacheStatus`. A
 without ``--kv-events-endpoint`` has a hub too, never fed: its stream is one empty snapshot
 saying ``subscribed: false``, then nothing until the client leaves, so a frontend treats
 every worker alike and routes such a worker by load.
+
+Who wants to hear of the engine's health or of each live batch's lag subscribes
+(:meth:`KvCacheHub.subscribe_engine_health`, :meth:`KvCacheHub.subscribe_lag`) and holds the
+:class:`Subscription` for as long as it listens.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Final
+from types import TracebackType
+from typing import Final, Generic, TypeVar
 
 import anyio
 
@@ -21,15 +26,63 @@ from sidecar_common.kv_request import cacheable, key_namespace
 from sidecar_server.kv_state import KvDelta, RankFeed
 from sidecar_server.kv_view import NumberedDelta, WorkerCacheView
 
-__all__ = ["SNAPSHOT_CHUNK_BLOCKS", "KvCacheHub", "new_epoch"]
+__all__ = ["SNAPSHOT_CHUNK_BLOCKS", "KvCacheHub", "Subscription", "new_epoch"]
 
 # 16 bytes a block (key and parent, packed): about 1 MiB a chunk.
 SNAPSHOT_CHUNK_BLOCKS: Final = 65_536
 
 
+T = TypeVar("T")
+
+
 def new_epoch() -> int:
     """A fresh epoch for a new sidecar process: random, so no two processes share one."""
     return secrets.randbits(63) + 1
+
+
+class Subscription:
+    """One listener's hold on a notification: :meth:`close` (or leaving its ``with`` block)
+    ends it; closing again does nothing."""
+
+    def __init__(self, end: Callable[[], None]) -> None:
+        self._end: Callable[[], None] | None = end
+
+    def close(self) -> None:
+        end, self._end = self._end, None
+        if end is not None:
+            end()
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class _Listeners(Generic[T]):
+    """The listeners of one notification, told in the order they subscribed."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Callable[[T], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._listeners)
+
+    def subscribe(self, listener: Callable[[T], None]) -> Subscription:
+        # A wrapper per subscription: the same callable subscribed twice is two subscriptions,
+        # and closing one leaves the other.
+        def told(value: T) -> None:
+            listener(value)
+
+        self._listeners.append(told)
+        return Subscription(lambda: self._listeners.remove(told))
+
+    def tell(self, value: T) -> None:
+        # A copy: a listener may unsubscribe (itself or another) while being told.
+        for listener in tuple(self._listeners):
+            listener(value)
 
 
 class KvCacheHub:
@@ -47,13 +100,10 @@ class KvCacheHub:
         self.batches_received = 0
         self._chunk_blocks = chunk_blocks
         self._changed = anyio.Event()
-        # Told when the engine's health changes (the subscriber resyncs on a bad verdict).
-        self.engine_health_listeners: list[Callable[[bool], None]] = []
+        self._engine_health = _Listeners[bool]()
         # One per data-parallel rank subscribed to (their counters are metrics).
         self.feeds: list[RankFeed] = []
-        # Told each live batch's lag, in seconds (sidecar_common.kv_lag: its arrival here
-        # minus the engine's time of the batch): the lag histogram's observer.
-        self.lag_listeners: list[Callable[[float], None]] = []
+        self._lag = _Listeners[float]()
 
     def set_model(self, model: str, block_size: int) -> None:
         """What discovery said: the served model, and the engine's block size if it gave one."""
@@ -61,13 +111,28 @@ class KvCacheHub:
         if block_size > 0 and self.view.block_size is None:
             self.view.block_size = block_size
 
+    def subscribe_engine_health(self, listener: Callable[[bool], None]) -> Subscription:
+        """``listener(healthy)`` is told each change of the engine's health verdict (the KV
+        subscriber resyncs on a bad one), until the subscription is closed."""
+        return self._engine_health.subscribe(listener)
+
+    def subscribe_lag(self, listener: Callable[[float], None]) -> Subscription:
+        """``listener(seconds)`` is told each live batch's lag (sidecar_common.kv_lag: its
+        arrival here minus the engine's time of the batch), until the subscription is closed."""
+        return self._lag.subscribe(listener)
+
+    @property
+    def subscribers(self) -> tuple[int, int]:
+        """How many listen to the engine's health, and to the lag."""
+        return len(self._engine_health), len(self._lag)
+
     def engine_health(self, healthy: bool) -> None:
-        for listener in self.engine_health_listeners:
-            listener(healthy)
+        """The engine's health verdict changed: tell its subscribers."""
+        self._engine_health.tell(healthy)
 
     def batch_lag(self, seconds: float) -> None:
-        for listener in self.lag_listeners:
-            listener(seconds)
+        """A live batch arrived ``seconds`` after the engine's time of it: tell the subscribers."""
+        self._lag.tell(seconds)
 
     def apply(self, rank: int, delta: KvDelta, block_size: int | None) -> NumberedDelta | None:
         if block_size is not None:

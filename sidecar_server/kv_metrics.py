@@ -15,13 +15,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar_common.histograms import LATENCY_BUCKETS
-from sidecar_server.kv_hub import KvCacheHub
+from sidecar_server.kv_hub import KvCacheHub, Subscription
 
 __all__ = ["KvEventsCollector", "register_kv_events_metrics"]
 
 
-def register_kv_events_metrics(registry: CollectorRegistry, hub: KvCacheHub, engine: str) -> None:
-    """Export ``hub``'s subscription on ``registry``: its state, and its events' lag."""
+def register_kv_events_metrics(registry: CollectorRegistry, hub: KvCacheHub, engine: str) -> Subscription:
+    """Export ``hub``'s subscription on ``registry``: its state, and its events' lag (observed
+    until the returned subscription is closed; the daemon never closes it, its registry and
+    hub living as long as the process)."""
     registry.register(KvEventsCollector(hub, engine))
     # Labelled by engine only, like the batches counter: the ranks share the host's clock
     # and the sidecar's one event loop, so a rank label would multiply the series (17 a
@@ -35,7 +37,7 @@ def register_kv_events_metrics(registry: CollectorRegistry, hub: KvCacheHub, eng
         buckets=LATENCY_BUCKETS,
         registry=registry,
     )
-    hub.lag_listeners.append(lag.labels(engine).observe)
+    return hub.subscribe_lag(lag.labels(engine).observe)
 
 
 class KvEventsCollector(Collector):

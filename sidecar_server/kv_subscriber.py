@@ -9,7 +9,7 @@ is what tells the feed to resync. Every task lives in :meth:`KvSubscriber.run`'s
 owned by the daemon and cancelled when it stops.
 
 The clock is read here, when a live batch arrives: its lag (the arrival minus the engine's
-``ts``) goes to the hub's lag listeners. Replayed batches are old by design (the replay
+``ts``) goes to the hub's lag subscribers. Replayed batches are old by design (the replay
 buffer's age, not the wire's delay) and are not counted there.
 """
 
@@ -60,7 +60,6 @@ class KvSubscriber:
         self._feeds = [RankFeed(replay=config.replay_endpoint is not None) for _ in range(ranks)]
         hub.feeds = self._feeds
         self._replays: list[MemoryObjectSendStream[int]] = []
-        hub.engine_health_listeners.append(self._engine_health)
 
     @property
     def feeds(self) -> list[RankFeed]:
@@ -68,17 +67,23 @@ class KvSubscriber:
 
     async def run(self) -> None:
         context = zmq.asyncio.Context()
+        # Listening to the engine's health as long as the feeds run: a bad verdict resyncs
+        # them, and once they are gone there is nothing to resync.
         try:
-            async with anyio.create_task_group() as tg:
-                for rank in range(len(self._feeds)):
-                    send, receive = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
-                    self._replays.append(send)
-                    if self._config.replay_endpoint is not None:
-                        replay_at = rank_endpoint(self._config.replay_endpoint, rank)
-                        tg.start_soon(self._replay_loop, context, rank, replay_at, receive)
-                    tg.start_soon(self._live_loop, context, rank, rank_endpoint(self._config.endpoint, rank))
+            with self._hub.subscribe_engine_health(self._engine_health):
+                await self._run_feeds(context)
         finally:
             context.destroy(linger=0)
+
+    async def _run_feeds(self, context: zmq.asyncio.Context) -> None:
+        async with anyio.create_task_group() as tg:
+            for rank in range(len(self._feeds)):
+                send, receive = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
+                self._replays.append(send)
+                if self._config.replay_endpoint is not None:
+                    replay_at = rank_endpoint(self._config.replay_endpoint, rank)
+                    tg.start_soon(self._replay_loop, context, rank, replay_at, receive)
+                tg.start_soon(self._live_loop, context, rank, rank_endpoint(self._config.endpoint, rank))
 
     def _engine_health(self, healthy: bool) -> None:
         if healthy or not self._replays:

@@ -7,8 +7,10 @@ import anyio
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.kv_keys import KEY_SCHEME, block_keys, root_key
-from sidecar_server.kv_hub import KvCacheHub
+from sidecar_server.kv_config import KvEventsConfig
+from sidecar_server.kv_hub import KvCacheHub, Subscription
 from sidecar_server.kv_state import KvDelta
+from sidecar_server.kv_subscriber import KvSubscriber
 
 WAIT = 30.0
 
@@ -98,3 +100,57 @@ async def test_nothing_is_announced_without_events_a_block_size_or_tokens_alone(
         )
     )
     assert [hub.view.sequence for hub in (unsubscribed, silent, no_block_size, with_images)] == [0, 0, 0, 0]
+
+
+def test_subscribers_hear_until_they_close_their_subscription() -> None:
+    hub = KvCacheHub(subscribed=True)
+    heard: list[tuple[str, object]] = []
+    first = hub.subscribe_engine_health(lambda ok: heard.append(("first", ok)))
+    second = hub.subscribe_engine_health(lambda ok: heard.append(("second", ok)))
+    lag = hub.subscribe_lag(lambda secs: heard.append(("lag", secs)))
+    hub.engine_health(False)
+    hub.batch_lag(0.25)
+    assert heard == [("first", False), ("second", False), ("lag", 0.25)]
+    first.close()
+    first.close()  # closing again does nothing (and removes nobody else)
+    with lag:
+        pass
+    hub.engine_health(True)
+    hub.batch_lag(0.5)
+    assert heard[3:] == [("second", True)]
+    assert hub.subscribers == (1, 0)
+    second.close()
+    assert hub.subscribers == (0, 0)
+
+
+def test_a_subscriber_that_leaves_while_told_misses_no_other() -> None:
+    hub = KvCacheHub(subscribed=True)
+    heard: list[str] = []
+    subscriptions: list[Subscription] = []
+
+    def leaves(ok: bool) -> None:
+        heard.append("leaves")
+        subscriptions[0].close()
+
+    subscriptions.append(hub.subscribe_engine_health(leaves))
+    subscriptions.append(hub.subscribe_engine_health(lambda ok: heard.append("stays")))
+    hub.engine_health(False)
+    hub.engine_health(False)
+    assert heard == ["leaves", "stays", "stays"]
+
+
+async def test_the_kv_subscriber_listens_to_the_engines_health_only_while_it_runs() -> None:
+    hub = KvCacheHub(subscribed=True)
+    # Nothing listens on these ports: ZeroMQ connects lazily, so the feeds just wait.
+    config = KvEventsConfig(endpoint="tcp://127.0.0.1:9", replay_endpoint="tcp://127.0.0.1:9")
+    subscriber = KvSubscriber(config, hub, ranks=2)
+    assert hub.subscribers == (0, 0)
+    with anyio.fail_after(WAIT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(subscriber.run)
+            while hub.subscribers == (0, 0):  # noqa: ASYNC110 - the subscription has no event
+                await anyio.sleep(0.01)
+            hub.engine_health(False)  # the feeds resync (and ask for replays)
+            tg.cancel_scope.cancel()
+    # Stopped, its feeds are no longer told (nothing would read their replay requests).
+    assert hub.subscribers == (0, 0)
