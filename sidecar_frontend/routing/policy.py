@@ -119,13 +119,10 @@ def choose(
     best_cost = math.inf
     cheapest: list[Candidate] = []
     for candidate in candidates:
-        if candidate.running > hot_above:
+        _, cached, running, queued, _ = candidate  # unpacked: cheaper than attribute reads
+        if running > hot_above:
             continue
-        cost = (
-            candidate.queued_prefill_tokens
-            + candidate.running * per_running
-            - min(candidate.cached_tokens, prompt_tokens) * per_held
-        )
+        cost = queued + running * per_running - min(cached, prompt_tokens) * per_held
         if cost < best_cost:
             best_cost = cost
             cheapest = [candidate]

@@ -189,13 +189,15 @@ class Router:
             indexed = targets if routing is not Routing.KV else [t for t in targets if t.publishes]
             sizes: dict[int, list[str]] = {}
             for target in indexed:
-                sizes.setdefault(_block_size(target), []).append(target.address)
+                size = target.block_size if target.block_size > 0 else DEFAULT_BLOCK_SIZE
+                sizes.setdefault(size, []).append(target.address)
             for size, addresses in sizes.items():
                 keys = self._keys(prompt, size, keys_by_size)
                 lookable = (len(tokens) - 1) // size
                 matched = index.match(keys if lookable == len(keys) else keys[:lookable], addresses)
                 for address, blocks in matched.items():
                     cached[address] = blocks * size
+        sent = self._sent
         decision = choose(
             [
                 Candidate(
@@ -203,7 +205,7 @@ class Router:
                     cached.get(t.address, 0),
                     t.running,
                     t.queued_prefill_tokens,
-                    self._sent.get(t.address, 0),
+                    sent.get(t.address, 0),
                 )
                 for t in targets
             ],
