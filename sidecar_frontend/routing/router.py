@@ -200,12 +200,15 @@ class Router:
         sent = self._sent
         decision = choose(
             [
-                Candidate(
-                    t.address,
-                    cached.get(t.address, 0),
-                    t.running,
-                    t.queued_prefill_tokens,
-                    sent.get(t.address, 0),
+                tuple.__new__(
+                    Candidate,
+                    (
+                        t.address,
+                        cached.get(t.address, 0),
+                        t.running,
+                        t.queued_prefill_tokens,
+                        sent.get(t.address, 0),
+                    ),
                 )
                 for t in targets
             ],
