@@ -21,7 +21,7 @@ from typing import Final, Literal
 
 from google.protobuf import struct_pb2
 
-from sidecar_common import bootstrap_handoff
+from sidecar_common import bootstrap_handoff, sampling_schema
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.bootstrap_handoff import PORT_MAX, ROOM_MAX
 from sidecar_common.disaggregation import DisaggregationMode
@@ -408,44 +408,27 @@ def build_native(
     )
 
 
-_SAMPLING_SCALARS: Final = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "max_new_tokens",
-    "min_new_tokens",
-    "ignore_eos",
-    "json_schema",
-    "regex",
-    "seed",
-)
-
-
-def _sampling_items(sampling: NativeSampling) -> dict[str, object]:
-    items: dict[str, object] = {
-        name: getattr(sampling, name) for name in _SAMPLING_SCALARS if getattr(sampling, name) is not None
-    }
-    if sampling.stop:
-        items["stop"] = list(sampling.stop)
-    if sampling.stop_token_ids:
-        items["stop_token_ids"] = list(sampling.stop_token_ids)
+def _sampling_items(sampling: NativeSampling, *, http: bool) -> dict[str, object]:
+    """The sampling parameters SGLang's two wires share, under each wire's names (the kernel's
+    one list): what the request set, lists as lists."""
+    items: dict[str, object] = {}
+    for key in sampling_schema.GRPC_FIELDS:
+        name = sampling_schema.grpc_name(key)
+        value = getattr(sampling, name, None)  # NativeSampling holds no n: one choice a request
+        if value is None or value == ():
+            continue
+        items[key if http else name] = list(value) if isinstance(value, tuple) else value
     return items
 
 
 def _http_sampling(sampling: NativeSampling) -> dict[str, object]:
-    items = _sampling_items(sampling)
-    if "seed" in items:
-        # SGLang's HTTP schema names it sampling_seed and refuses unknown keys (the gRPC
-        # message calls it seed).
-        items["sampling_seed"] = items.pop("seed")
+    # SGLang's HTTP schema refuses unknown keys; the seed is sampling_seed there (the gRPC
+    # message calls it seed).
+    items = _sampling_items(sampling, http=True)
     if sampling.logit_bias:
         # JSON object keys are text; SGLang reads them back with int() and checks them against
         # its vocabulary (a 400 in its own words when one is outside).
-        items["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
+        items[sampling_schema.LOGIT_BIAS] = {str(token): bias for token, bias in sampling.logit_bias}
     return items
 
 
@@ -453,7 +436,7 @@ def to_grpc(native: NativeRequest) -> sglang_pb2.GenerateRequest:
     """The native gRPC message (streaming)."""
     message = sglang_pb2.GenerateRequest(
         input_ids=native.input_ids,
-        sampling_params=sglang_pb2.SamplingParams(**_sampling_items(native.sampling)),  # type: ignore[arg-type]
+        sampling_params=sglang_pb2.SamplingParams(**_sampling_items(native.sampling, http=False)),  # type: ignore[arg-type]
         stream=True,
         rid=native.rid,
     )

@@ -13,41 +13,13 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Final
 
+from sidecar_common import sampling_schema
 from sidecar_frontend.formats.sglang_wire import ContractError
 
 __all__ = ["SAMPLING_FIELDS", "check_contract", "input_ids_error"]
 
-# SGLang's sampling_params schema, in its order (the order its unknown-field text lists).
-SAMPLING_FIELDS: Final = (
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "stop_regex",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-    "custom_params",
-    "beam_width",
-    "watermark",
-    "choice",
-)
+# SGLang's sampling_params schema, in its order: the kernel's one list, shared with the sidecar.
+SAMPLING_FIELDS: Final = sampling_schema.SAMPLING_FIELDS
 
 
 # ------------------------------------------------ the input_ids validator of the request model
@@ -260,7 +232,9 @@ def _stop_ids(value: object) -> None:
         _int(element)
 
 
-_SAMPLING_CHECKS: Final[Mapping[str, Callable[[object], None]]] = {
+# The contract gate's type check of each key; every key of the kernel's list has one (a key
+# missing here fails at import).
+_CHECK_OF: Final[Mapping[str, Callable[[object], None]]] = {
     "max_new_tokens": _int,
     "stop": _string_or_list,
     "stop_token_ids": _stop_ids,
@@ -289,6 +263,9 @@ _SAMPLING_CHECKS: Final[Mapping[str, Callable[[object], None]]] = {
     "beam_width": _int,
     "watermark": _watermark,
     "choice": _choice,
+}
+_SAMPLING_CHECKS: Final[Mapping[str, Callable[[object], None]]] = {
+    name: _CHECK_OF[name] for name in SAMPLING_FIELDS
 }
 
 
