@@ -1,9 +1,11 @@
 """``host:port``: the one parser, the one formatter and the one wildcard rule (pure).
 
 The addresses the programs read (engine endpoints, ``--listen``, ``--advertise``, etcd
-endpoints, static workers, DNS targets, worker records, the testkit's listeners) go through
-:func:`parse_host_port`; the ones they write into records, bind, dial or log go through
-:func:`format_host_port` (an IPv6 literal in brackets).
+endpoints, static workers, DNS targets, worker records, the testkit's listeners, the engines'
+KV-event sockets) go through :func:`parse_host_port`; the ones they write into records, bind,
+dial or log go through :func:`format_host_port` (an IPv6 literal in brackets). A wildcard host
+(:func:`is_wildcard_host`) is one a server binds and nobody can dial; :func:`loopback_for` is
+what a process on the same host dials instead.
 
 The rules: surrounding whitespace is ignored (environment variables often carry a newline);
 an IPv6 host is in brackets and is an IPv6 address; any other host is an RFC 1123 host name
@@ -17,6 +19,10 @@ Engine endpoints (docs/common.md "Engine endpoint") add a scheme: ``host:port``,
 ``grpc://host:port``, ``http://host:port`` (all plaintext). A lone trailing ``/`` is accepted
 and ignored, because people paste ``http://host:port/`` from a browser; any longer path is
 refused, as are user info, queries and fragments, before any network I/O.
+
+ZeroMQ's TCP addresses (the engines' KV-event sockets) are ``tcp://host:port``
+(:func:`parse_tcp_endpoint`): the same host and port rules, and ZeroMQ's ``*`` for every
+interface.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ __all__ = [
     "HostPortWords",
     "format_host_port",
     "is_wildcard_host",
+    "loopback_for",
     "parse_bind_host",
     "parse_endpoint",
     "parse_host_port",
+    "parse_tcp_endpoint",
 ]
 
 # RFC 1123 host names (and IPv4 dotted quads, which match too); underscores are tolerated
@@ -49,6 +57,7 @@ _HOSTNAME: Final = re.compile(
 _NUMERIC_HOST: Final = re.compile(r"[0-9.]+")
 _DIGITS: Final = re.compile(r"[0-9]+")
 _PORT_MAX: Final = 65535
+_ZMQ_WILDCARD: Final = "*"
 
 
 def _unbracketed(host: str) -> str:
@@ -63,14 +72,24 @@ def format_host_port(host: str, port: int) -> str:
 
 def is_wildcard_host(host: str) -> bool:
     """True for a host that means "every interface" (empty, ``0.0.0.0``, ``::`` in any
-    spelling, with or without brackets): a server binds it, nobody can dial it."""
+    spelling, with or without brackets, and ZeroMQ's ``*``): a server binds it, nobody can
+    dial it."""
     bare = _unbracketed(host.strip())
-    if not bare:
+    if not bare or bare == _ZMQ_WILDCARD:
         return True
     try:
         return ipaddress.ip_address(bare).is_unspecified
     except ValueError:
         return False
+
+
+def loopback_for(host: str) -> str:
+    """The host a process beside a server bound on ``host`` dials it by: for a wildcard, the
+    loopback of its family (``::1`` for an IPv6 one, else ``127.0.0.1``); any other host as
+    it is. Without brackets."""
+    if not is_wildcard_host(host):
+        return _unbracketed(host.strip())
+    return "::1" if ":" in host else "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -310,3 +329,36 @@ def _endpoint_problem(err: HostPortError) -> str:
             if len(detail) > _PORT_DIGITS_MAX:
                 return f"port {detail!r} is not a number"
             return f"port {int(detail)} is out of range (1..65535)"
+
+
+# --- ZeroMQ TCP addresses ---------------------------------------------------------------------
+
+_TCP_SCHEME: Final = "tcp://"
+
+
+def parse_tcp_endpoint(text: str) -> HostPort:
+    """``tcp://host:port`` (ZeroMQ's TCP address; surrounding whitespace ignored): the host as
+    :func:`parse_host_port` reads it, or ``*`` (every interface, kept as ``*``); a port in
+    1..65535. Raises :class:`EndpointError` saying what is wrong."""
+    stripped = text.strip()
+
+    def refuse(problem: str) -> EndpointError:
+        return EndpointError(f"invalid endpoint {text!r}: {problem}")
+
+    if not stripped.startswith(_TCP_SCHEME):
+        raise refuse("expected tcp://HOST:PORT")
+    authority = stripped[len(_TCP_SCHEME) :]
+    host, colon, port_text = authority.partition(":")
+    try:
+        if host == _ZMQ_WILDCARD and colon:
+            address = HostPort(host, _port(port_text, text, port_zero_allowed=False))
+        else:
+            address = parse_host_port(authority, port_zero_allowed=False)
+    except HostPortError as err:
+        if err.problem is HostPortProblem.PORT_OUT_OF_RANGE and int(err.detail) == 0:
+            raise refuse(
+                "port 0 cannot be dialled (a socket bound on port 0 was given a port of its own: "
+                "give that one)"
+            ) from None
+        raise refuse(_endpoint_problem(err)) from None
+    return address

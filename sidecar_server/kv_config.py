@@ -2,7 +2,8 @@
 
 ``--kv-events-endpoint`` is the engine's PUB address (what its ``--kv-events-config`` names).
 The engines bind wildcard addresses (``tcp://*:5557``, their default): given such an address,
-the sidecar connects to the loopback at that port, since it runs beside its engine.
+the sidecar connects to the loopback at that port, since it runs beside its engine (the
+address is read, and the wildcard told, by the kernel's rules: ``sidecar_common.endpoint``).
 ``--kv-events-replay-endpoint`` is the engine's replay ROUTER (no default in either engine).
 
 Data-parallel ranks: each rank publishes on the base port plus its rank (vLLM and SGLang both,
@@ -15,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Final
 
 from sidecar_common import flags
+from sidecar_common.endpoint import EndpointError, format_host_port, loopback_for, parse_tcp_endpoint
 
 __all__ = ["KvEventsConfig", "add_kv_events_arguments", "kv_events_config", "rank_endpoint"]
-
-_WILDCARD_HOSTS: Final = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
 
 
 @dataclass(frozen=True)
@@ -36,19 +35,21 @@ class KvEventsConfig:
 
 
 def _zmq_endpoint(text: str) -> str:
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in ("tcp", "ipc"):
+    """A ZeroMQ address to connect to: ``ipc://PATH`` as given, ``tcp://HOST:PORT`` with a
+    wildcard host replaced by the loopback."""
+    if text.startswith("ipc://"):
+        return text
+    if not text.strip().startswith("tcp://"):
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(
-                f"expected tcp://HOST:PORT with a port in 1..65535, got {text!r}"
-                " (an engine publishing on port 0 picks its own port: give the one it bound)"
-            )
-        host = _WILDCARD_HOSTS.get(host, host)
-        return f"tcp://{host}:{port}"
-    return text
+    try:
+        address = parse_tcp_endpoint(text)
+    except EndpointError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return _tcp(loopback_for(address.host), address.port)
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://{format_host_port(host, port)}"
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -60,8 +61,8 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         raise ValueError(
             f"data-parallel rank {rank} cannot publish on {endpoint}: only tcp:// ports are offset"
         )
-    base, _, port = endpoint.rpartition(":")
-    return f"{base}:{int(port) + rank}"
+    address = parse_tcp_endpoint(endpoint)
+    return _tcp(address.host, address.port + rank)
 
 
 def add_kv_events_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,9 +16,11 @@ from sidecar_common.endpoint import (
     HostPortWords,
     format_host_port,
     is_wildcard_host,
+    loopback_for,
     parse_bind_host,
     parse_endpoint,
     parse_host_port,
+    parse_tcp_endpoint,
 )
 
 ACCEPTED = [
@@ -115,6 +117,7 @@ def test_format_host_port_brackets_ipv6_once(host: str, port: int, address: str)
         ("[::]", True),
         ("[0:0:0:0:0:0:0:0]", True),
         ("::0", True),
+        ("*", True),  # ZeroMQ's spelling
         ("127.0.0.1", False),
         ("::1", False),
         ("[fd00::1]", False),
@@ -124,6 +127,57 @@ def test_format_host_port_brackets_ipv6_once(host: str, port: int, address: str)
 )
 def test_one_wildcard_rule(host: str, wildcard: bool) -> None:
     assert is_wildcard_host(host) is wildcard
+
+
+@pytest.mark.parametrize(
+    ("host", "dialled"),
+    [
+        ("*", "127.0.0.1"),
+        ("0.0.0.0", "127.0.0.1"),
+        ("", "127.0.0.1"),
+        ("::", "::1"),
+        ("[::]", "::1"),
+        ("[0:0:0:0:0:0:0:0]", "::1"),
+        ("10.0.0.2", "10.0.0.2"),
+        ("[fd00::1]", "fd00::1"),
+        ("engine", "engine"),
+    ],
+)
+def test_a_wildcard_is_dialled_on_the_loopback_of_its_family(host: str, dialled: str) -> None:
+    assert loopback_for(host) == dialled
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("tcp://*:5557", HostPort("*", 5557)),
+        ("tcp://0.0.0.0:1", HostPort("0.0.0.0", 1)),
+        ("tcp://[::1]:5557", HostPort("::1", 5557)),
+        ("tcp://engine_0:65535", HostPort("engine_0", 65535)),
+        (" tcp://h:2\n", HostPort("h", 2)),
+    ],
+)
+def test_zeromq_tcp_addresses(text: str, address: HostPort) -> None:
+    assert parse_tcp_endpoint(text) == address
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("ipc:///tmp/x", "expected tcp://HOST:PORT"),
+        ("TCP://h:1", "expected tcp://HOST:PORT"),  # ZeroMQ reads the scheme as written
+        ("h:1", "expected tcp://HOST:PORT"),
+        ("tcp://h:0", "port 0 cannot be dialled"),
+        ("tcp://*:", "the port is missing"),
+        ("tcp://**:1", "'**' is not a valid host name or IPv4 address"),
+        ("tcp://::1:1", "an IPv6 address must be in brackets"),
+        ("tcp://h:99999", "port 99999 is out of range (1..65535)"),
+    ],
+)
+def test_zeromq_tcp_refusals_say_why(text: str, why: str) -> None:
+    with pytest.raises(EndpointError) as info:
+        parse_tcp_endpoint(text)
+    assert str(info.value).startswith(f"invalid endpoint {text!r}: {why}")
 
 
 def test_port_zero_only_where_allowed() -> None:
