@@ -15,7 +15,7 @@ so each frontend's CPU comes from /proc alone. Runs:
 Scaling (``--scaling``, also part of ``--quick``/``--full``): one frontend over 1, 2 and 4
 workers (each a testkit engine and its sidecar on CPU 0), vLLM streaming at 256 streams: the
 frontend's CPU per token should not grow with the number of workers; and the routing choice
-alone (``WorkerSet.pick``, power of two choices) timed in-process over 1 to 1,024 workers.
+alone (``Registry.pick``, power of two choices) timed in-process over 1 to 1,024 workers.
 
 Results: ``<out>/frontend.json`` and ``<out>/frontend.md``.
 """
@@ -34,7 +34,8 @@ import anyio
 
 from bench import plan
 from bench.procs import LoadGen, Proc, free_port, wait_grpc_ready, wait_http_ready
-from sidecar_frontend.workers import Worker, WorkerSet, WorkerState
+from sidecar_frontend.registry import Registry, Worker, WorkerState
+from sidecar_frontend.worker_events import WorkerEvents
 
 __all__ = ["main"]
 
@@ -204,17 +205,16 @@ def run_scaling(profile: Profile, add: Any) -> dict[str, Any]:
 
 
 def pick_cost_ns(sizes: tuple[int, ...] = (1, 4, 16, 64, 256, 1024), picks: int = 20000) -> dict[str, float]:
-    """Nanoseconds per ``WorkerSet.pick`` (no exclusions: every request's first choice)."""
+    """Nanoseconds per ``Registry.pick`` (no exclusions: every request's first choice)."""
 
     async def measure() -> dict[str, float]:
         costs: dict[str, float] = {}
         for size in sizes:
-            workers = WorkerSet()
+            workers = Registry(WorkerEvents())
             for n in range(size):
                 address = f"10.0.{n // 250}.{n % 250}:50051"
                 worker = Worker(address, "agg", None, None, state=WorkerState.SERVING)  # type: ignore[arg-type]
-                workers._workers[address] = worker
-            workers._notify()
+                workers.add(worker)
             started = time.perf_counter_ns()
             for _ in range(picks):
                 workers.pick()

@@ -24,6 +24,7 @@ from typing import Final
 import anyio
 import structlog
 from aiohttp import web
+from anyio.abc import TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar_common.endpoint import parse_host_port
@@ -39,8 +40,10 @@ from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
+from sidecar_frontend.registry import Refusal
 from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.wiring import RoutingParts
+from sidecar_frontend.supervisor import FAILURE_HOOK, Supervisor, SupervisorConfig, fail_once_from
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
@@ -99,21 +102,28 @@ async def start_metrics_endpoint(metrics: Metrics, host: str, port: int) -> web.
 
 
 class WorkerMetrics:
-    """The worker set's observer: refusals counted, a departed worker's series (and routing
-    entries) removed."""
+    """The metrics' subscription to the worker set's events: each refusal counted once, a
+    departed worker's series removed."""
 
-    def __init__(self, metrics: Metrics, routing: RoutingParts | None = None) -> None:
+    def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._routing = routing
+        # The refusal each worker was last counted for.
+        self._refused: dict[str, Refusal] = {}
 
-    def worker_refused(self, worker: Worker) -> None:
-        if worker.refusal is not None:
-            self._metrics.worker_refused(worker.refusal.value)
+    def joined(self, worker: Worker) -> None:
+        pass
 
-    def worker_forgotten(self, worker: Worker) -> None:
+    def changed(self, worker: Worker) -> None:
+        refusal = worker.refusal
+        if refusal is None:
+            self._refused.pop(worker.address, None)
+        elif self._refused.get(worker.address) is not refusal:
+            self._refused[worker.address] = refusal
+            self._metrics.worker_refused(refusal.value)
+
+    def left(self, worker: Worker) -> None:
+        self._refused.pop(worker.address, None)
         self._metrics.forget_worker(worker.address)
-        if self._routing is not None:
-            self._routing.forget_worker(worker.address)
 
 
 def _rows(workers: WorkerSet) -> list[WorkerRow]:
@@ -165,24 +175,46 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         routing=config.routing.routing.value if config.routing.routing is not None else "kv/approx",
     )
     routing = RoutingParts.build(config.routing, metrics.registry)
-    async with (
-        WorkerSet(
-            config.worker_set,
-            observer=WorkerMetrics(metrics, routing),
-            companions=routing.companions(),
-        ) as workers,
-        anyio.create_task_group() as discovery,
-    ):
-        metrics.watch_fleet(lambda: _rows(workers))
-        choice = routing.choice(workers)
-        # Serving starts once discovery applied its first view (or its first attempt failed).
-        await discovery.start(run_discovery, config.discovery, workers)
+    supervisor_config = SupervisorConfig(fail_once=fail_once_from(os.environ.get(FAILURE_HOOK)))
+    # Every background task (each worker's, discovery's, the TLS files') runs under this one
+    # supervisor, entered here by the main task: a failure is logged, counted and restarted;
+    # leaving the block (the drain is over) ends them all.
+    async with Supervisor(supervisor_config, registry=metrics.registry) as supervisor:
+        workers = WorkerSet(config.worker_set, supervisor=supervisor)
         try:
+            workers.events.subscribe(WorkerMetrics(metrics))
+            metrics.watch_fleet(lambda: _rows(workers))
+            choice = routing.choice(workers)
+            # Serving starts once discovery applied its first view (or its first attempt failed).
+            await _start_discovery(supervisor, config, workers)
             code = await _serve_http(config, formats, workers, choice, metrics, signals)
         finally:
-            discovery.cancel_scope.cancel()
+            await workers.aclose()
     log.info("stopped")
     return code
+
+
+async def _start_discovery(supervisor: Supervisor, config: FrontendConfig, workers: WorkerSet) -> None:
+    """Discovery as a supervised task (restarted if it fails); returns once its first view is
+    applied or its first attempt failed, as ``run_discovery`` reports through its status."""
+    first_view = anyio.Event()
+
+    async def discover() -> None:
+        try:
+            await run_discovery(config.discovery, workers, task_status=_FirstView(first_view))
+        finally:
+            first_view.set()  # a failed first attempt: serve with what there is meanwhile
+
+    supervisor.start("discovery", discover)
+    await first_view.wait()
+
+
+class _FirstView(TaskStatus[None]):
+    def __init__(self, event: anyio.Event) -> None:
+        self._event = event
+
+    def started(self, value: None = None) -> None:
+        self._event.set()
 
 
 async def _serve_http(

@@ -16,10 +16,20 @@ and the second is named in one warning.
 
 Each delta applied whose sidecar sent the engine's time of its batch is observed in
 ``frontend_kv_events_lag_seconds``: this frontend's wall clock at that moment minus that time.
+
+Nothing the stream sends is trusted: an update that does not decode, a block size of 0 or past
+``MAX_BLOCK_SIZE``, a snapshot of more keys than ``max_snapshot_keys`` or an update of more
+than ``max_update_keys`` is the worker's misbehaviour (reported to the worker set, which takes
+the worker out of routing for a while), and the stream is watched again after the backoff.
+Every watch again after a failure or a gap waits for the backoff; only a stream that applied
+deltas counts as healthy again (a sidecar that answers each snapshot with a gap is retried at
+the capped pace, not in a loop). After a TLS rotation the stream moves to the new connections
+at once, resuming where it was, as the health Watch does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,10 +43,12 @@ import structlog
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.kv_lag import events_lag
 from sidecar_common.retry import Backoff
+from sidecar_common.rpc import cancel_is_ours
+from sidecar_frontend.registry import Worker
 from sidecar_frontend.routing.feed import CacheFeed, Step
 from sidecar_frontend.routing.metrics import RoutingMetrics, StreamRow
 from sidecar_frontend.routing.router import Router
-from sidecar_frontend.workers import Worker
+from sidecar_frontend.worker_replies import MAX_BLOCK_SIZE, UNDECODABLE
 
 __all__ = ["CacheStreams", "StreamConfig"]
 
@@ -51,6 +63,10 @@ class StreamConfig:
     # Pause before watching again after the stream failed, doubling up to the cap (jittered).
     retry_first_secs: float = 0.2
     retry_max_secs: float = 10.0
+    # The most keys a worker's snapshot may hold (all its chunks), and one delta (added,
+    # removed and announced keys together): past either, the worker misbehaves.
+    max_snapshot_keys: int = 4_000_000
+    max_update_keys: int = 262_144
 
 
 @dataclass
@@ -64,6 +80,12 @@ class _Stream:
     # The foreign key layout this worker was last warned about: one warning, not one at each
     # restart of a sidecar that still sends it.
     warned_scheme: int | None = None
+    # Keys received in the snapshot being gathered (its chunks so far).
+    snapshot_keys: int = 0
+
+
+class _Refused(Exception):
+    """An update the stream will not apply: the worker misbehaves."""
 
 
 class CacheStreams:
@@ -78,11 +100,13 @@ class CacheStreams:
         metrics: RoutingMetrics | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        misbehaved: Callable[[Worker, str, str], None] | None = None,
     ) -> None:
         self._router = router
         self._config = config if config is not None else StreamConfig()
         self._next_change = next_change
         self._metrics = metrics
+        self._misbehaved = misbehaved
         # Wall-clock time (the engines stamp their KV-event batches with time.time()): read
         # when a delta is applied, for the events lag.
         self._clock = clock
@@ -90,9 +114,16 @@ class CacheStreams:
         self._monotonic = monotonic
         self._streams: dict[str, _Stream] = {}
 
-    def watch_changes(self, next_change: Callable[[], anyio.Event]) -> None:
-        """Wake a waiting stream at each change of the worker set (``WorkerSet.next_change``)."""
+    def watch_changes(
+        self,
+        next_change: Callable[[], anyio.Event],
+        misbehaved: Callable[[Worker, str, str], None] | None = None,
+    ) -> None:
+        """Wake a waiting stream at each change of the worker set (``WorkerSet.next_change``);
+        tell ``misbehaved`` of a worker whose stream cannot be believed."""
         self._next_change = next_change
+        if misbehaved is not None:
+            self._misbehaved = misbehaved
 
     # ---------------------------------------------------------------- what routing reads
 
@@ -132,14 +163,19 @@ class CacheStreams:
             while True:
                 stream = await self._ready(worker)
                 counts = stream.feed.counts
-                applied = counts.snapshots + counts.deltas
+                deltas = counts.deltas
                 failure = await self._watch(stream)
-                if counts.snapshots + counts.deltas != applied:
+                # Healthy again only once it applied deltas: a snapshot alone followed by a
+                # gap, again and again, is a loop to slow down, not progress.
+                if counts.deltas != deltas:
                     failures = 0
                 if failure is None:
                     continue
                 failures += 1
                 pause = backoff.pause(failures)
+                if failure == _GAP:
+                    await anyio.sleep(pause if failures > 1 else 0.0)
+                    continue
                 if failures == 1:
                     # Once per series of failures; the snapshot line says when it is over.
                     log.warning(
@@ -150,8 +186,10 @@ class CacheStreams:
                     )
                 await anyio.sleep(pause)
         finally:
-            ended = self._streams.pop(worker.address, None)
-            if ended is not None:
+            # The same address may already be back as a new worker with a stream of its own.
+            ended = self._streams.get(worker.address)
+            if ended is not None and ended.worker is worker:
+                del self._streams[worker.address]
                 ended.feed.stop()
 
     async def _ready(self, worker: Worker) -> _Stream:
@@ -161,6 +199,11 @@ class CacheStreams:
             changed = self._next_change() if self._next_change is not None else None
             stream = self._streams.get(worker.address)
             model = worker.served_model
+            if stream is not None and stream.worker is not worker:
+                # A worker that left under this address, its task not yet ended: its stream goes.
+                stream.feed.stop()
+                stream = None
+                del self._streams[worker.address]
             if stream is not None and stream.model != model and model:
                 stream.feed.stop()
                 stream = None
@@ -181,26 +224,38 @@ class CacheStreams:
                     await anyio.sleep(self._config.ready_check_secs)
 
     async def _watch(self, stream: _Stream) -> str | None:
-        """One WatchKvCache call, until it breaks or shows a gap; why it failed (None: a gap,
-        or a sidecar that does not serve the stream)."""
+        """One WatchKvCache call on the worker's current connections, until it breaks, shows
+        a gap or the connections are replaced; why it failed (``_GAP`` for a gap; None: the
+        connections were replaced, or a sidecar that does not serve the stream)."""
+        with stream.worker.on_current_connections() as moved:
+            failure = await self._watch_once(stream)
+        return None if moved.cancelled_caught else failure
+
+    async def _watch_once(self, stream: _Stream) -> str | None:
         feed = stream.feed
         worker = stream.worker
         request = sidecar_pb2.WatchKvCacheRequest()
         resume = feed.resume_from
         if resume is not None:
             request.epoch, request.sequence = resume
+        stream.snapshot_keys = 0
         try:
             call = worker.stub().WatchKvCache(request)
             try:
                 async for update in _updates(call):
-                    step = self._apply(stream, update)
+                    try:
+                        step = self._apply(stream, update)
+                    except _Refused as refused:
+                        if self._misbehaved is not None:
+                            self._misbehaved(worker, "kv_stream", str(refused))
+                        return f"refused an update: {refused}"
                     if step is Step.GAP:
                         log.info(
                             "worker cache stream gap: resuming",
                             worker=worker.address,
                             resume_from=feed.resume_from,
                         )
-                        return None
+                        return _GAP
                     if step is Step.FOREIGN:
                         stream.until_restart = True
                         self._foreign(stream)
@@ -227,6 +282,10 @@ class CacheStreams:
                 return None
             details = err.details() if callable(getattr(err, "details", None)) else None
             return f"{details or 'no details'} ({code.name if code is not None else 'no status'})"
+        except asyncio.CancelledError:
+            if cancel_is_ours():
+                raise
+            return "the call was cancelled under us (its connection closed)"
         return "the sidecar ended the stream"  # it is going away
 
     def _foreign(self, stream: _Stream) -> None:
@@ -243,11 +302,24 @@ class CacheStreams:
             frontend_key_scheme=feed.key_scheme,
         )
 
-    def _apply(self, stream: _Stream, update: sidecar_pb2.KvCacheUpdate) -> Step:
+    def _apply(self, stream: _Stream, update: sidecar_pb2.KvCacheUpdate | None) -> Step:
+        """Check one update at the edge (raises :class:`_Refused`), then feed it."""
+        if update is None:
+            raise _Refused(UNDECODABLE)
         feed = stream.feed
+        config = self._config
         kind = update.WhichOneof("update")
         if kind == "snapshot":
             snap = update.snapshot
+            if not 0 < snap.block_size <= MAX_BLOCK_SIZE:
+                raise _Refused(
+                    f"a snapshot with block size {snap.block_size}, not within [1, {MAX_BLOCK_SIZE}]"
+                )
+            stream.snapshot_keys += len(snap.keys)
+            if stream.snapshot_keys > config.max_snapshot_keys:
+                raise _Refused(f"a snapshot of more than {config.max_snapshot_keys} keys")
+            if snap.last_chunk:
+                stream.snapshot_keys = 0
             return feed.snapshot_chunk(
                 snap.epoch,
                 snap.sequence,
@@ -259,6 +331,9 @@ class CacheStreams:
             )
         if kind == "delta":
             delta = update.delta
+            size = len(delta.removed) + len(delta.added_keys) + len(delta.announced_keys)
+            if size > config.max_update_keys:
+                raise _Refused(f"a delta of {size} keys, more than {config.max_update_keys}")
             step = feed.delta(
                 delta.epoch,
                 delta.sequence,
@@ -272,6 +347,9 @@ class CacheStreams:
                 self._metrics.events_lagged(feed.worker, events_lag(self._clock(), delta.engine_time))
             return step
         return Step.DUPLICATE  # an update kind this frontend does not know: nothing to apply
+
+
+_GAP = "a gap in the stream"
 
 
 async def _updates(call: Any) -> AsyncIterator[sidecar_pb2.KvCacheUpdate]:

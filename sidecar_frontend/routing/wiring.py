@@ -1,15 +1,18 @@
 """The routing parts of one frontend process, made from ``--routing`` and its flags: the router
 (none for ``load``), the cache streams (for ``kv`` and the default), their metrics, and the
-worker choice the attempt runner asks. The server makes one :class:`RoutingParts` before the worker set (whose
-companion task follows each worker's stream) and attaches it to the set once it runs."""
+worker choice the attempt runner asks. The server makes one :class:`RoutingParts`, then
+attaches it to the running worker set (:meth:`RoutingParts.choice`): from then on it follows
+the set's events. A worker that joins gets its cache stream (a supervised task of that worker);
+a worker that leaves takes its entries and series with it, and an index no worker is left in
+goes at once; a worker now serving another model (a rollout reusing its address) loses its
+entries in its old model's index."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -57,15 +60,16 @@ class RoutingParts:
         )
         return parts
 
-    def companions(self) -> tuple[Callable[[Worker], Coroutine[Any, Any, None]], ...]:
-        """The worker set's per-worker tasks for routing (following each cache stream)."""
-        return (self.streams.follow,) if self.streams is not None else ()
-
     def choice(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> RoutedChoice:
-        """The attempt runner's worker choice (and call watch) over ``workers`` (running)."""
+        """The attempt runner's worker choice (and call watch) over ``workers`` (running),
+        whose events routing follows from now on (the workers already there included)."""
         self._workers = workers
         if self.streams is not None:
-            self.streams.watch_changes(workers.next_change)
+            self.streams.watch_changes(workers.next_change, workers.misbehaved)
+        listener = _RoutingListener(self, workers)
+        workers.events.subscribe(listener)
+        for worker in workers.workers():
+            listener.joined(worker)
         return RoutedChoice(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
 
     def forget_worker(self, address: str) -> None:
@@ -75,10 +79,36 @@ class RoutingParts:
         self.metrics.forget_worker(address)
 
     def _indexes(self) -> Mapping[str, BlockIndex]:
-        """The indexes, read at each scrape; entries of workers that no longer serve an index's
-        model are dropped first (what a rollout leaves behind)."""
+        """The indexes, read at each scrape."""
         if self.router is None:
             return {}
-        if self._workers is not None:
-            self.router.retain({w.address: w.served_model or None for w in self._workers.workers()})
         return self.router.indexes()
+
+
+class _RoutingListener:
+    """Routing's subscription to the worker set's events."""
+
+    def __init__(self, parts: RoutingParts, workers: WorkerSet) -> None:
+        self._parts = parts
+        self._workers = workers
+        # The model each worker was last seen serving ("" while unknown).
+        self._model_of: dict[str, str] = {}
+
+    def joined(self, worker: Worker) -> None:
+        streams = self._parts.streams
+        if streams is not None:
+            self._workers.supervisor.start("kv_stream", lambda: streams.follow(worker), owner=worker.address)
+
+    def changed(self, worker: Worker) -> None:
+        model = worker.served_model
+        if not model:
+            return  # unknown for a while: its entries stay (router.retain)
+        was = self._model_of.get(worker.address)
+        self._model_of[worker.address] = model
+        router = self._parts.router
+        if was is not None and was != model and router is not None:
+            router.retain(self._workers.registry.models_in_use())
+
+    def left(self, worker: Worker) -> None:
+        self._model_of.pop(worker.address, None)
+        self._parts.forget_worker(worker.address)

@@ -25,7 +25,7 @@ from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.routing.router import RouterConfig
 from sidecar_frontend.routing.streams import StreamConfig
 from sidecar_frontend.routing.wiring import RoutingParts
-from sidecar_frontend.workers import WorkerObserver, WorkerSet, WorkerSetConfig
+from sidecar_frontend.workers import WorkerListener, WorkerSet, WorkerSetConfig
 from tests.integration.frontend.plugin import FORMAT as PROBE
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import Stack, vllm_stack
@@ -69,7 +69,7 @@ async def frontend_over(
     seed: int = 7,
     tracing: Tracing | None = None,
     routing: RouterConfig | None = None,
-    observer: WorkerObserver | None = None,
+    listener: WorkerListener | None = None,
     metrics: Metrics | None = None,
 ) -> AsyncIterator[FrontendStack]:
     """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve.
@@ -80,17 +80,14 @@ async def frontend_over(
         if routing is not None
         else None
     )
-    async with WorkerSet(
-        FAST_WORKERS,
-        rand=random.Random(seed),
-        observer=observer,
-        companions=parts.companions() if parts is not None else (),
-    ) as workers:
+    async with WorkerSet(FAST_WORKERS, rand=random.Random(seed)) as workers:
+        if listener is not None:
+            workers.events.subscribe(listener)
+        choice = parts.choice(workers) if parts is not None else None
         for address in addresses:
             workers.add_worker(address)
         with anyio.fail_after(20):
             await workers.wait_serving(len(addresses) if serving is None else serving)
-        choice = parts.choice(workers) if parts is not None else None
         frontend = Frontend(
             formats,
             workers,

@@ -258,7 +258,8 @@ async def test_a_decode_sidecar_listed_as_aggregated_is_refused_and_clients_get_
         prefill = await stack.enter_async_context(sidecar(engine, "prefill"))
         decode = await stack.enter_async_context(sidecar(engine, "decode"))
         metrics = Metrics()
-        workers = await stack.enter_async_context(WorkerSet(FAST_WORKERS, observer=WorkerMetrics(metrics)))
+        workers = await stack.enter_async_context(WorkerSet(FAST_WORKERS))
+        workers.events.subscribe(WorkerMetrics(metrics))
         decode_address = f"127.0.0.1:{decode.server.port}"
         workers.add_worker(f"127.0.0.1:{prefill.server.port}", "prefill")
         workers.add_worker(decode_address, "agg")  # the mistake

@@ -474,7 +474,7 @@ async def test_a_worker_that_left_the_set_is_gone_from_the_metrics_endpoint() ->
     # go does not grow the scrape without bound.
     metrics = Metrics()
     async with (
-        frontend_stack(2, observer=WorkerMetrics(metrics), metrics=metrics) as fe,
+        frontend_stack(2, listener=WorkerMetrics(metrics), metrics=metrics) as fe,
         scrape_endpoint(metrics) as scrape,
     ):
         gone, staying = fe.address(0), fe.address(1)
@@ -522,7 +522,8 @@ async def test_a_drained_workers_series_leave_the_scrape_with_it() -> None:
     async with vllm_stack() as first, vllm_stack() as second:
         metrics = Metrics()
         addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{second.server.port}"]
-        async with WorkerSet(FAST_WORKERS, observer=WorkerMetrics(metrics)) as workers:
+        async with WorkerSet(FAST_WORKERS) as workers:
+            workers.events.subscribe(WorkerMetrics(metrics))
             for address in addresses:
                 workers.add_worker(address)
             with anyio.fail_after(20):

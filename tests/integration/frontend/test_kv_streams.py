@@ -24,7 +24,7 @@ from sidecar_common.kv_keys import KEY_SCHEME, block_keys
 from sidecar_frontend.routing.metrics import RoutingMetrics
 from sidecar_frontend.routing.router import Router, RouterConfig
 from sidecar_frontend.routing.streams import CacheStreams, StreamConfig
-from sidecar_frontend.workers import WorkerSet
+from sidecar_frontend.workers import Worker, WorkerSet
 from tests.e2e_helpers import until
 from tests.integration.frontend.fixtures import FAST_WORKERS
 
@@ -136,8 +136,20 @@ async def following(
     router: Router, *, metrics: RoutingMetrics | None = None, clock: Callable[[], float] = time.time
 ) -> AsyncIterator[tuple[WorkerSet, CacheStreams]]:
     streams = CacheStreams(router, config=FAST_STREAMS, metrics=metrics, clock=clock)
-    async with WorkerSet(FAST_WORKERS, companions=(streams.follow,)) as workers:
-        streams.watch_changes(workers.next_change)
+    async with WorkerSet(FAST_WORKERS) as workers:
+        streams.watch_changes(workers.next_change, workers.misbehaved)
+
+        class _Follow:
+            def joined(self, worker: Worker) -> None:
+                workers.supervisor.start("kv_stream", lambda: streams.follow(worker), owner=worker.address)
+
+            def changed(self, worker: Worker) -> None:
+                pass
+
+            def left(self, worker: Worker) -> None:
+                pass
+
+        workers.events.subscribe(_Follow())
         yield workers, streams
 
 

@@ -62,15 +62,21 @@ class ScriptedSidecar(sidecar_pb2_grpc.WorkerServicer, health_pb2_grpc.HealthSer
 
 
 class Observer:
+    """Listens to the worker set's events: each refusal (once), each worker that left."""
+
     def __init__(self) -> None:
         self.refused: list[tuple[str, str]] = []
         self.forgotten: list[str] = []
 
-    def worker_refused(self, worker: Worker) -> None:
-        assert worker.refusal is not None
-        self.refused.append((worker.address, worker.refusal.value))
+    def joined(self, worker: Worker) -> None:
+        pass
 
-    def worker_forgotten(self, worker: Worker) -> None:
+    def changed(self, worker: Worker) -> None:
+        refusal = (worker.address, worker.refusal.value) if worker.refusal is not None else None
+        if refusal is not None and refusal not in self.refused:
+            self.refused.append(refusal)
+
+    def left(self, worker: Worker) -> None:
         self.forgotten.append(worker.address)
 
 
@@ -133,7 +139,8 @@ async def test_a_model_outside_the_frontends_models_is_refused_and_counted() -> 
     first, other = ScriptedSidecar("m"), ScriptedSidecar("other")
     observer = Observer()
     config = replace(FAST_WORKERS, models=frozenset({"m"}))
-    async with scripted(first) as a, scripted(other) as b, WorkerSet(config, observer=observer) as workers:
+    async with scripted(first) as a, scripted(other) as b, WorkerSet(config) as workers:
+        workers.events.subscribe(observer)
         workers.add_worker(a)
         workers.add_worker(b)
         refused = workers.get(b)
@@ -155,7 +162,8 @@ async def test_a_worker_whose_sidecar_runs_another_role_is_refused_and_the_fleet
 ) -> None:
     sidecar = ScriptedSidecar(mode=mode)
     observer = Observer()
-    async with scripted(sidecar) as address, WorkerSet(FAST_WORKERS, observer=observer) as workers:
+    async with scripted(sidecar) as address, WorkerSet(FAST_WORKERS) as workers:
+        workers.events.subscribe(observer)
         workers.add_worker(address, role)
         worker = workers.get(address)
         assert worker is not None

@@ -51,26 +51,26 @@ def _serving(address: str, model: str, role: str = "agg") -> Worker:
 async def test_the_default_model_has_the_most_placing_workers_and_the_newer_wins_a_tie() -> None:
     a1, a2 = _serving("10.0.0.1:1", "a"), _serving("10.0.0.2:1", "a")
     ws = worker_set([a1, a2])
-    ws._notify()
+    ws.rebuild()
     assert ws.default_model() == "a"
     b1 = _serving("10.0.0.3:1", "b")
-    ws._workers["10.0.0.3:1"] = b1
-    ws._notify()
+    ws.add(b1)
+    ws.rebuild()
     assert sorted(ws.models()) == ["a", "b"]
     assert ws.default_model() == "a", "two workers place a, one places b"
     a2.state = WorkerState.DRAINING
-    ws._notify()
+    ws.rebuild()
     assert ws.default_model() == "b", "a tie: b is the newer model"
     a1.state = WorkerState.DRAINING
-    ws._notify()
+    ws.rebuild()
     assert list(ws.models()) == ["b"]
 
 
 async def test_a_model_served_only_by_prefill_workers_or_only_by_decode_workers_takes_no_generation() -> None:
     ws = worker_set([_serving("10.0.0.1:1", "p", "prefill"), _serving("10.0.0.2:1", "d", "decode")])
-    ws._notify()
+    ws.rebuild()
     assert dict(ws.models()) == {}
     assert ws.default_model() is None
-    ws._workers["10.0.0.3:1"] = _serving("10.0.0.3:1", "p", "decode")
-    ws._notify()
+    ws.add(_serving("10.0.0.3:1", "p", "decode"))
+    ws.rebuild()
     assert list(ws.models()) == ["p"], "a prefill and a decode worker place p"

@@ -13,7 +13,8 @@ from sidecar_common.api import sidecar_pb2_grpc
 from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.pool import ChannelPool, PoolConfig
 from sidecar_common.rpc import StubCache
-from sidecar_frontend.workers import Worker, WorkerSet, WorkerState
+from sidecar_frontend.registry import Registry, Worker, WorkerState
+from sidecar_frontend.worker_events import WorkerEvents
 
 STATES = list(WorkerState)
 
@@ -30,10 +31,10 @@ def worker(
     return w
 
 
-def worker_set(workers: list[Worker], seed: int = 0) -> WorkerSet:
-    ws = WorkerSet(rand=random.Random(seed))
+def worker_set(workers: list[Worker], seed: int = 0) -> Registry:
+    ws = Registry(WorkerEvents(), rand=random.Random(seed))
     for w in workers:
-        ws._workers[w.address] = w  # the set's own bookkeeping, filled without the network
+        ws.add(w)  # filled without the network
     return ws
 
 

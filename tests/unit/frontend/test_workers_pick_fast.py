@@ -7,7 +7,7 @@ import anyio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_frontend.workers import WorkerSet, WorkerState
+from sidecar_frontend.registry import Registry, WorkerState
 from tests.unit.frontend.test_workers_choice import worker, worker_set
 
 STATES = list(WorkerState)
@@ -29,7 +29,7 @@ def test_the_kept_pool_gives_a_serving_worker_of_the_role_and_the_less_loaded_of
 async def check(specs: list[tuple[WorkerState, int, str]], seed: int) -> None:
     workers = [worker(f"10.0.0.{n}:1", state, load, role) for n, (state, load, role) in enumerate(specs)]
     ws = worker_set(workers, seed)
-    ws._notify()  # what every state change does
+    ws.rebuild()  # what every state change does
     serving = [w for w in workers if w.state is WorkerState.SERVING and w.role == "agg"]
     for _ in range(20):
         chosen = ws.pick()
@@ -45,8 +45,8 @@ async def check(specs: list[tuple[WorkerState, int, str]], seed: int) -> None:
 
 async def _stale_worker_is_never_chosen() -> None:
     a, b, c = (worker(f"10.0.0.{n}:1", WorkerState.SERVING) for n in range(3))
-    ws: WorkerSet = worker_set([a, b, c])
-    ws._notify()
+    ws: Registry = worker_set([a, b, c])
+    ws.rebuild()
     b.state = WorkerState.NOT_SERVING  # changed without a notification: the pool is stale
     for _ in range(50):
         assert ws.pick() is not b

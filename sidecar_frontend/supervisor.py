@@ -1,0 +1,228 @@
+"""Every long-lived task of the frontend, supervised: a failure is heard, counted and recovered
+from, and never stops anything else.
+
+A :class:`Supervisor` is entered with ``async with`` by the task that owns the frontend's
+background work (the server's main task; a test's body). Each task it starts
+(:meth:`Supervisor.start`) has a name (``health``, ``load_poll``, ``kv_stream``, ``redial``,
+``tls_files``, ``discovery`` …) and an owner (a worker's address, or "" for the frontend's
+own). When a task ends with an exception, or with a ``CancelledError`` that nobody asked for
+(grpc.aio raises one out of a call whose channel was closed under it; a task group would take
+it for a request to stop), the supervisor:
+
+- logs it once at error level, with the task's name, its owner and the error;
+- counts it in ``frontend_background_failures_total{task}``;
+- runs the task again after a pause from the project's backoff (``sidecar_common.retry``),
+  which starts over once the task has run for a while without failing.
+
+A task that returns has finished its work and is not run again. A real cancel (the owner's
+scope, :meth:`stop_owner`, the supervisor's exit) ends the task as asked. So one worker's fault
+costs that worker's task a restart, never another worker's tasks or an HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Final
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+from prometheus_client import CollectorRegistry, Counter
+
+from sidecar_common.retry import Backoff
+from sidecar_common.rpc import cancel_is_ours
+
+__all__ = ["FAILURE_HOOK", "Supervisor", "SupervisorConfig", "TaskFailure"]
+
+log = structlog.get_logger("sidecar_frontend.supervisor")
+
+# Tests of a real frontend process make a named task fail in turn through this variable
+# (``SIDECAR_TEST_FAIL_TASKS=health,load_poll``): each named task raises once, on its first
+# run, for each owner. Read once per supervisor; empty in production.
+FAILURE_HOOK: Final = "SIDECAR_TEST_FAIL_TASKS"
+
+
+class TaskFailure(RuntimeError):
+    """The failure a test asked for through :data:`FAILURE_HOOK`."""
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    # Pause before a failed task runs again: doubling from the first up to the cap (jittered).
+    restart_first_secs: float = 0.5
+    restart_max_secs: float = 30.0
+    # A task that ran this long before failing fails as if for the first time.
+    healthy_after_secs: float = 60.0
+    # Task names that fail once on their first run (see FAILURE_HOOK).
+    fail_once: frozenset[str] = frozenset()
+
+
+@dataclass
+class _Owned:
+    """The cancel scopes of one owner's running tasks."""
+
+    scopes: set[anyio.CancelScope] = field(default_factory=set)
+
+
+class Supervisor:
+    """``async with Supervisor(...) as supervisor:`` owns the task group of every background
+    task; leaving the block cancels them all."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config if config is not None else SupervisorConfig()
+        self._clock = clock
+        self._group: TaskGroup | None = None
+        self._owners: dict[str, _Owned] = {}
+        self._failed_once: set[tuple[str, str]] = set()
+        self.failures = Counter(
+            "frontend_background_failures",
+            "Background tasks (per-worker health, load poll, KV stream, redial; TLS files, "
+            "discovery) that ended with an error or an unasked-for cancel and were run again, "
+            "by task",
+            ["task"],
+            registry=registry,
+        )
+
+    async def __aenter__(self) -> Supervisor:
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        self._group = group
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        group, self._group = self._group, None
+        if group is None:
+            return None
+        # Background tasks run until cancelled: the body's end is the end of all of them. The
+        # body's own exception passes through the group as it would through `async with`.
+        group.cancel_scope.cancel()
+        return await group.__aexit__(exc_type, exc, tb)
+
+    @property
+    def running(self) -> bool:
+        return self._group is not None
+
+    def start(
+        self,
+        name: str,
+        run: Callable[[], Awaitable[None]],
+        *,
+        owner: str = "",
+        worker: str | None = None,
+        restart: bool = True,
+    ) -> None:
+        """Run ``run()`` as the task ``name`` of ``owner``; run it again after a failure
+        (``restart``), else log and count the failure and leave it ended. Its log lines name
+        ``worker`` (by default the owner)."""
+        if self._group is None:
+            raise RuntimeError("Supervisor is not running (use `async with`)")
+        scope = anyio.CancelScope()
+        self._owners.setdefault(owner, _Owned()).scopes.add(scope)
+        label = owner if worker is None else worker
+        self._group.start_soon(
+            self._supervise, name, owner, label, run, scope, restart, name=f"{name}:{label}"
+        )
+
+    def stop_owner(self, owner: str) -> None:
+        """Cancel every task of ``owner`` (a worker leaving the set)."""
+        owned = self._owners.pop(owner, None)
+        if owned is not None:
+            for scope in owned.scopes:
+                scope.cancel()
+
+    def tasks_of(self, owner: str) -> int:
+        """How many tasks ``owner`` has running (for tests and the debug log)."""
+        owned = self._owners.get(owner)
+        return 0 if owned is None else len(owned.scopes)
+
+    async def _supervise(
+        self,
+        name: str,
+        owner: str,
+        label: str,
+        run: Callable[[], Awaitable[None]],
+        scope: anyio.CancelScope,
+        restart: bool,
+    ) -> None:
+        backoff = Backoff(self._config.restart_first_secs, self._config.restart_max_secs)
+        failures = 0
+        try:
+            with scope:
+                while True:
+                    began = self._clock()
+                    error = await self._run_once(name, label, run)
+                    if error is None:
+                        return
+                    ran = self._clock() - began
+                    failures = 1 if ran >= self._config.healthy_after_secs else failures + 1
+                    pause = backoff.pause(failures) if restart else math.inf
+                    self.failures.labels(name).inc()
+                    log.error(
+                        "background task failed",
+                        task=name,
+                        worker=label or None,
+                        error=_describe(error),
+                        failures_in_a_row=failures,
+                        restart_in_secs=round(pause, 2) if restart else None,
+                        exc_info=error,
+                    )
+                    if not restart:
+                        return
+                    await anyio.sleep(pause)
+        finally:
+            owned = self._owners.get(owner)
+            if owned is not None:
+                owned.scopes.discard(scope)
+                if not owned.scopes:
+                    del self._owners[owner]
+
+    async def _run_once(
+        self, name: str, owner: str, run: Callable[[], Awaitable[None]]
+    ) -> BaseException | None:
+        """Run the task once; what it failed with, or None when it returned."""
+        try:
+            if name in self._config.fail_once and (name, owner) not in self._failed_once:
+                self._failed_once.add((name, owner))
+                raise TaskFailure(f"{name} failed as {FAILURE_HOOK} asked")
+            await run()
+        except asyncio.CancelledError:
+            if cancel_is_ours():
+                raise
+            # Nobody cancelled this task: a CancelledError that escaped a call (its channel
+            # closed under it). Taken here, the group never sees it as a request to stop.
+            return _UnaskedCancel("CancelledError raised, not asked for (a call cancelled under the task)")
+        except Exception as err:  # the point of a supervisor: any failure is recovered from
+            return err
+        return None
+
+
+class _UnaskedCancel(Exception):
+    """A task ended with a CancelledError nobody asked for."""
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def fail_once_from(value: str | None) -> frozenset[str]:
+    """The task names of :data:`FAILURE_HOOK`'s value (comma-separated)."""
+    if not value:
+        return frozenset()
+    return frozenset(part.strip() for part in value.split(",") if part.strip())

@@ -1,0 +1,69 @@
+"""What a worker's replies may hold before the frontend believes them (pure).
+
+Nothing a worker sends is trusted: a bug, a version skew or a compromised host must cost the
+fleet that one worker. Each check answers None for a reply that can be used, or why it cannot,
+in words for the log line that names the worker. A reply that did not decode reaches the
+frontend as ``None`` (grpc.aio hands the caller ``None`` when deserializing fails) and is
+refused as such.
+
+The bounds are far above any real engine's and far below what would cost the frontend memory
+or CPU: a load of a million requests, a vocabulary of 16 M ids, a KV block of 64 Ki tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from sidecar_common.api import sidecar_pb2
+
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_LOAD",
+    "MAX_MODEL_NAME_BYTES",
+    "MAX_RANKS",
+    "MAX_VOCAB_SIZE",
+    "UNDECODABLE",
+    "load_problem",
+    "model_info_problem",
+]
+
+UNDECODABLE: Final = "the reply did not decode (not a message of its kind)"
+MAX_LOAD: Final = 1_000_000
+MAX_RANKS: Final = 4_096
+MAX_VOCAB_SIZE: Final = 1 << 24
+MAX_BLOCK_SIZE: Final = 1 << 16
+MAX_MODEL_NAME_BYTES: Final = 1_024
+
+
+def model_info_problem(info: sidecar_pb2.ModelInfo | None) -> str | None:
+    if info is None:
+        return UNDECODABLE
+    if not info.served_model_name:
+        return "its ModelInfo names no model"
+    if len(info.served_model_name.encode()) > MAX_MODEL_NAME_BYTES:
+        return f"its model name is longer than {MAX_MODEL_NAME_BYTES} bytes"
+    if info.vocab_size > MAX_VOCAB_SIZE:
+        return f"its vocabulary size {info.vocab_size} is above {MAX_VOCAB_SIZE}"
+    if info.kv_block_size > MAX_BLOCK_SIZE:
+        return f"its KV block size {info.kv_block_size} is above {MAX_BLOCK_SIZE}"
+    return None
+
+
+def load_problem(report: sidecar_pb2.LoadReport | None) -> str | None:
+    if report is None:
+        return UNDECODABLE
+    if report.inflight_requests > MAX_LOAD:
+        return f"its in-flight requests {report.inflight_requests} are above {MAX_LOAD}"
+    if len(report.ranks) > MAX_RANKS:
+        return f"it reports {len(report.ranks)} ranks, more than {MAX_RANKS}"
+    for rank in report.ranks:
+        if rank.HasField("running_requests") and rank.running_requests > MAX_LOAD:
+            return f"rank {rank.dp_rank} runs {rank.running_requests} requests, more than {MAX_LOAD}"
+        if rank.HasField("waiting_requests") and rank.waiting_requests > MAX_LOAD:
+            return f"rank {rank.dp_rank} has {rank.waiting_requests} waiting, more than {MAX_LOAD}"
+        if rank.HasField("kv_usage") and not (math.isfinite(rank.kv_usage) and 0.0 <= rank.kv_usage <= 1.0):
+            return f"rank {rank.dp_rank} reports a KV usage of {rank.kv_usage}, not within [0, 1]"
+    if report.kv_cache.block_size > MAX_BLOCK_SIZE:
+        return f"its KV block size {report.kv_cache.block_size} is above {MAX_BLOCK_SIZE}"
+    return None
