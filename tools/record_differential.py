@@ -7,6 +7,7 @@ whose ``how`` is ``"run"`` and writes what came back into the row's ``real``. Ro
 ``how`` says ``read: ...`` were derived by reading the real code and are left alone.
 
     python tools/record_differential.py [--venv /tmp/differential-venv] [--format vllm|sglang|all]
+    python tools/record_differential.py --format vllm --rows "row name" ...   # only those rows
     python tools/record_differential.py --random 400   # the random-body tables instead
 
 ``--random N`` draws N bodies per format from a fixed seed (lax and wrong values for the
@@ -18,10 +19,13 @@ What is real and what is a stand-in:
 
 * vLLM: the real FastAPI router (``/inference/v1/generate``), the real request models and
   their validators, the real exception handlers and the real ``ServingTokens`` request and
-  response code. Replaced: the engine client (``generate`` draws tokens from
-  ``testkit.generator``, the same deterministic model the testkit engines serve, and raises
-  vLLM's own engine exceptions for the fault rows), the renderer (token prompts pass through)
-  and the served-model registry (one model, ``testkit-model``).
+  response code. Replaced: the engine client (``generate`` first runs vLLM's own input checks,
+  ``InputProcessor._validate_params`` and ``_validate_model_inputs`` on a stand-in of the
+  configuration they read (the testkit model's vocabulary and context, ``--max-logprobs``
+  20), then draws tokens and prompt logprobs from ``testkit.generator``, the same
+  deterministic model the testkit engines serve, laid out as vLLM's engine lays them out, and
+  raises vLLM's own engine exceptions for the fault rows), the renderer (token prompts pass
+  through) and the served-model registry (one model, ``testkit-model``).
 * SGLang: the real FastAPI app of ``sglang.srt.entrypoints.http_server`` (parse stage, JSON
   contract gate, error handlers, stream error events). Replaced: the tokenizer manager; the
   stand-in runs the real ``GenerateReqInput.normalize_batch_and_arguments`` and the real
@@ -157,15 +161,17 @@ def send(client: Any, request: dict[str, Any]) -> Any:
 def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-    from testkit.generator import Generator, ModelSpec, SamplingSpec
+    from testkit.generator import Generator, ModelSpec, SamplingSpec, prompt_logprobs
     from vllm.entrypoints.scale_out.token_in_token_out.api_router import attach_router
     from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
     from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
     from vllm.exceptions import QueueOverflowError
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.renderers import BaseRenderer
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.exceptions import EngineDeadError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+    from vllm.v1.engine.input_processor import InputProcessor
 
     model = ModelSpec(vocab_size=32000, eos_token_ids=(2,), context_length=4096)
 
@@ -187,6 +193,53 @@ def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
             entries.setdefault(token, Logprob(float32(logprob), rank))
         return entries
 
+    # vLLM's own input checks, run in its engine's order (InputProcessor.process_inputs: the
+    # sampling parameters' verify, then the prompt's length and vocabulary) on a stand-in of
+    # the configuration they read: a tokenizer-less model of the testkit's size, vLLM's
+    # default --max-logprobs 20, structured outputs configured (so their tokenizer check
+    # runs). The data-parallel rank check, written inline in process_inputs, is not run here
+    # (the rank rows are "read:" rows).
+    model_config = types.SimpleNamespace(
+        max_logprobs=20,
+        get_vocab_size=lambda: model.vocab_size,
+        max_model_len=model.context_length,
+        runner_type="generate",
+        is_diffusion=False,
+        return_sampling_mask=False,
+        enable_trace_replay=False,
+    )
+    checks = types.SimpleNamespace(
+        model_config=model_config,
+        speculative_config=None,
+        structured_outputs_config=types.SimpleNamespace(),
+        tokenizer=None,
+        vllm_config=types.SimpleNamespace(
+            use_v2_model_runner=False,
+            cache_config=types.SimpleNamespace(kv_sharing_fast_prefill=False),
+            reasoning_config=None,
+        ),
+        diffusion_config=None,
+        skip_prompt_length_check=False,
+        supports_mm_inputs=False,
+        validate_logits_processors_params=lambda params: None,
+        resolve_watermarking=lambda params: False,
+        renderer=types.SimpleNamespace(tokenizer=None, model_config=model_config),
+    )
+    checks.renderer.validate_token_ids = types.MethodType(BaseRenderer.validate_token_ids, checks.renderer)
+    checks._validate_prompt_len = types.MethodType(InputProcessor._validate_prompt_len, checks)
+    checks._validate_model_input = types.MethodType(InputProcessor._validate_model_input, checks)
+
+    def check_input(engine_input: Any, params: Any) -> None:
+        InputProcessor._validate_params(checks, params, ("generate",))
+        InputProcessor._validate_model_inputs(checks, None, engine_input)
+
+    def prompt_logprobs_of(prompt: list[int], k: int | None) -> Any:
+        # vLLM's engine: none for the first position, then per position the prompt token with
+        # its rank and the top k (vllm/logprobs.py:append_logprobs_for_next_position).
+        if k is None:
+            return None
+        return [None if p is None else logprobs_at(p) for p in prompt_logprobs(prompt, k, model)]
+
     class Engine:
         errored = False
         dead_error = EngineDeadError()
@@ -204,6 +257,7 @@ def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
 
         async def generate(self, engine_input: Any, params: Any, request_id: str, **_: Any) -> Any:
             prompt = list(engine_input["prompt_token_ids"])
+            check_input(engine_input, params)
             fault = fault_of(request_id)
             stop_ids = tuple(params.stop_token_ids or ())
             spec = SamplingSpec(
@@ -227,6 +281,9 @@ def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
                         continue
                     if fault and fault["kind"] == "engine_dead" and sent >= fault["after"]:
                         raise EngineDeadError()
+                    if fault and fault["kind"] == "engine_error" and sent >= fault["after"]:
+                        # AsyncLLM.generate wraps any failure of its own in EngineGenerateError.
+                        raise EngineGenerateError()
                     token = generator.step()
                     sent += 1
                     tokens[index].append(token.token_id)
@@ -248,7 +305,8 @@ def vllm_client(rows_by_id: dict[str, dict[str, Any]]) -> Any:
                     completion(index, tokens[index], logprobs[index], finishes[index], spec)
                     for index in range(len(generators))
                 ]
-                yield RequestOutput(request_id, None, prompt, None, outs, finished=True)
+                plp = prompt_logprobs_of(prompt, params.prompt_logprobs)
+                yield RequestOutput(request_id, None, prompt, plp, outs, finished=True)
 
     def completion(index: int, token_ids: list[int], lps: list[Any], finish: Any, spec: Any) -> Any:
         reason = None
@@ -371,7 +429,9 @@ def request_id_of(row: dict[str, Any]) -> str:
     return request_id if isinstance(request_id, str) else row["name"]
 
 
-def record(fmt: str) -> None:
+def record(fmt: str, only: frozenset[str] = frozenset()) -> None:
+    """Record every ``run`` row of the format's table, or only the rows named in ``only``
+    (a re-recording of the rest would change nothing but vLLM's clock in them)."""
     path = DATA / f"differential_{fmt}.json"
     table = json.loads(path.read_text())
     rows = table["rows"]
@@ -383,7 +443,7 @@ def record(fmt: str) -> None:
         client = sglang_client()
         version = f"sglang {SGLANG_VERSION}"
     for row in rows:
-        if row["how"] != "run":
+        if row["how"] != "run" or (only and row["name"] not in only):
             continue
         if fmt == "vllm":
             client.engine.admission_fault = row.get("fault")
@@ -484,12 +544,16 @@ def main() -> None:
     parser.add_argument("--venv", type=Path, default=Path("/tmp/differential-venv"))
     parser.add_argument("--format", choices=["vllm", "sglang", "all"], default="all")
     parser.add_argument("--random", type=int, default=0, metavar="N", help="record N random bodies")
+    parser.add_argument("--rows", nargs="+", default=[], metavar="NAME", help="record only these rows")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.inner:
         python = ensure_venv(args.venv)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # The repository (tests data) and the testkit, whose generator the vLLM stand-in draws from.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "testkit" / "src")))}
         command = [str(python), __file__, "--inner", "--format", args.format, "--random", str(args.random)]
+        if args.rows:
+            command += ["--rows", *args.rows]
         raise SystemExit(subprocess.run(command, env=env, check=False).returncode)
     asyncio.set_event_loop(asyncio.new_event_loop())
     logging.disable(logging.CRITICAL)  # the servers log every refusal
@@ -497,7 +561,7 @@ def main() -> None:
         if args.random:
             record_random(fmt, args.random)
         else:
-            record(fmt)
+            record(fmt, frozenset(args.rows))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from sidecar_frontend.formats.vllm_errors import (
     validation_reply,
 )
 from sidecar_frontend.formats.vllm_model import GenerateRequest, validate_generate
+from sidecar_frontend.formats.vllm_sampling import UINT32_MAX
+from sidecar_frontend.formats.vllm_sampling import SamplingParams as SamplingChecks
 
 __all__ = ["REQUEST_ID_PREFIX", "ChoiceEnd", "VllmOptions", "parse_generate"]
 
@@ -164,18 +166,7 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
         )
     check_msgpack([*params.integers(), kv_transfer_params])
 
-    # The engine's input checks that what the workers serve lets us make here, in vLLM's
-    # order: the sampling parameters (SamplingParams.verify: biased ids, stop ids, structured
-    # outputs), then the data-parallel rank, then the prompt's length, then its vocabulary.
-    params.check_vocabulary(ctx.model_info.vocab_size)
-    if params.present("structured_outputs") and params.raw("structured_outputs") is not None:
-        raise Refused(
-            bad_request(
-                "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
-            )
-        )
-    rank = dp_rank(header(headers, "X-data-parallel-rank"), ctx.model_info.data_parallel_size)
-    check_prompt(token_ids, ctx.model_info)
+    rank = _engine_input_checks(params, token_ids, headers, ctx.model_info)
 
     # What this frontend cannot carry to a vLLM sidecar.
     if ec_transfer_params is not None:
@@ -220,6 +211,75 @@ def _parse(body: bytes, headers: Mapping[str, str], ctx: FormatContext) -> Gener
     return GenerateCall(
         requests=(request,), stream=bool(stream), options=options, refused_before_stream=REFUSED_BEFORE_STREAM
     )
+
+
+def _engine_input_checks(
+    params: SamplingChecks, token_ids: list[int], headers: Mapping[str, str], info: sidecar_pb2.ModelInfo
+) -> int | None:
+    """The engine's input checks that what the workers serve lets us make here, in vLLM's
+    order: the sampling parameters (``SamplingParams.verify``: biased ids, stop ids, structured
+    outputs), then the data-parallel rank, then the prompt's length, then its vocabulary.
+    Returns the data-parallel rank asked for, or raises the first refusal.
+
+    vLLM's engine checks one thing before all of these that no worker reports: a logprob count
+    against its ``--max-logprobs`` (``SamplingParams._validate_logprobs``, first in
+    ``verify``). So when a request asks for logprobs of a vLLM engine and these checks find a
+    problem, only the engine knows which one vLLM names first. If every problem found is one
+    the engine checks itself, in the same words, behind a vLLM sidecar that passes the request
+    through (the ids' vocabulary, the prompt's length), the request is left to the engine,
+    which answers in vLLM's order: the logprobs when over its maximum, else the same refusal
+    (as vLLM answers it: a 400 unary, an error event in a stream). A problem the sidecar or
+    this frontend would answer first in other words (structured outputs, which are not carried;
+    the rank, which the sidecar checks) is refused here.
+    """
+    first: Refused | None = None
+    engine_words = True  # every problem found is one the engine states the same way
+
+    def found(refused: Refused, *, by_engine: bool) -> None:
+        nonlocal first, engine_words
+        first = first or refused
+        engine_words = engine_words and by_engine
+
+    try:
+        params.check_vocabulary(info.vocab_size)
+    except Refused as refused:
+        found(refused, by_engine=True)
+    if params.present("structured_outputs") and params.raw("structured_outputs") is not None:
+        found(
+            Refused(
+                bad_request(
+                    "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+                )
+            ),
+            by_engine=False,
+        )
+    rank: int | None = None
+    try:
+        rank = dp_rank(header(headers, "X-data-parallel-rank"), info.data_parallel_size)
+    except Refused as refused:
+        found(refused, by_engine=False)
+    try:
+        check_prompt(token_ids, info)
+    except Refused as refused:
+        found(refused, by_engine=True)
+    if first is None:
+        return rank
+    if engine_words and _engine_checks_logprobs_first(params, info) and _carried(params, token_ids):
+        return rank
+    raise first
+
+
+def _engine_checks_logprobs_first(params: SamplingChecks, info: sidecar_pb2.ModelInfo) -> bool:
+    # vLLM checks a count only when it is non-zero (-1, the whole vocabulary, is refused by name
+    # here: never carried); the vLLM sidecar carries counts within 32 signed bits.
+    counts = (params.logprobs, params.prompt_logprobs)
+    return info.engine == "vllm" and any(count is not None and 0 < count <= _INT32[1] for count in counts)
+
+
+def _carried(params: SamplingChecks, token_ids: list[int]) -> bool:
+    # Every id the engine is to check must reach it: the sidecar's fields are 32-bit unsigned.
+    ids = (*token_ids, *(params.logit_bias or {}), *(params.stop_token_ids or ()))
+    return all(0 <= token <= UINT32_MAX for token in ids)
 
 
 def _choice_end(request: sidecar_pb2.PreprocessedRequest, info: sidecar_pb2.ModelInfo) -> ChoiceEnd:

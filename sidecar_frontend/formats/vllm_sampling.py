@@ -244,8 +244,10 @@ class SamplingParams:
             s.logit_bias[token] = bias
         if self.max_tokens is not None:
             stop.max_tokens = _fits("max_tokens", self.max_tokens, 1, UINT32_MAX)
-        elif self.present("max_tokens") and context:
-            # An explicit null means "up to the context", without the server's default cap.
+        elif self.present("max_tokens") and context > prompt_len:
+            # An explicit null means "up to the context", without the server's default cap. A
+            # prompt that fills the context reaches here only to be refused by the engine
+            # (vllm_request: a problem left to it): its own default then stands.
             stop.max_tokens = context - prompt_len
         if self.min_tokens is not None:
             stop.min_tokens = _fits("min_tokens", self.min_tokens, 0, UINT32_MAX)

@@ -15,10 +15,14 @@ each answer was obtained is in its row's ``how``:
 
 Rows that fail today because of a known bug carry ``xfail`` (issue 17's bullet): they are
 marked ``xfail(strict=True)``, so they turn into failures the moment the bug is fixed and the
-marker must come off. Only what the real server itself varies is normalised before comparing
-(vLLM's ``created`` clock, SGLang's latencies, and the server-install-dependent endpoint context
-FastAPI appends to SGLang's parse-stage messages; see ``_normalise``). A row's ``compare``
-narrows what is compared, and its ``note`` says why or what in it is the stand-in's.
+marker must come off. A row where we differ from the real server on purpose keeps the real
+answer in ``real`` and ours in ``ours``, which is what is compared; its ``differs`` names the
+bullet of the format's page (``docs/frontend-<format>.md``, "Where we differ from ..., on
+purpose") that says why, and the two answers must really differ. Only what the real server
+itself varies is normalised before comparing (vLLM's ``created`` clock, SGLang's latencies,
+and the server-install-dependent endpoint context FastAPI appends to SGLang's parse-stage
+messages; see ``_normalise``). A row's ``compare`` narrows what is compared, and its ``note``
+says why or what in it is the stand-in's.
 
 The requests go over loopback to the frontend (aiohttp) -> sidecar -> testkit engine: vLLM
 rows over a vLLM sidecar, SGLang rows over an SGLang sidecar on SGLang's HTTP transport.
@@ -60,12 +64,14 @@ def _rows(fmt: str) -> list[Any]:
 
 
 # The fault rows, as the testkit engine injects them (the recorder raises vLLM's own
-# exception for the same row: engine_dead -> EngineDeadError after k tokens, overloaded ->
-# QueueOverflowError at admission). An engine dead is a fault plan for the row's request; an
+# exception for the same row: engine_dead -> EngineDeadError after k tokens, engine_error ->
+# EngineGenerateError after k tokens, overloaded -> QueueOverflowError at admission). An engine
+# dead or failing is a fault plan for the row's request (the sidecar sees the engine's call fail
+# either way, and its health tells a dead engine apart); an
 # engine overloaded is the testkit's own admission control (vLLM's --max-num-queued-reqs) at 0
 # while the row runs: it refuses as vLLM does, gRPC UNAVAILABLE with vLLM's sentence.
 def _fault_plan(fault: dict[str, Any]) -> FaultPlan:
-    if fault["kind"] == "engine_dead":
+    if fault["kind"] in ("engine_dead", "engine_error"):
         return FaultPlan(FaultKind.ERROR_AFTER, after=fault["after"], code="INTERNAL")
     raise AssertionError(f"unknown fault {fault}")
 
@@ -191,7 +197,8 @@ async def _check(fe: FrontendStack, row: dict[str, Any]) -> None:
         if overloaded:
             engine.max_num_queued_reqs = engine.config.max_num_queued_reqs
     keys = tuple(row.get("compare", DEFAULT_COMPARE))
-    assert _comparable(ours, keys) == _comparable(row["real"], keys), row["how"]
+    expected = row.get("ours", row["real"])
+    assert _comparable(ours, keys) == _comparable(expected, keys), row.get("differs", row["how"])
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -206,6 +213,16 @@ async def test_sglang_answers_as_sglang(sglang_frontend: FrontendStack, row: dic
     await _check(sglang_frontend, row)
 
 
+def _on_purpose(fmt: str) -> str:
+    """The format page's section listing where we differ from the real server on purpose."""
+    page = (HERE.parents[2] / "docs" / f"frontend-{fmt}.md").read_text()
+    heading = re.search(r"^## Where we differ from .*, on purpose$", page, re.MULTILINE)
+    assert heading is not None, fmt
+    rest = page[heading.end() :]
+    following = re.search(r"^## ", rest, re.MULTILINE)
+    return rest[: following.start()] if following else rest
+
+
 def test_every_row_says_how_its_answer_was_obtained() -> None:
     for fmt, table in TABLES.items():
         assert table["recorded_with"].split()[0] == fmt
@@ -214,3 +231,9 @@ def test_every_row_says_how_its_answer_was_obtained() -> None:
             assert {"status", "content_type"} <= set(row["real"]), (fmt, row["name"])
             if "xfail" in row:
                 assert row["xfail"].startswith("issue 17: "), (fmt, row["name"])
+            assert ("ours" in row) == ("differs" in row), (fmt, row["name"])
+            if "ours" in row:
+                # A deliberate difference: documented, and a difference indeed.
+                assert f"- **{row['differs']}**" in _on_purpose(fmt), (fmt, row["name"])
+                keys = tuple(row.get("compare", DEFAULT_COMPARE))
+                assert _comparable(row["ours"], keys) != _comparable(row["real"], keys), (fmt, row["name"])
