@@ -11,13 +11,24 @@ failure, or None when every choice's terminal was delivered.
 
 Cancellation: each attempt runs in the sub-request's own cancel scope (:class:`SubCall`), so
 an abort by id ends it; leaving a call cancels it, and the sidecar aborts the engine request.
+
+A worker is not trusted (``misbehaviour.py``): every reply of a call is decoded or refused (a
+``None`` from grpc.aio is a message that did not decode; a status whose details do not decode
+is refused too), and every output is checked before the client is given it (its choice, its
+token ids against the model's ``vocab_size``, a LENGTH finish with no token). A worker that
+misbehaves is reported (the runner's ``misbehaviour`` reporter) and its call fails as a
+protocol error: another worker takes the sub-request while nothing was delivered, else it ends
+with the format's error. Once every choice's terminal was delivered the call is left: a worker
+has ``end_grace`` seconds to end its stream, then it is cancelled, so the response ends
+whatever the worker does next.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -29,16 +40,20 @@ from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason
+from sidecar_common.rpc import cancel_is_ours
 from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
 from sidecar_frontend import disagg
-from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error
+from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error, misbehaved
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.misbehaviour import NO_REPORTS, Fault, Misbehaviour, OutputCheck, Reporter
 from sidecar_frontend.placement import CallWatch, WorkerChoice, least_loaded, place
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
+    "END_GRACE",
     "AttemptRunner",
+    "OutputNotEncoded",
     "Recipient",
     "RunnerConfig",
     "SubCall",
@@ -47,6 +62,11 @@ __all__ = [
 
 # A gRPC deadline a little past our own: only a backstop, our deadline speaks first.
 _GRPC_DEADLINE_SLACK: Final = 5.0
+# After every terminal was delivered, how long a worker has to end its stream before the call
+# is cancelled. A sidecar ends it at once (its trailers follow the last output); waiting for
+# them rather than cancelling at once keeps a complete call from reaching the sidecar as a
+# client's cancel. Only a worker that keeps the stream open makes a response wait this long.
+END_GRACE: Final = 1.0
 
 log = structlog.get_logger("sidecar_frontend.handler")
 
@@ -92,6 +112,11 @@ class Tally:
     migrations: int = 0
 
 
+class OutputNotEncoded(Exception):
+    """What :meth:`Recipient.deliver` raises when the format could not turn an output into
+    the client's terms (an output no check here foresaw: lists of disagreeing lengths, ...)."""
+
+
 class Recipient(Protocol):
     """The HTTP side of one request, as the runner sees it."""
 
@@ -108,7 +133,8 @@ class Recipient(Protocol):
         """Where the attempts count what they did, for the request's log line."""
 
     async def deliver(self, index: int, output: sidecar_pb2.LLMEngineOutput) -> None:
-        """Give sub-request ``index``'s ``output`` (already in the client's terms) to the client."""
+        """Give sub-request ``index``'s ``output`` (already in the client's terms) to the client;
+        raises :class:`OutputNotEncoded` when the format could not take it."""
 
 
 class AttemptRunner:
@@ -125,6 +151,8 @@ class AttemptRunner:
         clock: Callable[[], float] = time.monotonic,
         rand: random.Random | None = None,
         tracing: Tracing | None = None,
+        misbehaviour: Reporter = NO_REPORTS,
+        end_grace: float = END_GRACE,
     ) -> None:
         self.workers = workers
         self.config = config
@@ -137,6 +165,9 @@ class AttemptRunner:
         self.tracing = tracing if tracing is not None else Tracing()
         # Each SGLang prefill worker's bootstrap server, learned from its first handoff.
         self.bootstraps: dict[str, disagg.BootstrapAddress] = {}
+        # Told whenever a worker misbehaves (logs, counts, takes it out of routing).
+        self.misbehaviour = misbehaviour
+        self.end_grace = end_grace
 
     def attempts(self, request: sidecar_pb2.PreprocessedRequest) -> Attempts:
         return Attempts(request, self.config.migration_limit)
@@ -156,6 +187,11 @@ class AttemptRunner:
         if self.metrics is not None:
             self.metrics.worker_failed(worker.address, failure.reason.value)
 
+    def misbehaved(self, worker: Worker, fault: Fault) -> WorkerFailure:
+        """Report ``worker``'s fault; the failure its call ends with."""
+        self.misbehaviour.report(worker.address, fault.kind, fault.detail)
+        return misbehaved(worker.address, fault)
+
 
 @dataclass(eq=False)
 class _Run:
@@ -167,6 +203,11 @@ class _Run:
     tried: list[str] = field(default_factory=list)
     # The move (retry or migration) decided after a failure, counted once a worker takes it.
     moving: tuple[str, WorkerFailure] | None = None
+    # The checks of every output the client is given, across attempts.
+    check: OutputCheck = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.check = OutputCheck(self.sub.attempts.request)
 
     async def until_done(self) -> WorkerFailure | None:
         sub, attempts = self.sub, self.sub.attempts
@@ -273,9 +314,14 @@ class _Run:
 
     async def _decode(self, worker: Worker, request: sidecar_pb2.PreprocessedRequest) -> WorkerFailure | None:
         """A call whose outputs go to the client; None when every choice's terminal arrived."""
-        index, attempts = self.sub.index, self.sub.attempts
+        attempts = self.sub.attempts
+        model = worker.model
+        vocab_size = model.vocab_size if model is not None else 0
 
         async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+            fault = self.check.check(output, vocab_size)
+            if fault is not None:
+                return self.runner.misbehaved(worker, fault)
             if output.finish_reason == sidecar_pb2.CANCELLED and not worker.eligible:
                 # Nobody here aborted it: the worker is going away (drained, stopped) and its
                 # engine ended the request. That is the worker's failure, not the client's
@@ -285,15 +331,16 @@ class _Run:
                     partial.CopyFrom(output)
                     for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
                         partial.ClearField(name)
-                    await self.to.deliver(index, attempts.delivered(partial))
+                    failure = await self._give(worker, attempts.delivered(partial))
+                    if failure is not None:
+                        return failure
                 return WorkerFailure.of(
                     FailureReason.ENGINE_SHUTDOWN,
                     f"worker {worker.address} is going away: its engine aborted",
                 )
-            await self.to.deliver(index, attempts.delivered(output))
-            return None
+            return await self._give(worker, attempts.delivered(output))
 
-        failure = await self._call(worker, request, deliver)
+        failure = await self._call(worker, request, deliver, lambda: attempts.complete)
         if failure is None and not attempts.complete:
             failure = WorkerFailure.of(
                 FailureReason.PROTOCOL_ERROR, f"worker {worker.address} ended the stream early"
@@ -361,14 +408,26 @@ class _Run:
             return None
         return decode_failure
 
+    async def _give(self, worker: Worker, output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+        """``output`` (in the client's terms) to the client; the worker's failure when the
+        format could not take it."""
+        try:
+            await self.to.deliver(self.sub.index, output)
+        except OutputNotEncoded as err:
+            return self.runner.misbehaved(worker, Fault(Misbehaviour.UNENCODABLE_OUTPUT, str(err)))
+        return None
+
     async def _call(
         self,
         worker: Worker,
         request: sidecar_pb2.PreprocessedRequest,
         consume: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[WorkerFailure | None]],
+        done: Callable[[], bool] | None = None,
     ) -> WorkerFailure | None:
         """One Generate call on ``worker``, each output to ``consume``; the call's failure, if any.
-        Leaving early (a cancel) cancels the call, and the sidecar aborts the engine request."""
+        Once ``done()`` (every terminal was delivered) the call is left (after ``end_grace`` at
+        most: :meth:`_after_final`). Leaving early (a cancel) cancels the call, and the sidecar
+        aborts the engine request."""
         runner = self.runner
         timeout = runner.config.request_timeout
         grpc_timeout = None if timeout is None else timeout + _GRPC_DEADLINE_SLACK
@@ -390,7 +449,18 @@ class _Run:
             ):
                 call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
                 try:
-                    async for output in call:
+                    outputs = aiter(call)
+                    async for output in outputs:
+                        if output is None:
+                            # grpc.aio's answer to a message that does not decode (it logs
+                            # "Exception deserializing message!", naming no worker).
+                            failure = runner.misbehaved(
+                                worker,
+                                Fault(
+                                    Misbehaviour.UNDECODABLE_OUTPUT, "a Generate output that does not decode"
+                                ),
+                            )
+                            return failure
                         observe(output)
                         if first:
                             first = False
@@ -399,8 +469,22 @@ class _Run:
                         failure = await consume(output)
                         if failure is not None:
                             return failure
+                        if done is not None and done():
+                            await self._after_final(worker, outputs)
+                            return None
                 except grpc.RpcError as err:
-                    failure = failure_from_rpc_error(err)
+                    read = failure_from_rpc_error(err)
+                    failure = read if isinstance(read, WorkerFailure) else runner.misbehaved(worker, read)
+                    return failure
+                except asyncio.CancelledError:
+                    if cancel_is_ours():
+                        raise
+                    # grpc.aio ended the call under us (its channel closed): a broken call.
+                    failure = WorkerFailure.of(
+                        FailureReason.CANNOT_CONNECT,
+                        f"worker {worker.address}: the Generate call was cancelled under us "
+                        "(its connection closed)",
+                    )
                     return failure
                 finally:
                     # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
@@ -411,6 +495,33 @@ class _Run:
                 metrics.worker_call(worker.address, runner.clock() - began)
                 if failure is not None:
                     metrics.worker_failed(worker.address, failure.reason.value)
+
+    async def _after_final(
+        self, worker: Worker, outputs: AsyncIterator[sidecar_pb2.LLMEngineOutput | None]
+    ) -> None:
+        """Every terminal was delivered: the worker's stream should end now. Whatever it does
+        instead is not the client's concern: anything it sends is reported and dropped, a
+        failed status is the sidecar's own business (it counts a call whose terminals were all
+        delivered as a success), and a stream still open after ``end_grace`` is left (the
+        caller cancels it)."""
+        runner = self.runner
+        with anyio.move_on_after(runner.end_grace) as waited:
+            try:
+                async for extra in outputs:
+                    kind = (
+                        Misbehaviour.UNDECODABLE_OUTPUT if extra is None else Misbehaviour.OUTPUT_AFTER_FINAL
+                    )
+                    runner.misbehaviour.report(worker.address, kind, "a Generate output after every terminal")
+                    return
+            except grpc.RpcError:
+                return
+        if waited.cancelled_caught:
+            log.debug(
+                "worker kept its stream open after the final output: call cancelled",
+                worker=worker.address,
+                request_id=self.sub.attempts.request.request_id,
+                waited_secs=runner.end_grace,
+            )
 
 
 def _ignore(output: sidecar_pb2.LLMEngineOutput) -> None:

@@ -5,8 +5,9 @@ and with what. Two cases, one budget (``--migration-limit`` moves per sub-reques
 
 * nothing was delivered yet: the same request runs again on another worker when the failure
   is one another worker may not repeat (its rule in ``sidecar_common.errors.FAILURE_RULES``
-  says ``retried``, or the sidecar marked it migratable; the client has seen nothing, so
-  nothing can be duplicated); at least one such retry is allowed even with migration off;
+  says ``retried``, or the sidecar marked it migratable, or the worker misbehaved; the client
+  has seen nothing, so nothing can be duplicated); at least one such retry is allowed even
+  with migration off;
 * tokens were delivered: :class:`~sidecar_frontend.migration.Migration` continues the
   generation from them when the sidecar marked the failure migratable.
 
@@ -25,13 +26,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import FAILURE_RULES, decode_rpc_error
+from sidecar_common.errors import FAILURE_RULES, FailureReason, decode_rpc_error
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT, Finish, Migration, Refusal, RefusalReason
+from sidecar_frontend.misbehaviour import Fault, Misbehaviour
 
-__all__ = ["Attempts", "Finish", "Progress", "Refusal", "RefusalReason", "failure_from_rpc_error"]
+__all__ = [
+    "Attempts",
+    "Finish",
+    "Progress",
+    "Refusal",
+    "RefusalReason",
+    "failure_from_rpc_error",
+    "misbehaved",
+]
 
 
 @dataclass
@@ -107,7 +118,9 @@ class Attempts:
         """The current attempt failed: the request to run next, or why there is none."""
         self._last_failure = failure
         if not self.progress.delivered:
-            if not failure.migratable and not FAILURE_RULES[failure.reason].retried:
+            # A worker that misbehaved says nothing true of the request: another may take it.
+            retried = failure.misbehaved or FAILURE_RULES[failure.reason].retried
+            if not failure.migratable and not retried:
                 return Refusal(RefusalReason.NOT_MIGRATABLE)
             if self.moves >= max(self.limit, 1):
                 return Refusal(RefusalReason.LIMIT)
@@ -118,7 +131,25 @@ class Attempts:
         return self.migration.after_failure(failure.migratable)
 
 
-def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure:
+def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure | Fault:
     """A failed Generate call as the sidecar typed it (see
-    :func:`~sidecar_common.errors.decode_rpc_error`)."""
-    return WorkerFailure.from_error(decode_rpc_error(error))
+    :func:`~sidecar_common.errors.decode_rpc_error`), or the worker's fault when its status
+    details (a ``google.rpc.Status``, its ``ErrorInfo``) do not decode: such a status says
+    nothing the frontend can act on, so it is refused rather than read."""
+    try:
+        return WorkerFailure.from_error(decode_rpc_error(error))
+    except DecodeError as err:
+        return Fault(Misbehaviour.UNDECODABLE_STATUS, f"a status whose details do not decode ({err})")
+
+
+def misbehaved(address: str, fault: Fault) -> WorkerFailure:
+    """The failure of a call whose worker misbehaved: the worker's protocol error, which
+    another worker may take while nothing was delivered (``WorkerFailure.misbehaved``), and
+    never migrated after (the delivered tokens came from a worker that cannot be trusted to
+    have sent them right, so no continuation builds on them)."""
+    return WorkerFailure(
+        FailureReason.PROTOCOL_ERROR,
+        f"worker {address} misbehaved: {fault.detail}",
+        migratable=False,
+        misbehaved=True,
+    )

@@ -14,6 +14,10 @@ Cancellation, owned here:
 - abort by id (:class:`AbortRegistry`): every sub-request in flight under that public id
   (whichever client and worker) has its call cancelled, then ``encoder.on_failure(CANCELLED)``.
   Cancelling the call is enough: the sidecar aborts on cancel, so no ``Abort`` RPC is sent.
+
+Whatever fails inside (an output the format cannot encode, a bug), the response ends: a
+streamed one is ended (its chunked body finished) and the request is recorded ``error``,
+never ``ok``; each such failure is logged with its traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason
-from sidecar_frontend.attempt_runner import AttemptRunner, SubCall, Tally
+from sidecar_frontend.attempt_runner import AttemptRunner, OutputNotEncoded, SubCall, Tally
 from sidecar_frontend.attempts import Attempts
 from sidecar_frontend.formats.base import (
     SSE_CONTENT_TYPE,
@@ -148,6 +152,18 @@ class Exchange:
             self.client_gone = True
             self.outcome, self.reason = "disconnected", "CLIENT_GONE"
             raise
+        except Exception as exc:
+            # A bug: never a request that ended well, and never a stream left open.
+            self.outcome, self.reason = "error", FailureReason.UNKNOWN.value
+            if self.response is None or self.client_gone:
+                raise  # nothing was sent: the handler answers its 500
+            log.error("request failed in the frontend: stream ended", request_id=self._ids(), exc_info=exc)
+            status = self.response.status
+            try:
+                await self.response.write_eof()
+            except ConnectionError:
+                self.client_gone = True
+            return self.response
         finally:
             self._log(status)
 
@@ -155,7 +171,13 @@ class Exchange:
         now = self.clock()
         if self.first_output_at is None:
             self.first_output_at = now
-        data = self.encoder.on_output(index, output, now)
+        try:
+            data = self.encoder.on_output(index, output, now)
+        except Exception as exc:
+            log.error("output not encoded", request_id=self.call.requests[index].request_id, exc_info=exc)
+            raise OutputNotEncoded(
+                f"{self.fmt.name} could not encode an output: {type(exc).__name__}: {exc}"
+            ) from exc
         if data:
             await self._write(data)
 
@@ -183,6 +205,17 @@ class Exchange:
         self.registry.add(sub)
         try:
             failure = await self.runner.run(sub, self)
+        except Exception as exc:
+            # A bug in the runner or below: this sub-request fails as such, the others go on.
+            log.error(
+                "sub-request failed in the frontend",
+                request_id=request.request_id,
+                workers=self.tally.workers,
+                exc_info=exc,
+            )
+            failure = WorkerFailure.of(
+                FailureReason.UNKNOWN, f"internal error in the frontend: {type(exc).__name__}"
+            )
         finally:
             sub.scope = None
             self.registry.discard(sub)
@@ -256,11 +289,10 @@ class Exchange:
                 ttft=ttft,
                 duration=duration,
             )
-        ids = sorted({r.request_id for r in self.call.requests})
         log.info(
             "request",
             format=self.fmt.name,
-            request_id=ids[0] if len(ids) == 1 else ids,
+            request_id=self._ids(),
             model=self.model,
             stream=self.call.stream,
             sub_requests=len(self.call.requests),
@@ -275,6 +307,10 @@ class Exchange:
             retries=self.tally.retries,
             migrations=self.tally.migrations,
         )
+
+    def _ids(self) -> str | list[str]:
+        ids = sorted({r.request_id for r in self.call.requests})
+        return ids[0] if len(ids) == 1 else ids
 
 
 def http_response(reply: HttpReply, extra: Iterable[tuple[str, str]] = ()) -> web.Response:

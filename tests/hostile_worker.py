@@ -290,6 +290,10 @@ class HostileWorker:
         """Until ``count`` misbehaving replies of ``kind`` went out (fails after ``timeout``)."""
         await self._wait(lambda: self.misbehaved[kind] >= count, timeout)
 
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no Generate call is open here (fails after ``timeout``)."""
+        await self._wait(lambda: self.inflight == 0, timeout)
+
     async def wait_calls(self, rpc: str, count: int = 1, timeout: float = 30.0) -> None:
         """Until ``rpc`` was called ``count`` times (fails after ``timeout``)."""
         await self._wait(lambda: self.calls[rpc] >= count, timeout)
@@ -548,6 +552,7 @@ class HostileWorker:
             await anyio.sleep_forever()
         finally:
             self.inflight -= 1
+            self._wake()
 
     def _output(
         self, request: sidecar_pb2.PreprocessedRequest, index: int, token: int, position: int, total: int

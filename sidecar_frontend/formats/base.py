@@ -129,6 +129,8 @@ class WorkerFailure:
     the message is the engine's own text, unchanged (ErrorInfo metadata ``origin: engine``),
     which a format shows to the client as it is; ``engine_status`` is then what the engine
     answered (metadata ``engine_status``: a gRPC code name, an HTTP status, ``not sent``).
+    ``misbehaved``: the worker sent what no sidecar may (``sidecar_frontend.misbehaviour``):
+    another worker takes the request while nothing was delivered; never migrated after.
     """
 
     reason: FailureReason
@@ -136,6 +138,7 @@ class WorkerFailure:
     migratable: bool = False
     from_engine: bool = False
     engine_status: str = ""
+    misbehaved: bool = False
 
     @classmethod
     def of(cls, reason: FailureReason, message: str) -> WorkerFailure:
