@@ -23,40 +23,81 @@ Two sources feed it, per worker:
   come (the caller passes the time in). An entry keeps its latest expiry, and an exact entry
   never turns into an expiring one.
 
-Memory: the index estimates its own size (:attr:`BlockIndex.bytes`, from the count of keys and
-of (key, worker) entries at per-item costs measured with ``tracemalloc``; the real use moves
-between about 65 % and 105 % of the estimate as the tables grow in powers of two, which
-tests/unit/frontend/test_routing_index.py checks) and, over
-``max_bytes``, evicts the least recently used keys: a key is used when it is stored, or matched
-while the index holds more than half its cap. Below half, nothing can be evicted until at least
-as much again is stored, so every key that stays in use is matched, and touched, in between;
-keys left untouched since are evicted in the order they were stored. (Touching a match costs
-about 35 ns a block, 17 µs for an 8k-token prompt: a sixth of a decision.) Within one store or
-match the keys are touched from the last block to the first, so a prefix's first blocks are the
-more recent and eviction takes a chain's tail before its head (dropping a head would make every
-block after it unmatchable).
+Approximate entries expire through records: each approximate store keeps the keys it stored (8
+bytes a key) in a queue ordered by expiry, and each entry names the record of its latest store;
+at its time a record removes the entries still its own. A record whose entries are all gone
+before then (stored again later, removed, or evicted) lets go of its keys at once, and its place
+in the queue when such places are half the queue; so a prompt sent again and again keeps one
+record, not one per decision.
+
+Memory: the index estimates its own size (:attr:`BlockIndex.bytes`, from the count of keys, of
+(key, worker) entries and of the records' keys, at per-item costs measured with ``tracemalloc``;
+the real use moves between about 65 % and 105 % of the estimate as the tables grow in powers of
+two, which tests/unit/frontend/test_routing_index.py checks) and, over ``max_bytes``, evicts the
+least recently used keys (a record goes with its last entry): a key is used when it is stored,
+or matched while the index holds more than half its cap. Below half, nothing can be evicted
+until at least as much again is stored, so every key that stays in use is matched, and touched,
+in between; keys left untouched since are evicted in the order they were stored. (Touching a
+match costs about 35 ns a block, 17 µs for an 8k-token prompt: a sixth of a decision.) Within
+one store or match the keys are touched from the last block to the first, so a prefix's first
+blocks are the more recent and eviction takes a chain's tail before its head (dropping a head
+would make every block after it unmatchable).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["BYTES_PER_ENTRY", "BYTES_PER_KEY", "BlockIndex", "IndexStats", "as_mapping"]
+__all__ = [
+    "BYTES_PER_ENTRY",
+    "BYTES_PER_KEY",
+    "BYTES_PER_RECORD",
+    "BYTES_PER_RECORD_KEY",
+    "BlockIndex",
+    "IndexStats",
+    "as_mapping",
+]
 
 # Measured (tests/unit/frontend/test_routing_index.py::test_size_estimate_tracks_measured_memory):
 # a key costs its OrderedDict slot and node, its int object and its holders' mask; an entry
 # (one worker holding one key) costs a slot in that worker's dict.
 BYTES_PER_KEY: Final = 140
 BYTES_PER_ENTRY: Final = 56
+# An approximate store's record (module docstring): its place in the expiry queue, and its keys
+# as 8-byte numbers while any entry it made is left.
+BYTES_PER_RECORD: Final = 240
+BYTES_PER_RECORD_KEY: Final = 8
 
 # Evicting down to this fraction of the cap, not just below it, so a full index does not
 # evict on every store.
 _EVICT_TO: Final = 0.95
+
+_NO_KEYS: Final[array[int]] = array("Q")
+
+
+class _Record:
+    """What expires one approximate store's entries: its expiry, the slot's entries, the keys it
+    stored, and how many of the slot's entries are still its own (each entry names the record
+    of its latest store)."""
+
+    __slots__ = ("expiry", "held", "keys", "live", "slot")
+
+    def __init__(self, expiry: float, slot: int, held: dict[int, _Record], keys: array[int]) -> None:
+        self.expiry = expiry
+        self.slot = slot
+        self.held = held
+        self.keys = keys
+        self.live = 0
+
+
+# The record of every exact entry (never expires, never queued).
+_EXACT: Final = _Record(math.inf, -1, {}, _NO_KEYS)
 
 
 @dataclass(frozen=True)
@@ -81,17 +122,15 @@ class BlockIndex:
         self._bit_of: dict[str, int] = {}  # 1 << its slot
         self._name_of: dict[int, str] = {}
         self._free_slots: list[int] = []
-        # Per slot: key -> expiry (math.inf: exact, never expires).
-        self._held: dict[int, dict[int, float]] = {}
+        # Per slot: key -> the record of its latest store (_EXACT: never expires).
+        self._held: dict[int, dict[int, _Record]] = {}
         self._entries = 0
         self._evicted = 0
-        # (expiry, order, slot, the slot's tenancy, keys) of each approximate store: a heap.
-        self._expiries: list[tuple[float, int, int, int, tuple[int, ...]]] = []
+        # (expiry, order, record) of each approximate store with entries of its own: a heap.
+        self._expiries: list[tuple[float, int, _Record]] = []
         self._stores = 0
-        # Bumped each time a slot is given to a worker, so a departed worker's expiries never
-        # touch the worker that reuses its slot.
-        self._tenancy: dict[int, int] = {}
-        self._tenancies = 0
+        self._spent = 0  # records in the heap with no entry left
+        self._record_bytes = 0
 
     # ---------------------------------------------------------------- reading
 
@@ -124,7 +163,7 @@ class BlockIndex:
 
     @property
     def bytes(self) -> int:
-        return len(self._holders) * BYTES_PER_KEY + self._entries * BYTES_PER_ENTRY
+        return len(self._holders) * BYTES_PER_KEY + self._entries * BYTES_PER_ENTRY + self._record_bytes
 
     def stats(self) -> IndexStats:
         return IndexStats(len(self._holders), self._entries, self.bytes, self._evicted)
@@ -188,15 +227,22 @@ class BlockIndex:
         self._slot(worker)
 
     def store(self, worker: str, keys: Sequence[int], *, expires: float = math.inf) -> None:
-        """``worker`` holds ``keys`` (a chain, first block first), until ``expires`` (default:
-        exact, until removed). Over the cap, the least recently used keys are evicted."""
+        """``worker`` holds ``keys`` (a chain, first block first; each 0 to 2**64 - 1), until
+        ``expires`` (default: exact, until removed). Over the cap, the least recently used keys
+        are evicted."""
         if not keys:
             return
         slot = self._slot(worker)
-        bit = 1 << slot
         held = self._held[slot]
+        if expires == math.inf:
+            record = _EXACT
+        else:
+            keys = list(keys)  # read once (a KeyChain makes its ints on each read)
+            # Made first: a key out of range fails before anything changed.
+            record = _Record(expires, slot, held, array("Q", keys))
+        bit = 1 << slot
         holders = self._holders
-        added = 0
+        added = taken = 0
         for key in reversed(keys):
             mask = holders.get(key)
             if mask is None:
@@ -206,14 +252,21 @@ class BlockIndex:
                 holders.move_to_end(key)
             before = held.get(key)
             if before is None:
-                held[key] = expires
+                held[key] = record
                 added += 1
-            elif expires > before:
-                held[key] = expires
+                taken += 1
+            elif expires > before.expiry:  # so before is an approximate store's
+                held[key] = record
+                taken += 1
+                before.live -= 1  # _entry_left, inlined: once per block of a store
+                if not before.live:
+                    self._record_spent(before)
         self._entries += added
-        if expires != math.inf:
+        if record is not _EXACT and taken:
+            record.live = taken
             self._stores += 1
-            heapq.heappush(self._expiries, (expires, self._stores, slot, self._tenancy[slot], tuple(keys)))
+            heapq.heappush(self._expiries, (expires, self._stores, record))
+            self._record_bytes += BYTES_PER_RECORD + BYTES_PER_RECORD_KEY * len(record.keys)
         self._enforce_cap()
 
     def remove(self, worker: str, keys: Iterable[int]) -> None:
@@ -223,8 +276,10 @@ class BlockIndex:
             return
         held = self._held[slot]
         for key in keys:
-            if held.pop(key, None) is not None:
+            record = held.pop(key, None)
+            if record is not None:
                 self._drop_holder(key, slot)
+                self._entry_left(record)
 
     def clear(self, worker: str) -> None:
         """``worker`` holds nothing (its cache was reset, or a snapshot replaces it)."""
@@ -232,8 +287,9 @@ class BlockIndex:
         if slot is None:
             return
         held = self._held[slot]
-        for key in held:
+        for key, record in held.items():
             self._drop_holder(key, slot)
+            self._entry_left(record)
         held.clear()
 
     def replace(self, worker: str, keys: Iterable[int]) -> None:
@@ -255,7 +311,6 @@ class BlockIndex:
         del self._bit_of[worker]
         del self._name_of[slot]
         del self._held[slot]
-        del self._tenancy[slot]
         self._free_slots.append(slot)
 
     def expire(self, now: float) -> int:
@@ -263,16 +318,20 @@ class BlockIndex:
         removed = 0
         queue = self._expiries
         while queue and queue[0][0] <= now:
-            expiry, _, slot, tenancy, keys = heapq.heappop(queue)
-            held = self._held.get(slot)
-            if held is None or self._tenancy.get(slot) != tenancy:
+            _, _, record = heapq.heappop(queue)
+            self._record_bytes -= BYTES_PER_RECORD
+            if not record.live:
+                self._spent -= 1
                 continue
-            for key in keys:
-                # A later store refreshed it (or it is exact now): leave it.
-                if held.get(key) == expiry:
+            held = record.held
+            for key in record.keys:
+                if held.get(key) is record:  # not stored again since, nor removed
                     del held[key]
-                    self._drop_holder(key, slot)
+                    self._drop_holder(key, record.slot)
                     removed += 1
+            self._record_bytes -= BYTES_PER_RECORD_KEY * len(record.keys)
+            record.keys = _NO_KEYS
+            record.live = 0
         return removed
 
     # ---------------------------------------------------------------- internals
@@ -290,9 +349,29 @@ class BlockIndex:
         self._bit_of[worker] = 1 << slot
         self._name_of[slot] = worker
         self._held[slot] = {}
-        self._tenancies += 1
-        self._tenancy[slot] = self._tenancies
         return slot
+
+    def _entry_left(self, record: _Record) -> None:
+        """One of ``record``'s entries is gone (removed, evicted, or stored again later). A
+        record with none left lets go of its keys at once; its place in the queue goes when
+        such places are half the queue (the queue is rebuilt: O(records), once per as many
+        records spent)."""
+        if record is _EXACT:
+            return
+        record.live -= 1
+        if not record.live:
+            self._record_spent(record)
+
+    def _record_spent(self, record: _Record) -> None:
+        self._record_bytes -= BYTES_PER_RECORD_KEY * len(record.keys)
+        record.keys = _NO_KEYS
+        self._spent += 1
+        if 2 * self._spent > len(self._expiries):
+            kept = [item for item in self._expiries if item[2].live]
+            self._record_bytes -= BYTES_PER_RECORD * (len(self._expiries) - len(kept))
+            heapq.heapify(kept)
+            self._expiries = kept
+            self._spent = 0
 
     def _drop_holder(self, key: int, slot: int) -> None:
         """Take ``slot`` out of ``key``'s holders (its per-worker entry is already gone)."""
@@ -309,10 +388,11 @@ class BlockIndex:
             return
         target = int(cap * _EVICT_TO)
         holders = self._holders
+        # A record goes with its last entry, so this ends: with no key left, no record is.
         while holders and self.bytes > target:
             key, mask = holders.popitem(last=False)
             for slot in _bits(mask):
-                del self._held[slot][key]
+                self._entry_left(self._held[slot].pop(key))
                 self._entries -= 1
             self._evicted += 1
 

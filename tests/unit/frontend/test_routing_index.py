@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_frontend.routing.index import BYTES_PER_ENTRY, BYTES_PER_KEY, BlockIndex, as_mapping
+from sidecar_frontend.routing.index import (
+    BYTES_PER_ENTRY,
+    BYTES_PER_KEY,
+    BYTES_PER_RECORD,
+    BYTES_PER_RECORD_KEY,
+    BlockIndex,
+    as_mapping,
+)
 
 WORKERS = ("a", "b", "c")
 
@@ -171,20 +178,64 @@ def test_size_estimate_tracks_measured_memory() -> None:
     """The estimate the cap applies to is never far below what tracemalloc measures (the cap
     holds) nor far above (the cap is not wasted)."""
     rand = random.Random(7)
-    for workers in (1, 8):
+    for workers, approximate in ((1, False), (8, False), (1, True), (8, True)):
         tracemalloc.start()
         try:
             index = BlockIndex()
-            for _ in range(300):
+            for i in range(300):
                 keys = [rand.getrandbits(64) for _ in range(64)]
                 for w in range(workers):
                     if w == 0 or rand.random() < 0.5:
-                        index.store(f"w{w}", keys)
+                        # Approximate: each store's record held to its expiry with its blocks.
+                        index.store(f"w{w}", keys, expires=1_000.0 + i if approximate else math.inf)
             del keys
             measured = tracemalloc.get_traced_memory()[0]
         finally:
             tracemalloc.stop()
-        assert 0.9 * measured <= index.bytes <= 1.6 * measured, (workers, measured, index.bytes)
+        assert 0.9 * measured <= index.bytes <= 1.6 * measured, (workers, approximate, measured, index.bytes)
+
+
+def test_an_index_at_its_cap_evicts_when_approximate_entries_push_it_over() -> None:
+    # An approximate store keeps its keys until it expires (to expire its entries then): that
+    # memory counts in the cap, so blocks that would fit by themselves can push it over.
+    per_key = BYTES_PER_KEY + BYTES_PER_ENTRY
+    record = BYTES_PER_RECORD + 4 * BYTES_PER_RECORD_KEY
+    index = BlockIndex(max_bytes=9 * per_key + record - 1)
+    index.store("a", list(range(100, 105)))  # exact, the least recently used
+    index.store("b", [200, 201, 202, 203], expires=100.0)  # 9 blocks and a record: over
+    assert index.bytes <= 9 * per_key + record - 1
+    assert index.stats().evicted >= 1
+    assert 104 not in index  # a's tail went first
+    assert index.held("b") == {200, 201, 202, 203}
+    assert index.expire(100.0) == 4
+    assert index.bytes == len(index) * per_key
+
+
+def test_approximate_stores_keep_an_index_within_its_cap_in_memory() -> None:
+    """However many approximate stores an index takes before they expire (a worker sent the
+    same long prompt again and again), the memory it holds stays within its cap, and the
+    latest store's blocks stay: a store's record lets go of its keys once every entry it made
+    was stored again later (or removed, or evicted)."""
+    rand = random.Random(3)
+    exact = [rand.getrandbits(64) for _ in range(64)]
+    sent = [rand.getrandbits(64) for _ in range(512)]
+    cap = 200_000
+    tracemalloc.start()
+    try:
+        index = BlockIndex(max_bytes=cap)
+        index.store("a", exact)
+        for i in range(200):  # 200 records of 512 keys: about 900 KB unchecked
+            index.store("b", sent, expires=1_000.0 + i)
+            assert index.bytes <= cap
+        measured = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert measured <= 1.1 * cap, measured
+    assert index.held("b") == set(sent)
+    assert index.held("a") == set(exact)
+    assert index.expire(1_000.0 + 198) == 0  # every block was stored again since
+    assert index.expire(1_000.0 + 199) == len(sent)
+    assert index.bytes == len(exact) * (BYTES_PER_KEY + BYTES_PER_ENTRY)
 
 
 def test_max_bytes_must_be_positive() -> None:
@@ -304,18 +355,65 @@ def test_law_expiry_keeps_exactly_the_entries_whose_latest_expiry_is_later(
 
 
 @given(
-    st.lists(st.tuples(_worker, st.lists(st.integers(0, 10_000), max_size=30)), max_size=30),
+    st.lists(
+        st.tuples(
+            _worker,
+            st.lists(st.integers(0, 10_000), max_size=30),
+            st.one_of(st.none(), st.floats(min_value=0, max_value=100)),
+        ),
+        max_size=30,
+    ),
     st.integers(3, 40),
 )
 def test_law_under_a_cap_the_index_stays_under_it_and_within_what_it_was_fed(
-    stores: list[tuple[str, list[int]]], cap_keys: int
+    stores: list[tuple[str, list[int], float | None]], cap_keys: int
 ) -> None:
     cap = cap_keys * (BYTES_PER_KEY + BYTES_PER_ENTRY * len(WORKERS))
     index = BlockIndex(max_bytes=cap)
     fed: dict[str, set[int]] = {}
-    for worker, keys in stores:
-        index.store(worker, keys)
+    for worker, keys, expires in stores:
+        index.store(worker, keys, expires=math.inf if expires is None else expires)
         fed.setdefault(worker, set()).update(keys)
         assert index.bytes <= cap
     for worker, held in as_mapping(index).items():
         assert held <= fed.get(worker, set())
+
+
+@given(
+    st.lists(
+        st.one_of(
+            _op,
+            st.tuples(st.just("approx"), _worker, _keys),
+            st.tuples(st.just("expire"), _worker, st.just([])),
+        ),
+        max_size=40,
+    ),
+    st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_law_an_emptied_index_counts_no_memory(
+    ops: list[tuple[str, str, list[int]]], cap_keys: int | None
+) -> None:
+    # Whatever was stored, approximate or exact, and whatever removed, evicted or expired it,
+    # nothing is left counted once every worker holds nothing: no record outlives its entries.
+    index = BlockIndex(max_bytes=None if cap_keys is None else cap_keys * (BYTES_PER_KEY + BYTES_PER_ENTRY))
+    clock = 0.0
+    for op, worker, keys in ops:
+        clock += 1.0
+        if op == "store":
+            index.store(worker, keys)
+        elif op == "approx":
+            index.store(worker, keys, expires=clock + 3.0)
+        elif op == "expire":
+            index.expire(clock)
+        elif op == "remove":
+            index.remove(worker, keys)
+        elif op == "clear":
+            index.clear(worker)
+        elif op == "replace":
+            index.replace(worker, keys)
+        else:
+            index.forget(worker)
+    for worker in WORKERS:
+        index.clear(worker)
+    assert (len(index), index.entries, index.bytes) == (0, 0, 0)
+    assert index.expire(math.inf) == 0
