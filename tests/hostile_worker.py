@@ -98,6 +98,12 @@ class Kind(enum.Enum):
     OUT_OF_VOCAB = "out-of-vocab"
     # A LENGTH terminal with no tokens, as the choice's only output.
     LENGTH_NO_TOKENS = "length-no-tokens"
+    # An output for a choice the request does not have (index n).
+    BAD_INDEX = "bad-index"
+    # Every output including the terminal, then one more output, then the stream ends.
+    OUTPUT_AFTER_FINAL = "output-after-final"
+    # An output with one token and three log_probs (lists that must be parallel).
+    LOGPROBS_MISMATCH = "logprobs-mismatch"
     # GetLoad: -1 as a ten-byte varint in the uint32 counts (grpc's decoder keeps the low
     # 32 bits: 2**32-1), kv_usage -1.0.
     LOAD_NEGATIVE = "load-negative"
@@ -123,6 +129,9 @@ GENERATE_KINDS: Final = frozenset(
         Kind.FINAL_THEN_OPEN,
         Kind.OUT_OF_VOCAB,
         Kind.LENGTH_NO_TOKENS,
+        Kind.BAD_INDEX,
+        Kind.OUTPUT_AFTER_FINAL,
+        Kind.LOGPROBS_MISMATCH,
     }
 )
 LOAD_KINDS: Final = frozenset(
@@ -515,7 +524,7 @@ class HostileWorker:
                 return
             honest = (
                 len(tokens)
-                if kind is None or kind is Kind.FINAL_THEN_OPEN
+                if kind in (None, Kind.FINAL_THEN_OPEN, Kind.OUTPUT_AFTER_FINAL)
                 else min(self.honest_outputs, len(tokens))
             )
             for index in range(choices):
@@ -527,11 +536,19 @@ class HostileWorker:
             if kind is Kind.FINAL_THEN_OPEN:
                 self._sent(kind)
                 await anyio.sleep_forever()
+            if kind is Kind.OUTPUT_AFTER_FINAL:
+                self._sent(kind)
+                yield sidecar_pb2.LLMEngineOutput(token_ids=tokens[:1])
+                return
             self._sent(kind)
             if kind is Kind.OUTPUT_GARBAGE:
                 yield Raw(GARBAGE)
             elif kind is Kind.TEXT_GARBAGE:
                 yield Raw(output_with_bad_text(tokens[0] if tokens else 3))
+            elif kind is Kind.BAD_INDEX:
+                yield sidecar_pb2.LLMEngineOutput(index=choices, token_ids=tokens[:1])
+            elif kind is Kind.LOGPROBS_MISMATCH:
+                yield sidecar_pb2.LLMEngineOutput(token_ids=tokens[:1], log_probs=[-0.5, -1.0, -1.5])
             elif kind is Kind.OUT_OF_VOCAB:
                 yield sidecar_pb2.LLMEngineOutput(token_ids=[self.vocab_size, self.vocab_size + 1, _U32_MAX])
             elif kind is Kind.ERROR_DETAILS_GARBAGE:

@@ -21,6 +21,7 @@ import structlog.testing
 from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.misbehaviour import Misbehaviour, MisbehaviourReporter
 from tests.hostile_worker import HostileWorker, Kind, hostile_worker
@@ -62,7 +63,7 @@ async def fleet(**hostile_options: Any) -> AsyncIterator[Fleet]:
         assert info.vocab_size > 0
         async with hostile_worker(info, **hostile_options) as hostile:
             addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{second.server.port}", hostile.address]
-            async with frontend_over(addresses, [first, second], formats=(VLLM,)) as fe:
+            async with frontend_over(addresses, [first, second], formats=(VLLM, SGLANG)) as fe:
                 registry = CollectorRegistry()
                 reporter = MisbehaviourReporter(registry)
                 fe.frontend.runner.misbehaviour = reporter
@@ -79,7 +80,9 @@ class Answer:
     done: bool  # streaming: the stream's [DONE] came
 
 
-async def ask(fe: FrontendStack, rid: str, *, stream: bool) -> Answer:
+async def ask(fe: FrontendStack, rid: str, *, stream: bool, fmt: str = "vllm") -> Answer:
+    if fmt == "sglang":
+        return await ask_sglang(fe, rid, stream=stream)
     body = {
         "token_ids": [11, 12, 13, len(rid)],
         "request_id": rid,
@@ -119,11 +122,50 @@ async def ask(fe: FrontendStack, rid: str, *, stream: bool) -> Answer:
     raise AssertionError("unreachable")
 
 
-async def ask_many(fleet: Fleet, *, stream: bool, prefix: str) -> list[Answer]:
+async def ask_sglang(fe: FrontendStack, rid: str, *, stream: bool) -> Answer:
+    body = {
+        "input_ids": [11, 12, 13, len(rid)],
+        "rid": rid,
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": MAX_TOKENS},
+    }
+    with anyio.move_on_after(CLIENT_BOUND) as bound:
+        async with fe.http.post(fe.url + "/generate", json=body) as response:
+            if not stream:
+                data = await response.json()
+                if response.status != 200:
+                    return Answer(rid, response.status, [], False, True, True)
+                finish = data["meta_info"]["finish_reason"]
+                kind = finish.get("type") if isinstance(finish, dict) else None
+                return Answer(rid, 200, data["output_ids"], kind in ("length", "stop"), kind == "abort", True)
+            tokens: list[int] = []
+            finished = error = done = False
+            async for line in response.content:
+                text = line.decode().rstrip("\r\n")
+                if not text.startswith("data: "):
+                    continue
+                if text == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(text[len("data: ") :])
+                if "error" in event:
+                    error = True
+                    continue
+                tokens = list(event["output_ids"])  # cumulative
+                finish = event["meta_info"].get("finish_reason")
+                kind = finish.get("type") if isinstance(finish, dict) else None
+                finished = finished or kind in ("length", "stop")
+                error = error or kind == "abort"
+            return Answer(rid, response.status, tokens, finished, error, done)
+    assert not bound.cancelled_caught, f"request {rid} did not end within {CLIENT_BOUND}s"
+    raise AssertionError("unreachable")
+
+
+async def ask_many(fleet: Fleet, *, stream: bool, prefix: str, fmt: str = "vllm") -> list[Answer]:
     answers: list[Answer] = []
 
     async def one(index: int) -> None:
-        answers.append(await ask(fleet.fe, f"{prefix}-{index}", stream=stream))
+        answers.append(await ask(fleet.fe, f"{prefix}-{index}", stream=stream, fmt=fmt))
 
     async with anyio.create_task_group() as group:
         for index in range(REQUESTS):
@@ -157,17 +199,20 @@ BEFORE_ANY_TOKEN = [
     (Kind.ERROR_INFO_GARBAGE, Misbehaviour.UNDECODABLE_STATUS),
     (Kind.OUT_OF_VOCAB, Misbehaviour.OUT_OF_VOCAB),
     (Kind.LENGTH_NO_TOKENS, Misbehaviour.EMPTY_LENGTH),
+    (Kind.BAD_INDEX, Misbehaviour.BAD_INDEX),
 ]
+FORMATS = [("vllm", True), ("vllm", False), ("sglang", True), ("sglang", False)]
+FORMAT_IDS = ["vllm-stream", "vllm-unary", "sglang-stream", "sglang-unary"]
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize(("fmt", "stream"), FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize(("kind", "reported"), BEFORE_ANY_TOKEN, ids=[k.value for k, _ in BEFORE_ANY_TOKEN])
 async def test_a_misbehaving_worker_before_any_token_costs_no_request(
-    kind: Kind, reported: Misbehaviour, stream: bool
+    kind: Kind, reported: Misbehaviour, fmt: str, stream: bool
 ) -> None:
     async with fleet(kinds=[kind]) as f:
         with structlog.testing.capture_logs() as logs:
-            answers = await ask_many(f, stream=stream, prefix=f"{kind.value}-{stream}")
+            answers = await ask_many(f, stream=stream, prefix=f"{kind.value}-{stream}", fmt=fmt)
         hostile = [a for a in answers if landed_on_hostile(f, a)]
         assert hostile, "no request landed on the hostile worker"
         # Every request, on the hostile worker or not, got its whole answer: the hostile
@@ -189,23 +234,28 @@ AFTER_TOKENS = [
 ]
 
 
+@pytest.mark.parametrize(("fmt", "stream"), FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize(("kind", "reported"), AFTER_TOKENS, ids=[k.value for k, _ in AFTER_TOKENS])
 async def test_a_misbehaving_worker_after_tokens_ends_its_requests_with_the_formats_error(
-    kind: Kind, reported: Misbehaviour
+    kind: Kind, reported: Misbehaviour, fmt: str, stream: bool
 ) -> None:
     async with fleet(kinds=[kind], honest_outputs=2) as f:
         with structlog.testing.capture_logs() as logs:
-            answers = await ask_many(f, stream=True, prefix=kind.value)
+            answers = await ask_many(f, stream=stream, prefix=kind.value, fmt=fmt)
         hostile = [a for a in answers if landed_on_hostile(f, a)]
         assert hostile, "no request landed on the hostile worker"
         for answer in answers:
             if answer in hostile:
-                # The two tokens it delivered, then the format's error, and the stream's end.
-                assert answer.status == 200
+                # The format's error, and the response's end; streamed, after the two tokens
+                # it delivered.
                 assert answer.error
                 assert not answer.finished
-                assert len(answer.tokens) == 2
                 assert answer.done
+                if stream:
+                    assert answer.status == 200
+                    assert len(answer.tokens) == 2
+                else:
+                    assert answer.status >= 500
             else:
                 assert complete(answer), answer
                 assert answer.done
@@ -215,15 +265,28 @@ async def test_a_misbehaving_worker_after_tokens_ends_its_requests_with_the_form
         assert f.requests("error") == len(hostile)
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize(("fmt", "stream"), FORMATS, ids=FORMAT_IDS)
 async def test_the_final_output_ends_the_response_though_the_worker_keeps_its_stream_open(
-    stream: bool,
+    fmt: str, stream: bool
 ) -> None:
     async with fleet(kinds=[Kind.FINAL_THEN_OPEN]) as f:
-        answers = await ask_many(f, stream=stream, prefix=f"open-{stream}")
+        f.fe.frontend.runner.end_grace = 0.2  # only how long each such response waits
+        answers = await ask_many(f, stream=stream, prefix=f"open-{stream}", fmt=fmt)
         hostile = [a for a in answers if landed_on_hostile(f, a)]
         assert hostile, "no request landed on the hostile worker"
         assert all(complete(a) and a.done for a in answers), [a for a in answers if not complete(a)]
         assert f.requests("ok") == REQUESTS
         # The frontend left those calls: none is still open on the hostile worker.
         await f.hostile.wait_idle()
+
+
+async def test_an_output_after_the_final_one_is_reported_and_changes_no_answer() -> None:
+    async with fleet(kinds=[Kind.OUTPUT_AFTER_FINAL]) as f:
+        with structlog.testing.capture_logs() as logs:
+            answers = await ask_many(f, stream=True, prefix="after-final")
+        hostile = [a for a in answers if landed_on_hostile(f, a)]
+        assert hostile, "no request landed on the hostile worker"
+        assert all(complete(a) and a.done for a in answers), [a for a in answers if not complete(a)]
+        assert f.misbehaviour(Misbehaviour.OUTPUT_AFTER_FINAL) == len(hostile)
+        assert len(logged(logs, f, Misbehaviour.OUTPUT_AFTER_FINAL)) == 1
+        assert f.requests("ok") == REQUESTS

@@ -337,3 +337,25 @@ async def test_as_a_subprocess_it_follows_its_control_file(tmp_path: Path) -> No
         process.terminate()
         with anyio.fail_after(30):
             await process.wait()
+
+
+async def test_bad_index_and_mismatched_logprobs_come_after_the_honest_outputs() -> None:
+    async with raw_worker(kinds=[Kind.BAD_INDEX], honest_outputs=1) as (worker, raw):
+        call = raw.generate()
+        first, bad = (sidecar_pb2.LLMEngineOutput.FromString(r) for r in await _replies(call, 2))
+        call.cancel()
+        assert first.index == 0
+        assert bad.index == 1  # the request has one choice
+        worker.misbehave(Kind.LOGPROBS_MISMATCH)
+        call = raw.generate()
+        _, bad = (sidecar_pb2.LLMEngineOutput.FromString(r) for r in await _replies(call, 2))
+        call.cancel()
+        assert len(bad.token_ids) == 1
+        assert len(bad.log_probs) == 3
+
+
+async def test_output_after_final_sends_one_more_output_after_the_terminal_then_ends() -> None:
+    async with raw_worker(kinds=[Kind.OUTPUT_AFTER_FINAL]) as (_, raw):
+        outputs = await _outputs(raw.generate())
+        assert [o.finish_reason for o in outputs] == [0, 0, 0, sidecar_pb2.EOS, 0]
+        assert len(outputs[-1].token_ids) == 1
