@@ -2,7 +2,8 @@
 
 Every module of the sidecars raises :class:`SidecarError` (with a :class:`FailureReason`);
 nothing invents its own exception or status code. The frontend carries the same reasons in
-its ``WorkerFailure``, plus two of its own. What lives here:
+its ``WorkerFailure``, plus two of its own, and names the refusals it makes before any worker
+(:class:`RefusalReason`). What lives here:
 
 * :class:`FailureReason` and :data:`FAILURE_RULES`: for every reason, what is true of it
   whatever the HTTP format (its gRPC status from a sidecar, whether another worker may take
@@ -41,6 +42,7 @@ __all__ = [
     "FailureReason",
     "FailureRule",
     "FrontendStatus",
+    "RefusalReason",
     "SidecarError",
     "decode_rpc_error",
     "engine_went_away",
@@ -84,6 +86,22 @@ class FailureReason(enum.Enum):
     NO_WORKER = "NO_WORKER"
     # The frontend's own: its --request-timeout-secs ran out.
     DEADLINE = "DEADLINE"
+
+
+class RefusalReason(enum.Enum):
+    """Why the frontend answered a generate request before any worker saw it (beside
+    ``FailureReason.NO_WORKER``): the ``reason`` of its request metric and log line. Never
+    travels on gRPC."""
+
+    # The format refused the request (its body, a header, a parameter).
+    INVALID_REQUEST = "INVALID_REQUEST"
+    # No worker serves the model the request names.
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    # The body is over --max-body-bytes.
+    BODY_TOO_LARGE = "BODY_TOO_LARGE"
+    # No worker can serve because workers were refused for their role (the fleet's roles do
+    # not fit together).
+    MISCONFIGURED = "MISCONFIGURED"
 
 
 @dataclass(frozen=True)

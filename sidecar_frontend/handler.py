@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import FailureReason
+from sidecar_common.errors import FailureReason, RefusalReason
 from sidecar_common.tracing import SpanKind, Tracing, from_headers
 from sidecar_frontend import disagg
 from sidecar_frontend.attempt_runner import AttemptRunner
@@ -160,12 +160,12 @@ class Frontend:
             models=tuple(self.workers.models().values()),
         )
 
-    def unavailable(self) -> tuple[str, str]:
+    def unavailable(self) -> tuple[FailureReason | RefusalReason, str]:
         """Why no generation can be placed now: (reason, message for the client)."""
         misconfigured = self.workers.misconfiguration()
         if misconfigured is not None:
-            return "MISCONFIGURED", f"the fleet is misconfigured: {misconfigured}"
-        return FailureReason.NO_WORKER.value, "no worker is serving"
+            return RefusalReason.MISCONFIGURED, f"the fleet is misconfigured: {misconfigured}"
+        return FailureReason.NO_WORKER, "no worker is serving"
 
     # ---------------------------------------------------------------- endpoints
 
@@ -179,7 +179,9 @@ class Frontend:
                     limit = self.config.max_body_bytes
                     reply = fmt.error_reply(413, f"request body larger than {limit} bytes")
                     if route.kind is RouteKind.GENERATE:
-                        self._refused(fmt, "invalid", "BODY_TOO_LARGE", self.clock(), reply, request.headers)
+                        self._refused(
+                            fmt, "invalid", RefusalReason.BODY_TOO_LARGE, self.clock(), reply, request.headers
+                        )
                     return http_response(reply)
                 if route.kind is RouteKind.ABORT:
                     return self._abort(fmt, route, body, request.headers)
@@ -256,17 +258,19 @@ class Frontend:
             # The body's own faults answer first (vLLM checks the model after the body), then
             # the model no worker serves, naming every one that is served.
             reply = fmt.model_not_found(named, list(models))
-            self._refused(fmt, "invalid", "MODEL_NOT_FOUND", started_at, reply, request.headers, body)
+            self._refused(
+                fmt, "invalid", RefusalReason.MODEL_NOT_FOUND, started_at, reply, request.headers, body
+            )
             return http_response(reply)
         if isinstance(parsed, HttpReply):
-            reason = "MODEL_NOT_FOUND" if parsed.status == 404 else "INVALID_REQUEST"
+            reason = RefusalReason.MODEL_NOT_FOUND if parsed.status == 404 else RefusalReason.INVALID_REQUEST
             self._refused(fmt, "invalid", reason, started_at, parsed, request.headers, body)
             return http_response(parsed)
         if model is None:
-            reason, message = self.unavailable()
+            why, message = self.unavailable()
             reply = fmt.error_reply(503, message)
             ids = sorted({r.request_id for r in parsed.requests})
-            self._refused(fmt, "unavailable", reason, started_at, reply, request.headers, request_ids=ids)
+            self._refused(fmt, "unavailable", why, started_at, reply, request.headers, request_ids=ids)
             return http_response(reply)
         exchange = Exchange(
             self.runner,
@@ -293,7 +297,7 @@ class Frontend:
         self,
         fmt: Format,
         outcome: str,
-        reason: str,
+        reason: FailureReason | RefusalReason,
         started_at: float,
         reply: HttpReply,
         headers: Mapping[str, str],
@@ -305,7 +309,13 @@ class Frontend:
         duration = self.clock() - started_at
         if self.metrics is not None:
             self.metrics.request(
-                fmt.name, outcome, reason, prompt_tokens=0, completion_tokens=0, ttft=None, duration=duration
+                fmt.name,
+                outcome,
+                reason.value,
+                prompt_tokens=0,
+                completion_tokens=0,
+                ttft=None,
+                duration=duration,
             )
         ids = list(request_ids) or _client_request_ids(body, headers)
         log.info(
@@ -313,7 +323,7 @@ class Frontend:
             format=fmt.name,
             request_id=(ids[0] if len(ids) == 1 else ids) if ids else None,
             outcome=outcome,
-            reason=reason,
+            reason=reason.value,
             status=reply.status,
             error=_reply_message(reply),
             duration_ms=ms(duration),
