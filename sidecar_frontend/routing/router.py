@@ -198,6 +198,8 @@ class Router:
                 for address, blocks in matched.items():
                     cached[address] = blocks * size
         sent = self._sent
+        # Each candidate made as the tuple it is: Candidate(...) is a Python call (a NamedTuple's
+        # __new__), 6 % of an 8k-token decision over 64 workers (bench/README.md, "plain code").
         decision = choose(
             [
                 tuple.__new__(
