@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from sidecar_common.endpoint import Endpoint, EndpointError, parse_endpoint
-from sidecar_common.flags import refuse_inapplicable
+from sidecar_common.flags import positive_int_arg, refuse_inapplicable
 from sidecar_server.cli import endpoint_arg, run_engine
 from sidecar_server.config import EngineSpec, SidecarConfig
 
@@ -34,23 +34,34 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SGLang's HTTP server (host:port or http://host:port); only with --transport http, "
         "where it is required (default: unset)",
     )
+    sglang.add_argument(
+        "--vocab-size",
+        type=positive_int_arg,
+        default=None,
+        metavar="N",
+        help="the model's vocabulary size (its config.json vocab_size; text_config's for a "
+        "multimodal model), which SGLang reports nowhere: with it a prompt id outside the "
+        "vocabulary is refused before the engine, in SGLang's words, and the workers report it "
+        "(default: unset, not checked here)",
+    )
 
 
 def build(config: SidecarConfig, namespace: argparse.Namespace) -> Engine:
     """The engine for the chosen transport. A bad flag raises ValueError (a usage error)."""
     check_flags(namespace)
+    vocab_size: int | None = getattr(namespace, "vocab_size", None)
     # The transports are imported once the flags are valid: --help and usage errors need
     # neither grpc nor aiohttp.
     if getattr(namespace, "transport", "grpc") == "grpc":
         from sidecar_sglang.grpc_transport import over_grpc
 
-        return over_grpc(config)
+        return over_grpc(config, vocab_size=vocab_size)
     endpoint = _http_endpoint(namespace)
     if endpoint is None:
         raise ValueError("--transport http needs --http-endpoint (SGLang's HTTP server, host:port)")
     from sidecar_sglang.http_transport import over_http
 
-    return over_http(config, endpoint)
+    return over_http(config, endpoint, vocab_size=vocab_size)
 
 
 def _http_endpoint(namespace: argparse.Namespace) -> Endpoint | None:

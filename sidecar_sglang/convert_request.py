@@ -27,6 +27,7 @@ from sidecar_common.bootstrap_handoff import PORT_MAX, ROOM_MAX
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import NOT_SENT, FailureReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits
+from sidecar_sglang.refusals import out_of_vocabulary
 
 __all__ = [
     "INT32_MAX",
@@ -84,6 +85,9 @@ class RequestSettings:
     context_length: int | None = None
     # Server info ``enable_lora`` (null or false: off); None: not reported, not checked here.
     lora_enabled: bool | None = None
+    # The model's vocabulary size, as the operator gave it (SGLang reports it nowhere); None:
+    # not checked here.
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,17 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         raise engine_words(
             FailureReason.INVALID_ARGUMENT, lora_disabled_refusal(adapter), "Generate", NOT_SENT
         )
+    if settings.vocab_size is not None:
+        outside = next((token for token in request.token_ids if token >= settings.vocab_size), None)
+        if outside is not None:
+            # SGLang's own check of the prompt's ids (its Rust HTTP server's; its default
+            # servers make none, and the id reaches the model): refused here, in its words.
+            raise engine_words(
+                FailureReason.INVALID_ARGUMENT,
+                out_of_vocabulary(outside, settings.vocab_size),
+                "Generate",
+                NOT_SENT,
+            )
     check_sampling_limits(request, "sglang")
     s = request.sampling_options
     if s.HasField("n") and s.n != 1:

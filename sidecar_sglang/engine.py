@@ -41,18 +41,27 @@ class SglangEngine(EngineClient):
         *,
         timeouts: EngineTimeouts | None = None,
         room: Callable[[], int] = random_room,
+        vocab_size: int | None = None,
     ) -> None:
+        """``vocab_size``: the model's, as the operator gave it (``--vocab-size``); SGLang
+        reports it on none of its info calls."""
         super().__init__(config, clock=transport.clock, timeouts=timeouts or EngineTimeouts())
         self._transport = transport
         self._room = room
         self._settings = RequestSettings(mode=config.disaggregation_mode, transport=transport.kind)
         self._incremental = False
+        self._vocab_size = vocab_size
         # private id -> "the sidecar asked the engine to abort it", for live generations only.
         self._live: dict[str, bool] = {}
 
     @property
     def name(self) -> str:
         return "sglang"
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size as the operator gave it (``--vocab-size``), else None."""
+        return self._vocab_size
 
     # ------------------------------------------------------------------- start-up
 
@@ -84,6 +93,9 @@ class SglangEngine(EngineClient):
             engine_host=self._transport.host,
         )
         self._settings = found.settings
+        if self._vocab_size is not None:
+            found.model_info.vocab_size = self._vocab_size
+            self._settings = dataclasses.replace(found.settings, vocab_size=self._vocab_size)
         self._incremental = found.incremental
         return Discovery(
             found.model_info,

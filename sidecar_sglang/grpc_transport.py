@@ -44,10 +44,15 @@ def over_grpc(
     connector: Connector | None = None,
     room: Callable[[], int] = random_room,
     timeouts: EngineTimeouts | None = None,
+    vocab_size: int | None = None,
 ) -> SglangEngine:
     """The SGLang engine started with ``--grpc-port``, behind ``config.pool``."""
     return SglangEngine(
-        config, GrpcTransport(config, clock=clock, connector=connector), room=room, timeouts=timeouts
+        config,
+        GrpcTransport(config, clock=clock, connector=connector),
+        room=room,
+        timeouts=timeouts,
+        vocab_size=vocab_size,
     )
 
 

@@ -55,10 +55,13 @@ def over_http(
     clock: Clock | None = None,
     room: Callable[[], int] = random_room,
     timeouts: EngineTimeouts | None = None,
+    vocab_size: int | None = None,
 ) -> SglangEngine:
     """The SGLang engine whose HTTP server (``--port``) is at ``endpoint``."""
     transport = HttpTransport(endpoint, config.pool.retry, clock=clock)
-    return SglangEngine(config, transport, room=room, timeouts=timeouts or HTTP_TIMEOUTS)
+    return SglangEngine(
+        config, transport, room=room, timeouts=timeouts or HTTP_TIMEOUTS, vocab_size=vocab_size
+    )
 
 
 def _error_words(body: bytes) -> str:

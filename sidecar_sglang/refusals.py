@@ -3,15 +3,17 @@
 SGLang's Rust gRPC server ends a stream with INTERNAL and the text of every error its Python
 bridge reports, a refusal of the request or a failure alike (docs/sglang.md, "Refusals only
 SGLang makes, over gRPC"). Most refusals the sidecar makes first, from what discovery tells.
-One it cannot: a prompt id outside the vocabulary. SGLang learns its vocabulary size from the
-model's own configuration (``ModelConfig.vocab_size``, the Hugging Face config's
-``vocab_size``) and reports it on none of its info calls (``/model_info``, ``/server_info``,
-``/v1/models``, and over gRPC ``GetModelInfo``, ``GetServerInfo``, ``ListModels``), so the
-sidecar has nothing to check the ids against. SGLang's HTTP server refuses such a prompt with a
-400 and the sentence below; an engine that gives the same refusal over gRPC arrives as INTERNAL
-with those words. So that sentence, naming an id the request's prompt holds outside the range
-it states, is read as the client's mistake (INVALID_ARGUMENT in SGLang's words, as its HTTP
-server answers it); any other INTERNAL stays an engine fault (UNKNOWN), as before.
+One it cannot unless the operator says (``--vocab-size``): a prompt id outside the vocabulary.
+SGLang learns its vocabulary size from the model's own configuration
+(``ModelConfig.vocab_size``, the Hugging Face config's ``vocab_size``) and reports it on none of
+its info calls (``/model_info``, ``/server_info``, ``/v1/models``, and over gRPC
+``GetModelInfo``, ``GetServerInfo``, ``ListModels``). Of SGLang 0.5.23's servers only the Rust
+HTTP server (``SGLANG_RUST_SERVER=1``) checks the ids, refusing with a 400 and the sentence
+below; an engine that gives the same refusal over gRPC arrives as INTERNAL with those words. So
+that sentence, naming an id the request's prompt holds outside the range it states, is read as
+the client's mistake (INVALID_ARGUMENT in SGLang's words, as its HTTP server answers it); any
+other INTERNAL stays an engine fault (UNKNOWN), as before. With ``--vocab-size`` the sidecar
+refuses such a prompt itself, before the engine, in the same words (``convert_request``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""A failed SGLang gRPC Generate: SGLang's refusal of a prompt id outside the vocabulary (INTERNAL
-on that wire, a 400 on its HTTP server) is the client's mistake in SGLang's words; every other
-INTERNAL, the same words about an id the prompt does not hold included, stays an engine fault.
+"""A prompt id outside the vocabulary on an SGLang worker: SGLang's refusal of it over gRPC
+(INTERNAL; a 400 on its Rust HTTP server) is the client's mistake in SGLang's words, while every
+other INTERNAL, the same words about an id the prompt does not hold included, stays an engine
+fault; and with ``--vocab-size`` the sidecar refuses it first, in the same words.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar_common.errors import EngineOrigin, FailureReason, from_engine_status
+from sidecar_common.errors import NOT_SENT, EngineOrigin, FailureReason, SidecarError, from_engine_status
+from sidecar_sglang.convert_request import RequestSettings, Transport, build_native
 from sidecar_sglang.refusals import OUT_OF_VOCABULARY, generate_error, out_of_vocabulary
+from tests.unit.test_sglang_convert_request import PID, req
 
 INTERNAL = grpc.StatusCode.INTERNAL
 
@@ -77,3 +80,19 @@ def test_only_a_true_statement_about_the_prompt_is_a_refusal(
         refused = generate_error(INTERNAL, out_of_vocabulary(token, vocab), prompt)
         expected = FailureReason.INVALID_ARGUMENT if token >= vocab else FailureReason.UNKNOWN
         assert refused.reason is expected
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_with_the_vocabulary_size_given_the_sidecar_refuses_first_in_the_same_words(
+    transport: Transport,
+) -> None:
+    settings = RequestSettings(transport=transport, vocab_size=32000)
+    with pytest.raises(SidecarError) as refused:
+        build_native(req(token_ids=[5, 40000, 32000]), PID, settings, room=7)
+    assert refused.value.reason is FailureReason.INVALID_ARGUMENT
+    assert refused.value.message == out_of_vocabulary(40000, 32000)  # the first, as SGLang names it
+    assert refused.value.origin == EngineOrigin("Generate", NOT_SENT)
+    assert build_native(req(token_ids=[5, 31999]), PID, settings, room=7).input_ids == (5, 31999)
+    # Not given: not checked here (SGLang reports no size).
+    unchecked = RequestSettings(transport=transport)
+    assert build_native(req(token_ids=[40000]), PID, unchecked, room=7).input_ids == (40000,)
