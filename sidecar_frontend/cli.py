@@ -2,7 +2,9 @@
 
 Same conventions as the sidecars (sidecar_server/cli.py): a flag beats its variable, a
 variable beats the default, a bad value is a usage error (exit 2) naming the flag or the
-variable, and nothing here does network I/O.
+variable, and nothing here does network I/O. Nor does anything it imports load numpy (the
+routing keys' library, a tenth of a second before any help or usage error):
+tests/unit/frontend/test_cli_imports.py.
 """
 
 from __future__ import annotations
