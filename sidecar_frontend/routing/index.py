@@ -70,7 +70,7 @@ __all__ = [
 BYTES_PER_KEY: Final = 140
 BYTES_PER_ENTRY: Final = 56
 # An approximate store's record (module docstring): its place in the expiry queue, and its keys
-# as 8-byte numbers while any entry it made is left.
+# as 8-byte numbers while any entry it made is left (measured by the same test, approximate).
 BYTES_PER_RECORD: Final = 240
 BYTES_PER_RECORD_KEY: Final = 8
 
@@ -126,7 +126,8 @@ class BlockIndex:
         self._held: dict[int, dict[int, _Record]] = {}
         self._entries = 0
         self._evicted = 0
-        # (expiry, order, record) of each approximate store with entries of its own: a heap.
+        # (expiry, order, record) of each approximate store that took an entry: a heap (records
+        # with no entry left stay in it until they are half of it).
         self._expiries: list[tuple[float, int, _Record]] = []
         self._stores = 0
         self._spent = 0  # records in the heap with no entry left
