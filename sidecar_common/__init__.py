@@ -5,10 +5,10 @@ between them").
 
 What it holds: the one failure vocabulary (``errors``); addresses (``endpoint``: host:port,
 engine endpoints, ZeroMQ tcp:// addresses, the wildcard rule) and listen checks (``ports``);
-the worker roles (``disaggregation``); limits and message sizes; the wire shapes and codecs both
-sides read (``structs``, ``prompt_logprobs``, ``bootstrap_handoff``, ``kv_keys``,
-``kv_request``, ``kv_lag``); the flag library and the flags the programs share; exit codes and
-the event loop (``programs``); retry and backoff; the channel pool and unary calls (``pool``,
-``rpc``); etcd registration and worker records; logs, TLS, tracing, metrics buckets
-(``histograms``); and ``api/``, generated from ``protos/``.
+the worker roles (``disaggregation``); limits and message sizes; the wire shapes and codecs
+both sides read (``structs``, ``prompt_logprobs``, ``bootstrap_handoff``, ``kv_keys``,
+``kv_request``, ``kv_lag``, ``sampling_schema``); the flag library and the flags the programs
+share; exit codes and the event loop (``programs``); retry and backoff; the channel pool and
+unary calls (``pool``, ``rpc``); etcd registration and worker records; logs, TLS, tracing,
+metrics buckets (``histograms``); and ``api/``, generated from ``protos/``.
 """
