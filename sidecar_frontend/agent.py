@@ -12,8 +12,9 @@ failure and cancelled when the worker leaves the set:
   sidecar relays KV events).
 
 Every reply is checked before it is believed (:mod:`sidecar_frontend.worker_replies`); a
-reply that does not decode or holds absurd values is misbehaviour: reported (logged once per
-kind, counted) and the worker is taken out of routing for a backoff.
+reply that does not decode or holds absurd values, and a GetLoad left unanswered while the
+Watch says SERVING, is misbehaviour: reported (:mod:`sidecar_frontend.misbehaviour`: logged
+once per kind and interval, counted) and the worker is taken out of routing for a backoff.
 
 After a TLS rotation :meth:`WorkerAgent.redial` replaces the connections: new calls, the
 health Watch and the KV stream move to the new ones; calls in flight on the old ones finish
@@ -34,24 +35,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.endpoint import parse_endpoint
-from sidecar_common.errors import SidecarError
+from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule
 from sidecar_common.retry import Backoff
 from sidecar_common.rpc import StubCache, bounded_call, call_failures
 from sidecar_common.tls import ClientCredentials, TlsHandshakeError, tls_connector
 from sidecar_frontend.config import WorkerSetConfig
+from sidecar_frontend.misbehaviour import Misbehaviour, Reporter
 from sidecar_frontend.registry import Registry, Worker, WorkerState
 from sidecar_frontend.supervisor import Supervisor
 from sidecar_frontend.worker_replies import UNDECODABLE, load_problem, model_info_problem
 
-__all__ = ["HEALTH_SERVICE", "Misbehaved", "WorkerAgent", "new_pool", "worker_stub"]
+__all__ = ["HEALTH_SERVICE", "WorkerAgent", "new_pool", "worker_stub"]
 
 HEALTH_SERVICE = "sidecar.v1.Worker"
 
 log = structlog.get_logger("sidecar_frontend.workers")
-
-# (worker, kind, detail): a worker sent what cannot be believed.
-Misbehaved = Callable[[Worker, str, str], None]
 
 
 def worker_stub(channel: grpc.aio.Channel) -> sidecar_pb2_grpc.WorkerAsyncStub:
@@ -116,7 +115,7 @@ class WorkerAgent:
         credentials: ClientCredentials | None,
         set_state: Callable[[Worker, WorkerState], None],
         refuse: Callable[[Worker, Any, str], None],
-        misbehaved: Misbehaved,
+        misbehaviour: Reporter,
         announce_model: Callable[[Worker, sidecar_pb2.ModelInfo], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -127,7 +126,7 @@ class WorkerAgent:
         self._credentials = credentials
         self._set_state = set_state
         self._refuse = refuse
-        self._misbehaved = misbehaved
+        self._misbehaviour = misbehaviour
         self._announce_model = announce_model
         self._clock = clock
         self._connected = False
@@ -223,7 +222,9 @@ class WorkerAgent:
                 with call_failures("Watch"):
                     async for reply in _responses(call):
                         if reply is None:
-                            self._misbehaved(worker, "health", UNDECODABLE)
+                            self._misbehaviour.report(
+                                worker.address, Misbehaviour.UNDECODABLE_HEALTH, UNDECODABLE
+                            )
                             return f"health Watch: {UNDECODABLE}", served
                         if reply.status != health_pb2.HealthCheckResponse.SERVING:
                             if worker.state is not WorkerState.REFUSED:
@@ -271,9 +272,12 @@ class WorkerAgent:
             except SidecarError as err:
                 self._unanswered("worker model info failed", err.message)
                 return _Verdict.UNKNOWN
+            if fetched is None:
+                self._misbehaviour.report(worker.address, Misbehaviour.UNDECODABLE_MODEL_INFO, UNDECODABLE)
+                return _Verdict.UNKNOWN
             problem = model_info_problem(fetched)
-            if problem is not None or fetched is None:
-                self._misbehaved(worker, "model_info", problem or UNDECODABLE)
+            if problem is not None:
+                self._misbehaviour.report(worker.address, Misbehaviour.ABSURD_MODEL_INFO, problem)
                 return _Verdict.UNKNOWN
             model = worker.model = fetched
             self._announce_model(worker, model)
@@ -299,15 +303,16 @@ class WorkerAgent:
                 )
             except SidecarError as err:
                 # Unreachable workers are the health Watch's to report; a worker that answers
-                # its Watch but not GetLoad (hung) is said at the same pace.
-                if worker.state is WorkerState.SERVING:
-                    self._unanswered("worker load poll failed", err.message)
+                # its Watch but leaves GetLoad unanswered (hung) misbehaves.
+                if worker.state is WorkerState.SERVING and err.reason is FailureReason.CONNECTION_TIMEOUT:
+                    self._misbehaviour.report(worker.address, Misbehaviour.HUNG_LOAD, err.message)
                 else:
                     log.debug("worker load poll failed", worker=worker.address, error=err.message)
             else:
-                problem = load_problem(report)
+                problem = UNDECODABLE if report is None else load_problem(report)
                 if problem is not None or report is None:
-                    self._misbehaved(worker, "load", problem or UNDECODABLE)
+                    kind = Misbehaviour.UNDECODABLE_LOAD if report is None else Misbehaviour.ABSURD_LOAD
+                    self._misbehaviour.report(worker.address, kind, problem or UNDECODABLE)
                 else:
                     worker.reported_inflight = report.inflight_requests
                     worker.own_at_report = own
@@ -339,8 +344,14 @@ class WorkerAgent:
         log.info("worker reconnected with the new TLS files", worker=worker.address)
         self._registry.changed(worker)
         grace = self._config.retire_grace
-        # Not the worker's own task: its old connections are closed even if it leaves first.
-        self._supervisor.start("retire", lambda: old.close(grace), worker=worker.address, restart=False)
+        # Not one of the worker's own tasks: its old connections are closed even if it leaves first.
+        self._supervisor.start(
+            "retire",
+            lambda: old.close(grace),
+            owner=f"retire {worker.address}",
+            worker=worker.address,
+            restart=False,
+        )
 
 
 async def _responses(call: Any) -> AsyncIterator[Any]:

@@ -95,6 +95,7 @@ class Frontend:
             clock=clock,
             rand=rand,
             tracing=self.tracing,
+            misbehaviour=workers.misbehaviour,
         )
 
     @property

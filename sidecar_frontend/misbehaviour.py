@@ -60,6 +60,8 @@ class Misbehaviour(enum.Enum):
     # An output that decodes and passes the checks here, which the HTTP format could not
     # turn into the client's terms (lists of disagreeing lengths, ...).
     UNENCODABLE_OUTPUT = "unencodable_output"
+    # GetModelInfo: values no model has (no name, a vocabulary or block size past any bound).
+    ABSURD_MODEL_INFO = "absurd_model_info"
     # GetLoad: values no worker can have (negative, NaN, past any bound), or no answer.
     ABSURD_LOAD = "absurd_load"
     HUNG_LOAD = "hung_load"

@@ -43,7 +43,7 @@ from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.registry import Refusal
 from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.wiring import RoutingParts
-from sidecar_frontend.supervisor import FAILURE_HOOK, Supervisor, SupervisorConfig, fail_once_from
+from sidecar_frontend.supervisor import FAILURE_HOOK, Supervisor, SupervisorConfig, fault_file_from
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
@@ -175,7 +175,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         routing=config.routing.routing.value if config.routing.routing is not None else "kv/approx",
     )
     routing = RoutingParts.build(config.routing, metrics.registry)
-    supervisor_config = SupervisorConfig(fail_once=fail_once_from(os.environ.get(FAILURE_HOOK)))
+    supervisor_config = SupervisorConfig(fault_file=fault_file_from(os.environ.get(FAILURE_HOOK)))
     # Every background task (each worker's, discovery's, the TLS files') runs under this one
     # supervisor, entered here by the main task: a failure is logged, counted and restarted;
     # leaving the block (the drain is over) ends them all.

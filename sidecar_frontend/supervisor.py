@@ -22,10 +22,12 @@ costs that worker's task a restart, never another worker's tasks or an HTTP requ
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Final
 
@@ -41,10 +43,12 @@ __all__ = ["FAILURE_HOOK", "Supervisor", "SupervisorConfig", "TaskFailure"]
 
 log = structlog.get_logger("sidecar_frontend.supervisor")
 
-# Tests of a real frontend process make a named task fail in turn through this variable
-# (``SIDECAR_TEST_FAIL_TASKS=health,load_poll``): each named task raises once, on its first
-# run, for each owner. Read once per supervisor; empty in production.
-FAILURE_HOOK: Final = "SIDECAR_TEST_FAIL_TASKS"
+# Tests of a real frontend process make its tasks fail while it serves through this variable:
+# the path of a file that the supervisor reads every FAULT_FILE_POLL_SECS; each line appended
+# names a task, and every running task of that name fails once (its run is interrupted and
+# counts as a failure, then the task restarts as after any other). Unset in production.
+FAILURE_HOOK: Final = "SIDECAR_TEST_FAULT_FILE"
+FAULT_FILE_POLL_SECS: Final = 0.1
 
 
 class TaskFailure(RuntimeError):
@@ -58,8 +62,8 @@ class SupervisorConfig:
     restart_max_secs: float = 30.0
     # A task that ran this long before failing fails as if for the first time.
     healthy_after_secs: float = 60.0
-    # Task names that fail once on their first run (see FAILURE_HOOK).
-    fail_once: frozenset[str] = frozenset()
+    # The fault file of FAILURE_HOOK (tests only).
+    fault_file: Path | None = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class _Owned:
     """The cancel scopes of one owner's running tasks."""
 
     scopes: set[anyio.CancelScope] = field(default_factory=set)
+    ended: anyio.Event = field(default_factory=anyio.Event)
 
 
 class Supervisor:
@@ -84,7 +89,8 @@ class Supervisor:
         self._clock = clock
         self._group: TaskGroup | None = None
         self._owners: dict[str, _Owned] = {}
-        self._failed_once: set[tuple[str, str]] = set()
+        # Each run in progress: its scope -> its task's name (for the fault file).
+        self._runs: dict[anyio.CancelScope, str] = {}
         self.failures = Counter(
             "frontend_background_failures",
             "Background tasks (per-worker health, load poll, KV stream, redial; TLS files, "
@@ -98,6 +104,8 @@ class Supervisor:
         group = anyio.create_task_group()
         await group.__aenter__()
         self._group = group
+        if self._config.fault_file is not None:
+            self.start("fault_file", functools.partial(self._follow_fault_file, self._config.fault_file))
         return self
 
     async def __aexit__(
@@ -141,10 +149,16 @@ class Supervisor:
 
     def stop_owner(self, owner: str) -> None:
         """Cancel every task of ``owner`` (a worker leaving the set)."""
-        owned = self._owners.pop(owner, None)
+        owned = self._owners.get(owner)
         if owned is not None:
             for scope in owned.scopes:
                 scope.cancel()
+
+    async def until_ended(self, owner: str) -> None:
+        """Until every task of ``owner`` has ended (at once when it has none)."""
+        owned = self._owners.get(owner)
+        if owned is not None:
+            await owned.ended.wait()
 
     def tasks_of(self, owner: str) -> int:
         """How many tasks ``owner`` has running (for tests and the debug log)."""
@@ -191,16 +205,17 @@ class Supervisor:
                 owned.scopes.discard(scope)
                 if not owned.scopes:
                     del self._owners[owner]
+                    owned.ended.set()
 
     async def _run_once(
         self, name: str, owner: str, run: Callable[[], Awaitable[None]]
     ) -> BaseException | None:
         """Run the task once; what it failed with, or None when it returned."""
+        run_scope = anyio.CancelScope()
+        self._runs[run_scope] = name
         try:
-            if name in self._config.fail_once and (name, owner) not in self._failed_once:
-                self._failed_once.add((name, owner))
-                raise TaskFailure(f"{name} failed as {FAILURE_HOOK} asked")
-            await run()
+            with run_scope:
+                await run()
         except asyncio.CancelledError:
             if cancel_is_ours():
                 raise
@@ -209,7 +224,25 @@ class Supervisor:
             return _UnaskedCancel("CancelledError raised, not asked for (a call cancelled under the task)")
         except Exception as err:  # the point of a supervisor: any failure is recovered from
             return err
+        finally:
+            del self._runs[run_scope]
+        if run_scope.cancelled_caught:  # only the fault file cancels a run's own scope
+            return TaskFailure(f"{name} failed as {FAILURE_HOOK} asked")
         return None
+
+    async def _follow_fault_file(self, path: Path) -> None:
+        seen = 0
+        while True:
+            await anyio.sleep(FAULT_FILE_POLL_SECS)
+            try:
+                names = (await anyio.Path(path).read_text()).split()
+            except FileNotFoundError:
+                continue
+            for name in names[seen:]:
+                for scope, running in tuple(self._runs.items()):
+                    if running == name:
+                        scope.cancel()
+            seen = len(names)
 
 
 class _UnaskedCancel(Exception):
@@ -221,8 +254,6 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def fail_once_from(value: str | None) -> frozenset[str]:
-    """The task names of :data:`FAILURE_HOOK`'s value (comma-separated)."""
-    if not value:
-        return frozenset()
-    return frozenset(part.strip() for part in value.split(",") if part.strip())
+def fault_file_from(value: str | None) -> Path | None:
+    """:data:`FAILURE_HOOK`'s value as the fault file (None when unset or empty)."""
+    return Path(value) if value else None

@@ -18,7 +18,8 @@ A worker is refused (never used, one error log line) when its sidecar's
 models to serve (``WorkerSetConfig.models``) and it serves another. A refused worker is checked
 again when its sidecar restarts (its health Watch breaks), so fixing the sidecar's flags is
 enough. A worker that sends what cannot be believed (a reply that does not decode, absurd
-values) is taken out of routing for a backoff (:meth:`WorkerSet.misbehaved`).
+values) is taken out of routing for a backoff (``misbehaviour``: every part that reads a worker's
+replies reports to it; the set ejects).
 
 With ``WorkerSetConfig.tls`` every worker is dialled over TLS (mutual TLS with a client
 certificate); the files are re-read when they change, and each worker's connections are
@@ -27,6 +28,7 @@ replaced by connections made with the new files (docs/frontend.md, "TLS to the w
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +37,7 @@ from typing import Final
 
 import anyio
 import structlog
+from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import ROLES, Role, is_role
@@ -43,6 +46,7 @@ from sidecar_common.rpc import StubCache
 from sidecar_common.tls import ClientCredentials
 from sidecar_frontend.agent import HEALTH_SERVICE, WorkerAgent, new_pool, worker_stub
 from sidecar_frontend.config import WorkerSetConfig
+from sidecar_frontend.misbehaviour import Misbehaviour, MisbehaviourReporter
 from sidecar_frontend.registry import Refusal, Registry, Worker, WorkerState, role_mismatch
 from sidecar_frontend.supervisor import Supervisor
 from sidecar_frontend.worker_events import WorkerEvents, WorkerListener
@@ -78,6 +82,7 @@ class WorkerSet:
         rand: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         supervisor: Supervisor | None = None,
+        misbehaviour: MisbehaviourReporter | None = None,
     ) -> None:
         self._config = config if config is not None else WorkerSetConfig()
         self._clock = clock
@@ -90,8 +95,16 @@ class WorkerSet:
         self._announced: set[str] = set()
         # Misbehaviours in a row per worker, and when the last one was.
         self._strikes: dict[str, tuple[int, float]] = {}
+        # Workers whose connections are being replaced now (one redial at a time each).
+        self._redialing: set[str] = set()
         self._credentials = ClientCredentials(self._config.tls) if self._config.tls is not None else None
         self.events.subscribe(_IdlePrefillWarning(self))
+        # Every part that reads a worker's replies reports its misbehaviour here (logged,
+        # counted); the set takes the worker out of routing.
+        self.misbehaviour = (
+            misbehaviour if misbehaviour is not None else MisbehaviourReporter(CollectorRegistry())
+        )
+        self.misbehaviour.subscribe(self._on_misbehaviour)
         if supervisor is not None:
             self._start_own_tasks()
 
@@ -157,7 +170,7 @@ class WorkerSet:
             credentials=self._credentials,
             set_state=self.set_state,
             refuse=self.refuse,
-            misbehaved=self.misbehaved,
+            misbehaviour=self.misbehaviour,
             announce_model=self._announce_model,
             clock=self._clock,
         )
@@ -209,32 +222,31 @@ class WorkerSet:
         if self.registry.refuse(worker, refusal, message):
             log.error("worker refused", worker=worker.address, reason=refusal.value, error=message)
 
-    def misbehaved(self, worker: Worker, kind: str, detail: str) -> None:
-        """``worker`` sent what cannot be believed: out of routing for a backoff that grows
-        while it keeps misbehaving. Logged here at each ejection (the first of a series, then
-        once per ejection: rate-limited by the backoff itself)."""
-        if not self.registry.holds(worker) or worker.state is WorkerState.DRAINING:
+    def _on_misbehaviour(self, address: str, kind: Misbehaviour, detail: str) -> None:
+        """A worker sent what cannot be believed (the reporter logged and counted it): out of
+        routing for a backoff that grows while it keeps misbehaving, then back. One line per
+        ejection (rate-limited by the backoff itself)."""
+        worker = self.registry.get(address)
+        if worker is None or worker.state is WorkerState.DRAINING:
             return
         now = self._clock()
-        strikes, last = self._strikes.get(worker.address, (0, now))
+        strikes, last = self._strikes.get(address, (0, now))
+        if worker.ejected_until is not None:
+            return  # out already: this is the same spell of misbehaviour
         strikes = 1 if now - last >= EJECTION_FORGIVEN_SECS else strikes + 1
-        self._strikes[worker.address] = (strikes, now)
-        already_out = worker.ejected_until is not None and worker.ejected_until > now
+        self._strikes[address] = (strikes, now)
         pause = Backoff(EJECTION_FIRST_SECS, EJECTION_MAX_SECS).pause(strikes)
-        if already_out:
-            return
-        self.registry.eject(worker, now + pause, f"{kind}: {detail}")
+        self.registry.eject(worker, now + pause, f"{kind.value}: {detail}")
         log.error(
-            "worker misbehaved: out of routing",
-            worker=worker.address,
-            kind=kind,
-            error=detail,
+            "worker out of routing: it misbehaved",
+            worker=address,
+            kind=kind.value,
             ejected_for_secs=round(pause, 1),
             strikes=strikes,
         )
         if self._supervisor is not None and self._supervisor.running:
             self._supervisor.start(
-                "readmit", lambda: self._readmit_after(worker, pause), owner=worker.address, restart=False
+                "readmit", functools.partial(self._readmit_after, worker, pause), owner=address, restart=False
             )
 
     async def _readmit_after(self, worker: Worker, pause: float) -> None:
@@ -334,12 +346,22 @@ class WorkerSet:
                 and w.tls_version != credentials.version
                 and w.state is not WorkerState.DRAINING
             ]
-            if stale:
-                async with anyio.create_task_group() as group:
-                    for worker in stale:
-                        agent = self._agents.get(worker.address)
-                        if agent is not None:
-                            group.start_soon(agent.redial, credentials.version)
+            for worker in stale:
+                agent = self._agents.get(worker.address)
+                if agent is not None and worker.address not in self._redialing:
+                    self._redialing.add(worker.address)
+                    self.supervisor.start(
+                        "redial",
+                        functools.partial(self._redial, agent, credentials.version),
+                        owner=worker.address,
+                        restart=False,  # the next look at the files tries again
+                    )
+
+    async def _redial(self, agent: WorkerAgent, version: int) -> None:
+        try:
+            await agent.redial(version)
+        finally:
+            self._redialing.discard(agent.worker.address)
 
 
 class _IdlePrefillWarning:

@@ -590,15 +590,22 @@ class HostileWorker:
 
 @asynccontextmanager
 async def hostile_worker(
-    model_info: sidecar_pb2.ModelInfo | None = None, *, listen: str = "127.0.0.1:0", **options: Any
+    model_info: sidecar_pb2.ModelInfo | None = None,
+    *,
+    listen: str = "127.0.0.1:0",
+    credentials: grpc.ServerCredentials | None = None,
+    **options: Any,
 ) -> AsyncIterator[HostileWorker]:
-    """A :class:`HostileWorker` serving on ``listen`` (loopback, a free port by default);
-    its ``address`` is set while the context runs."""
+    """A :class:`HostileWorker` serving on ``listen`` (loopback, a free port by default; over
+    TLS with ``credentials``); its ``address`` is set while the context runs."""
     worker = HostileWorker(model_info, **options)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(worker.handlers())
     host = listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(listen)
+    if credentials is not None:
+        port = server.add_secure_port(listen, credentials)
+    else:
+        port = server.add_insecure_port(listen)
     await server.start()
     worker.address = f"{host}:{port}"
     try:

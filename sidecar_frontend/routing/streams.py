@@ -44,6 +44,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.kv_lag import events_lag
 from sidecar_common.retry import Backoff
 from sidecar_common.rpc import cancel_is_ours
+from sidecar_frontend.misbehaviour import NO_REPORTS, Misbehaviour, Reporter
 from sidecar_frontend.registry import Worker
 from sidecar_frontend.routing.feed import CacheFeed, Step
 from sidecar_frontend.routing.metrics import RoutingMetrics, StreamRow
@@ -87,6 +88,10 @@ class _Stream:
 class _Refused(Exception):
     """An update the stream will not apply: the worker misbehaves."""
 
+    def __init__(self, kind: Misbehaviour, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
 
 class CacheStreams:
     """The workers' cache streams and what the router needs to know of them."""
@@ -100,13 +105,13 @@ class CacheStreams:
         metrics: RoutingMetrics | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
-        misbehaved: Callable[[Worker, str, str], None] | None = None,
+        misbehaviour: Reporter = NO_REPORTS,
     ) -> None:
         self._router = router
         self._config = config if config is not None else StreamConfig()
         self._next_change = next_change
         self._metrics = metrics
-        self._misbehaved = misbehaved
+        self._misbehaviour = misbehaviour
         # Wall-clock time (the engines stamp their KV-event batches with time.time()): read
         # when a delta is applied, for the events lag.
         self._clock = clock
@@ -115,15 +120,13 @@ class CacheStreams:
         self._streams: dict[str, _Stream] = {}
 
     def watch_changes(
-        self,
-        next_change: Callable[[], anyio.Event],
-        misbehaved: Callable[[Worker, str, str], None] | None = None,
+        self, next_change: Callable[[], anyio.Event], misbehaviour: Reporter | None = None
     ) -> None:
         """Wake a waiting stream at each change of the worker set (``WorkerSet.next_change``);
-        tell ``misbehaved`` of a worker whose stream cannot be believed."""
+        report to ``misbehaviour`` a worker whose stream cannot be believed."""
         self._next_change = next_change
-        if misbehaved is not None:
-            self._misbehaved = misbehaved
+        if misbehaviour is not None:
+            self._misbehaviour = misbehaviour
 
     # ---------------------------------------------------------------- what routing reads
 
@@ -174,6 +177,12 @@ class CacheStreams:
                 failures += 1
                 pause = backoff.pause(failures)
                 if failure == _GAP:
+                    if failures == GAPS_BEFORE_STORM:
+                        self._misbehaviour.report(
+                            worker.address,
+                            Misbehaviour.KV_RESYNC_STORM,
+                            f"{failures} gaps in a row with no delta applied between them",
+                        )
                     await anyio.sleep(pause if failures > 1 else 0.0)
                     continue
                 if failures == 1:
@@ -246,8 +255,7 @@ class CacheStreams:
                     try:
                         step = self._apply(stream, update)
                     except _Refused as refused:
-                        if self._misbehaved is not None:
-                            self._misbehaved(worker, "kv_stream", str(refused))
+                        self._misbehaviour.report(worker.address, refused.kind, str(refused))
                         return f"refused an update: {refused}"
                     if step is Step.GAP:
                         log.info(
@@ -305,7 +313,7 @@ class CacheStreams:
     def _apply(self, stream: _Stream, update: sidecar_pb2.KvCacheUpdate | None) -> Step:
         """Check one update at the edge (raises :class:`_Refused`), then feed it."""
         if update is None:
-            raise _Refused(UNDECODABLE)
+            raise _Refused(Misbehaviour.UNDECODABLE_KV, UNDECODABLE)
         feed = stream.feed
         config = self._config
         kind = update.WhichOneof("update")
@@ -313,11 +321,14 @@ class CacheStreams:
             snap = update.snapshot
             if not 0 < snap.block_size <= MAX_BLOCK_SIZE:
                 raise _Refused(
-                    f"a snapshot with block size {snap.block_size}, not within [1, {MAX_BLOCK_SIZE}]"
+                    Misbehaviour.ABSURD_KV,
+                    f"a snapshot with block size {snap.block_size}, not within [1, {MAX_BLOCK_SIZE}]",
                 )
             stream.snapshot_keys += len(snap.keys)
             if stream.snapshot_keys > config.max_snapshot_keys:
-                raise _Refused(f"a snapshot of more than {config.max_snapshot_keys} keys")
+                raise _Refused(
+                    Misbehaviour.ABSURD_KV, f"a snapshot of more than {config.max_snapshot_keys} keys"
+                )
             if snap.last_chunk:
                 stream.snapshot_keys = 0
             return feed.snapshot_chunk(
@@ -333,7 +344,9 @@ class CacheStreams:
             delta = update.delta
             size = len(delta.removed) + len(delta.added_keys) + len(delta.announced_keys)
             if size > config.max_update_keys:
-                raise _Refused(f"a delta of {size} keys, more than {config.max_update_keys}")
+                raise _Refused(
+                    Misbehaviour.ABSURD_KV, f"a delta of {size} keys, more than {config.max_update_keys}"
+                )
             step = feed.delta(
                 delta.epoch,
                 delta.sequence,
@@ -350,6 +363,8 @@ class CacheStreams:
 
 
 _GAP = "a gap in the stream"
+# Gaps in a row, with no delta applied between them, that make a resync storm (misbehaviour).
+GAPS_BEFORE_STORM = 5
 
 
 async def _updates(call: Any) -> AsyncIterator[sidecar_pb2.KvCacheUpdate]:

@@ -65,7 +65,7 @@ class RoutingParts:
         whose events routing follows from now on (the workers already there included)."""
         self._workers = workers
         if self.streams is not None:
-            self.streams.watch_changes(workers.next_change, workers.misbehaved)
+            self.streams.watch_changes(workers.next_change, workers.misbehaviour)
         listener = _RoutingListener(self, workers)
         workers.events.subscribe(listener)
         for worker in workers.workers():

@@ -137,7 +137,7 @@ async def following(
 ) -> AsyncIterator[tuple[WorkerSet, CacheStreams]]:
     streams = CacheStreams(router, config=FAST_STREAMS, metrics=metrics, clock=clock)
     async with WorkerSet(FAST_WORKERS) as workers:
-        streams.watch_changes(workers.next_change, workers.misbehaved)
+        streams.watch_changes(workers.next_change, workers.misbehaviour)
 
         class _Follow:
             def joined(self, worker: Worker) -> None:
