@@ -417,3 +417,43 @@ def test_law_an_emptied_index_counts_no_memory(
         index.clear(worker)
     assert (len(index), index.entries, index.bytes) == (0, 0, 0)
     assert index.expire(math.inf) == 0
+
+
+_TimedOp = tuple[str, str, list[int], float | None]
+_timed_op: st.SearchStrategy[_TimedOp] = st.one_of(
+    st.tuples(st.just("store"), _worker, _keys, st.one_of(st.none(), st.floats(0, 50))),
+    st.tuples(st.just("remove"), _worker, _keys, st.none()),
+    st.tuples(st.just("clear"), _worker, st.just([]), st.none()),
+    st.tuples(st.just("forget"), _worker, st.just([]), st.none()),
+    st.tuples(st.just("expire"), _worker, st.just([]), st.floats(0, 50)),
+)
+
+
+@given(st.lists(_timed_op, max_size=50))
+def test_law_expiry_after_removals_and_forgetting_is_a_replay_of_the_latest_expiries(
+    ops: list[tuple[str, str, list[int], float | None]],
+) -> None:
+    # Each entry holds the latest expiry stored for it (exact: never); whatever was removed,
+    # cleared or forgotten in between, an expiry removes exactly the entries due, and says how many.
+    index = BlockIndex()
+    model: dict[tuple[str, int], float] = {}
+    for op, worker, keys, when in ops:
+        if op == "store":
+            expires = math.inf if when is None else when
+            index.store(worker, keys, expires=expires)
+            for key in keys:
+                model[(worker, key)] = max(model.get((worker, key), -math.inf), expires)
+        elif op == "remove":
+            index.remove(worker, keys)
+            for key in keys:
+                model.pop((worker, key), None)
+        elif op in ("clear", "forget"):
+            getattr(index, op)(worker)
+            model = {(w, k): e for (w, k), e in model.items() if w != worker}
+        else:
+            assert when is not None
+            due = {entry for entry, expiry in model.items() if expiry <= when}
+            assert index.expire(when) == len(due)
+            model = {entry: e for entry, e in model.items() if entry not in due}
+        held = {(w, k) for w, keys_held in as_mapping(index).items() for k in keys_held}
+        assert held == set(model)
