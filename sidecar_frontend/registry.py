@@ -165,7 +165,7 @@ class Registry:
 
     def __init__(
         self,
-        events: WorkerEvents,
+        events: WorkerEvents[Worker],
         *,
         allowed_models: frozenset[str] = frozenset(),
         rand: random.Random | None = None,

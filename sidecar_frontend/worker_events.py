@@ -16,33 +16,41 @@ before looking, so no change between the look and the wait is missed).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import anyio
 import structlog
-
-if TYPE_CHECKING:
-    from sidecar_frontend.registry import Worker
 
 __all__ = ["WorkerEvents", "WorkerListener"]
 
 log = structlog.get_logger("sidecar_frontend.workers")
 
 
-class WorkerListener(Protocol):
-    def joined(self, worker: Worker) -> None: ...
-
-    def changed(self, worker: Worker) -> None: ...
-
-    def left(self, worker: Worker) -> None: ...
+class _Addressed(Protocol):
+    @property
+    def address(self) -> str: ...
 
 
-class WorkerEvents:
+# The worker record (the registry's Worker): generic here so that this module, which the
+# registry imports, imports nothing of the registry.
+WorkerT = TypeVar("WorkerT", bound=_Addressed)
+WorkerT_contra = TypeVar("WorkerT_contra", bound=_Addressed, contravariant=True)
+
+
+class WorkerListener(Protocol[WorkerT_contra]):
+    def joined(self, worker: WorkerT_contra) -> None: ...
+
+    def changed(self, worker: WorkerT_contra) -> None: ...
+
+    def left(self, worker: WorkerT_contra) -> None: ...
+
+
+class WorkerEvents(Generic[WorkerT]):
     def __init__(self) -> None:
-        self._listeners: list[WorkerListener] = []
+        self._listeners: list[WorkerListener[WorkerT]] = []
         self._next = anyio.Event()
 
-    def subscribe(self, listener: WorkerListener) -> Callable[[], None]:
+    def subscribe(self, listener: WorkerListener[WorkerT]) -> Callable[[], None]:
         """Tell ``listener`` every event from now on; the returned call unsubscribes it."""
         self._listeners.append(listener)
 
@@ -55,16 +63,16 @@ class WorkerEvents:
     def next_change(self) -> anyio.Event:
         return self._next
 
-    def joined(self, worker: Worker) -> None:
+    def joined(self, worker: WorkerT) -> None:
         self._tell("joined", worker)
 
-    def changed(self, worker: Worker) -> None:
+    def changed(self, worker: WorkerT) -> None:
         self._tell("changed", worker)
 
-    def left(self, worker: Worker) -> None:
+    def left(self, worker: WorkerT) -> None:
         self._tell("left", worker)
 
-    def _tell(self, event: str, worker: Worker) -> None:
+    def _tell(self, event: str, worker: WorkerT) -> None:
         for listener in tuple(self._listeners):
             try:
                 getattr(listener, event)(worker)

@@ -86,7 +86,7 @@ class WorkerSet:
     ) -> None:
         self._config = config if config is not None else WorkerSetConfig()
         self._clock = clock
-        self.events = WorkerEvents()
+        self.events: WorkerEvents[Worker] = WorkerEvents()
         self.registry = Registry(self.events, allowed_models=self._config.models, rand=rand)
         self._supervisor = supervisor
         self._own_supervisor = supervisor is None

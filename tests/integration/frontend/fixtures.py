@@ -25,7 +25,7 @@ from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.routing.router import RouterConfig
 from sidecar_frontend.routing.streams import StreamConfig
 from sidecar_frontend.routing.wiring import RoutingParts
-from sidecar_frontend.workers import WorkerListener, WorkerSet, WorkerSetConfig
+from sidecar_frontend.workers import Worker, WorkerListener, WorkerSet, WorkerSetConfig
 from tests.integration.frontend.plugin import FORMAT as PROBE
 from tests.sglang_fixtures import sglang_stack
 from tests.vllm_fixtures import Stack, vllm_stack
@@ -69,7 +69,7 @@ async def frontend_over(
     seed: int = 7,
     tracing: Tracing | None = None,
     routing: RouterConfig | None = None,
-    listener: WorkerListener | None = None,
+    listener: WorkerListener[Worker] | None = None,
     metrics: Metrics | None = None,
 ) -> AsyncIterator[FrontendStack]:
     """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve.
