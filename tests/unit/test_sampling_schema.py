@@ -4,6 +4,8 @@ under each wire's name (``sampling_seed`` over HTTP, ``seed`` over gRPC)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,3 +64,15 @@ def test_the_sidecar_writes_only_the_kernels_names_on_either_wire() -> None:
     sent = grpc_of(req(**grpc_full))
     assert sent.sampling_params.seed == 7
     assert sent.sampling_params.max_new_tokens == 8
+
+
+def test_the_names_and_their_order_are_the_real_servers() -> None:
+    # SGLang 0.5.23's own refusal of an unknown key, recorded by tools/record_differential.py.
+    table = json.loads(
+        (Path(__file__).parents[1] / "integration/frontend/differential_sglang.json").read_text()
+    )
+    row = next(r for r in table["rows"] if r["name"] == "unknown key in sampling_params")
+    listed = ", ".join(f"`{name}`" for name in sampling_schema.SAMPLING_FIELDS)
+    assert json.loads(row["real"]["body"]) == {
+        "error": f"unknown field `max_new_token`, expected one of {listed}"
+    }
