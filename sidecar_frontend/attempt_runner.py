@@ -43,7 +43,7 @@ from sidecar_common.errors import FailureReason
 from sidecar_common.rpc import cancel_is_ours
 from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
 from sidecar_frontend import disagg
-from sidecar_frontend.attempts import Attempts, Finish, Refusal, failure_from_rpc_error, misbehaved
+from sidecar_frontend.attempts import Attempts, Finish, Refusal, misbehaved, read_rpc_error
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.misbehaviour import NO_REPORTS, Fault, Misbehaviour, OutputCheck, Reporter
@@ -319,18 +319,19 @@ class _Run:
         vocab_size = model.vocab_size if model is not None else 0
 
         async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
-            fault = self.check.check(output, vocab_size)
-            if fault is not None:
-                return self.runner.misbehaved(worker, fault)
             if output.finish_reason == sidecar_pb2.CANCELLED and not worker.eligible:
                 # Nobody here aborted it: the worker is going away (drained, stopped) and its
                 # engine ended the request. That is the worker's failure, not the client's
-                # abort: what came with it is delivered, the rest continues elsewhere.
-                if output.token_ids:
-                    partial = sidecar_pb2.LLMEngineOutput()
-                    partial.CopyFrom(output)
-                    for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
-                        partial.ClearField(name)
+                # abort: what came with it is delivered (checked as the terminal-less output it
+                # becomes), the rest continues elsewhere.
+                partial = sidecar_pb2.LLMEngineOutput()
+                partial.CopyFrom(output)
+                for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
+                    partial.ClearField(name)
+                fault = self.check.check(partial, vocab_size)
+                if fault is not None:
+                    return self.runner.misbehaved(worker, fault)
+                if partial.token_ids:
                     failure = await self._give(worker, attempts.delivered(partial))
                     if failure is not None:
                         return failure
@@ -338,6 +339,9 @@ class _Run:
                     FailureReason.ENGINE_SHUTDOWN,
                     f"worker {worker.address} is going away: its engine aborted",
                 )
+            fault = self.check.check(output, vocab_size)
+            if fault is not None:
+                return self.runner.misbehaved(worker, fault)
             return await self._give(worker, attempts.delivered(output))
 
         failure = await self._call(worker, request, deliver, lambda: attempts.complete)
@@ -473,7 +477,7 @@ class _Run:
                             await self._after_final(worker, outputs)
                             return None
                 except grpc.RpcError as err:
-                    read = failure_from_rpc_error(err)
+                    read = read_rpc_error(err)
                     failure = read if isinstance(read, WorkerFailure) else runner.misbehaved(worker, read)
                     return failure
                 except asyncio.CancelledError:

@@ -42,6 +42,7 @@ __all__ = [
     "RefusalReason",
     "failure_from_rpc_error",
     "misbehaved",
+    "read_rpc_error",
 ]
 
 
@@ -131,7 +132,7 @@ class Attempts:
         return self.migration.after_failure(failure.migratable)
 
 
-def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure | Fault:
+def read_rpc_error(error: grpc.RpcError) -> WorkerFailure | Fault:
     """A failed Generate call as the sidecar typed it (see
     :func:`~sidecar_common.errors.decode_rpc_error`), or the worker's fault when its status
     details (a ``google.rpc.Status``, its ``ErrorInfo``) do not decode: such a status says
@@ -140,6 +141,12 @@ def failure_from_rpc_error(error: grpc.RpcError) -> WorkerFailure | Fault:
         return WorkerFailure.from_error(decode_rpc_error(error))
     except DecodeError as err:
         return Fault(Misbehaviour.UNDECODABLE_STATUS, f"a status whose details do not decode ({err})")
+
+
+def failure_from_rpc_error(error: grpc.RpcError, address: str = "") -> WorkerFailure:
+    """:func:`read_rpc_error`, a fault as the failure it ends the call with (:func:`misbehaved`)."""
+    read = read_rpc_error(error)
+    return read if isinstance(read, WorkerFailure) else misbehaved(address or "(unnamed)", read)
 
 
 def misbehaved(address: str, fault: Fault) -> WorkerFailure:

@@ -52,7 +52,7 @@ class Misbehaviour(enum.Enum):
     UNDECODABLE_STATUS = "undecodable_status"
     # A Generate output's token id at or past the model's vocab_size.
     OUT_OF_VOCAB = "out_of_vocab"
-    # A choice that ends LENGTH having generated no token (its budget was not 0).
+    # A choice that ends LENGTH having generated no token, against a budget above 0.
     EMPTY_LENGTH = "empty_length"
     # An output for a choice the request does not have, or after that choice's terminal.
     BAD_INDEX = "bad_index"
@@ -90,8 +90,11 @@ class OutputCheck:
         options = request.sampling_options
         self.choices = max(options.n, 1) if options.HasField("n") else 1
         stop = request.stop_conditions
-        # A budget of 0 asks for the prompt alone: its LENGTH terminal has no token.
-        self.budget_zero = stop.HasField("max_tokens") and stop.max_tokens == 0
+        # An empty LENGTH finish is refused only against a budget the request set above 0. A
+        # budget of 0 asks for the prompt alone; with none, an engine derives one from its
+        # context, and SGLang's scheduler takes min(2**30, max_req_len - prompt - 1), which is
+        # 0 for a prompt one or two tokens short of the context it still accepts.
+        self.budget_set = stop.HasField("max_tokens") and stop.max_tokens > 0
         self._generated = [0] * self.choices
         self._finished = [False] * self.choices
 
@@ -109,7 +112,7 @@ class OutputCheck:
                 return Fault(Misbehaviour.OUT_OF_VOCAB, f"token id {largest} (vocab_size {vocab_size})")
         generated = self._generated[index] + len(ids)
         finish = output.finish_reason
-        if finish == sidecar_pb2.LENGTH and generated == 0 and not self.budget_zero:
+        if finish == sidecar_pb2.LENGTH and generated == 0 and self.budget_set:
             return Fault(Misbehaviour.EMPTY_LENGTH, f"choice {index} ended LENGTH with no token")
         self._generated[index] = generated
         if finish != sidecar_pb2.UNSPECIFIED:
