@@ -49,9 +49,13 @@ class Proc:
     """A process whose JSON log lines are read as they come (a full pipe would stall it), each
     noted with the monotonic time it arrived, so a test can wait on a line (an event)."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.popen = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**child_env(), **(env or {})},
         )
         self.lines: list[tuple[float, dict[str, Any]]] = []
         self._changed = threading.Condition()
@@ -74,15 +78,16 @@ class Proc:
             self._changed.notify_all()
 
     def first(
-        self, match: Callable[[dict[str, Any]], bool], timeout: float = WAIT
+        self, match: Callable[[dict[str, Any]], bool], timeout: float = WAIT, nth: int = 1
     ) -> tuple[float, dict[str, Any]]:
-        """The first log line ``match`` accepts (waiting for it, bounded), with its arrival time."""
+        """The first (or ``nth``) log line ``match`` accepts (waiting for it, bounded), with
+        its arrival time."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                for at, entry in self.lines:
-                    if match(entry):
-                        return at, entry
+                found = [(at, entry) for at, entry in self.lines if match(entry)]
+                if len(found) >= nth:
+                    return found[nth - 1]
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
                     events = [e.get("event") for _, e in self.lines[-20:]]
@@ -104,16 +109,16 @@ class Proc:
 
 
 @contextmanager
-def proc(stack: ExitStack, argv: list[str]) -> Iterator[Proc]:
-    p = Proc(argv)
+def proc(stack: ExitStack, argv: list[str], env: dict[str, str] | None = None) -> Iterator[Proc]:
+    p = Proc(argv, env)
     try:
         yield p
     finally:
         p.stop()
 
 
-def start(stack: ExitStack, argv: list[str]) -> Proc:
-    return stack.enter_context(proc(stack, argv))
+def start(stack: ExitStack, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    return stack.enter_context(proc(stack, argv, env))
 
 
 def engine_running(port: int) -> int:
@@ -146,8 +151,8 @@ def prompt_of(n: int) -> list[int]:
     return [500 + n, 7000 + n % 13, 9000 + n % 5]
 
 
-def expected(n: int) -> list[int]:
-    return [t.token_id for t in generate(MODEL, prompt_of(n), SamplingSpec(max_tokens=MAX_TOKENS))]
+def expected(n: int, max_tokens: int = MAX_TOKENS) -> list[int]:
+    return [t.token_id for t in generate(MODEL, prompt_of(n), SamplingSpec(max_tokens=max_tokens))]
 
 
 class Delivered:
