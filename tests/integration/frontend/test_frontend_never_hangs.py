@@ -22,7 +22,7 @@ from sidecar_frontend.misbehaviour import Misbehaviour, MisbehaviourReporter
 from sidecar_frontend.placement import Observe
 from sidecar_frontend.workers import Worker
 from tests.hostile_worker import Kind, hostile_worker
-from tests.integration.frontend.fixtures import FrontendStack, frontend_over
+from tests.integration.frontend.fixtures import FrontendStack, frontend_over, two_workers
 from tests.integration.frontend.plugin import ProbeEncoder, ProbeFormat
 from tests.vllm_fixtures import vllm_stack
 
@@ -185,3 +185,36 @@ async def test_a_bug_below_the_exchange_fails_the_request_and_ends_the_response(
         assert failed[0]["exc_info"] is not None
         assert requests(fe, "error") == 1
         assert requests(fe, "ok") == 0
+
+
+async def test_a_call_whose_connection_closes_under_it_moves_to_another_worker() -> None:
+    """grpc.aio ends a call whose channel closed with a bare CancelledError in the calling task,
+    which nobody cancelled (sidecar_common.rpc.cancel_is_ours): a broken call, migrated as a
+    connection failure, never taken for the request's own cancellation."""
+    async with two_workers("vllm", formats=(StrictFormat(),)) as fe:
+        body = {"ids": [5, 6, 7], "max": 12, "rid": "cut", "stream": True}
+        tokens: list[int] = []
+        with anyio.fail_after(CLIENT_BOUND):
+            async with fe.http.post(fe.url + "/t/generate", json=body) as response:
+                async for line in response.content:
+                    text = line.decode().rstrip("\r\n")
+                    if not text.startswith("data: ") or text == "data: [DONE]":
+                        continue
+                    event = json.loads(text[len("data: ") :])
+                    assert "error" not in event, event
+                    tokens.extend(event["ids"])
+                    if len(tokens) == 2:
+                        running = [
+                            index
+                            for index, sidecar in enumerate(fe.sidecars)
+                            if any(r.endswith("-cut") for r in sidecar.engine.book.running_ids())
+                        ]
+                        worker = fe.workers.get(fe.address(running[0]))
+                        assert worker is not None
+                        await worker.pool.close()
+        assert len(tokens) == 12
+        assert requests(fe, "ok") == 1
+        value = fe.metrics.registry.get_sample_value(
+            "frontend_migrations_total", {"format": "strict", "outcome": "migrated"}
+        )
+        assert value == 1
