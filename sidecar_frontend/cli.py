@@ -322,6 +322,21 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="what each cached prompt token left behind weighs, in prompt tokens to prefill, "
         "when a worker holding less of the prompt than the best holder is considered",
     )
+    routing.add_argument(
+        "--routing-max-snapshot-keys",
+        type=positive_int_arg,
+        default=WorkerSetConfig.kv_max_snapshot_keys,
+        metavar="N",
+        help="the most block keys a worker's KV cache snapshot may hold; a worker that sends more "
+        "is taken out of routing for a while (a snapshot is about a worker's whole cache)",
+    )
+    routing.add_argument(
+        "--routing-max-update-keys",
+        type=positive_int_arg,
+        default=WorkerSetConfig.kv_max_update_keys,
+        metavar="N",
+        help="the most block keys one KV cache update of a worker may carry; past it, as above",
+    )
     add_discovery_arguments(parser)
     add_operations_arguments(
         parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
@@ -378,6 +393,8 @@ def parse_config(
             tls=_worker_tls(parser, ns),
             # Calls in flight when the TLS files rotate may finish on the old connections.
             retire_grace=timeout + 5.0 if timeout > 0 else WorkerSetConfig.retire_grace,
+            kv_max_snapshot_keys=ns.routing_max_snapshot_keys,
+            kv_max_update_keys=ns.routing_max_update_keys,
         ),
         routing=RouterConfig(
             routing=Routing(ns.routing) if ns.routing is not None else None,

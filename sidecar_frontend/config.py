@@ -54,3 +54,7 @@ class WorkerSetConfig:
     connect_round_secs: float = 300.0
     # How long a redial with rotated TLS files may take before the old connections are kept.
     redial_secs: float = 30.0
+    # The most keys a worker's KV cache snapshot may hold (all its chunks), and one KV delta
+    # (added, removed and announced keys together); past either, the worker misbehaves.
+    kv_max_snapshot_keys: int = 4_000_000
+    kv_max_update_keys: int = 262_144

@@ -42,6 +42,7 @@ from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.registry import Refusal
 from sidecar_frontend.routing.choice import RoutedChoice
+from sidecar_frontend.routing.streams import StreamConfig
 from sidecar_frontend.routing.wiring import RoutingParts
 from sidecar_frontend.supervisor import FAILURE_HOOK, Supervisor, SupervisorConfig, fault_file_from
 from sidecar_frontend.workers import Worker, WorkerSet
@@ -174,7 +175,14 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         sglang_incremental_streaming_output=config.sglang_incremental_streaming_output,
         routing=config.routing.routing.value if config.routing.routing is not None else "kv/approx",
     )
-    routing = RoutingParts.build(config.routing, metrics.registry)
+    limits = config.worker_set
+    routing = RoutingParts.build(
+        config.routing,
+        metrics.registry,
+        streams=StreamConfig(
+            max_snapshot_keys=limits.kv_max_snapshot_keys, max_update_keys=limits.kv_max_update_keys
+        ),
+    )
     supervisor_config = SupervisorConfig(fault_file=fault_file_from(os.environ.get(FAILURE_HOOK)))
     # Every background task (each worker's, discovery's, the TLS files') runs under this one
     # supervisor, entered here by the main task: a failure is logged, counted and restarted;

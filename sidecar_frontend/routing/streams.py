@@ -44,6 +44,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.kv_lag import events_lag
 from sidecar_common.retry import Backoff
 from sidecar_common.rpc import cancel_is_ours
+from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.misbehaviour import NO_REPORTS, Misbehaviour, Reporter
 from sidecar_frontend.registry import Worker
 from sidecar_frontend.routing.feed import CacheFeed, Step
@@ -66,8 +67,8 @@ class StreamConfig:
     retry_max_secs: float = 10.0
     # The most keys a worker's snapshot may hold (all its chunks), and one delta (added,
     # removed and announced keys together): past either, the worker misbehaves.
-    max_snapshot_keys: int = 4_000_000
-    max_update_keys: int = 262_144
+    max_snapshot_keys: int = WorkerSetConfig.kv_max_snapshot_keys
+    max_update_keys: int = WorkerSetConfig.kv_max_update_keys
 
 
 @dataclass

@@ -285,3 +285,27 @@ async def test_a_hostile_workers_replies_cost_that_worker_and_nothing_else(
     said = [e for e in logs if e["event"] == "worker misbehaved" and e["worker"] == hostile.address]
     assert [e["kind"] for e in said][:1] == [reported.value], said
     assert not failures(logs), failures(logs)
+
+
+@pytest.mark.parametrize(("bound", "ejected"), [(2, True), (3, False)])
+async def test_a_snapshot_past_the_configured_key_bound_is_misbehaviour(bound: int, ejected: bool) -> None:
+    """The worker's snapshot holds 3 keys: over a bound of 2 it is refused, at 3 it is indexed."""
+    streams = replace(FAST_STREAMS, max_snapshot_keys=bound)
+    with structlog.testing.capture_logs() as logs:
+        async with WorkerSet(FAST_WORKERS) as workers, hostile_worker() as sidecar:
+            parts = RoutingParts.build(RouterConfig(), CollectorRegistry(), streams=streams)
+            parts.choice(workers)
+            workers.add_worker(sidecar.address)
+            worker = workers.get(sidecar.address)
+            assert worker is not None
+            assert parts.streams is not None
+            cache = parts.streams
+            if ejected:
+                await until(lambda: worker.ejected_until is not None, workers.events, "ejected")
+            else:
+                with anyio.fail_after(WAIT):
+                    while not cache.publishes(sidecar.address):
+                        await sidecar.wait_calls("GetLoad", sidecar.calls["GetLoad"] + 1)
+                assert worker.ejected_until is None
+    said = [e["kind"] for e in logs if e["event"] == "worker misbehaved"]
+    assert said == (["absurd_kv"] if ejected else [])

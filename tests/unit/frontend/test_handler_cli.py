@@ -201,3 +201,13 @@ def test_routing_usage_errors_name_the_flag(
         parse_config(["--worker", "a:1", *argv], {})
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_kv_stream_bounds_reach_the_worker_set_and_default_to_its_own() -> None:
+    default = parse_config(["--worker", "a:1"], {}).worker_set
+    assert (default.kv_max_snapshot_keys, default.kv_max_update_keys) == (4_000_000, 262_144)
+    flags = ["--routing-max-snapshot-keys", "1000", "--routing-max-update-keys", "10"]
+    given = parse_config(["--worker", "a:1", *flags], {}).worker_set
+    assert (given.kv_max_snapshot_keys, given.kv_max_update_keys) == (1000, 10)
+    env = {"SIDECAR_FRONTEND_ROUTING_MAX_SNAPSHOT_KEYS": "7"}
+    assert parse_config(["--worker", "a:1"], env).worker_set.kv_max_snapshot_keys == 7
