@@ -523,8 +523,18 @@ class _Run:
                     )
                     runner.misbehaviour.report(worker.address, kind, "a Generate output after every terminal")
                     return
-            except grpc.RpcError:
+            except grpc.RpcError as err:
+                log.debug(
+                    "worker's stream failed after its final output",
+                    worker=worker.address,
+                    request_id=self.sub.attempts.request.request_id,
+                    error=repr(err),
+                )
                 return
+            except asyncio.CancelledError:
+                if cancel_is_ours():
+                    raise  # the grace ran out (this scope), or the request is being cancelled
+                return  # its connection closed under it: the answer was complete already
         if waited.cancelled_caught:
             log.debug(
                 "worker kept its stream open after the final output: call cancelled",

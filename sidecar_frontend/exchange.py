@@ -174,7 +174,9 @@ class Exchange:
         try:
             data = self.encoder.on_output(index, output, now)
         except Exception as exc:
-            log.error("output not encoded", request_id=self.call.requests[index].request_id, exc_info=exc)
+            # The runner reports it as the worker's (logged at error, rate-limited per worker):
+            # the traceback is here for whoever debugs the format.
+            log.debug("output not encoded", request_id=self.call.requests[index].request_id, exc_info=exc)
             raise OutputNotEncoded(
                 f"{self.fmt.name} could not encode an output: {type(exc).__name__}: {exc}"
             ) from exc
