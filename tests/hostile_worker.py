@@ -3,7 +3,8 @@ trusted"): honest until told otherwise, then wrong on the wire in one chosen way
 
 Honest, it answers like a sidecar over a small deterministic engine: health ``SERVING``,
 ``GetModelInfo`` (a model name and ``vocab_size``), ``GetLoad``, ``WatchKvCache`` with a small
-valid snapshot and then nothing, and ``Generate`` with a few tokens per choice, one per output,
+valid snapshot and then nothing (until the cache modes change: then the stream ends, and the
+next one misbehaves), and ``Generate`` with a few tokens per choice, one per output,
 the last one the terminal (``EOS``, or ``LENGTH`` when ``max_tokens`` ran out).
 
 Every reply is serialized by this module rather than by grpc's stubs (generic RPC handlers
@@ -482,31 +483,30 @@ class HostileWorker:
             )
 
     async def _watch_kv(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """One snapshot (or what a mode sends instead), then nothing until the cache modes
+        change: the stream then ends, as a restarting sidecar's would, and the client's next
+        call gets the new behaviour (a snapshot comes only first on a stream)."""
         call = self._count("WatchKvCache")
-        sequence = 0
-        while True:
-            changed = self._changed
-            huge = [k for k in (Kind.KV_HUGE_ZERO_BLOCK, Kind.KV_HUGE_MAX_BLOCK) if self._active(k, call)]
-            if self._active(Kind.KV_GARBAGE, call):
-                self._sent(Kind.KV_GARBAGE)
-                yield Raw(GARBAGE)
-            elif huge:
-                self._sent(huge[0])
-                for update in self._huge_snapshot(
-                    sequence, 0 if huge[0] is Kind.KV_HUGE_ZERO_BLOCK else _U32_MAX
-                ):
-                    yield update
-            else:
-                yield self._snapshot(sequence)
-            if self._active(Kind.KV_GAP, call):
-                self._sent(Kind.KV_GAP)
-                yield sidecar_pb2.KvCacheUpdate(
-                    delta=sidecar_pb2.KvCacheDelta(
-                        epoch=self.epoch, sequence=sequence + 2, added_keys=[14], added_parents=[13]
-                    )
+        modes = self.kinds & KV_KINDS
+        huge = [k for k in (Kind.KV_HUGE_ZERO_BLOCK, Kind.KV_HUGE_MAX_BLOCK) if self._active(k, call)]
+        if self._active(Kind.KV_GARBAGE, call):
+            self._sent(Kind.KV_GARBAGE)
+            yield Raw(GARBAGE)
+        elif huge:
+            self._sent(huge[0])
+            for update in self._huge_snapshot(0, 0 if huge[0] is Kind.KV_HUGE_ZERO_BLOCK else _U32_MAX):
+                yield update
+        else:
+            yield self._snapshot(0)
+        if self._active(Kind.KV_GAP, call):
+            self._sent(Kind.KV_GAP)
+            yield sidecar_pb2.KvCacheUpdate(
+                delta=sidecar_pb2.KvCacheDelta(
+                    epoch=self.epoch, sequence=2, added_keys=[14], added_parents=[13]
                 )
-            await changed.wait()
-            sequence += 1  # a change here is a fresh snapshot of a later state
+            )
+        while self.kinds & KV_KINDS == modes:
+            await self._changed.wait()
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: Any) -> AsyncIterator[Any]:
         call = self._count("Generate")

@@ -359,3 +359,19 @@ async def test_output_after_final_sends_one_more_output_after_the_terminal_then_
         outputs = await _outputs(raw.generate())
         assert [o.finish_reason for o in outputs] == [0, 0, 0, sidecar_pb2.EOS, 0]
         assert len(outputs[-1].token_ids) == 1
+
+
+async def test_a_cache_stream_ends_when_its_modes_change_and_the_next_one_misbehaves() -> None:
+    async with raw_worker() as (worker, raw):
+        call = raw.stream(_WORKER + "WatchKvCache", sidecar_pb2.WatchKvCacheRequest())
+        replies = call.__aiter__()
+        with anyio.fail_after(30):
+            first = sidecar_pb2.KvCacheUpdate.FromString(await replies.__anext__())
+        assert first.snapshot.last_chunk
+        worker.misbehave(Kind.KV_GARBAGE)
+        with anyio.fail_after(30):
+            rest = [reply async for reply in replies]
+        assert rest == []  # ended, as a restarting sidecar's stream would
+        (bad,) = await _replies(raw.stream(_WORKER + "WatchKvCache", sidecar_pb2.WatchKvCacheRequest()), 1)
+        with pytest.raises(DecodeError):
+            sidecar_pb2.KvCacheUpdate.FromString(bad)
