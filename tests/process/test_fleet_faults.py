@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -277,7 +278,11 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
                 await asyncio.gather(*probes)
             return results
 
-        results = asyncio.run(scenario())
+        try:
+            results = asyncio.run(scenario())
+        except BaseException:
+            _tell(frontend)
+            raise
 
         completed = 0
         for n, result in results.items():
@@ -317,6 +322,15 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
             v for k, v in samples.items() if k.startswith("frontend_migrations_total") and "migrated" in k
         )
         assert migrated > 0, "the killed and drained workers' streams moved"
+
+
+def _tell(frontend: Proc) -> None:
+    """On a failure: the frontend's exit code and its warning and error lines (the client's
+    side alone does not say why a stream was cut)."""
+    lines = [e for _, e in frontend.lines if e.get("level") in ("warning", "error", "critical")]
+    print(f"frontend exit code: {frontend.popen.poll()}", file=sys.stderr)
+    for entry in lines[-60:]:
+        print(json.dumps(entry), file=sys.stderr)
 
 
 def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:

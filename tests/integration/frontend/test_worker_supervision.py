@@ -309,3 +309,22 @@ async def test_a_snapshot_past_the_configured_key_bound_is_misbehaviour(bound: i
                 assert worker.ejected_until is None
     said = [e["kind"] for e in logs if e["event"] == "worker misbehaved"]
     assert said == (["absurd_kv"] if ejected else [])
+
+
+async def test_a_models_index_goes_when_its_last_worker_leaves_with_no_scrape() -> None:
+    """Routing follows the set's events: the index of a model rolled out of the fleet is
+    dropped when its last worker is forgotten (it used to wait for a metrics scrape)."""
+    async with WorkerSet(FAST_WORKERS) as workers, hostile_worker() as sidecar:
+        parts = RoutingParts.build(RouterConfig(), CollectorRegistry(), streams=FAST_STREAMS)
+        parts.choice(workers)
+        assert parts.router is not None
+        assert parts.streams is not None
+        router, cache = parts.router, parts.streams
+        workers.add_worker(sidecar.address)
+        with anyio.fail_after(WAIT):
+            while not cache.publishes(sidecar.address):
+                await sidecar.wait_calls("GetLoad", sidecar.calls["GetLoad"] + 1)
+        assert list(router.indexes()) == [sidecar.model_info.served_model_name]
+        workers.drain_worker(sidecar.address)
+        await until(lambda: sidecar.address not in workers.addresses(), workers.events, "forgotten")
+        assert dict(router.indexes()) == {}
