@@ -21,7 +21,7 @@ Use it in process::
 or as a subprocess (it prints ``listening on HOST:PORT`` once it serves)::
 
     python -m tests.hostile_worker --listen 127.0.0.1:0 --misbehave output-garbage,load-nan \
-        [--after N] [--honest-outputs N] [--control FILE]
+        [--after N] [--honest-outputs N] [--huge-keys N] [--control FILE] [--model M] [--vocab-size N]
 
 where ``--control FILE`` names a file of comma-separated kinds, read again whenever it changes
 (an empty file: honest), so a test switches a running subprocess.
@@ -633,7 +633,12 @@ async def _follow_control(worker: HostileWorker, path: str) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     info = default_model_info(args.model, args.vocab_size)
-    options = {"kinds": args.misbehave, "after": args.after, "honest_outputs": args.honest_outputs}
+    options = {
+        "kinds": args.misbehave,
+        "after": args.after,
+        "honest_outputs": args.honest_outputs,
+        "huge_keys": args.huge_keys,
+    }
     async with (
         hostile_worker(info, listen=args.listen, **options) as worker,
         anyio.create_task_group() as tasks,
@@ -653,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--after", type=int, default=0, metavar="N")
     parser.add_argument("--honest-outputs", type=int, default=0, metavar="N")
     parser.add_argument("--control", default="", metavar="FILE")
+    parser.add_argument("--huge-keys", type=int, default=300_000, metavar="N", help="keys of a huge snapshot")
     parser.add_argument("--model", default="hostile-model")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
     args = parser.parse_args(argv)
