@@ -23,6 +23,7 @@ there (closed at most ``retire_grace`` later).
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -38,11 +39,11 @@ from sidecar_common.endpoint import parse_endpoint
 from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import ChannelPool, Deadline, PoolConfig, ReportSchedule
 from sidecar_common.retry import Backoff
-from sidecar_common.rpc import StubCache, bounded_call, call_failures
+from sidecar_common.rpc import StubCache, bounded_call, call_failures, cancel_is_ours
 from sidecar_common.tls import ClientCredentials, TlsHandshakeError, tls_connector
 from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.misbehaviour import Misbehaviour, Reporter
-from sidecar_frontend.registry import Registry, Worker, WorkerState
+from sidecar_frontend.registry import Refusal, Registry, Worker, WorkerState
 from sidecar_frontend.supervisor import Supervisor
 from sidecar_frontend.worker_replies import UNDECODABLE, load_problem, model_info_problem
 
@@ -96,10 +97,10 @@ class _Unanswered:
         return failing
 
 
-class _Verdict:
+class _Verdict(enum.Enum):
     SERVES = "serves"
     REFUSED = "refused"
-    UNKNOWN = "unknown"  # GetModelInfo failed: not SERVING yet, asked again
+    UNKNOWN = "unknown"  # GetModelInfo failed or was refused: not SERVING yet, asked again
 
 
 class WorkerAgent:
@@ -114,7 +115,7 @@ class WorkerAgent:
         *,
         credentials: ClientCredentials | None,
         set_state: Callable[[Worker, WorkerState], None],
-        refuse: Callable[[Worker, Any, str], None],
+        refuse: Callable[[Worker, Refusal, str], None],
         misbehaviour: Reporter,
         announce_model: Callable[[Worker, sidecar_pb2.ModelInfo], None],
         clock: Callable[[], float] = time.monotonic,
@@ -145,9 +146,11 @@ class WorkerAgent:
                 await self._connect()
                 self._connected = True
             await self._watch_health()
-        except Exception:
-            # Its state is unknown until the restarted task watches again.
-            self._set_state(self.worker, WorkerState.NOT_SERVING)
+        except BaseException:
+            if not cancel_is_ours():
+                # A failure (the supervisor runs the task again): its state is unknown until
+                # the Watch says it anew.
+                self._set_state(self.worker, WorkerState.NOT_SERVING)
             raise
 
     async def _connect(self) -> None:
@@ -232,11 +235,11 @@ class WorkerAgent:
                             continue
                         served = True
                         verdict = await self._check_model()
-                        if verdict == _Verdict.UNKNOWN:
+                        if verdict is _Verdict.UNKNOWN:
                             return "GetModelInfo failed", served  # a fresh Watch restates SERVING
                         if self._report.clear():
                             log.info("worker answering", worker=worker.address)
-                        if verdict == _Verdict.SERVES:
+                        if verdict is _Verdict.SERVES:
                             self._set_state(worker, WorkerState.SERVING)
             finally:
                 call.cancel()
@@ -257,7 +260,7 @@ class WorkerAgent:
                 next_report_secs=next_report,
             )
 
-    async def _check_model(self) -> str:
+    async def _check_model(self) -> _Verdict:
         """Fetch the worker's ModelInfo once; refuse it when its role or model cannot be
         used."""
         worker = self.worker

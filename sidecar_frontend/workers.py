@@ -259,7 +259,7 @@ class WorkerSet:
             self._announced.add(model.served_model_name)
             log.info("model", model=model.served_model_name, engine=model.engine, worker=worker.address)
 
-    def _report_idle_prefill(self) -> None:
+    def report_idle_prefill(self) -> None:
         """One warning when prefill workers of a model serve but no decode worker does: they
         would never be used (requests run on the aggregated workers, if any)."""
         idle = self.registry.idle_prefill_models()
@@ -374,7 +374,7 @@ class _IdlePrefillWarning:
         pass
 
     def changed(self, worker: Worker) -> None:
-        self._workers._report_idle_prefill()
+        self._workers.report_idle_prefill()
 
     def left(self, worker: Worker) -> None:
-        self._workers._report_idle_prefill()
+        self._workers.report_idle_prefill()
