@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats import sglang, sglang_model, vllm, vllm_model
-from sidecar_frontend.formats.base import Format, FormatContext, Route
-from sidecar_frontend.formats.sglang_model import ModelErrors
-from sidecar_frontend.formats.vllm_errors import Invalid
+from sidecar_frontend.formats import sglang, vllm
+from sidecar_frontend.formats.base import Format, FormatContext, Route, parse_whole
+from sidecar_frontend.formats.sglang import model as sglang_model
+from sidecar_frontend.formats.sglang.model import ModelErrors
+from sidecar_frontend.formats.vllm import model as vllm_model
+from sidecar_frontend.formats.vllm.errors import Invalid
 
 __all__ = ["main", "microseconds_per_call"]
 
@@ -100,7 +102,7 @@ def _parse_call(fmt: Format, route: Route, body: object, ctx: FormatContext) -> 
     raw = json.dumps(body).encode()
 
     def call() -> object:
-        return fmt.parse_generate(route, raw, HEADERS, ctx)
+        return parse_whole(fmt, route, raw, HEADERS, ctx)
 
     return call
 

@@ -38,7 +38,6 @@ from sidecar_frontend.formats.base import (
     Route,
     RouteKind,
     WorkerFailure,
-    requested_model,
 )
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.placement import CallWatch, WorkerChoice
@@ -247,25 +246,32 @@ class Frontend:
     ) -> web.StreamResponse:
         started_at = self.clock()
         models = self.workers.models()
+        # The body is parsed once; its parse says which model it names.
+        read = fmt.read_generate(route, body, request.headers)
         # With one model every request runs on it (a format that checks the name, as vLLM
         # does, refuses another); with several, the request's `model` chooses.
-        named = requested_model(body) if len(models) > 1 else None
+        named = read.model if len(models) > 1 and not isinstance(read, HttpReply) else None
         unknown = named is not None and named not in models
         model = named if named is not None and not unknown else self.workers.default_model()
-        parsed = fmt.parse_generate(
-            route, body, request.headers, self.context(models.get(model) if model is not None else None)
+        parsed = (
+            read
+            if isinstance(read, HttpReply)
+            else fmt.parse_generate(
+                route, read, request.headers, self.context(models.get(model) if model is not None else None)
+            )
         )
+        data = None if isinstance(read, HttpReply) else read.data
         if named is not None and unknown and not (isinstance(parsed, HttpReply) and parsed.status != 404):
             # The body's own faults answer first (vLLM checks the model after the body), then
             # the model no worker serves, naming every one that is served.
             reply = fmt.model_not_found(named, list(models))
             self._refused(
-                fmt, "invalid", RefusalReason.MODEL_NOT_FOUND, started_at, reply, request.headers, body
+                fmt, "invalid", RefusalReason.MODEL_NOT_FOUND, started_at, reply, request.headers, body, data
             )
             return http_response(reply)
         if isinstance(parsed, HttpReply):
             reason = RefusalReason.MODEL_NOT_FOUND if parsed.status == 404 else RefusalReason.INVALID_REQUEST
-            self._refused(fmt, "invalid", reason, started_at, parsed, request.headers, body)
+            self._refused(fmt, "invalid", reason, started_at, parsed, request.headers, body, data)
             return http_response(parsed)
         if model is None:
             why, message = self.unavailable()
@@ -303,10 +309,12 @@ class Frontend:
         reply: HttpReply,
         headers: Mapping[str, str],
         body: bytes = b"",
+        data: object = None,
         request_ids: Sequence[str] = (),
     ) -> None:
         """The metrics and the one ``request`` line of a request answered without a worker:
-        why (the reason and the words the client got) and the request's id."""
+        why (the reason and the words the client got) and the request's id (``data``: the
+        body as the format parsed it, if it did)."""
         duration = self.clock() - started_at
         if self.metrics is not None:
             self.metrics.request(
@@ -318,7 +326,7 @@ class Frontend:
                 ttft=None,
                 duration=duration,
             )
-        ids = list(request_ids) or _client_request_ids(body, headers)
+        ids = list(request_ids) or _client_request_ids(body, data, headers)
         log.info(
             "request",
             format=fmt.name,
@@ -339,18 +347,21 @@ async def _read_body(request: web.Request) -> bytes | None:
         return None
 
 
-def _client_request_ids(body: bytes, headers: Mapping[str, str]) -> list[str]:
+def _client_request_ids(body: bytes, data: object, headers: Mapping[str, str]) -> list[str]:
     """The id a refused request's client gave, if any: vLLM's ``X-Request-Id`` header or
-    ``request_id``, SGLang's ``rid`` (a string or a list of them). Read only on refusals."""
+    ``request_id``, SGLang's ``rid`` (a string or a list of them). Read only on refusals:
+    from ``data``, the body the format parsed, when that is a JSON object; else from the
+    bytes (a body the format refused before parsing it, or did not parse as JSON)."""
     header = next((v for k, v in headers.items() if k.lower() == "x-request-id"), None)
     if header:
         return [header]
-    if not body:
-        return []
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return []
+    if not isinstance(data, dict):
+        if not body:
+            return []
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            return []
     if not isinstance(data, dict):
         return []
     for key in ("rid", "request_id"):

@@ -7,17 +7,22 @@ plugin can be tested exhaustively, and why a third format touches no handler cod
 
 Life of one generate call, as the handler drives it:
 
-1. ``fmt.parse_generate(route, body, headers, ctx)`` returns a :class:`GenerateCall` (the
-   ``sidecar.v1`` sub-requests to run, in the format's response order, plus the plugin's own
-   response options) or an :class:`HttpReply` (a refusal in the format's error shape; nothing
-   reaches a worker).
-2. The handler runs every sub-request on a worker and creates one encoder with
+1. ``fmt.read_generate(route, body, headers)`` parses the body once, as the format's web
+   framework does, into a :class:`GenerateBody` (the parsed body and the model it names, from
+   which the handler chooses the model the request runs on), or refuses it (an
+   :class:`HttpReply`).
+2. ``fmt.parse_generate(route, read, headers, ctx)`` judges that parsed body against ``ctx``
+   (the chosen model's) and returns a :class:`GenerateCall` (the ``sidecar.v1`` sub-requests
+   to run, in the format's response order, plus the plugin's own response options) or an
+   :class:`HttpReply` (a refusal in the format's error shape; nothing reaches a worker).
+   :func:`parse_whole` runs both steps, for callers whose model is already known.
+3. The handler runs every sub-request on a worker and creates one encoder with
    ``fmt.new_encoder(call, started_at)``.
-3. For each ``LLMEngineOutput`` of sub-request ``i`` the handler calls
+4. For each ``LLMEngineOutput`` of sub-request ``i`` the handler calls
    ``encoder.on_output(i, output, now)``; for a sub-request that failed, ``encoder.on_failure(i,
    failure, now)``. In streaming mode both return the bytes to write now (possibly ``b""``);
    in unary mode they return ``b""`` and the encoder accumulates.
-4. Streaming: once every sub-request has ended, the handler writes ``encoder.close()``.
+5. Streaming: once every sub-request has ended, the handler writes ``encoder.close()``.
    Unary: the handler sends ``encoder.reply()``.
 
 The encoder decides whether a failure ends the whole HTTP response: after ``on_failure``
@@ -28,7 +33,6 @@ finishes (streaming: writes ``close()``; unary: sends ``reply()``).
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,12 +45,14 @@ __all__ = [
     "Encoder",
     "Format",
     "FormatContext",
+    "GenerateBody",
     "GenerateCall",
     "HttpReply",
     "Route",
     "RouteKind",
     "WorkerFailure",
-    "requested_model",
+    "named_model",
+    "parse_whole",
 ]
 
 JSON_CONTENT_TYPE = "application/json"
@@ -95,6 +101,19 @@ class FormatContext:
     # Every model the fleet serves now, ``model_info`` among them (``/v1/models`` lists
     # them); empty: ``model_info`` alone.
     models: tuple[sidecar_pb2.ModelInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """A generate body as the format's web framework parsed it: parsed once, handed on.
+
+    ``data`` is what the format's own stages take next (opaque to the handler: a JSON value,
+    or the raw bytes of a body the framework does not parse as JSON). ``model`` is the model
+    the body names (:func:`named_model`), by which the handler chooses the model to run on.
+    """
+
+    data: object
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -199,9 +218,17 @@ class Format(Protocol):
     name: str
     routes: Sequence[Route]
 
+    def read_generate(
+        self, route: Route, body: bytes, headers: Mapping[str, str]
+    ) -> GenerateBody | HttpReply:
+        """The body parsed once, as the format's framework parses it, or its refusal."""
+        ...
+
     def parse_generate(
-        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
-    ) -> GenerateCall | HttpReply: ...
+        self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
+    ) -> GenerateCall | HttpReply:
+        """The body :meth:`read_generate` parsed, judged against the model it runs on."""
+        ...
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder: ...
 
@@ -220,15 +247,20 @@ class Format(Protocol):
         ...
 
 
-def requested_model(body: bytes) -> str | None:
-    """The model a generate body names in its top-level ``model`` (vLLM's field; SGLang's
-    server has none and ignores it, while its router, sgl-model-gateway, routes by it), or
-    None when it names none (or the body is not a JSON object: the format refuses it)."""
-    if b'"model"' not in body:
-        return None
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
+def named_model(data: object) -> str | None:
+    """The model a parsed generate body names in its top-level ``model`` (vLLM's field;
+    SGLang's server has none and ignores it, while its router, sgl-model-gateway, routes by
+    it), or None when it names none (or the body is not a JSON object: the format refuses it)."""
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) and model else None
+
+
+def parse_whole(
+    fmt: Format, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
+) -> GenerateCall | HttpReply:
+    """``read_generate`` then ``parse_generate``: a body's whole judgment when the model it runs
+    on is known beforehand (the handler chooses it between the two steps)."""
+    read = fmt.read_generate(route, body, headers)
+    if isinstance(read, HttpReply):
+        return read
+    return fmt.parse_generate(route, read, headers, ctx)

@@ -12,8 +12,8 @@ import pytest
 
 from sidecar_common import sampling_schema
 from sidecar_common.api import sglang_pb2
-from sidecar_frontend.formats.sglang_checks import check_contract
-from sidecar_frontend.formats.sglang_wire import ContractError
+from sidecar_frontend.formats.sglang.checks import check_contract
+from sidecar_frontend.formats.sglang.wire import ContractError
 from sidecar_sglang.convert_request import RequestSettings
 from tests.unit.test_sglang_convert_request import grpc_of, http_of, req
 

@@ -20,11 +20,13 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats.base import (
     AbortCall,
     FormatContext,
+    GenerateBody,
     GenerateCall,
     HttpReply,
     Route,
     RouteKind,
     WorkerFailure,
+    named_model,
 )
 
 GENERATE = Route(("POST",), "/t/generate", RouteKind.GENERATE)
@@ -96,13 +98,19 @@ class ProbeFormat:
     name = "test"
     routes: Sequence[Route] = (GENERATE, ABORT, HEALTH, MODEL)
 
-    def parse_generate(
-        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
-    ) -> GenerateCall | HttpReply:
+    def read_generate(
+        self, route: Route, body: bytes, headers: Mapping[str, str]
+    ) -> GenerateBody | HttpReply:
         try:
-            data: dict[str, Any] = json.loads(body)
+            data = json.loads(body)
         except ValueError:
             return self.error_reply(400, "body: not JSON")
+        return GenerateBody(data, named_model(data))
+
+    def parse_generate(
+        self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
+    ) -> GenerateCall | HttpReply:
+        data: dict[str, Any] = body.data  # type: ignore[assignment]
         if not isinstance(data.get("ids"), list) or not data["ids"]:
             return self.error_reply(400, "ids: required")
         rid = str(data.get("rid") or ctx.new_id())

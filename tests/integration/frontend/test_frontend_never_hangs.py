@@ -17,7 +17,7 @@ import structlog.testing
 from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply, Route
+from sidecar_frontend.formats.base import FormatContext, GenerateBody, GenerateCall, HttpReply, Route
 from sidecar_frontend.misbehaviour import Misbehaviour, MisbehaviourReporter
 from sidecar_frontend.placement import Observe
 from sidecar_frontend.workers import Worker
@@ -53,12 +53,13 @@ class StrictFormat(ProbeFormat):
     name = "strict"
 
     def parse_generate(
-        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
+        self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
     ) -> GenerateCall | HttpReply:
         parsed = super().parse_generate(route, body, headers, ctx)
         if isinstance(parsed, HttpReply):
             return parsed
-        return replace(parsed, options=(parsed.options, bool(json.loads(body).get("close_raises"))))
+        assert isinstance(body.data, dict)
+        return replace(parsed, options=(parsed.options, bool(body.data.get("close_raises"))))
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> StrictEncoder:
         assert isinstance(call.options, tuple)

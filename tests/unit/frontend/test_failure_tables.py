@@ -19,9 +19,9 @@ from sidecar_common.errors import FAILURE_RULES, FRONTEND_STATUS, SIDECAR_REASON
 from sidecar_frontend.cli import FORMATS
 from sidecar_frontend.formats.base import Encoder, WorkerFailure
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
-from sidecar_frontend.formats.sglang_wire import FAILURE_STATUS
+from sidecar_frontend.formats.sglang.wire import FAILURE_STATUS
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
-from sidecar_frontend.formats.vllm_errors import FAILURE_ANSWERS, REFUSED_BEFORE_STREAM
+from sidecar_frontend.formats.vllm.errors import FAILURE_ANSWERS, REFUSED_BEFORE_STREAM
 from tests.unit.frontend.test_format_sglang_support import accepted as sglang_accepted
 from tests.unit.frontend.test_format_vllm_support import accepted as vllm_accepted
 

@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import json_format
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.base import SSE_CONTENT_TYPE, HttpReply
+from sidecar_frontend.formats.base import SSE_CONTENT_TYPE, HttpReply, parse_whole
 from sidecar_frontend.formats.sglang import FORMAT, GENERATE
 from tests.unit.frontend.test_format_sglang_support import (
     accepted,
@@ -629,7 +629,7 @@ def test_malformed_bodies_get_the_parse_gates_error_object(raw: bytes, field: st
     ],
 )
 def test_the_body_must_be_json_unless_no_content_type_is_given(headers: dict[str, str], ok: bool) -> None:
-    reply = FORMAT.parse_generate(GENERATE, json.dumps(request()).encode(), headers, context())
+    reply = parse_whole(FORMAT, GENERATE, json.dumps(request()).encode(), headers, context())
     if ok:
         assert not isinstance(reply, HttpReply)
     else:

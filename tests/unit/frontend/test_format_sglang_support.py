@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply, WorkerFailure
+from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply, WorkerFailure, parse_whole
 from sidecar_frontend.formats.sglang import FORMAT, GENERATE, SglangFormat
-from sidecar_frontend.formats.sglang_request import SglangOptions
+from sidecar_frontend.formats.sglang.plan import SglangOptions
 
 HEADERS = {"Content-Type": "application/json"}
 STARTED_AT = 100.0  # the handler's monotonic clock
@@ -48,7 +48,7 @@ def parse(
     """Parsed by the SGLang format (``incremental``: made with --incremental-streaming-output)."""
     raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
     fmt = SglangFormat(incremental_streaming_output=incremental) if incremental else FORMAT
-    return fmt.parse_generate(GENERATE, raw, HEADERS, ctx or context())
+    return parse_whole(fmt, GENERATE, raw, HEADERS, ctx or context())
 
 
 def accepted(obj: object, ctx: FormatContext | None = None, *, incremental: bool = False) -> GenerateCall:

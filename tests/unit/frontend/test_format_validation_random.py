@@ -19,7 +19,7 @@ import pytest
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.formats import sglang, vllm
-from sidecar_frontend.formats.base import FormatContext, HttpReply
+from sidecar_frontend.formats.base import FormatContext, HttpReply, parse_whole
 
 DATA = Path(__file__).resolve().parent / "data"
 HEADERS = {"Content-Type": "application/json"}
@@ -43,8 +43,8 @@ def _answer(fmt: str, body: object) -> object:
     ctx = FormatContext(model_info=INFO, new_id=lambda: "0" * 32, wall_time=0.0)
     raw = json.dumps(body).encode()
     if fmt == "vllm":
-        return vllm.FORMAT.parse_generate(vllm.GENERATE, raw, HEADERS, ctx)
-    return sglang.FORMAT.parse_generate(sglang.GENERATE, raw, HEADERS, ctx)
+        return parse_whole(vllm.FORMAT, vllm.GENERATE, raw, HEADERS, ctx)
+    return parse_whole(sglang.FORMAT, sglang.GENERATE, raw, HEADERS, ctx)
 
 
 def _refused_by_name(reply: HttpReply) -> bool:

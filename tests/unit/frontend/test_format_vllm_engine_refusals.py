@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import WorkerFailure
-from sidecar_frontend.formats.vllm_response import engine_param, failure_error
+from sidecar_frontend.formats.vllm.response import engine_param, failure_error
 from tests.unit.frontend.test_format_vllm_response import _encoder
 from tests.unit.frontend.test_format_vllm_support import error_of
 

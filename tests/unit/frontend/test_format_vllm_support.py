@@ -6,9 +6,9 @@ import json
 from typing import Any
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply
+from sidecar_frontend.formats.base import FormatContext, GenerateCall, HttpReply, parse_whole
 from sidecar_frontend.formats.vllm import FORMAT, GENERATE
-from sidecar_frontend.formats.vllm_request import VllmOptions
+from sidecar_frontend.formats.vllm.plan import VllmOptions
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 NEW_ID = "842536af25e84b36" + "0" * 16
@@ -41,9 +41,7 @@ def parse(
     obj: object, headers: dict[str, str] | None = None, ctx: FormatContext | None = None
 ) -> GenerateCall | HttpReply:
     raw = obj if isinstance(obj, bytes) else body_of(obj)
-    return FORMAT.parse_generate(
-        GENERATE, raw, JSON_HEADERS if headers is None else headers, ctx or context()
-    )
+    return parse_whole(FORMAT, GENERATE, raw, JSON_HEADERS if headers is None else headers, ctx or context())
 
 
 def accepted(

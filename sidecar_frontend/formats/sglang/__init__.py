@@ -1,10 +1,12 @@
 """SGLang's native HTTP API (0.5.23, a server without a tokenizer) as a pure format plugin.
 
 ``FORMAT`` implements :class:`~sidecar_frontend.formats.base.Format`: ``/generate`` (POST and
-PUT), ``/abort_request``, and the informational routes a ``/generate`` client reads. Request
-parsing lives in ``sglang_request`` (with its type gates in ``sglang_checks``), response
-encoding in ``sglang_response``, SGLang's bytes and error bodies in ``sglang_wire``. What we
-serve and where we deliberately differ from the real server: docs/frontend-sglang.md.
+PUT), ``/abort_request``, and the informational routes a ``/generate`` client reads. A
+``/generate`` body is read once and judged by :func:`.validate.validate`, whose stages run in
+one order (the request model in ``model``, the contract gate in ``checks``, SGLang's value
+checks in ``values``, the sub-requests in ``plan``); responses are encoded in ``response``,
+SGLang's bytes and error bodies written in ``wire``. What we serve and where we deliberately
+differ from the real server: docs/frontend-sglang.md.
 """
 
 from __future__ import annotations
@@ -18,21 +20,17 @@ from sidecar_frontend.formats.base import (
     AbortCall,
     Encoder,
     FormatContext,
+    GenerateBody,
     GenerateCall,
     HttpReply,
     Route,
     RouteKind,
 )
-from sidecar_frontend.formats.sglang_model import ModelErrors, validate_abort
-from sidecar_frontend.formats.sglang_request import (
-    SglangOptions,
-    read_body,
-)
-from sidecar_frontend.formats.sglang_request import (
-    parse_generate as _parse_generate,
-)
-from sidecar_frontend.formats.sglang_response import SglangEncoder
-from sidecar_frontend.formats.sglang_wire import dumps, status_error
+from sidecar_frontend.formats.sglang.model import ModelErrors, validate_abort
+from sidecar_frontend.formats.sglang.plan import SglangOptions
+from sidecar_frontend.formats.sglang.response import SglangEncoder
+from sidecar_frontend.formats.sglang.validate import read, read_body, validate
+from sidecar_frontend.formats.sglang.wire import dumps, status_error
 
 __all__ = ["FORMAT", "SglangFormat"]
 
@@ -125,10 +123,15 @@ class SglangFormat:
     def __init__(self, *, incremental_streaming_output: bool = False) -> None:
         self.incremental_streaming_output = incremental_streaming_output
 
+    def read_generate(
+        self, route: Route, body: bytes, headers: Mapping[str, str]
+    ) -> GenerateBody | HttpReply:
+        return read(body, headers)
+
     def parse_generate(
-        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
+        self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
     ) -> GenerateCall | HttpReply:
-        return _parse_generate(body, headers, ctx, incremental=self.incremental_streaming_output)
+        return validate(body, ctx, incremental=self.incremental_streaming_output)
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
         assert isinstance(call.options, SglangOptions)

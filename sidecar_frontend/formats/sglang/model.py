@@ -8,8 +8,8 @@ words (in SGLang's order, which is the order of the errors), with SGLang's own v
 holds SGLang classes (images, multimodal placeholders, KV hints) are stated with the shapes
 they accept from JSON; the frontend refuses every one of them by name later anyway.
 
-What is not pydantic's stays hand code in ``sglang_checks`` (the JSON contract gate, a
-generated strict decoder of its own) and ``sglang_values`` (SGLang's value sentences).
+What is not pydantic's stays hand code in ``checks`` (the JSON contract gate, a
+generated strict decoder of its own) and ``values`` (SGLang's value sentences).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pydantic import GetCoreSchemaHandler, PlainValidator, TypeAdapter, Validati
 from pydantic_core import ErrorDetails, core_schema
 
 from sidecar_frontend.formats.base import HttpReply
-from sidecar_frontend.formats.sglang_checks import input_ids_error
-from sidecar_frontend.formats.sglang_wire import bounded_repr, dumps
+from sidecar_frontend.formats.sglang.checks import input_ids_error
+from sidecar_frontend.formats.sglang.wire import bounded_repr, dumps
 
 __all__ = ["AbortReq", "GenerateReqInput", "ModelErrors", "validate_abort", "validate_generate"]
 

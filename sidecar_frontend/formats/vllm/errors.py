@@ -21,7 +21,7 @@ from typing import Final
 
 from sidecar_common.errors import FailureReason
 from sidecar_frontend.formats.base import HttpReply
-from sidecar_frontend.formats.vllm_json import compact_json
+from sidecar_frontend.formats.vllm.wire import compact_json
 
 __all__ = [
     "DEAD_ENGINE_MESSAGE",
@@ -50,7 +50,7 @@ OVERLOADED_MESSAGE: Final = (
 
 
 class FailureAnswer(enum.Enum):
-    """How vLLM answers a failure (``vllm_response.failure_error`` writes each)."""
+    """How vLLM answers a failure (``response.failure_error`` writes each)."""
 
     # As an abort: the open choices finish with finish_reason "abort", the tokens so far stand.
     ABORT = "abort"

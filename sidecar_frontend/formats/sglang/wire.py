@@ -3,7 +3,7 @@
 SGLang answers a bad ``/generate`` with a different body depending on which of its gates
 refused it (see docs/frontend-sglang.md, "Errors"); each gate has one constructor here:
 
-* ``sglang_model.ModelErrors.reply`` - the request-model parse (pydantic's list, always 400);
+* ``model.ModelErrors.reply`` - the request-model parse (pydantic's list, always 400);
 * :func:`contract_error` - the JSON schema gate (``{"error": "<serde text>"}``, always 400);
 * :func:`value_error` - a value check (unary 400 ``{"error": {"message"}}``; a stream gets
   HTTP 200, one SSE error event and ``data: [DONE]``);

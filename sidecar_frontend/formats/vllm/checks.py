@@ -15,8 +15,8 @@ from http import HTTPStatus
 from typing import Final
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.vllm_errors import Invalid, Refused, ValidationIssue, VllmError, bad_request
-from sidecar_frontend.formats.vllm_sampling import UINT32_MAX
+from sidecar_frontend.formats.vllm.errors import Invalid, Refused, ValidationIssue, VllmError, bad_request
+from sidecar_frontend.formats.vllm.sampling import UINT32_MAX
 
 __all__ = ["check_cache_salt", "check_msgpack", "check_prompt", "dp_rank", "header", "read_body"]
 

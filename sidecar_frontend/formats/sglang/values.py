@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from sidecar_frontend.formats.sglang_wire import ValueRefusal
+from sidecar_frontend.formats.sglang.wire import ValueRefusal
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",

@@ -27,15 +27,15 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.logprob_floor import LOGPROB_FLOOR, clamp_logprob
 from sidecar_common.structs import JSON, StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
-from sidecar_frontend.formats.vllm_errors import (
+from sidecar_frontend.formats.vllm.errors import (
     DEAD_ENGINE_MESSAGE,
     FAILURE_ANSWERS,
     OVERLOADED_MESSAGE,
     FailureAnswer,
     VllmError,
 )
-from sidecar_frontend.formats.vllm_json import compact_json
-from sidecar_frontend.formats.vllm_request import VllmOptions
+from sidecar_frontend.formats.vllm.plan import VllmOptions
+from sidecar_frontend.formats.vllm.wire import compact_json
 
 __all__ = ["DONE", "VllmEncoder", "engine_param", "failure_error"]
 

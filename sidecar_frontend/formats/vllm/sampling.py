@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Final, TypeVar, cast
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.vllm_errors import Refused, bad_request, uncarried
+from sidecar_frontend.formats.vllm.errors import Refused, bad_request, uncarried
 
 __all__ = ["UINT32_MAX", "SamplingParams"]
 
@@ -39,7 +39,7 @@ _UNCARRIED: Final = (
 
 
 class SamplingParams:
-    """``sampling_params`` as pydantic validated it (``vllm_model``), checked as vLLM's is.
+    """``sampling_params`` as pydantic validated it (``model``), checked as vLLM's is.
 
     ``values`` holds only the keys the client sent, already of their declared types; the
     checks below are vLLM's own (``SamplingParams.__post_init__``), not pydantic's.
@@ -247,7 +247,7 @@ class SamplingParams:
         elif self.present("max_tokens") and context > prompt_len:
             # An explicit null means "up to the context", without the server's default cap. A
             # prompt that fills the context reaches here only to be refused by the engine
-            # (vllm_request: a problem left to it): its own default then stands.
+            # (validate.engine_input_checks: a problem left to it): its own default then stands.
             stop.max_tokens = context - prompt_len
         if self.min_tokens is not None:
             stop.min_tokens = _fits("min_tokens", self.min_tokens, 0, UINT32_MAX)

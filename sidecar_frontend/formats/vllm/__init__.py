@@ -1,12 +1,13 @@
 """vLLM 0.33's token-in/token-out HTTP API (``--tokens-only``), as a pure format plugin.
 
 Routes: ``POST /inference/v1/generate``; ``POST /inference/v1/abort_requests`` and its legacy
-alias ``POST /abort_requests``; ``GET /health`` and ``GET /v1/models``. Requests are parsed in
-:mod:`.vllm_request` (body and checks outside vLLM's models in :mod:`.vllm_checks`,
-``sampling_params`` in :mod:`.vllm_sampling`, the request model in :mod:`.vllm_model`), responses
-built in :mod:`.vllm_response`, error bodies in :mod:`.vllm_errors`. This module ties them to
-the :class:`~sidecar_frontend.formats.base.Format` contract and answers abort and the info
-routes. ``docs/frontend-vllm.md`` describes the format as served.
+alias ``POST /abort_requests``; ``GET /health`` and ``GET /v1/models``. A generate body is read
+once and judged by :func:`.validate.validate`, whose stages run in one order (the request model
+in :mod:`.model`, ``sampling_params`` in :mod:`.sampling`, the checks outside vLLM's models in
+:mod:`.checks`, the sub-request in :mod:`.plan`); responses are built in :mod:`.response`,
+error bodies in :mod:`.errors`. This package ties them to the
+:class:`~sidecar_frontend.formats.base.Format` contract and answers abort and the info routes.
+``docs/frontend-vllm.md`` describes the format as served.
 
 Ids: the client sees ``generate-tokens-<id>`` and the sidecar gets that same prefixed id, so
 an abort naming it reaches the request. Unlike vLLM (where the client's own, unprefixed id
@@ -25,15 +26,17 @@ from sidecar_frontend.formats.base import (
     AbortCall,
     Encoder,
     FormatContext,
+    GenerateBody,
     GenerateCall,
     HttpReply,
     Route,
     RouteKind,
 )
-from sidecar_frontend.formats.vllm_errors import VllmError, detail_reply, error_reply
-from sidecar_frontend.formats.vllm_json import compact_json
-from sidecar_frontend.formats.vllm_request import REQUEST_ID_PREFIX, VllmOptions, parse_generate
-from sidecar_frontend.formats.vllm_response import VllmEncoder
+from sidecar_frontend.formats.vllm.errors import VllmError, detail_reply, error_reply
+from sidecar_frontend.formats.vllm.plan import REQUEST_ID_PREFIX, VllmOptions
+from sidecar_frontend.formats.vllm.response import VllmEncoder
+from sidecar_frontend.formats.vllm.validate import read, validate
+from sidecar_frontend.formats.vllm.wire import compact_json
 
 __all__ = ["FORMAT", "VllmFormat"]
 
@@ -48,11 +51,17 @@ class VllmFormat:
     name = "vllm"
     routes: Sequence[Route] = (GENERATE, ABORT, LEGACY_ABORT, HEALTH, MODELS)
 
-    def parse_generate(
-        self, route: Route, body: bytes, headers: Mapping[str, str], ctx: FormatContext
-    ) -> GenerateCall | HttpReply:
+    def read_generate(
+        self, route: Route, body: bytes, headers: Mapping[str, str]
+    ) -> GenerateBody | HttpReply:
         del route  # one generate route
-        return parse_generate(body, headers, ctx)
+        return read(body, headers)
+
+    def parse_generate(
+        self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
+    ) -> GenerateCall | HttpReply:
+        del route
+        return validate(body, headers, ctx)
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
         if not isinstance(call.options, VllmOptions):

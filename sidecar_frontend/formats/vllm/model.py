@@ -12,7 +12,7 @@ fields; the cross-field validators of ``features``, ``structured_outputs`` and
 
 Two kinds of checks are not pydantic's and stay hand code: the cache-salt check vLLM runs
 before validation, and the sampling checks vLLM's ``SamplingParams.__post_init__`` raises as
-its own error type (both raise :class:`~sidecar_frontend.formats.vllm_errors.Refused`, which
+its own error type (both raise :class:`~sidecar_frontend.formats.vllm.errors.Refused`, which
 pydantic lets through, so the first of them ends validation exactly as it does in vLLM).
 """
 
@@ -35,9 +35,9 @@ from pydantic import (
 )
 from pydantic_core import core_schema
 
-from sidecar_frontend.formats.vllm_checks import check_cache_salt
-from sidecar_frontend.formats.vllm_errors import Invalid, ValidationIssue
-from sidecar_frontend.formats.vllm_sampling import SamplingParams as CheckedSampling
+from sidecar_frontend.formats.vllm.checks import check_cache_salt
+from sidecar_frontend.formats.vllm.errors import Invalid, ValidationIssue
+from sidecar_frontend.formats.vllm.sampling import SamplingParams as CheckedSampling
 
 __all__ = ["GenerateRequest", "SamplingParams", "validate_generate"]
 

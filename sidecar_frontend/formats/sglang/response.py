@@ -2,7 +2,7 @@
 unary assembler are one state machine, so a unary reply is by construction the fold of the
 events a stream would have carried.
 
-One item per sub-request (see :class:`~sidecar_frontend.formats.sglang_request.ItemPlan`).
+One item per sub-request (see :class:`~sidecar_frontend.formats.sglang.plan.ItemPlan`).
 Outputs are deltas; an item keeps everything it has produced and renders either all of it
 (cumulative streams, unary) or what is new since its last event (incremental streams).
 """
@@ -18,8 +18,8 @@ from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.structs import StructError, json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
-from sidecar_frontend.formats.sglang_request import ItemPlan, SglangOptions
-from sidecar_frontend.formats.sglang_wire import (
+from sidecar_frontend.formats.sglang.plan import ItemPlan, SglangOptions
+from sidecar_frontend.formats.sglang.wire import (
     DONE_EVENT,
     FAILURE_STATUS,
     dumps,

@@ -1,7 +1,7 @@
 """SGLang's checks of a ``/generate`` body that are not pydantic's (pure), with its own text.
 
 ``input_ids_error`` is the validator SGLang's request dataclass runs on ``input_ids`` (the
-dataclass itself is ``sglang_model``, validated by pydantic); ``check_contract`` is the JSON
+dataclass itself is ``model``, validated by pydantic); ``check_contract`` is the JSON
 contract gate that follows it. Only the fields this frontend reads or refuses are checked by
 the contract; an unknown top-level key is ignored, as SGLang does, while an unknown
 ``sampling_params`` key is refused.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from sidecar_common import sampling_schema
-from sidecar_frontend.formats.sglang_wire import ContractError
+from sidecar_frontend.formats.sglang.wire import ContractError
 
 __all__ = ["SAMPLING_FIELDS", "check_contract", "input_ids_error"]
 
