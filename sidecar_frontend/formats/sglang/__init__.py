@@ -26,10 +26,10 @@ from sidecar_frontend.formats.base import (
     Route,
     RouteKind,
 )
+from sidecar_frontend.formats.sglang import validate
 from sidecar_frontend.formats.sglang.model import ModelErrors, validate_abort
 from sidecar_frontend.formats.sglang.plan import SglangOptions
 from sidecar_frontend.formats.sglang.response import SglangEncoder
-from sidecar_frontend.formats.sglang.validate import read, read_body, validate
 from sidecar_frontend.formats.sglang.wire import dumps, status_error
 
 __all__ = ["FORMAT", "SglangFormat"]
@@ -126,12 +126,12 @@ class SglangFormat:
     def read_generate(
         self, route: Route, body: bytes, headers: Mapping[str, str]
     ) -> GenerateBody | HttpReply:
-        return read(body, headers)
+        return validate.read(body, headers)
 
     def parse_generate(
         self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
     ) -> GenerateCall | HttpReply:
-        return validate(body, ctx, incremental=self.incremental_streaming_output)
+        return validate.validate(body, ctx, incremental=self.incremental_streaming_output)
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
         assert isinstance(call.options, SglangOptions)
@@ -140,7 +140,7 @@ class SglangFormat:
     def parse_abort(self, route: Route, body: bytes, headers: Mapping[str, str]) -> AbortCall | HttpReply:
         # SGLang's AbortReq, as its framework's pydantic validates it (lax: "yes" is true).
         try:
-            request = validate_abort(read_body(body, headers))
+            request = validate_abort(validate.read_body(body, headers))
         except ModelErrors as err:
             return err.reply()
         rid, abort_all = request.rid, request.abort_all

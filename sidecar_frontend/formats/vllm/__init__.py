@@ -32,10 +32,10 @@ from sidecar_frontend.formats.base import (
     Route,
     RouteKind,
 )
+from sidecar_frontend.formats.vllm import validate
 from sidecar_frontend.formats.vllm.errors import VllmError, detail_reply, error_reply
 from sidecar_frontend.formats.vllm.plan import REQUEST_ID_PREFIX, VllmOptions
 from sidecar_frontend.formats.vllm.response import VllmEncoder
-from sidecar_frontend.formats.vllm.validate import read, validate
 from sidecar_frontend.formats.vllm.wire import compact_json
 
 __all__ = ["FORMAT", "VllmFormat"]
@@ -55,13 +55,13 @@ class VllmFormat:
         self, route: Route, body: bytes, headers: Mapping[str, str]
     ) -> GenerateBody | HttpReply:
         del route  # one generate route
-        return read(body, headers)
+        return validate.read(body, headers)
 
     def parse_generate(
         self, route: Route, body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext
     ) -> GenerateCall | HttpReply:
         del route
-        return validate(body, headers, ctx)
+        return validate.validate(body, headers, ctx)
 
     def new_encoder(self, call: GenerateCall, started_at: float) -> Encoder:
         if not isinstance(call.options, VllmOptions):

@@ -194,6 +194,38 @@ async def test_workers_of_two_models_are_both_served_and_a_request_runs_on_the_m
                 assert [card["id"] for card in cards] == ["another-model", "testkit-model"]
 
 
+def _escaped_model_key(body: dict[str, Any]) -> bytes:
+    text = json.dumps(body)
+    assert text.count('"model"') == 1
+    return text.replace('"model"', '"mod\\u0065l"').encode()
+
+
+async def test_a_request_runs_on_the_model_its_body_names_however_the_json_spells_the_key() -> None:
+    # The format parses the body once and the model is read from that parse: a key written
+    # with a JSON escape is the same key ("mod\u0065l" is "model"), as the real servers read it.
+    async with vllm_stack() as first, vllm_stack(served_model_name="another-model") as other:
+        addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{other.server.port}"]
+        async with frontend_over(addresses, [first, other], formats=FORMATS) as fe:
+            # The model a request that names none would run on is not the one named.
+            stacks = {"testkit-model": first, "another-model": other}
+            model = next(name for name in stacks if name != fe.workers.default_model())
+            named, unnamed = stacks[model], stacks[fe.workers.default_model() or ""]
+            headers = {"Content-Type": "application/json"}
+            sglang_body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "model": model}
+            async with fe.http.post(
+                fe.url + "/generate", data=_escaped_model_key(sglang_body), headers=headers
+            ) as response:
+                assert response.status == 200
+            vllm_body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}, "model": model}
+            async with fe.http.post(
+                fe.url + "/inference/v1/generate", data=_escaped_model_key(vllm_body), headers=headers
+            ) as response:
+                assert response.status == 200
+                assert (await response.json())["model"] == model
+            assert len(named.engine.book.received) == 2
+            assert unnamed.engine.book.received == []
+
+
 async def test_a_model_no_worker_serves_is_404_in_each_formats_shape_and_reaches_no_worker() -> None:
     async with vllm_stack() as first, vllm_stack(served_model_name="another-model") as other:
         addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{other.server.port}"]
