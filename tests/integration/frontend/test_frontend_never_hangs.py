@@ -84,6 +84,7 @@ async def strict_frontend(**hostile: Any) -> AsyncIterator[tuple[FrontendStack, 
         async with hostile_worker(info, **hostile) as worker:
             addresses = [f"127.0.0.1:{honest.server.port}", worker.address]
             async with frontend_over(addresses, [honest], formats=(StrictFormat(),)) as fe:
+                # The test's own reporter (no ejection): the hostile worker stays in routing.
                 registry = CollectorRegistry()
                 fe.frontend.runner.misbehaviour = MisbehaviourReporter(registry)
                 yield fe, worker, registry

@@ -64,6 +64,8 @@ async def fleet(**hostile_options: Any) -> AsyncIterator[Fleet]:
         async with hostile_worker(info, **hostile_options) as hostile:
             addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{second.server.port}", hostile.address]
             async with frontend_over(addresses, [first, second], formats=(VLLM, SGLANG)) as fe:
+                # A reporter of the test's own in place of the worker set's: nothing ejects
+                # the hostile worker, so many requests land on it (and its counts are here).
                 registry = CollectorRegistry()
                 reporter = MisbehaviourReporter(registry)
                 fe.frontend.runner.misbehaviour = reporter
@@ -290,3 +292,23 @@ async def test_an_output_after_the_final_one_is_reported_and_changes_no_answer()
         assert f.misbehaviour(Misbehaviour.OUTPUT_AFTER_FINAL) == len(hostile)
         assert len(logged(logs, f, Misbehaviour.OUTPUT_AFTER_FINAL)) == 1
         assert f.requests("ok") == REQUESTS
+
+
+async def test_a_misbehaving_generate_takes_the_worker_out_of_routing_through_the_sets_reporter() -> None:
+    """The runner reports to the worker set's reporter (handler.py wires it), whose ejection
+    takes the worker out of routing as soon as its Generate call misbehaved: by the time the
+    request that landed there has its answer (from an honest worker)."""
+    async with vllm_stack() as first, vllm_stack() as second:
+        info = await first.stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest())
+        async with hostile_worker(info, kinds=[Kind.OUT_OF_VOCAB]) as hostile:
+            addresses = [f"127.0.0.1:{first.server.port}", f"127.0.0.1:{second.server.port}", hostile.address]
+            async with frontend_over(addresses, [first, second], formats=(VLLM,)) as fe:
+                worker = fe.workers.get(hostile.address)
+                assert worker is not None
+                for index in range(50):
+                    answer = await ask(fe, f"eject-{index}", stream=True)
+                    assert complete(answer), answer
+                    if hostile.calls["Generate"]:
+                        break
+                assert hostile.misbehaved[Kind.OUT_OF_VOCAB] == 1
+                assert worker.ejected_until is not None
