@@ -167,7 +167,8 @@ class AttemptRunner:
         self.tracing = tracing if tracing is not None else Tracing()
         # Each SGLang prefill worker's bootstrap server, learned from its first handoff.
         self.bootstraps: dict[str, disagg.BootstrapAddress] = {}
-        # Told whenever a worker misbehaves (logs, counts, takes it out of routing).
+        # Told whenever a worker misbehaves (the handler gives the worker set's reporter, which
+        # logs, counts and takes the worker out of routing; by default nobody is told).
         self.misbehaviour = misbehaviour
         self.end_grace = end_grace
 
