@@ -246,33 +246,25 @@ class Frontend:
     ) -> web.StreamResponse:
         started_at = self.clock()
         models = self.workers.models()
-        # The body is parsed once; its parse says which model it names.
+        # The body is parsed once; the parse says which model it names.
         read = fmt.read_generate(route, body, request.headers)
+        if isinstance(read, HttpReply):
+            return self._invalid(fmt, started_at, read, request.headers, body)
         # With one model every request runs on it (a format that checks the name, as vLLM
         # does, refuses another); with several, the request's `model` chooses.
-        named = read.model if len(models) > 1 and not isinstance(read, HttpReply) else None
+        named = read.model if len(models) > 1 else None
         unknown = named is not None and named not in models
         model = named if named is not None and not unknown else self.workers.default_model()
-        parsed = (
-            read
-            if isinstance(read, HttpReply)
-            else fmt.parse_generate(
-                route, read, request.headers, self.context(models.get(model) if model is not None else None)
-            )
+        parsed = fmt.parse_generate(
+            route, read, request.headers, self.context(models.get(model) if model is not None else None)
         )
-        data = None if isinstance(read, HttpReply) else read.data
         if named is not None and unknown and not (isinstance(parsed, HttpReply) and parsed.status != 404):
             # The body's own faults answer first (vLLM checks the model after the body), then
             # the model no worker serves, naming every one that is served.
             reply = fmt.model_not_found(named, list(models))
-            self._refused(
-                fmt, "invalid", RefusalReason.MODEL_NOT_FOUND, started_at, reply, request.headers, body, data
-            )
-            return http_response(reply)
+            return self._invalid(fmt, started_at, reply, request.headers, body, read.data)
         if isinstance(parsed, HttpReply):
-            reason = RefusalReason.MODEL_NOT_FOUND if parsed.status == 404 else RefusalReason.INVALID_REQUEST
-            self._refused(fmt, "invalid", reason, started_at, parsed, request.headers, body, data)
-            return http_response(parsed)
+            return self._invalid(fmt, started_at, parsed, request.headers, body, read.data)
         if model is None:
             why, message = self.unavailable()
             reply = fmt.error_reply(503, message)
@@ -299,6 +291,20 @@ class Frontend:
             self._exchanges.discard(exchange)
             if not self._exchanges:
                 self._idle.set()
+
+    def _invalid(
+        self,
+        fmt: Format,
+        started_at: float,
+        reply: HttpReply,
+        headers: Mapping[str, str],
+        body: bytes,
+        data: object = None,
+    ) -> web.Response:
+        """A refusal of the request itself (a 404: the model it names is served by no worker)."""
+        reason = RefusalReason.MODEL_NOT_FOUND if reply.status == 404 else RefusalReason.INVALID_REQUEST
+        self._refused(fmt, "invalid", reason, started_at, reply, headers, body, data)
+        return http_response(reply)
 
     def _refused(
         self,

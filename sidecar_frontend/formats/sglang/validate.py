@@ -55,7 +55,17 @@ from sidecar_frontend.formats.sglang.wire import (
     value_error,
 )
 
-__all__ = ["MAX_SAMPLES", "STAGES", "Draft", "Stage", "read", "read_body", "validate"]
+__all__ = [
+    "MAX_SAMPLES",
+    "STAGES",
+    "Draft",
+    "Stage",
+    "check_batch",
+    "check_prompts",
+    "read",
+    "read_body",
+    "validate",
+]
 
 # Sub-requests per prompt: each costs a gRPC stream and per-item response state.
 MAX_SAMPLES: Final = 1024

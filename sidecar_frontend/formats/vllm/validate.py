@@ -44,7 +44,16 @@ from sidecar_frontend.formats.vllm.plan import plan
 from sidecar_frontend.formats.vllm.sampling import UINT32_MAX
 from sidecar_frontend.formats.vllm.sampling import SamplingParams as SamplingChecks
 
-__all__ = ["STAGES", "Draft", "Stage", "read", "validate"]
+__all__ = [
+    "STAGES",
+    "Draft",
+    "Stage",
+    "engine_input_checks",
+    "handler_checks",
+    "read",
+    "refuse_uncarried",
+    "validate",
+]
 
 _INT32_MAX: Final = 2**31 - 1
 
