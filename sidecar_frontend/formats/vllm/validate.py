@@ -9,7 +9,7 @@ real server would name:
    cache-salt pre-check first, then the field types (every problem listed), with the
    sampling parameters' own checks (``sampling.py``; the first one raises), then the
    whole-body checks.
-2. ``handler``: the serving handler's checks: the model name, ``n`` against the server's
+2. ``serving``: the checks of vLLM's serving handler: the model name, ``n`` against the server's
    ``max_num_seqs``, chosen prompt-logprob ids in a stream, stop strings, the output mode, the
    integers vLLM msgpack-encodes for its engine.
 3. ``engine``: the engine's input checks that what the workers serve lets us make here, in
@@ -49,9 +49,9 @@ __all__ = [
     "Draft",
     "Stage",
     "engine_input_checks",
-    "handler_checks",
     "read",
     "refuse_uncarried",
+    "serving_checks",
     "validate",
 ]
 
@@ -94,9 +94,9 @@ def _model(draft: Draft) -> None:
     draft.body = validate_generate(draft.data)
 
 
-def _handler(draft: Draft) -> None:
+def _serving(draft: Draft) -> None:
     assert draft.body is not None
-    handler_checks(draft.body, draft.ctx.model_info)
+    serving_checks(draft.body, draft.ctx.model_info)
 
 
 def _engine(draft: Draft) -> None:
@@ -119,7 +119,7 @@ def _plan(draft: Draft) -> None:
 
 STAGES: Final[tuple[Stage, ...]] = (
     Stage("model", _model),
-    Stage("handler", _handler),
+    Stage("serving", _serving),
     Stage("engine", _engine),
     Stage("uncarried", _uncarried),
     Stage("plan", _plan),
@@ -141,10 +141,10 @@ def validate(body: GenerateBody, headers: Mapping[str, str], ctx: FormatContext)
     return draft.call
 
 
-# ------------------------------------------------------------------ handler
+# ------------------------------------------------------------------ serving
 
 
-def handler_checks(body: GenerateRequest, info: sidecar_pb2.ModelInfo) -> None:
+def serving_checks(body: GenerateRequest, info: sidecar_pb2.ModelInfo) -> None:
     """vLLM's serving handler's checks, in its order; raises the first refusal."""
     params = body.sampling_params.checked
     served = info.served_model_name
