@@ -10,11 +10,14 @@ model a body names from it before choosing the model to run on); :func:`validate
    problem; ``checks.py``).
 3. ``batch``: the request-level values, as SGLang's tokenizer manager checks them: the
    prompts' shape, ``n``, the ids, the per-prompt fields, then the request-level refusals
-   (SGLang's and this frontend's) and the ids already in flight (``values.py``).
+   (SGLang's and this frontend's) and the ids already in flight (:func:`check_batch`, with
+   the sentences of ``values.py``).
 4. ``prompts``: per prompt, in SGLang's order: the prompt, the context, ``token_ids_logprob``,
    sampling ``normalize`` then ``verify``, what the scheduler refuses at admission, then what
-   this frontend cannot carry (ours, naming the field; ``values.py``).
-5. ``plan``: the sub-requests (``plan.py``; it refuses nothing).
+   this frontend cannot carry (ours, naming the field; :func:`check_prompts`, with the
+   sentences of ``values.py``).
+5. ``plan``: the sub-requests (``plan.py``; it refuses nothing, so every refusal comes
+   before any sub-request exists).
 
 The first refusal is the answer; every refusal happens before any sub-request exists, so
 nothing reaches a worker.
