@@ -16,6 +16,7 @@ it (pure: no I/O, no clock, no logging).
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter
 from sidecar_common.api import sidecar_pb2
 
 __all__ = [
+    "GRPC_DECODE_FAILURE",
     "NO_REPORTS",
     "Fault",
     "Misbehaviour",
@@ -34,6 +36,7 @@ __all__ = [
     "OutputCheck",
     "Reporter",
     "Subscriber",
+    "quiet_grpc_decode_failures",
 ]
 
 log = structlog.get_logger("sidecar_frontend.misbehaviour")
@@ -219,3 +222,22 @@ class MisbehaviourReporter:
         for key, (at, _) in list(self._logged.items()):
             if now - at >= horizon:
                 del self._logged[key]
+
+
+GRPC_DECODE_FAILURE: Final = "Exception deserializing message!"
+
+
+class _GrpcDecodeFailures(logging.Filter):
+    """Drops grpc's own line for a reply that did not decode: a traceback for every such
+    message, naming no peer. The frontend reports each such reply itself, with the worker's
+    address and rate-limited (``Misbehaviour.UNDECODABLE_*``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != GRPC_DECODE_FAILURE
+
+
+def quiet_grpc_decode_failures() -> None:
+    """Install :class:`_GrpcDecodeFailures` on grpc's logger (once)."""
+    logger = logging.getLogger("grpc._common")
+    if not any(isinstance(f, _GrpcDecodeFailures) for f in logger.filters):
+        logger.addFilter(_GrpcDecodeFailures())

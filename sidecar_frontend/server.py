@@ -40,6 +40,7 @@ from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
+from sidecar_frontend.misbehaviour import quiet_grpc_decode_failures
 from sidecar_frontend.registry import Refusal
 from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.streams import StreamConfig
@@ -142,6 +143,7 @@ def _rows(workers: WorkerSet) -> list[WorkerRow]:
 
 async def serve(config: FrontendConfig) -> int:
     configure_logging(config.log_format, config.log_level)
+    quiet_grpc_decode_failures()
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         return await _serve(config, signals)
 

@@ -4,6 +4,7 @@ reading of its failed calls (attempts.read_rpc_error), what runs after it misbeh
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,11 +30,13 @@ from sidecar_frontend.attempts import (
 )
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.misbehaviour import (
+    GRPC_DECODE_FAILURE,
     NO_REPORTS,
     Fault,
     Misbehaviour,
     MisbehaviourReporter,
     OutputCheck,
+    quiet_grpc_decode_failures,
 )
 
 _M = Misbehaviour
@@ -299,3 +302,16 @@ def test_quiet_workers_are_forgotten_so_the_table_stays_bounded() -> None:
 
 def test_no_reports_goes_nowhere() -> None:
     NO_REPORTS.report("a:1", _M.UNDECODABLE_OUTPUT, "garbage")  # nothing raised, nothing kept
+
+
+def test_grpcs_own_line_for_an_undecodable_reply_is_dropped_and_its_other_lines_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    quiet_grpc_decode_failures()
+    quiet_grpc_decode_failures()  # once is enough; twice changes nothing
+    grpc_log = logging.getLogger("grpc._common")
+    assert len(grpc_log.filters) == 1
+    with caplog.at_level(logging.DEBUG, logger="grpc._common"):
+        grpc_log.error(GRPC_DECODE_FAILURE)
+        grpc_log.error("Exception serializing message!")
+    assert [r.getMessage() for r in caplog.records] == ["Exception serializing message!"]
