@@ -59,6 +59,7 @@ class Proc:
             env={**child_env(), **(env or {})},
         )
         self.lines: list[tuple[float, dict[str, Any]]] = []
+        self.raw: list[str] = []
         self._changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -67,6 +68,7 @@ class Proc:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
             if not line.startswith("{"):
+                self.raw.append(line.rstrip("\n"))  # a traceback, grpc core's own lines
                 continue
             try:
                 entry = json.loads(line)
@@ -331,6 +333,7 @@ def _tell(frontend: Proc) -> None:
     print(f"frontend exit code: {frontend.popen.poll()}", file=sys.stderr)
     for entry in lines[-60:]:
         print(json.dumps(entry), file=sys.stderr)
+    print("frontend output that is not a log line:", *frontend.raw[-80:], sep="\n", file=sys.stderr)
 
 
 def serving_line(address: str) -> Callable[[dict[str, Any]], bool]:
