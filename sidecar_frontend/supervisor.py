@@ -174,31 +174,18 @@ class Supervisor:
         scope: anyio.CancelScope,
         restart: bool,
     ) -> None:
-        backoff = Backoff(self._config.restart_first_secs, self._config.restart_max_secs)
-        failures = 0
         try:
             with scope:
-                while True:
-                    began = self._clock()
-                    error = await self._run_once(name, label, run)
-                    if error is None:
-                        return
-                    ran = self._clock() - began
-                    failures = 1 if ran >= self._config.healthy_after_secs else failures + 1
-                    pause = backoff.pause(failures) if restart else math.inf
-                    self.failures.labels(name).inc()
-                    log.error(
-                        "background task failed",
-                        task=name,
-                        worker=label or None,
-                        error=_describe(error),
-                        failures_in_a_row=failures,
-                        restart_in_secs=round(pause, 2) if restart else None,
-                        exc_info=error,
-                    )
-                    if not restart:
-                        return
-                    await anyio.sleep(pause)
+                await self._run_and_restart(name, label, run, restart)
+        except asyncio.CancelledError:
+            if not scope.cancel_called:
+                raise
+            # Asked to stop (stop_owner), the task ended with a CancelledError that is not
+            # the scope's own, so the scope let it through: grpc.aio makes its own when a
+            # closing channel cancels a call the task was awaiting. The task ended as asked;
+            # raised further, the group would take it for a cancel of its host (the server's
+            # main task) and the whole frontend would stop without a word.
+            log.debug("task stopped", task=name, worker=label or None)
         finally:
             owned = self._owners.get(owner)
             if owned is not None:
@@ -206,6 +193,33 @@ class Supervisor:
                 if not owned.scopes:
                     del self._owners[owner]
                     owned.ended.set()
+
+    async def _run_and_restart(
+        self, name: str, label: str, run: Callable[[], Awaitable[None]], restart: bool
+    ) -> None:
+        backoff = Backoff(self._config.restart_first_secs, self._config.restart_max_secs)
+        failures = 0
+        while True:
+            began = self._clock()
+            error = await self._run_once(name, label, run)
+            if error is None:
+                return
+            ran = self._clock() - began
+            failures = 1 if ran >= self._config.healthy_after_secs else failures + 1
+            pause = backoff.pause(failures) if restart else math.inf
+            self.failures.labels(name).inc()
+            log.error(
+                "background task failed",
+                task=name,
+                worker=label or None,
+                error=_describe(error),
+                failures_in_a_row=failures,
+                restart_in_secs=round(pause, 2) if restart else None,
+                exc_info=error,
+            )
+            if not restart:
+                return
+            await anyio.sleep(pause)
 
     async def _run_once(
         self, name: str, owner: str, run: Callable[[], Awaitable[None]]

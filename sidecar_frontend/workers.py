@@ -70,6 +70,9 @@ log = structlog.get_logger("sidecar_frontend.workers")
 EJECTION_FIRST_SECS: Final = 5.0
 EJECTION_MAX_SECS: Final = 300.0
 EJECTION_FORGIVEN_SECS: Final = 600.0
+# How long a departing worker's tasks get to end (they end at their next await) before its
+# channels are closed anyway.
+TASKS_END_SECS: Final = 5.0
 
 
 class WorkerSet:
@@ -130,11 +133,17 @@ class WorkerSet:
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop every worker's tasks and close its connections."""
-        for worker in self.registry.workers():
-            if self._supervisor is not None:
-                self._supervisor.stop_owner(worker.address)
-            with anyio.CancelScope(shield=True):
+        """Stop every worker's tasks, then close its connections."""
+        workers = self.registry.workers()
+        supervisor = self._supervisor
+        with anyio.CancelScope(shield=True):
+            if supervisor is not None and supervisor.running:
+                for worker in workers:
+                    supervisor.stop_owner(worker.address)
+                with anyio.move_on_after(TASKS_END_SECS):
+                    for worker in workers:
+                        await supervisor.until_ended(worker.address)
+            for worker in workers:
                 await worker.pool.close()
         self._agents.clear()
 
@@ -198,6 +207,10 @@ class WorkerSet:
             await worker.idle.wait()
         supervisor = self.supervisor
         supervisor.stop_owner(worker.address)
+        # Its tasks end before its channels close: a channel closing under a call cancels the
+        # call, and a task that is being stopped would see that cancel rather than its own.
+        with anyio.move_on_after(TASKS_END_SECS):
+            await supervisor.until_ended(worker.address)
         if self._agents.get(worker.address) is not None and self.registry.holds(worker):
             del self._agents[worker.address]
         self._strikes.pop(worker.address, None)
