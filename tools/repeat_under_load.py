@@ -52,7 +52,7 @@ def run_once(test: str, hogs: int, timeout: float) -> dict[str, Any]:
     result: dict[str, Any] = {"passed": code == 0, "seconds": round(time.monotonic() - began, 1)}
     if code != 0:
         result["exit"] = code
-        result["tail"] = output.splitlines()[-40:]
+        result["tail"] = output.splitlines()[-200:]
     return result
 
 

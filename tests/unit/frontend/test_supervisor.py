@@ -5,6 +5,7 @@ the task runs again; a real cancel ends it quietly; nothing else is touched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import anyio
@@ -163,10 +164,8 @@ async def test_a_stopped_task_that_ends_with_a_cancel_not_its_own_does_not_stop_
 
     async def awaiting_a_call() -> None:
         started.set()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await anyio.sleep_forever()
-        except asyncio.CancelledError:
-            pass
         raise asyncio.CancelledError()  # grpc.aio's, with neither the scope's message nor context
 
     body_ran_on = False
