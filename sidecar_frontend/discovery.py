@@ -15,9 +15,11 @@ The decisions are pure (:mod:`sidecar_frontend.discovery_records`); this module 
 lookups, the etcd calls and the waiting, each bounded: a DNS lookup by ``dns_timeout``, an etcd
 call by ``etcd_call_timeout``, a silent etcd connection by gRPC keepalive.
 
-Both dynamic modes also re-add, every ``reconcile_interval``, a worker of the view that the sink
-does not hold: a worker set ignores an add while it still drains the same address (a sidecar
-that restarted quickly) and forgets it only once idle.
+Both dynamic modes also re-add a worker of the view that the sink does not hold: a worker set
+ignores an add while it still drains the same address (a sidecar that restarted quickly) and
+forgets it only once idle. etcd's view is compared with the set at each change of the set (the
+worker set's events: a forgotten worker comes back at once) and every ``reconcile_interval`` at
+the latest; DNS's at each refresh.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class DiscoverySink(Protocol):
 
     def addresses(self) -> frozenset[str]:
         """Every address the set holds, draining ones included."""
+
+    def next_change(self) -> anyio.Event:
+        """Set at the set's next change (a drained worker forgotten among them)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,11 @@ async def _run_dns(
 
 async def _reconcile(view: EtcdView, sink: DiscoverySink, interval: float) -> None:
     while True:
-        await anyio.sleep(interval)
+        changed = sink.next_change()
+        # At the set's next change (a drained worker it now forgets may be added again at once),
+        # or after the interval at the latest.
+        with anyio.move_on_after(interval):
+            await changed.wait()
         _apply(sink, missing_workers(view.workers(), sink.addresses()), "etcd")
 
 

@@ -40,6 +40,9 @@ class RecordingSink:
     def addresses(self) -> frozenset[str]:
         return frozenset(self.roles)
 
+    def next_change(self) -> anyio.Event:
+        return self._changed
+
     def serving(self) -> dict[str, str]:
         """Addresses taking new work, with their role."""
         return {a: r for a, r in self.roles.items() if a not in self.draining}

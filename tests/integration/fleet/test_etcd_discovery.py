@@ -37,13 +37,13 @@ async def session(etcd: EtcdServer) -> AsyncIterator[EtcdSession]:
 
 
 @asynccontextmanager
-async def discovering(endpoint: str, sink: RecordingSink) -> AsyncIterator[None]:
+async def discovering(endpoint: str, sink: RecordingSink, reconcile: float = 0.1) -> AsyncIterator[None]:
     config = DiscoveryConfig(
         mode="etcd",
         etcd_endpoints=(endpoint,),
         etcd_call_timeout=2.0,
         etcd_retry_max_interval=0.3,
-        reconcile_interval=0.1,
+        reconcile_interval=reconcile,
     )
     async with anyio.create_task_group() as tg:
         await tg.start(run_discovery, config, sink)
@@ -86,10 +86,15 @@ async def test_a_dead_sidecars_lease_expiry_drains_it(etcd: EtcdServer) -> None:
         await sink.wait_for(lambda k: "10.0.0.3:50061" in k.draining, "drained once the lease expired")
 
 
-async def test_a_worker_drained_and_registered_again_is_added_again_once_forgotten(etcd: EtcdServer) -> None:
+@pytest.mark.parametrize("reconcile", [0.1, 3600.0], ids=["timer", "event"])
+async def test_a_worker_drained_and_registered_again_is_added_again_once_forgotten(
+    etcd: EtcdServer, reconcile: float
+) -> None:
+    """With an hour between reconciliations, the set's own change (it forgot the worker)
+    brings the add at once."""
     sink = RecordingSink()
     address = "10.0.0.4:50061"
-    async with session(etcd) as s, discovering(etcd.endpoint, sink):
+    async with session(etcd) as s, discovering(etcd.endpoint, sink, reconcile):
         lease = await s.grant(30)
         await s.put(key(address), record(address), lease)
         await sink.wait_for(lambda k: address in k.serving(), "added")
