@@ -181,6 +181,13 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="time per generated token",
     )
+    a(
+        "--token-latency-slope-ms",
+        type=float,
+        default=d.token_latency_slope_ms,
+        metavar="MS",
+        help="testkit: each running request beyond the first adds this to every decode step",
+    )
     a("--chunk-tokens", type=int, default=d.chunk_tokens, metavar="N", help="tokens per streamed chunk")
     a(
         "--startup-delay-secs",
@@ -227,6 +234,7 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
         max_num_seqs=args.max_num_seqs,
         total_kv_tokens=args.total_kv_tokens,
         token_latency_ms=args.token_latency_ms,
+        token_latency_slope_ms=args.token_latency_slope_ms,
         chunk_tokens=args.chunk_tokens,
         startup_delay_secs=args.startup_delay_secs,
         supports_vision=args.supports_vision,

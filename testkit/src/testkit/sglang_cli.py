@@ -110,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time per generated token",
     )
     a(
+        "--token-latency-slope-ms",
+        type=float,
+        default=d.token_latency_slope_ms,
+        metavar="MS",
+        help="testkit: each running request beyond the first adds this to every decode step",
+    )
+    a(
         "--chunk-tokens",
         type=int,
         default=d.chunk_tokens,
@@ -207,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         lora_paths=tuple(path.split("=", 1)[0] for path in args.lora_paths),
         dp_size=args.dp_size,
         token_latency_ms=args.token_latency_ms,
+        token_latency_slope_ms=args.token_latency_slope_ms,
         chunk_tokens=args.chunk_tokens,
         startup_delay_secs=args.startup_delay_secs,
         disaggregation_mode=args.disaggregation_mode,

@@ -34,6 +34,7 @@ from testkit.book import Book, Outcome
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, ModelSpec
 from testkit.kv_publisher import EngineKvCache
+from testkit.pacing import decode_step_secs
 from testkit.prefix_cache import NO_EXTRA, BlockExtra
 from testkit.sglang_checks import check_request
 from testkit.sglang_core import (
@@ -398,12 +399,14 @@ class SglangTestEngine:
             ahead = Generator(self.model, req.input_ids, replace(sampling_spec(req), max_tokens=1)).step()
             if ahead.logprobs is not None:
                 state.take_logprobs(ahead.logprobs, token=False)
-        latency = self.config.token_latency_ms / 1000.0
+        c = self.config
         finished: GeneratedToken | None = None
         while True:
             if self._scheduler_dead.is_set():
                 # Nothing more comes from a dead scheduler; the server goes away soon.
                 await asyncio.Event().wait()
+            # Every request in the batch waits the whole step, whose time grows with the batch.
+            latency = decode_step_secs(c.token_latency_ms, c.token_latency_slope_ms, self.book.running_count)
             if len(state.ids) == fault_at and plan is not None:
                 self._flush(live)
                 return await self._apply_fault(live, plan)
@@ -422,7 +425,7 @@ class SglangTestEngine:
             if tok.finish is not None:
                 finished = tok
                 break
-            if state.unsent >= self.config.chunk_tokens:
+            if state.unsent >= c.chunk_tokens:
                 self._flush(live)
                 if latency <= 0:
                     await asyncio.sleep(0)  # let aborts and other requests in

@@ -48,6 +48,9 @@ class SglangEngineConfig:
     max_queued_requests: int | None = None
     dp_size: int = 1
     token_latency_ms: float = 0.0
+    # Each running request beyond the first adds this to every decode step (see
+    # testkit.pacing): the more requests run, the slower each streams. 0: a flat step.
+    token_latency_slope_ms: float = 0.0
     chunk_tokens: int = 1  # SGLang's --stream-interval
     startup_delay_secs: float = 0.0
     disaggregation_mode: str = "null"
@@ -73,6 +76,8 @@ class SglangEngineConfig:
             raise ValueError("chunk_tokens, max_running_requests and dp_size must be >= 1")
         if self.prefill_us_per_token < 0:
             raise ValueError("prefill_us_per_token must be >= 0")
+        if self.token_latency_slope_ms < 0:
+            raise ValueError("token_latency_slope_ms must be >= 0")
         if self.token_latency_ms < 0 or self.startup_delay_secs < 0 or self.disconnect_abort_delay_secs < 0:
             raise ValueError("latencies and delays must be >= 0")
         if self.context_length < 2 or self.kv_capacity_tokens < 1 or self.page_size < 1:

@@ -31,6 +31,9 @@ class VllmEngineConfig:
     max_num_seqs: int = 256
     total_kv_tokens: int = 65536
     token_latency_ms: float = 0.0
+    # Each running request beyond the first adds this to every decode step (see
+    # testkit.pacing): the more requests run, the slower each streams. 0: a flat step.
+    token_latency_slope_ms: float = 0.0
     chunk_tokens: int = 1
     startup_delay_secs: float = 0.0
     supports_vision: bool = False
@@ -57,6 +60,8 @@ class VllmEngineConfig:
                 raise ValueError("max_num_queued_reqs and max_num_queued_tokens must be >= 0")
         if self.block_size < 1 or self.prefill_us_per_token < 0:
             raise ValueError("block_size must be >= 1 and prefill_us_per_token >= 0")
+        if self.token_latency_slope_ms < 0:
+            raise ValueError("token_latency_slope_ms must be >= 0")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 0:
             raise ValueError("num_gpu_blocks_override must be >= 0")
 

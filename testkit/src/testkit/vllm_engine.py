@@ -77,6 +77,7 @@ from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, Generator, prompt_logprobs
 from testkit.kv_publisher import EngineKvCache
+from testkit.pacing import decode_step_secs
 
 # Plain data apart (no grpc there, for the command line); re-exported here.
 from testkit.vllm_config import VllmEngineConfig
@@ -519,7 +520,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             if stall is not None:
                 await stall.stall(live.aborted, stall.stall_secs)
                 stall = None
-            await self._pause(live, c.token_latency_ms / 1000.0 * c.chunk_tokens)
+            # Every request in the batch waits the whole step, whose time grows with the batch.
+            step_secs = decode_step_secs(
+                c.token_latency_ms, c.token_latency_slope_ms, self.book.running_count
+            )
+            await self._pause(live, step_secs * c.chunk_tokens)
             if live.aborted.is_set():
                 for ch in live_choices:
                     for msg in from_abort(ch, len(prompt), cached):
