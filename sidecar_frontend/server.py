@@ -40,7 +40,7 @@ from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.metrics import Metrics, WorkerRow
-from sidecar_frontend.misbehaviour import quiet_grpc_decode_failures
+from sidecar_frontend.misbehaviour import MisbehaviourReporter, quiet_grpc_decode_failures
 from sidecar_frontend.registry import Refusal
 from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.streams import StreamConfig
@@ -190,7 +190,9 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
     # supervisor, entered here by the main task: a failure is logged, counted and restarted;
     # leaving the block (the drain is over) ends them all.
     async with Supervisor(supervisor_config, registry=metrics.registry) as supervisor:
-        workers = WorkerSet(config.worker_set, supervisor=supervisor)
+        workers = WorkerSet(
+            config.worker_set, supervisor=supervisor, misbehaviour=MisbehaviourReporter(metrics.registry)
+        )
         try:
             workers.events.subscribe(WorkerMetrics(metrics))
             metrics.watch_fleet(lambda: _rows(workers))

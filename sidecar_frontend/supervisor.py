@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 from sidecar_common.retry import Backoff
 from sidecar_common.rpc import cancel_is_ours
 
-__all__ = ["FAILURE_HOOK", "Supervisor", "SupervisorConfig", "TaskFailure"]
+__all__ = ["FAILURE_HOOK", "TASK_NAMES", "Supervisor", "SupervisorConfig", "TaskFailure"]
 
 log = structlog.get_logger("sidecar_frontend.supervisor")
 
@@ -49,6 +49,21 @@ log = structlog.get_logger("sidecar_frontend.supervisor")
 # counts as a failure, then the task restarts as after any other). Unset in production.
 FAILURE_HOOK: Final = "SIDECAR_TEST_FAULT_FILE"
 FAULT_FILE_POLL_SECS: Final = 0.1
+
+
+# The frontend's background tasks by name: their failure series exist from the start (at 0),
+# so a dashboard's rate over them is 0 rather than empty before the first failure.
+TASK_NAMES: Final = (
+    "health",
+    "load_poll",
+    "kv_stream",
+    "redial",
+    "readmit",
+    "retire",
+    "drain",
+    "discovery",
+    "tls_files",
+)
 
 
 class TaskFailure(RuntimeError):
@@ -99,6 +114,8 @@ class Supervisor:
             ["task"],
             registry=registry,
         )
+        for task in TASK_NAMES:
+            self.failures.labels(task)
 
     async def __aenter__(self) -> Supervisor:
         group = anyio.create_task_group()

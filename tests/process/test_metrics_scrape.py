@@ -125,7 +125,10 @@ def test_one_log_line_per_request_and_one_per_refusal(session: Session) -> None:
 # label names the queries group or filter by.
 _PROMQL_WORDS = frozenset({"sum", "min", "max", "rate", "histogram_quantile", "by", "label_values", "topk"})
 _LABELS = frozenset(
-    {"le", "engine", "instance", "reason", "finish_reason", "outcome", "worker", "model", "role", "state"}
+    {
+        *("le", "engine", "instance", "reason", "finish_reason", "outcome", "worker", "model", "role"),
+        *("state", "task", "kind"),
+    }
 )
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _IDENTIFIER = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
@@ -358,5 +361,8 @@ def test_every_frontend_dashboard_query_names_only_metrics_the_frontend_exports(
         "frontend_routing_decisions_total",
         "frontend_kv_index_blocks",
         "frontend_kv_events_lag_seconds_bucket",
+        # A background task that failed, a worker whose replies were refused (issue 26).
+        "frontend_background_failures_total",
+        "frontend_worker_misbehaviour_total",
     ):
         assert wanted in used, f"the frontend dashboard shows no {wanted}"
