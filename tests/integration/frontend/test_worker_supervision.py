@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.tls import ClientTlsFiles
+from sidecar_frontend import workers as workers_module
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.misbehaviour import Misbehaviour
 from sidecar_frontend.registry import Worker, WorkerState
@@ -261,11 +262,14 @@ async def generate(fe: FrontendStack, rid: str, tokens: int = 4) -> list[int]:
     ids=lambda value: value.value if isinstance(value, Kind) else "",
 )
 async def test_a_hostile_workers_replies_cost_that_worker_and_nothing_else(
-    kind: Kind, reported: Misbehaviour
+    kind: Kind, reported: Misbehaviour, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before: each undecodable reply kind raised AttributeError out of its task and took the
     frontend down; absurd loads and KV snapshots were believed; a hung GetLoad was logged at
     debug; a gap after every snapshot was a reconnect loop."""
+    # Out of routing for the whole test, however slowly a loaded machine runs its requests
+    # (the readmission after an ejection is its own test's).
+    monkeypatch.setattr(workers_module, "EJECTION_FIRST_SECS", 3600.0)
     async with vllm_stack() as one, vllm_stack() as two:
         info: sidecar_pb2.ModelInfo = await one.stub.GetModelInfo(sidecar_pb2.GetModelInfoRequest())
         with structlog.testing.capture_logs() as logs:
@@ -328,3 +332,24 @@ async def test_a_models_index_goes_when_its_last_worker_leaves_with_no_scrape() 
         workers.drain_worker(sidecar.address)
         await until(lambda: sidecar.address not in workers.addresses(), workers.events, "forgotten")
         assert dict(router.indexes()) == {}
+
+
+async def test_a_misbehaving_worker_is_out_of_routing_for_a_while_then_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workers_module, "EJECTION_FIRST_SECS", 0.2)
+    with structlog.testing.capture_logs() as logs:
+        async with WorkerSet(FAST_WORKERS) as workers, hostile_worker() as sidecar:
+            workers.add_worker(sidecar.address)
+            with anyio.fail_after(WAIT):
+                await workers.wait_serving()
+            worker = workers.get(sidecar.address)
+            assert worker is not None
+            workers.misbehaviour.report(sidecar.address, Misbehaviour.OUT_OF_VOCAB, "token 40000 of 32000")
+            assert not worker.eligible
+            assert workers.pick() is None, "the only worker is out of routing"
+            await until(lambda: worker.eligible, workers.events, "back in routing")
+            assert workers.pick() is worker
+    said = [e["event"] for e in logs if e.get("worker") == sidecar.address]
+    assert "worker out of routing: it misbehaved" in said
+    assert "worker back in routing after its ejection" in said
