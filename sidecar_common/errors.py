@@ -102,6 +102,15 @@ class RefusalReason(enum.Enum):
     # No worker can serve because workers were refused for their role (the fleet's roles do
     # not fit together).
     MISCONFIGURED = "MISCONFIGURED"
+    # Admission (sidecar_frontend/admission/): the request's priority band already holds
+    # --max-queue-depth waiting requests (429).
+    QUEUE_FULL = "QUEUE_FULL"
+    # It waited --max-queue-wait-secs in the admission queue without a worker having room (429).
+    QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
+    # No worker of the model can take a request at all (503).
+    NO_CAPACITY = "NO_CAPACITY"
+    # Its tenant is over its requests or tokens per minute (--rate-limits file) (429).
+    RATE_LIMITED = "RATE_LIMITED"
 
 
 @dataclass(frozen=True)

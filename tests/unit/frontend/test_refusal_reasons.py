@@ -13,6 +13,10 @@ def test_the_refusal_reasons_keep_their_wire_names() -> None:
         "MODEL_NOT_FOUND": "MODEL_NOT_FOUND",
         "BODY_TOO_LARGE": "BODY_TOO_LARGE",
         "MISCONFIGURED": "MISCONFIGURED",
+        "QUEUE_FULL": "QUEUE_FULL",
+        "QUEUE_TIMEOUT": "QUEUE_TIMEOUT",
+        "NO_CAPACITY": "NO_CAPACITY",
+        "RATE_LIMITED": "RATE_LIMITED",
     }
 
 
