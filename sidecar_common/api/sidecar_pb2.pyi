@@ -975,6 +975,23 @@ class KvCacheStatus(_message.Message):
 Global___KvCacheStatus: _TypeAlias = KvCacheStatus  # noqa: Y015
 
 @_typing.final
+class WatchLoadRequest(_message.Message):
+    """No fields yet: every client gets the same stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchLoadRequest: _TypeAlias = WatchLoadRequest  # noqa: Y015
+
+@_typing.final
 class WatchKvCacheRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/sidecar.v1.Worker/WatchLoad',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LoadReport.FromString,
+                _registered_method=True)
         self.WatchKvCache = channel.unary_stream(
                 '/sidecar.v1.Worker/WatchKvCache',
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.SerializeToString,
@@ -87,7 +92,22 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """GetLoad and WatchLoad answer with the same LoadReport on purpose: a report means one thing
+        however it came.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchLoad(self, request, context):
+        """The same LoadReport as GetLoad, pushed: one at once, then a new one whenever it changes
+        (at most one per the sidecar's --load-push-interval-ms) and at least every second even
+        when nothing changed, so the client tells a worker whose load holds still from a stream
+        gone silent. Nothing is sent while the engine's load cannot be read: the client's view
+        goes stale (docs/api.md, "WatchLoad").
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -123,6 +143,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.GetLoadRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LoadReport.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WatchLoadRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LoadReport.SerializeToString,
             ),
             'WatchKvCache': grpc.unary_stream_rpc_method_handler(
@@ -238,6 +263,33 @@ class Worker:
             target,
             '/sidecar.v1.Worker/GetLoad',
             sidecar_dot_v1_dot_sidecar__pb2.GetLoadRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sidecar.v1.Worker/WatchLoad',
+            sidecar_dot_v1_dot_sidecar__pb2.WatchLoadRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.LoadReport.FromString,
             options,
             channel_credentials,

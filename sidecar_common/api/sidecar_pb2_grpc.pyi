@@ -43,6 +43,18 @@ class WorkerStub:
     """Cancels every in-flight generation with that public id."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.GetModelInfoRequest, _sidecar_pb2.ModelInfo]
     GetLoad: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.GetLoadRequest, _sidecar_pb2.LoadReport]
+    """GetLoad and WatchLoad answer with the same LoadReport on purpose: a report means one thing
+    however it came.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    WatchLoad: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchLoadRequest, _sidecar_pb2.LoadReport]
+    """The same LoadReport as GetLoad, pushed: one at once, then a new one whenever it changes
+    (at most one per the sidecar's --load-push-interval-ms) and at least every second even
+    when nothing changed, so the client tells a worker whose load holds still from a stream
+    gone silent. Nothing is sent while the engine's load cannot be read: the client's view
+    goes stale (docs/api.md, "WatchLoad").
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
     WatchKvCache: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.WatchKvCacheRequest, _sidecar_pb2.KvCacheUpdate]
     """The engine's KV-cache state, for KV-aware routing: a snapshot (in chunks), then ordered
     deltas for as long as the client stays. A client that reconnects with the last (epoch,
@@ -61,6 +73,18 @@ class WorkerAsyncStub(WorkerStub):
     """Cancels every in-flight generation with that public id."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.GetModelInfoRequest, _sidecar_pb2.ModelInfo]  # type: ignore[assignment]
     GetLoad: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.GetLoadRequest, _sidecar_pb2.LoadReport]  # type: ignore[assignment]
+    """GetLoad and WatchLoad answer with the same LoadReport on purpose: a report means one thing
+    however it came.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    WatchLoad: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchLoadRequest, _sidecar_pb2.LoadReport]  # type: ignore[assignment]
+    """The same LoadReport as GetLoad, pushed: one at once, then a new one whenever it changes
+    (at most one per the sidecar's --load-push-interval-ms) and at least every second even
+    when nothing changed, so the client tells a worker whose load holds still from a stream
+    gone silent. Nothing is sent while the engine's load cannot be read: the client's view
+    goes stale (docs/api.md, "WatchLoad").
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
     WatchKvCache: _aio.UnaryStreamMultiCallable[_sidecar_pb2.WatchKvCacheRequest, _sidecar_pb2.KvCacheUpdate]  # type: ignore[assignment]
     """The engine's KV-cache state, for KV-aware routing: a snapshot (in chunks), then ordered
     deltas for as long as the client stays. A client that reconnects with the last (epoch,
@@ -99,7 +123,25 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _sidecar_pb2.GetLoadRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_sidecar_pb2.LoadReport, _abc.Awaitable[_sidecar_pb2.LoadReport]]: ...
+    ) -> _typing.Union[_sidecar_pb2.LoadReport, _abc.Awaitable[_sidecar_pb2.LoadReport]]:
+        """GetLoad and WatchLoad answer with the same LoadReport on purpose: a report means one thing
+        however it came.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+
+    @_abc_1.abstractmethod
+    def WatchLoad(
+        self,
+        request: _sidecar_pb2.WatchLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_sidecar_pb2.LoadReport], _abc.AsyncIterator[_sidecar_pb2.LoadReport]]:
+        """The same LoadReport as GetLoad, pushed: one at once, then a new one whenever it changes
+        (at most one per the sidecar's --load-push-interval-ms) and at least every second even
+        when nothing changed, so the client tells a worker whose load holds still from a stream
+        gone silent. Nothing is sent while the engine's load cannot be read: the client's view
+        goes stale (docs/api.md, "WatchLoad").
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
 
     @_abc_1.abstractmethod
     def WatchKvCache(
