@@ -3,7 +3,9 @@ Pure: no I/O, no clock, no logging (times are passed in; every change is told th
 :class:`~sidecar_frontend.worker_events.WorkerEvents`, whose listeners log and count).
 
 A worker is eligible while its health says SERVING, it is not refused (its role or model
-cannot be used) and not ejected (it misbehaved: out of routing until a time the caller set).
+cannot be used) and not ejected (it misbehaved, or failed too often: out of routing until a
+time the caller set). Back from an ejection for failures it is on probation: one call at a
+time until one succeeds (:attr:`Worker.available`).
 Choice is the power of two choices over a load score (:meth:`Worker.score`) among the eligible
 workers of one role and one model, O(1) whatever the size of the fleet: the eligible lists are
 rebuilt at each change (rare), not at each choice.
@@ -26,7 +28,7 @@ from sidecar_common.pool import ChannelPool
 from sidecar_common.rpc import StubCache
 from sidecar_frontend.worker_events import WorkerEvents
 
-__all__ = ["Refusal", "Registry", "Worker", "WorkerState", "role_mismatch"]
+__all__ = ["Refusal", "Registry", "Worker", "WorkerState", "available_first", "role_mismatch"]
 
 
 class WorkerState(enum.Enum):
@@ -83,6 +85,9 @@ class Worker:
     # Out of routing until this time (the registry's clock) because it misbehaved; None: not.
     ejected_until: float | None = None
     ejected_why: str = ""
+    # Back from an outlier ejection (outliers.py): it takes one call at a time until one
+    # succeeds (see ``available``).
+    probation: bool = False
     # The frontend's own generations on this worker (exact, updated per call).
     inflight: int = 0
     # The worker's last GetLoad (every frontend's generations) and our own count at that time.
@@ -104,6 +109,11 @@ class Worker:
     @property
     def eligible(self) -> bool:
         return self.state is WorkerState.SERVING and self.ejected_until is None
+
+    @property
+    def available(self) -> bool:
+        """Eligible, and not on probation with its probe call in flight."""
+        return self.eligible and not (self.probation and self.inflight > 0)
 
     @property
     def served_model(self) -> str:
@@ -365,11 +375,12 @@ class Registry:
             if second_at >= first_at:
                 second_at += 1
             first, second = pool[first_at], pool[second_at]
-            if first.eligible and second.eligible:
+            if first.available and second.available:
                 return second if second.score() < first.score() else first
         candidates = self.serving(role, model)
         if exclude:
             candidates = [w for w in candidates if w.address not in exclude]
+        candidates = available_first(candidates)
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         first, second = self._rand.sample(candidates, 2)
@@ -392,6 +403,13 @@ class Registry:
             if name not in self._first_seen:
                 self._seen += 1
                 self._first_seen[name] = self._seen
+
+
+def available_first(candidates: list[Worker]) -> list[Worker]:
+    """The ``available`` candidates; all of them when none is (a worker on probation is the
+    only one left: it takes more than its probe rather than the model going unserved)."""
+    available = [w for w in candidates if w.available]
+    return available if available else candidates
 
 
 def _placeable(by_model: dict[tuple[str, str], list[Worker]]) -> dict[str, sidecar_pb2.ModelInfo]:
