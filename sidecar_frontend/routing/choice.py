@@ -23,6 +23,7 @@ from typing import Final
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import Role
 from sidecar_common.kv_request import cacheable, key_namespace
+from sidecar_frontend.registry import available_first
 from sidecar_frontend.routing.metrics import RoutingMetrics
 from sidecar_frontend.routing.policy import Decision, Reason
 from sidecar_frontend.routing.router import Prompt, Router, Target
@@ -78,7 +79,11 @@ class RoutedChoice:
                 return None
             decision = Decision(worker.address, Reason.LOAD, 0)
         else:
-            candidates = [w for w in self.workers.serving(role, model) if w.address not in exclude]
+            # A worker on probation with its probe in flight is no candidate (unless it is the
+            # only one), as in the worker set's own pick.
+            candidates = available_first(
+                [w for w in self.workers.serving(role, model) if w.address not in exclude]
+            )
             found = router.choose(
                 model,
                 prompt_of(request),
