@@ -5,7 +5,9 @@ What an operator asks of them: which worker is slow (``frontend_worker_*`` durat
 to first output, by worker), which fails and why (``frontend_worker_failures_total`` by worker
 and reason), why clients are refused (``frontend_requests_total`` by outcome and reason), which
 workers are not used and why (``frontend_workers`` by role and state,
-``frontend_worker_refused`` by worker and reason). The series of a worker that left the set are
+``frontend_worker_refused`` by worker and reason), what overload protection did
+(``frontend_retries_refused_total``, ``frontend_worker_ejections_total``,
+``frontend_worker_restorations_total``). The series of a worker that left the set are
 removed with it, so a fleet whose pods come and go does not grow the scrape without bound.
 """
 
@@ -22,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from sidecar_common.histograms import LATENCY_BUCKETS
 
-__all__ = ["OUTCOMES", "Metrics", "WorkerRow", "buckets_up_to"]
+__all__ = ["EJECTED_FOR_CONSECUTIVE_FAILURES", "OUTCOMES", "Metrics", "WorkerRow", "buckets_up_to"]
 
 # How an HTTP generate request ended (the ``outcome`` label); ``reason`` says why.
 OUTCOMES = (
@@ -36,6 +38,9 @@ OUTCOMES = (
     "refused",  # admission refused it (QUEUE_FULL, QUEUE_TIMEOUT, NO_CAPACITY, RATE_LIMITED)
     "shutdown",  # the frontend stopped before it finished (ENGINE_SHUTDOWN)
 )
+
+# The ``reason`` of an outlier ejection (``frontend_worker_ejections_total``).
+EJECTED_FOR_CONSECUTIVE_FAILURES: Final = "consecutive_failures"
 
 # Latencies from a millisecond to an hour (the sidecar's ladder, then on to an hour, since a
 # frontend request can outlast a step of it); a histogram's buckets stop at the request timeout
@@ -200,6 +205,26 @@ class Metrics:
             registry=self.registry,
         )
         self._failure_reasons: dict[str, set[str]] = {}
+        # ---- overload (issue 27): the retry budget and outlier ejection
+        self.retries_refused = Counter(
+            "frontend_retries_refused",
+            "Retries on another worker the retry budget refused (the sub-request ended with its "
+            "worker's failure), by format",
+            ["format"],
+            registry=self.registry,
+        )
+        self.worker_ejections = Counter(
+            "frontend_worker_ejections",
+            "Workers taken out of routing by outlier ejection, by why: consecutive_failures",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.worker_ejections.labels(EJECTED_FOR_CONSECUTIVE_FAILURES)
+        self.worker_restorations = Counter(
+            "frontend_worker_restorations",
+            "Workers back from an outlier ejection whose probe call succeeded",
+            registry=self.registry,
+        )
 
     def watch_fleet(self, rows: Callable[[], Iterable[WorkerRow]]) -> None:
         """Export the worker set's gauges from ``rows`` (read at each scrape)."""
@@ -246,6 +271,17 @@ class Metrics:
 
     def worker_refused(self, reason: str) -> None:
         self.worker_refusals.labels(reason).inc()
+
+    # ---- overload (issue 27): the retry budget and outlier ejection
+
+    def retry_refused(self, fmt: str) -> None:
+        self.retries_refused.labels(fmt).inc()
+
+    def worker_ejected(self, reason: str = EJECTED_FOR_CONSECUTIVE_FAILURES) -> None:
+        self.worker_ejections.labels(reason).inc()
+
+    def worker_restored(self) -> None:
+        self.worker_restorations.inc()
 
     def forget_worker(self, worker: str) -> None:
         """Remove every series of ``worker`` (it left the set)."""
