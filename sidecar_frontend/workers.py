@@ -19,7 +19,11 @@ models to serve (``WorkerSetConfig.models``) and it serves another. A refused wo
 again when its sidecar restarts (its health Watch breaks), so fixing the sidecar's flags is
 enough. A worker that sends what cannot be believed (a reply that does not decode, absurd
 values) is taken out of routing for a backoff (``misbehaviour``: every part that reads a worker's
-replies reports to it; the set ejects).
+replies reports to it; the set ejects). A worker whose Generate calls fail of its own fault
+several times in a row is taken out too (``outliers.py`` decides; the attempt runner reports
+each call's end to :meth:`WorkerSet.call_succeeded` / :meth:`WorkerSet.call_failed`), then
+readmitted on probation (one call at a time) until a call succeeds; the last eligible worker of
+its role and model is never taken out this way.
 
 With ``WorkerSetConfig.tls`` every worker is dialled over TLS (mutual TLS with a client
 certificate); the files are re-read when they change, and each worker's connections are
@@ -41,12 +45,14 @@ from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import ROLES, Role, is_role
+from sidecar_common.errors import FailureReason
 from sidecar_common.retry import Backoff
 from sidecar_common.rpc import StubCache
 from sidecar_common.tls import ClientCredentials
 from sidecar_frontend.agent import HEALTH_SERVICE, WorkerAgent, new_pool, worker_stub
 from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.misbehaviour import Misbehaviour, MisbehaviourReporter
+from sidecar_frontend.outliers import Outliers, OutlierSettings, Verdict, own_fault
 from sidecar_frontend.registry import Refusal, Registry, Worker, WorkerState, role_mismatch
 from sidecar_frontend.supervisor import Supervisor
 from sidecar_frontend.worker_events import WorkerEvents, WorkerListener
@@ -86,6 +92,7 @@ class WorkerSet:
         clock: Callable[[], float] = time.monotonic,
         supervisor: Supervisor | None = None,
         misbehaviour: MisbehaviourReporter | None = None,
+        outliers: OutlierSettings | None = None,
     ) -> None:
         self._config = config if config is not None else WorkerSetConfig()
         self._clock = clock
@@ -108,6 +115,8 @@ class WorkerSet:
             misbehaviour if misbehaviour is not None else MisbehaviourReporter(CollectorRegistry())
         )
         self.misbehaviour.subscribe(self._on_misbehaviour)
+        # Own-fault failures in a row per worker, and who is ejected or on probation for them.
+        self.outliers = Outliers(outliers)
         if supervisor is not None:
             self._start_own_tasks()
 
@@ -214,6 +223,7 @@ class WorkerSet:
         if self._agents.get(worker.address) is not None and self.registry.holds(worker):
             del self._agents[worker.address]
         self._strikes.pop(worker.address, None)
+        self.outliers.forget(worker.address)
         await worker.pool.close()
         log.info("worker drained", worker=worker.address)
         self.registry.remove(worker)
@@ -257,15 +267,81 @@ class WorkerSet:
             ejected_for_secs=round(pause, 1),
             strikes=strikes,
         )
+        self._readmit_later(worker, pause)
+
+    # ---------------------------------------------------------------- outlier ejection
+
+    def call_succeeded(self, worker: Worker) -> bool:
+        """A Generate call on ``worker`` ended with every terminal delivered. Whether that
+        restored it (it was on probation: now it takes calls as any other; logged)."""
+        if not self.registry.holds(worker):
+            return False
+        if self.outliers.succeeded(worker.address) is not Verdict.RESTORED:
+            return False
+        worker.probation = False
+        log.info("worker restored", worker=worker.address)
+        return True
+
+    def call_failed(self, worker: Worker, reason: FailureReason) -> bool:
+        """A Generate call on ``worker`` failed for ``reason``. Whether that ejected it: the
+        failures of its own fault (``outliers.OWN_FAULT``) in a row reached the setting, or its
+        probe failed; out of routing for a pause that doubles with each ejection in a row
+        (logged). The last eligible worker of its role and model is not ejected (logged)."""
+        if not own_fault(reason) or not self.registry.holds(worker) or worker.state is WorkerState.DRAINING:
+            return False
+        now = self._clock()
+        ejection = self.outliers.failed(worker.address, now)
+        if ejection is None:
+            return False
+        worker.probation = False
+        if not any(
+            other is not worker and other.eligible
+            for other in self.registry.eligible_of(worker.role, worker.served_model)
+        ):
+            self.outliers.spared(worker.address)
+            log.warning(
+                "worker not ejected: the last eligible one of its model",
+                worker=worker.address,
+                role=worker.role,
+                model=worker.served_model or None,
+                failures=ejection.failures,
+                reason="consecutive failures",
+                last_failure=reason.value,
+            )
+            return False
+        pause = ejection.until - now
+        self.registry.eject(worker, ejection.until, f"consecutive failures (the last: {reason.value})")
+        log.warning(
+            "worker ejected",
+            worker=worker.address,
+            failures=ejection.failures,
+            strikes=ejection.strikes,
+            until=round(ejection.until, 3),
+            ejected_for_secs=round(pause, 1),
+            reason="consecutive failures",
+            last_failure=reason.value,
+        )
+        self._readmit_later(worker, pause)
+        return True
+
+    def _readmit_later(self, worker: Worker, pause: float) -> None:
         if self._supervisor is not None and self._supervisor.running:
             self._supervisor.start(
-                "readmit", functools.partial(self._readmit_after, worker, pause), owner=address, restart=False
+                "readmit",
+                functools.partial(self._readmit_after, worker, pause),
+                owner=worker.address,
+                restart=False,
             )
 
     async def _readmit_after(self, worker: Worker, pause: float) -> None:
+        """Back in routing once its ejection ran out (a later ejection's task readmits it
+        when that one ends later); on probation when its failures ejected it."""
         await anyio.sleep(pause)
         if self.registry.readmit(worker, self._clock()):
-            log.info("worker back in routing after its ejection", worker=worker.address)
+            worker.probation = self.outliers.readmitted(worker.address)
+            log.info(
+                "worker back in routing after its ejection", worker=worker.address, probation=worker.probation
+            )
 
     def _announce_model(self, worker: Worker, model: sidecar_pb2.ModelInfo) -> None:
         if model.served_model_name not in self._announced:
