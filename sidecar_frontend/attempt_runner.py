@@ -9,6 +9,20 @@ decides what runs next: a retry on another worker while nothing was delivered, a
 (continuation from the delivered tokens) after that. The runner ends with the sub-request's
 failure, or None when every choice's terminal was delivered.
 
+Overload (issue 27): a retry (a move before anything was delivered, an engine's busy refusal
+included) first asks the frontend's :class:`~sidecar_frontend.retry_budget.RetryBudget`, which
+allows a fraction of the sub-requests completed recently (each completed sub-request is told to
+it) plus a small floor; refused, the sub-request ends with the failure it had (the client gets
+the worker's own answer, a busy 503 for a busy worker), counted in
+``frontend_retries_refused_total`` and logged. So an overloaded fleet never multiplies its own
+load. A retry after a busy answer only goes to a worker that serves now and has not answered
+this sub-request busy (``attempts.py``). Migrations (after tokens were delivered) are not
+charged: ``--migration-limit`` bounds them per sub-request. Each Generate call's end is told to
+the worker set (:meth:`~sidecar_frontend.workers.WorkerSet.call_succeeded` when it delivered
+every terminal, :meth:`~sidecar_frontend.workers.WorkerSet.call_failed` when it failed), which
+ejects a worker whose calls keep failing of its own fault (``outliers.py``) and counts nothing
+itself: the ejections and restorations it reports are counted here.
+
 Cancellation: each attempt runs in the sub-request's own cancel scope (:class:`SubCall`), so
 an abort by id ends it; leaving a call cancels it, and the sidecar aborts the engine request.
 
@@ -48,6 +62,7 @@ from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.misbehaviour import NO_REPORTS, Fault, Misbehaviour, OutputCheck, Reporter
 from sidecar_frontend.placement import CallWatch, WorkerChoice, least_loaded, place
+from sidecar_frontend.retry_budget import RetryBudget
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
@@ -155,6 +170,7 @@ class AttemptRunner:
         tracing: Tracing | None = None,
         misbehaviour: Reporter = NO_REPORTS,
         end_grace: float = END_GRACE,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
         self.workers = workers
         self.config = config
@@ -171,6 +187,8 @@ class AttemptRunner:
         # logs, counts and takes the worker out of routing; by default nobody is told).
         self.misbehaviour = misbehaviour
         self.end_grace = end_grace
+        # Every retry across workers of every sub-request asks it first (module docstring).
+        self.retry_budget = retry_budget if retry_budget is not None else RetryBudget()
 
     def attempts(self, request: sidecar_pb2.PreprocessedRequest) -> Attempts:
         return Attempts(request, self.config.migration_limit)
@@ -187,8 +205,18 @@ class AttemptRunner:
             self.metrics.set_worker_inflight(worker.address, worker.inflight)
 
     def worker_failed(self, worker: Worker, failure: WorkerFailure) -> None:
+        """A Generate call on ``worker`` failed: counted, and told to the worker set (which
+        may eject it)."""
         if self.metrics is not None:
             self.metrics.worker_failed(worker.address, failure.reason.value)
+        if self.workers.call_failed(worker, failure.reason) and self.metrics is not None:
+            self.metrics.worker_ejected()
+
+    def worker_succeeded(self, worker: Worker) -> None:
+        """A Generate call on ``worker`` ended with its part done (every terminal delivered,
+        or a prefill's handoff given): told to the worker set (which may restore it)."""
+        if self.workers.call_succeeded(worker) and self.metrics is not None:
+            self.metrics.worker_restored()
 
     def misbehaved(self, worker: Worker, fault: Fault) -> WorkerFailure:
         """Report ``worker``'s fault; the failure its call ends with."""
@@ -227,6 +255,7 @@ class _Run:
             if scope.cancelled_caught:
                 return WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
             if failure is None:
+                self.runner.retry_budget.succeeded(self.runner.clock())
                 return None
             if failure.reason is FailureReason.NO_WORKER:
                 if self.moving is not None and self.moving[0] == "migrated":
@@ -240,14 +269,34 @@ class _Run:
                 # The budget was spent before the terminal came: end it as LENGTH.
                 await self.to.deliver(sub.index, attempts.finish(following))
                 self._migration_outcome("length", failure)
+                self.runner.retry_budget.succeeded(self.runner.clock())
                 return None
             if isinstance(following, Refusal):
                 if delivered:
                     self._migration_outcome(following.reason.name.lower(), failure)
                 return failure
+            if not delivered and not self._retry_allowed(failure):
+                return failure
             current = following
             # Counted once another worker takes it (``_placed``), or as no_worker.
             self.moving = ("migrated" if delivered else "retry", failure)
+
+    def _retry_allowed(self, failure: WorkerFailure) -> bool:
+        """Whether the retry budget allows this retry (spent when it does); a refusal is
+        counted and logged. A retry that then finds no worker has spent it all the same."""
+        runner = self.runner
+        if runner.retry_budget.try_retry(runner.clock()):
+            return True
+        if runner.metrics is not None:
+            runner.metrics.retry_refused(self.to.format_name)
+        log.info(
+            "retry refused: the retry budget is spent",
+            request_id=self.sub.attempts.request.request_id,
+            worker=self.tried[-1] if self.tried else None,
+            reason=failure.reason.value,
+            error=failure.message,
+        )
+        return False
 
     def _migration_outcome(self, outcome: str, failure: WorkerFailure, to: str | None = None) -> None:
         metrics = self.runner.metrics
@@ -353,6 +402,8 @@ class _Run:
                 FailureReason.PROTOCOL_ERROR, f"worker {worker.address} ended the stream early"
             )
             self.runner.worker_failed(worker, failure)
+        elif failure is None:
+            self.runner.worker_succeeded(worker)
         return failure
 
     async def _disaggregated(
@@ -396,6 +447,8 @@ class _Run:
                     FailureReason.PROTOCOL_ERROR, f"prefill worker {prefill.address} gave no handoff"
                 )
                 runner.worker_failed(prefill, failure)
+            elif failure is None and handoff:
+                runner.worker_succeeded(prefill)
             if failure is not None:
                 prefill_failure.append(failure)
                 group.cancel_scope.cancel()
@@ -504,8 +557,8 @@ class _Run:
         finally:
             if metrics is not None:
                 metrics.worker_call(worker.address, runner.clock() - began)
-                if failure is not None:
-                    metrics.worker_failed(worker.address, failure.reason.value)
+            if failure is not None:
+                runner.worker_failed(worker, failure)
 
     async def _after_final(
         self, worker: Worker, outputs: AsyncIterator[sidecar_pb2.LLMEngineOutput | None]
