@@ -51,6 +51,9 @@ ENV_PREFIX: Final = "SIDECAR_"
 
 # grpc's message length option is a C int.
 _GRPC_MAX_MESSAGE_BYTES: Final = 2**31 - 1
+# A WatchLoad stream sends a report at least every second (its heartbeat): a slower push
+# could not keep it.
+_MAX_PUSH_INTERVAL_MS: Final = 1000
 
 
 # The engine endpoint flags' type (the SGLang sidecar's --http-endpoint too).
@@ -143,6 +146,15 @@ def _byte_count(text: str) -> int:
     if value > _GRPC_MAX_MESSAGE_BYTES:
         raise argparse.ArgumentTypeError(
             f"must be at most {_GRPC_MAX_MESSAGE_BYTES} (gRPC's limit), got {value}"
+        )
+    return value
+
+
+def _push_interval_ms(text: str) -> int:
+    value = flags.positive_int_arg(text)
+    if value > _MAX_PUSH_INTERVAL_MS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {_MAX_PUSH_INTERVAL_MS} (WatchLoad's heartbeat is a second), got {value}"
         )
     return value
 
@@ -255,6 +267,14 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         metavar="SECS",
         help="on SIGTERM, how long in-flight generations may finish before they are cancelled",
     )
+    serve.add_argument(
+        "--load-push-interval-ms",
+        type=_push_interval_ms,
+        default=100,
+        metavar="MS",
+        help="WatchLoad: at most one load report per this many milliseconds to each client (changes "
+        "in between are coalesced), and the engine's load read this often while any client watches",
+    )
     _add_security_arguments(parser)
     fleet = parser.add_argument_group("fleet registration (etcd)")
     fleet.add_argument(
@@ -341,6 +361,7 @@ def parse_config(
         reflection=not ns.no_reflection,
         max_request_bytes=ns.max_request_bytes,
         kv_events=kv_events,
+        load_push_interval=ns.load_push_interval_ms / 1000,
     )
     return config, ns
 

@@ -40,6 +40,8 @@ class SidecarConfig:
     # The largest request message the public port accepts (--max-request-bytes).
     max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
     kv_events: KvEventsConfig | None = None  # --kv-events-endpoint & co; None: off
+    # WatchLoad's push interval in seconds (--load-push-interval-ms).
+    load_push_interval: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ def _server_config(config: SidecarConfig) -> ServerConfig:
         tls=config.tls,
         reflection=config.reflection,
         max_request_bytes=config.max_request_bytes,
+        load_push_interval=config.load_push_interval,
     )
 
 

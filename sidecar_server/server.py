@@ -33,10 +33,12 @@ from sidecar_server.dispatch import (
     Registry,
     new_public_id,
 )
-from sidecar_server.engine import Engine, GenerateCall
+from sidecar_server.engine import Engine, EngineLoad, GenerateCall
 from sidecar_server.engine_health import EngineHealthMonitor
 from sidecar_server.health import FAILURE_THRESHOLD
 from sidecar_server.kv_hub import KvCacheHub
+from sidecar_server.load_push import DEFAULT_PUSH_INTERVAL_SECS, PushTiming
+from sidecar_server.load_watch import LoadWatch
 from sidecar_server.metrics import Metrics
 from sidecar_server.relay import RelayConfig, relay
 
@@ -82,6 +84,9 @@ class ServerConfig:
     # Larger request messages are refused by grpc itself (RESOURCE_EXHAUSTED) before any
     # handler runs: the bound on what one client can make the sidecar hold.
     max_request_bytes: int = GRPC_MAX_MESSAGE_BYTES
+    # WatchLoad: at most one report per interval to each client, and the load read this often
+    # while any client watches (--load-push-interval-ms).
+    load_push_interval: float = DEFAULT_PUSH_INTERVAL_SECS
 
 
 class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -192,6 +197,11 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def GetLoad(self, request: sidecar_pb2.GetLoadRequest, context: _Context) -> sidecar_pb2.LoadReport:
         return await self._owner._load(context)
 
+    async def WatchLoad(  # type: ignore[override]
+        self, request: sidecar_pb2.WatchLoadRequest, context: _Context
+    ) -> None:
+        await self._owner.load_watch.watch(context.write)
+
     async def WatchKvCache(  # type: ignore[override]
         self, request: sidecar_pb2.WatchKvCacheRequest, context: _Context
     ) -> None:
@@ -240,6 +250,8 @@ class SidecarServer:
             on_change=self._engine_health_changed,
             internal_error=self._internal_error,
         )
+        # The WatchLoad streams and the one loop that reads the load for them; stop() ends it.
+        self.load_watch = LoadWatch(self._read_load, PushTiming(interval=config.load_push_interval))
         self._draining = False
         self._stopped = False
         # The drain's wait for in-flight work; cancel_inflight() ends it early.
@@ -363,6 +375,7 @@ class SidecarServer:
         self._stopped = True
         self.cancel_inflight()
         await self._engine_health.close()
+        await self.load_watch.close(self._config.health_probe_timeout)
         if self._server is not None:
             # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
             # engine abort; the grace lets those statuses reach the clients, where stop(None)
@@ -586,6 +599,23 @@ class SidecarServer:
             )
         except Exception as exc:
             await _fail(context, self._internal_error("load", exc))
+        return self._load_report(load)
+
+    async def _read_load(self) -> sidecar_pb2.LoadReport:
+        """One read of the load for the WatchLoad streams (raises SidecarError when the engine
+        does not answer in time)."""
+        timeout = self._config.health_probe_timeout
+        try:
+            # asyncio's own timeout: this runs in a plain asyncio task (engine_health.py says why).
+            async with asyncio.timeout(timeout):
+                load = await self._engine.load()
+        except TimeoutError:
+            raise SidecarError(
+                FailureReason.CONNECTION_TIMEOUT, f"{self._engine.name} load: no answer within {timeout:g}s"
+            ) from None
+        return self._load_report(load)
+
+    def _load_report(self, load: EngineLoad) -> sidecar_pb2.LoadReport:
         report = sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
         if self.kv_cache.subscribed:  # absent: this worker publishes no cache state
             report.kv_cache.CopyFrom(self.kv_cache.status())
