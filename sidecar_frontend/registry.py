@@ -90,9 +90,17 @@ class Worker:
     probation: bool = False
     # The frontend's own generations on this worker (exact, updated per call).
     inflight: int = 0
-    # The worker's last GetLoad (every frontend's generations) and our own count at that time.
+    # The worker's last load report (every frontend's generations) and our own count at that time.
     reported_inflight: int = 0
     own_at_report: int = 0
+    # The engine's figures in that report (None: never reported, or the engine does not say):
+    # requests running (summed over its ranks), waiting in its queue (summed), its KV-cache use
+    # (the fullest rank's, 0 to 1); and when the report arrived (the frontend's monotonic
+    # clock; None: never). Pushed by WatchLoad, or polled from a sidecar without it.
+    running_requests: int | None = None
+    waiting_requests: int | None = None
+    kv_usage: float | None = None
+    load_reported_at: float | None = None
     # The prompt tokens this frontend's generations here still have to prefill (each counted
     # from its call to its first output): what a new request would queue behind.
     queued_prefill_tokens: int = 0
