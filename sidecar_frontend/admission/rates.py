@@ -250,14 +250,16 @@ class RateLimiter:
 
     def reconfigure(self, config: RateConfig, now: float) -> None:
         """Apply new limits. Each bucket keeps its level (refilled at the old rate up to
-        ``now``), capped at its new size; a kind that is no longer limited loses its bucket,
-        and one that becomes limited starts full."""
+        ``now``), capped at its new size. A full bucket stays full (at its new size): a
+        tenant's bucket that is full and one that was dropped for being full must not differ.
+        A kind that is no longer limited loses its bucket, and one that becomes limited starts
+        full."""
         for (tenant, kind), bucket in list(self._buckets.items()):
             old = _per_minute(self._config.rate_of(tenant), kind)
             new = _per_minute(config.rate_of(tenant), kind)
             if old is not None:
                 bucket.refill(old, now)
-            if new is None:
+            if new is None or old is None or bucket.level >= old:
                 del self._buckets[(tenant, kind)]
             else:
                 bucket.level = min(bucket.level, new)
