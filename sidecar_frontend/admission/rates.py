@@ -343,7 +343,7 @@ class RateLimiter:
         if kind is _Kind.REQUESTS:
             return f"{_tenant_words(tenant)} may send no requests (requests_per_minute is 0)"
         return (
-            f"this request's {need} tokens (prompt plus max_tokens) exceed the "
+            f"this request's estimated {need} tokens (prompt plus max_tokens) exceed the "
             f"{_format_rate(per_minute)} tokens per minute of {_tenant_words(tenant)}: it can never "
             "be admitted; shorten the prompt or lower max_tokens"
         )

@@ -5,12 +5,15 @@ table of buckets stays bounded); the bound a client relies on is checked over ra
 from __future__ import annotations
 
 import copy
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar_frontend.admission import rates as rates_module
 from sidecar_frontend.admission.rates import (
     DEFAULT_TENANT,
     UNLIMITED,
@@ -130,6 +133,20 @@ def test_parse_errors(text: str, fragments: list[str]) -> None:
 def test_tenant_rate_refuses_values_no_bucket_can_have(requests: float | None, tokens: float | None) -> None:
     with pytest.raises(ValueError, match="per_minute"):
         TenantRate(requests, tokens)
+
+
+def test_the_documented_examples_parse() -> None:
+    expected = RateConfig(
+        default=TenantRate(600, 200000),
+        tenants={"team-a": TenantRate(6000, 200000), "batch": TenantRate(None, 50000)},
+    )
+    docs = (Path(__file__).parents[3] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    section = docs[docs.index("## Rate limits file") :]
+    example = section[section.index("```toml") + len("```toml") : section.index("```\n", 10)]
+    assert parse_rate_config(example, "docs") == expected
+    docstring = rates_module.__doc__ or ""
+    example = docstring[docstring.index("    [default]") : docstring.index("Both keys")]
+    assert parse_rate_config(textwrap.dedent(example), "docstring") == expected
 
 
 def test_rate_of_a_tenant() -> None:
