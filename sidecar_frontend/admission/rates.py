@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from sidecar_frontend.admission.who import DEFAULT_TENANT
+
 __all__ = [
     "DEFAULT_TENANT",
     "UNLIMITED",
@@ -55,7 +57,6 @@ __all__ = [
 ]
 
 # The tenant of a request that names none; it always has the default rates.
-DEFAULT_TENANT: Final = ""
 
 # A bucket is full after this many seconds at its rate (a minute's worth: the burst).
 _BUCKET_SECONDS: Final = 60.0
