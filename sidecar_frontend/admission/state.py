@@ -1,0 +1,306 @@
+"""One model's admission: which request runs now, which waits, which is refused (pure: no I/O,
+no clock, no logging; the time is passed in as ``now`` and the fleet's room as a
+:class:`~sidecar_frontend.admission.capacity.Room`).
+
+A request arrives (:meth:`ModelAdmission.arrive`) with its tenant, urgency, cost in tokens and
+sequences. It is refused at once when no worker can take anything (``NO_CAPACITY``: the room has
+no slot, or fewer than the request's sequences) or when its band of the queue is full
+(``QUEUE_FULL``). Otherwise it gets a :class:`~sidecar_frontend.admission.queue.Ticket`, pushed
+into the model's :class:`~sidecar_frontend.admission.queue.AdmissionQueue`, and is admitted at
+once (``ticket.admitted``) when the rule below picks it first; else it waits, and
+:meth:`ModelAdmission.pump` admits the waiting tickets when room appears (the caller pumps after
+every release and whenever the fleet's room may have grown). A ticket that waited until its
+deadline leaves with ``QUEUE_TIMEOUT`` (:meth:`ModelAdmission.expire`); one whose client left
+leaves at once (:meth:`ModelAdmission.cancel`). An admitted ticket holds its sequences until
+:meth:`ModelAdmission.release`, which also settles fair share on the tokens it really used.
+
+**The admission rule.** With the room passed in::
+
+    free    = total_slots - foreign_slots - held slots (this model's admitted, unreleased)
+    reserve = ceil(headroom * total_slots), at most total_slots - 1 (0 when headroom is 0)
+
+a ticket may be admitted when ``free >= slots`` and at least one of:
+
+* ``free - slots >= reserve``: it leaves the reserve untouched;
+* its tenant holds fewer slots than its fair share, ``total_slots / n`` where ``n`` counts the
+  tenants holding or queueing a ticket (its own included);
+* its urgency is above the lowest urgency currently held or queued.
+
+The first two of those (fair share, urgency) are what *qualifies for the reserve*. The next
+ticket admitted is the queue's next one (:meth:`AdmissionQueue.peek`: bands, then fair share by
+tokens) when it may be admitted; when it may not, the first of the (band, tenant) heads
+(:meth:`AdmissionQueue.heads`) that fits in ``free`` and qualifies for the reserve. That search
+is bounded by the number of (band, tenant) heads, not by the queue's length. So a tenant under
+its fair share passes the queued tickets of tenants over theirs, into the reserve: under a flood
+of one tenant the fleet fills to the reserve, and a quiet tenant's request is admitted at once
+instead of waiting for the flood's requests to end. A new ticket is admitted at once only when
+that same choice picks it: when no queued ticket would go before it, or when it qualifies for
+the reserve and no head before it does. A request is never admitted into more than ``free``.
+
+**Retry-After** of a refusal: the tickets queued in its band and above, divided by the recent
+rate of releases of this model (releases per second, exponentially decayed over
+:data:`RELEASE_RATE_WINDOW` seconds of the ``now`` values given), rounded up and clamped to
+[1, 60] seconds; 1 second while no release has been seen, and for ``NO_CAPACITY`` (the workers
+come back or they do not: waiting longer tells nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from sidecar_common.errors import RefusalReason
+from sidecar_frontend.admission.capacity import Room
+from sidecar_frontend.admission.queue import AdmissionQueue, Ticket, TicketState
+
+__all__ = [
+    "MAX_RETRY_AFTER",
+    "RELEASE_RATE_WINDOW",
+    "AdmissionSettings",
+    "ModelAdmission",
+    "Refused",
+    "Ticket",
+]
+
+_Key = TypeVar("_Key", str, int)
+
+# Seconds: the time constant of the decayed release rate behind Retry-After.
+RELEASE_RATE_WINDOW: Final = 10.0
+# The longest Retry-After given (seconds).
+MAX_RETRY_AFTER: Final = 60
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: RefusalReason
+    # Whole seconds, at least 1: the client's Retry-After.
+    retry_after: int
+    # Human words naming the measured values.
+    detail: str
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    # Waiting tickets per band.
+    max_queue_depth: int = 1024
+    # Seconds a request may wait (TTL).
+    max_queue_wait: float = 60.0
+    # The fraction of the total slots kept for tenants under their fair share and for urgent
+    # requests.
+    headroom: float = 0.1
+    # The least fraction of the tokens served that lower bands get while they wait (queue.py).
+    lower_band_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue_depth < 1:
+            raise ValueError(f"max_queue_depth is at least 1, got {self.max_queue_depth}")
+        if not self.max_queue_wait >= 0.0:
+            raise ValueError(f"max_queue_wait is at least 0, got {self.max_queue_wait}")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom is from 0 to below 1, got {self.headroom}")
+        if not 0.0 <= self.lower_band_share < 1.0:
+            raise ValueError(f"lower_band_share is from 0 to below 1, got {self.lower_band_share}")
+
+
+class ModelAdmission:
+    """The admission of one model's requests (the module docstring has the rules)."""
+
+    def __init__(self, settings: AdmissionSettings) -> None:
+        self.settings = settings
+        self._queue = AdmissionQueue(settings.max_queue_depth, settings.lower_band_share)
+        self._held_slots = 0
+        self._held_by_tenant: dict[str, int] = {}
+        # Tickets queued or held, by tenant and by urgency (fair share's n, the lowest urgency).
+        self._tickets_by_tenant: dict[str, int] = {}
+        self._tickets_by_urgency: dict[int, int] = {}
+        self._releases = _DecayedRate(RELEASE_RATE_WINDOW)
+
+    def arrive(
+        self, tenant: str, urgency: int, cost: int, slots: int, now: float, room: Room
+    ) -> Ticket | Refused:
+        """A new request: its ticket, admitted (``ticket.admitted``) or queued; or its refusal."""
+        if room.total_slots < max(1, slots):
+            return Refused(RefusalReason.NO_CAPACITY, 1, _no_capacity_words(room, slots))
+        ticket = Ticket(tenant, urgency, cost, slots, now, now + self.settings.max_queue_wait)
+        if not self._queue.push(ticket):
+            depth = self._queue.band_depth(urgency)
+            return Refused(
+                RefusalReason.QUEUE_FULL,
+                self._retry_after(self._queue.queued_at_or_above(urgency), now),
+                f"the queue of band {urgency} holds {depth} requests (the most --max-queue-depth allows)",
+            )
+        self._count_in(ticket)
+        if self._next_admitted(room) is ticket:
+            self._admit(ticket)
+        return ticket
+
+    def pump(self, now: float, room: Room) -> list[Ticket]:
+        """Admit every queued ticket the rule lets in now, in order (the caller wakes them).
+        Call :meth:`expire` first: a ticket past its deadline is still admitted here."""
+        admitted: list[Ticket] = []
+        while (ticket := self._next_admitted(room)) is not None:
+            self._admit(ticket)
+            admitted.append(ticket)
+        return admitted
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """A queued ticket leaves (its client left); False when it is not queued."""
+        if not self._queue.remove(ticket):
+            return False
+        self._count_out(ticket)
+        return True
+
+    def expire(self, now: float) -> list[tuple[Ticket, Refused]]:
+        """The queued tickets whose deadline is at or before ``now``, out of the queue, each with
+        its ``QUEUE_TIMEOUT`` refusal."""
+        gone = self._queue.expired(now)
+        for ticket in gone:
+            self._count_out(ticket)
+        refusals: list[tuple[Ticket, Refused]] = []
+        for ticket in gone:
+            ahead = self._queue.queued_at_or_above(ticket.urgency)
+            words = (
+                f"waited {now - ticket.enqueued_at:.1f} s in the queue of band {ticket.urgency} without "
+                f"room (the most --max-queue-wait-secs allows); {ahead} requests still wait at its "
+                f"priority or above, {self._held_slots} admitted sequences are running"
+            )
+            refusals.append(
+                (ticket, Refused(RefusalReason.QUEUE_TIMEOUT, self._retry_after(ahead, now), words))
+            )
+        return refusals
+
+    def release(self, ticket: Ticket, actual_cost: int | None, now: float) -> None:
+        """An admitted ticket finished, having used ``actual_cost`` tokens (None: not known, its
+        estimate stands): its slots are free, and fair share is settled on that usage. Nothing
+        happens for a ticket that is not admitted (never was, or already released)."""
+        if ticket.state is not TicketState.ADMITTED:
+            return
+        ticket.state = TicketState.RELEASED
+        self._held_slots -= ticket.slots
+        _subtract(self._held_by_tenant, ticket.tenant, ticket.slots)
+        self._count_out(ticket)
+        self._releases.record(now)
+        if actual_cost is not None:
+            self._queue.charge(ticket, actual_cost)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a queued ticket."""
+        return self._queue.next_deadline()
+
+    @property
+    def held_slots(self) -> int:
+        """Sequences of the admitted, unreleased tickets."""
+        return self._held_slots
+
+    def queued(self) -> dict[tuple[int, str], int]:
+        """Queued tickets by (urgency, tenant)."""
+        return self._queue.depth()
+
+    def held_by_tenant(self) -> dict[str, int]:
+        """Held sequences by tenant (tenants holding none are left out)."""
+        return dict(self._held_by_tenant)
+
+    # ------------------------------------------------------------------ inside
+
+    def _next_admitted(self, room: Room) -> Ticket | None:
+        """The ticket the rule admits next, if any (module docstring)."""
+        free = room.total_slots - room.foreign_slots - self._held_slots
+        head = self._queue.peek()
+        if head is None or free < 1:
+            return None
+        total = room.total_slots
+        lowest = min(self._tickets_by_urgency, default=None)
+        if head.slots <= free and (
+            free - head.slots >= self._reserve(total) or self._qualifies(head, total, lowest)
+        ):
+            return head
+        for candidate in self._queue.heads():
+            if candidate.slots <= free and self._qualifies(candidate, total, lowest):
+                return candidate
+        return None
+
+    def _qualifies(self, ticket: Ticket, total: int, lowest: int | None) -> bool:
+        """Whether ``ticket`` may take the reserve: its tenant is under its fair share, or it is
+        more urgent than the least urgent ticket held or queued."""
+        tenants = len(self._tickets_by_tenant)
+        under_share = self._held_by_tenant.get(ticket.tenant, 0) * tenants < total
+        return under_share or (lowest is not None and ticket.urgency > lowest)
+
+    def _reserve(self, total: int) -> int:
+        if self.settings.headroom <= 0.0 or total <= 1:
+            return 0
+        # Rounded first: 0.1 * 30 is 3.0000000000000004 in floating point, whose ceiling is 4.
+        return min(math.ceil(round(self.settings.headroom * total, 9)), total - 1)
+
+    def _admit(self, ticket: Ticket) -> None:
+        taken = self._queue.take(ticket)
+        assert taken, "the ticket admitted is one of the queue's heads"
+        self._held_slots += ticket.slots
+        self._held_by_tenant[ticket.tenant] = self._held_by_tenant.get(ticket.tenant, 0) + ticket.slots
+
+    def _count_in(self, ticket: Ticket) -> None:
+        self._tickets_by_tenant[ticket.tenant] = self._tickets_by_tenant.get(ticket.tenant, 0) + 1
+        self._tickets_by_urgency[ticket.urgency] = self._tickets_by_urgency.get(ticket.urgency, 0) + 1
+
+    def _count_out(self, ticket: Ticket) -> None:
+        _subtract(self._tickets_by_tenant, ticket.tenant, 1)
+        _subtract(self._tickets_by_urgency, ticket.urgency, 1)
+
+    def _retry_after(self, ahead: int, now: float) -> int:
+        rate = self._releases.rate(now)
+        if rate is None or ahead <= 0:
+            return 1
+        if rate <= 0.0:
+            return MAX_RETRY_AFTER
+        return max(1, min(MAX_RETRY_AFTER, math.ceil(ahead / rate)))
+
+
+class _DecayedRate:
+    """Events per second, each event's weight decaying as ``exp(-age / window)``: the decayed
+    count over the decay kernel's integral since the first event (so a constant rate reads as
+    itself from the start, not ramping up over the window). Times given out of order count as
+    the latest one seen."""
+
+    def __init__(self, window: float) -> None:
+        self._window = window
+        self._first: float | None = None
+        self._last = 0.0
+        self._weight = 0.0
+
+    def record(self, now: float) -> None:
+        if self._first is None:
+            self._first = self._last = now
+            self._weight = 1.0
+            return
+        now = max(now, self._last)
+        self._weight = self._weight * math.exp(-(now - self._last) / self._window) + 1.0
+        self._last = now
+
+    def rate(self, now: float) -> float | None:
+        """None until an event and some time after it."""
+        if self._first is None:
+            return None
+        now = max(now, self._last)
+        span = now - self._first
+        if span <= 0.0:
+            return None
+        observed = self._window * -math.expm1(-span / self._window)
+        return self._weight * math.exp(-(now - self._last) / self._window) / observed
+
+
+def _subtract(counts: dict[_Key, int], key: _Key, amount: int) -> None:
+    left = counts[key] - amount
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
+def _no_capacity_words(room: Room, slots: int) -> str:
+    if room.total_slots < 1:
+        return f"no worker of the model can run a request: {room.workers} workers, 0 running slots"
+    return (
+        f"the request runs {slots} sequences at once; the {room.workers} workers of the model run "
+        f"{room.total_slots} at most"
+    )
