@@ -8,17 +8,27 @@ failure and cancelled when the worker leaves the set:
   ``ModelInfo`` (fetched once each time the worker comes to serve; its role and model must be
   usable, or the worker is refused). When the Watch breaks the worker is NOT_SERVING and
   watched again, after a pause that doubles while it keeps breaking.
-- ``load_poll``: ``GetLoad`` on a bounded interval (other frontends' requests, whether its
-  sidecar relays KV events).
+- ``load_poll``: the worker's load (other frontends' requests, the engine's running and
+  waiting requests and KV-cache use, whether its sidecar relays KV events), pushed by its
+  sidecar on ``WatchLoad`` as it changes (watched again after the stream breaks, after a pause
+  that doubles up to ``load_poll_interval`` while it keeps breaking). A sidecar older than
+  WatchLoad (UNIMPLEMENTED) is polled with ``GetLoad`` every ``load_poll_interval`` instead,
+  until it restarts (the frontend then holds another ModelInfo for it), when WatchLoad is
+  asked again. Each report sets the worker's figures and ``load_reported_at``.
 
 Every reply is checked before it is believed (:mod:`sidecar_frontend.worker_replies`); a
-reply that does not decode or holds absurd values, and a GetLoad left unanswered while the
-Watch says SERVING, is misbehaviour: reported (:mod:`sidecar_frontend.misbehaviour`: logged
-once per kind and interval, counted) and the worker is taken out of routing for a backoff.
+reply that does not decode or holds absurd values (pushed or polled), and a GetLoad left
+unanswered while the Watch says SERVING, is misbehaviour: reported
+(:mod:`sidecar_frontend.misbehaviour`: logged once per kind and interval, counted) and the
+worker is taken out of routing for a backoff. A WatchLoad stream that stays silent for
+``LOAD_SILENT_HEARTBEATS`` of its sidecar's heartbeats is not: its sidecar sends nothing while
+it cannot read its engine's load, so the worker's figures age (admission counts a worker whose
+report is stale as saturated), a warning says so while the worker serves, and the stream is
+watched again.
 
 After a TLS rotation :meth:`WorkerAgent.redial` replaces the connections: new calls, the
-health Watch and the KV stream move to the new ones; calls in flight on the old ones finish
-there (closed at most ``retire_grace`` later).
+health Watch, the load stream and the KV stream move to the new ones; calls in flight on the
+old ones finish there (closed at most ``retire_grace`` later).
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import grpc
@@ -45,11 +55,23 @@ from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.misbehaviour import Misbehaviour, Reporter
 from sidecar_frontend.registry import Refusal, Registry, Worker, WorkerState
 from sidecar_frontend.supervisor import Supervisor
-from sidecar_frontend.worker_replies import UNDECODABLE, load_problem, model_info_problem
+from sidecar_frontend.worker_replies import UNDECODABLE, engine_load, load_problem, model_info_problem
 
-__all__ = ["HEALTH_SERVICE", "WorkerAgent", "new_pool", "worker_stub"]
+__all__ = [
+    "HEALTH_SERVICE",
+    "LOAD_HEARTBEAT_SECS",
+    "LOAD_SILENT_HEARTBEATS",
+    "WorkerAgent",
+    "new_pool",
+    "worker_stub",
+]
 
 HEALTH_SERVICE = "sidecar.v1.Worker"
+# WatchLoad's promise (docs/api.md): a report at least every second while the sidecar can read
+# its engine's load.
+LOAD_HEARTBEAT_SECS: Final = 1.0
+# A WatchLoad stream silent for this many heartbeats is watched again (see the module doc).
+LOAD_SILENT_HEARTBEATS: Final = 3
 
 log = structlog.get_logger("sidecar_frontend.workers")
 
@@ -97,6 +119,24 @@ class _Unanswered:
         return failing
 
 
+@dataclass(frozen=True)
+class _Unwatched:
+    """Its sidecar answered WatchLoad UNIMPLEMENTED while the frontend held ``model`` for it:
+    polled until the frontend holds another (the sidecar restarted, maybe upgraded)."""
+
+    model: sidecar_pb2.ModelInfo | None
+
+
+@dataclass(frozen=True)
+class _LoadStreamEnd:
+    """How one WatchLoad call ended: why (None: its sidecar does not serve WatchLoad), how many
+    reports it delivered that were believed, and whether one was refused as misbehaviour."""
+
+    why: str | None
+    believed: int = 0
+    refused: bool = False
+
+
 class _Verdict(enum.Enum):
     SERVES = "serves"
     REFUSED = "refused"
@@ -132,11 +172,14 @@ class WorkerAgent:
         self._clock = clock
         self._connected = False
         self._report = _Unanswered(config.report_first_secs, config.report_max_secs)
+        # Silent WatchLoad streams of a serving worker: warned of at the same pace.
+        self._load_silence = _Unanswered(config.report_first_secs, config.report_max_secs)
+        self._unwatched: _Unwatched | None = None
 
     def start(self) -> None:
         address = self.worker.address
         self._supervisor.start("health", self._health, owner=address)
-        self._supervisor.start("load_poll", self._poll_load, owner=address)
+        self._supervisor.start("load_poll", self._follow_load, owner=address)
 
     # ---------------------------------------------------------------- health
 
@@ -294,33 +337,117 @@ class WorkerAgent:
 
     # ---------------------------------------------------------------- load
 
-    async def _poll_load(self) -> None:
+    async def _follow_load(self) -> None:
+        """The worker's load, pushed while its sidecar serves WatchLoad, else polled."""
         worker = self.worker
+        backoff = Backoff(self._config.rewatch_interval, self._config.load_poll_interval)
+        breaks = 0  # in a row, since a stream last delivered a report that was believed
         while True:
-            own = worker.inflight
+            unwatched = self._unwatched
+            if unwatched is not None and unwatched.model is worker.model:
+                await self._poll_load_once()
+                await anyio.sleep(self._config.load_poll_interval)
+                continue
+            self._unwatched = None
+            with worker.on_current_connections() as moved:
+                end = await self._watch_load_once()
+            if moved.cancelled_caught:
+                continue  # new connections (TLS files rotated): watch there
+            if end.why is None:
+                self._unwatched = _Unwatched(worker.model)
+                log.info("worker load polled: its sidecar serves no WatchLoad", worker=worker.address)
+                continue
+            breaks = 0 if end.believed and not end.refused else breaks + 1
+            log.debug("worker load stream ended", worker=worker.address, why=end.why)
+            await anyio.sleep(backoff.pause(max(breaks, 1)))
+
+    async def _watch_load_once(self) -> _LoadStreamEnd:
+        """One WatchLoad call on the worker's current connections, until it breaks, stays silent
+        for ``LOAD_SILENT_HEARTBEATS`` heartbeats, sends a report that cannot be believed, or
+        turns out not to be served."""
+        worker = self.worker
+        silence = LOAD_HEARTBEAT_SECS * LOAD_SILENT_HEARTBEATS
+        believed = 0
+        try:
+            call = worker.stub().WatchLoad(sidecar_pb2.WatchLoadRequest())
             try:
-                report: sidecar_pb2.LoadReport | None = await bounded_call(
-                    "GetLoad",
-                    self._config.rpc_timeout,
-                    lambda t: worker.stub().GetLoad(sidecar_pb2.GetLoadRequest(), timeout=t),
-                )
-            except SidecarError as err:
-                # Unreachable workers are the health Watch's to report; a worker that answers
-                # its Watch but leaves GetLoad unanswered (hung) misbehaves.
-                if worker.state is WorkerState.SERVING and err.reason is FailureReason.CONNECTION_TIMEOUT:
-                    self._misbehaviour.report(worker.address, Misbehaviour.HUNG_LOAD, err.message)
-                else:
-                    log.debug("worker load poll failed", worker=worker.address, error=err.message)
+                with call_failures("WatchLoad"):
+                    while True:
+                        with anyio.move_on_after(silence) as quiet:
+                            reply: object = await _read_unserved_as_none(call)
+                        if quiet.cancelled_caught:
+                            self._silent(silence)
+                            return _LoadStreamEnd(f"no report in {silence:g}s", believed)
+                        if reply is _UNSERVED:
+                            return _LoadStreamEnd(None, believed)
+                        if reply is not None and not isinstance(reply, sidecar_pb2.LoadReport):
+                            # grpc.aio's EOF (its stubs do not name it).
+                            return _LoadStreamEnd("the sidecar ended the stream", believed)
+                        if not self._believe_load(reply, worker.inflight):
+                            return _LoadStreamEnd("refused a report", believed, refused=True)
+                        believed += 1
+                        if self._load_silence.clear():
+                            log.info("worker load reports resumed", worker=worker.address)
+            finally:
+                call.cancel()
+        except SidecarError as err:
+            return _LoadStreamEnd(err.message, believed)
+
+    def _silent(self, seconds: float) -> None:
+        """A stream said nothing for ``seconds``: warned of (at the pace of unanswered calls)
+        while the worker serves; its figures age meanwhile."""
+        worker = self.worker
+        if worker.state is not WorkerState.SERVING:
+            return
+        next_report = self._load_silence.due(self._clock())
+        if next_report is not None:
+            log.warning(
+                "worker load reports stopped: its load is stale until they resume",
+                worker=worker.address,
+                silent_secs=seconds,
+                waited_secs=round(self._load_silence.lasted(self._clock()), 1),
+                next_report_secs=next_report,
+            )
+
+    async def _poll_load_once(self) -> None:
+        """One GetLoad, for a sidecar that serves no WatchLoad."""
+        worker = self.worker
+        own = worker.inflight
+        try:
+            report: sidecar_pb2.LoadReport | None = await bounded_call(
+                "GetLoad",
+                self._config.rpc_timeout,
+                lambda t: worker.stub().GetLoad(sidecar_pb2.GetLoadRequest(), timeout=t),
+            )
+        except SidecarError as err:
+            # Unreachable workers are the health Watch's to report; a worker that answers
+            # its Watch but leaves GetLoad unanswered (hung) misbehaves.
+            if worker.state is WorkerState.SERVING and err.reason is FailureReason.CONNECTION_TIMEOUT:
+                self._misbehaviour.report(worker.address, Misbehaviour.HUNG_LOAD, err.message)
             else:
-                problem = UNDECODABLE if report is None else load_problem(report)
-                if problem is not None or report is None:
-                    kind = Misbehaviour.UNDECODABLE_LOAD if report is None else Misbehaviour.ABSURD_LOAD
-                    self._misbehaviour.report(worker.address, kind, problem or UNDECODABLE)
-                else:
-                    worker.reported_inflight = report.inflight_requests
-                    worker.own_at_report = own
-                    worker.publishes_cache = report.kv_cache.subscribed
-            await anyio.sleep(self._config.load_poll_interval)
+                log.debug("worker load poll failed", worker=worker.address, error=err.message)
+        else:
+            self._believe_load(report, own)
+
+    def _believe_load(self, report: sidecar_pb2.LoadReport | None, own: int) -> bool:
+        """Check ``report`` (None: it did not decode) at the edge: the worker's figures from it,
+        with ``own`` (this frontend's generations there when it arrived), or its misbehaviour
+        reported. Whether it was believed."""
+        worker = self.worker
+        problem = UNDECODABLE if report is None else load_problem(report)
+        if problem is not None or report is None:
+            kind = Misbehaviour.UNDECODABLE_LOAD if report is None else Misbehaviour.ABSURD_LOAD
+            self._misbehaviour.report(worker.address, kind, problem or UNDECODABLE)
+            return False
+        figures = engine_load(report)
+        worker.reported_inflight = report.inflight_requests
+        worker.own_at_report = own
+        worker.publishes_cache = report.kv_cache.subscribed
+        worker.running_requests = figures.running_requests
+        worker.waiting_requests = figures.waiting_requests
+        worker.kv_usage = figures.kv_usage
+        worker.load_reported_at = self._clock()
+        return True
 
     # ---------------------------------------------------------------- TLS rotation
 
@@ -355,6 +482,23 @@ class WorkerAgent:
             worker=worker.address,
             restart=False,
         )
+
+
+# What _read_unserved_as_none returns for a sidecar that does not serve the RPC.
+_UNSERVED: Final = object()
+
+
+async def _read_unserved_as_none(call: Any) -> object:
+    """The stream's next message (None: it did not decode; ``grpc.aio.EOF``: the stream ended),
+    or ``_UNSERVED`` when the sidecar answers UNIMPLEMENTED; any other failure raises."""
+    try:
+        reply: object = await call.read()
+    except grpc.RpcError as err:
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            return _UNSERVED
+        raise
+    return reply
 
 
 async def _responses(call: Any) -> AsyncIterator[Any]:

@@ -1,4 +1,5 @@
-"""What a worker's replies may hold before the frontend believes them (pure).
+"""What a worker's replies may hold before the frontend believes them, and the engine figures a
+believed load report gives (pure).
 
 Nothing a worker sends is trusted: a bug, a version skew or a compromised host must cost the
 fleet that one worker. Each check answers None for a reply that can be used, or why it cannot,
@@ -13,6 +14,7 @@ or CPU: a load of a million requests, a vocabulary of 16 M ids, a KV block of 64
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Final
 
 from sidecar_common.api import sidecar_pb2
@@ -24,6 +26,8 @@ __all__ = [
     "MAX_RANKS",
     "MAX_VOCAB_SIZE",
     "UNDECODABLE",
+    "EngineLoad",
+    "engine_load",
     "load_problem",
     "model_info_problem",
 ]
@@ -67,3 +71,26 @@ def load_problem(report: sidecar_pb2.LoadReport | None) -> str | None:
     if report.kv_cache.block_size > MAX_BLOCK_SIZE:
         return f"its KV block size {report.kv_cache.block_size} is above {MAX_BLOCK_SIZE}"
     return None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's own figures in a load report (None where no rank says)."""
+
+    running_requests: int | None
+    waiting_requests: int | None
+    kv_usage: float | None
+
+
+def engine_load(report: sidecar_pb2.LoadReport) -> EngineLoad:
+    """The figures of a report :func:`load_problem` passed: running and waiting requests summed
+    over the ranks that report them, and the fullest rank's KV-cache use (the cautious figure: a
+    request placed on the worker may land on that rank)."""
+    running = [rank.running_requests for rank in report.ranks if rank.HasField("running_requests")]
+    waiting = [rank.waiting_requests for rank in report.ranks if rank.HasField("waiting_requests")]
+    usage = [rank.kv_usage for rank in report.ranks if rank.HasField("kv_usage")]
+    return EngineLoad(
+        running_requests=sum(running) if running else None,
+        waiting_requests=sum(waiting) if waiting else None,
+        kv_usage=max(usage) if usage else None,
+    )

@@ -5,7 +5,11 @@ Honest, it answers like a sidecar over a small deterministic engine: health ``SE
 ``GetModelInfo`` (a model name and ``vocab_size``), ``GetLoad``, ``WatchKvCache`` with a small
 valid snapshot and then nothing (until the cache modes change: then the stream ends, and the
 next one misbehaves), and ``Generate`` with a few tokens per choice, one per output,
-the last one the terminal (``EOS``, or ``LENGTH`` when ``max_tokens`` ran out).
+the last one the terminal (``EOS``, or ``LENGTH`` when ``max_tokens`` ran out). ``WatchLoad``
+only with ``watch_load`` (``--watch-load``): GetLoad's report at once, then at each change of
+its in-flight count and every ``load_heartbeat`` seconds, the load modes applying to each report
+from the stream's ``after + 1``-th on (``load-hang``: silent from there); without it,
+``UNIMPLEMENTED``, as a sidecar older than WatchLoad answers.
 
 Every reply is serialized by this module rather than by grpc's stubs (generic RPC handlers
 whose response serializer passes :class:`Raw` bytes through untouched), so a mode can put on
@@ -21,13 +25,15 @@ Use it in process::
 or as a subprocess (it prints ``listening on HOST:PORT`` once it serves)::
 
     python -m tests.hostile_worker --listen 127.0.0.1:0 --misbehave output-garbage,load-nan \
-        [--after N] [--honest-outputs N] [--huge-keys N] [--control FILE] [--model M] [--vocab-size N]
+        [--after N] [--honest-outputs N] [--huge-keys N] [--control FILE] [--model M] [--vocab-size N] \
+        [--watch-load]
 
 where ``--control FILE`` names a file of comma-separated kinds, read again whenever it changes
 (an empty file: honest), so a test switches a running subprocess.
 
 ``after``: a mode applies from the ``after + 1``-th call of its RPC on (for the health Watch,
-its ``after + 1``-th message), so a worker can join the fleet honestly and turn later.
+its ``after + 1``-th message; for WatchLoad, its ``after + 1``-th report counted over every
+stream), so a worker can join the fleet honestly and turn later.
 ``honest_outputs``: a misbehaving ``Generate`` first sends that many honest token outputs
 (so tests choose whether a token was delivered before the fault).
 """
@@ -263,6 +269,8 @@ class HostileWorker:
         honest_outputs: int = 0,
         default_tokens: int = 4,
         huge_keys: int = 300_000,
+        watch_load: bool = False,
+        load_heartbeat: float = 0.5,
     ) -> None:
         self.model_info = model_info if model_info is not None else default_model_info()
         self.kinds: frozenset[Kind] = frozenset(kinds)
@@ -270,14 +278,19 @@ class HostileWorker:
         self.honest_outputs = honest_outputs
         self.default_tokens = default_tokens
         self.huge_keys = huge_keys
+        self.watch_load = watch_load
+        self.load_heartbeat = load_heartbeat
         self.epoch = secrets.randbits(62) + 1
         self.address = ""
-        # Calls per RPC (health Watch: messages), and misbehaving replies sent per kind.
+        # Calls per RPC (health Watch: messages; "WatchLoad/report": WatchLoad's reports), and
+        # misbehaving replies sent per kind.
         self.calls: Counter[str] = Counter()
         self.misbehaved: Counter[Kind] = Counter()
         self.generate_ids: list[str] = []
         self.inflight = 0
         self._changed = anyio.Event()
+        # Set (and replaced) when the in-flight count changes: WatchLoad streams report it.
+        self._inflight_changed = anyio.Event()
         # Woken whenever anything above is counted: tests wait on it, never on time.
         self._counted = anyio.Event()
 
@@ -326,6 +339,10 @@ class HostileWorker:
         counted, self._counted = self._counted, anyio.Event()
         counted.set()
 
+    def _inflight_change(self) -> None:
+        changed, self._inflight_changed = self._inflight_changed, anyio.Event()
+        changed.set()
+
     def _active(self, kind: Kind, call: int) -> bool:
         return kind in self.kinds and call > self.after
 
@@ -354,6 +371,11 @@ class HostileWorker:
                 "GetLoad": unary(
                     self._load,
                     request_deserializer=sidecar_pb2.GetLoadRequest.FromString,
+                    response_serializer=_serialize,
+                ),
+                "WatchLoad": stream(
+                    self._watch_load,
+                    request_deserializer=sidecar_pb2.WatchLoadRequest.FromString,
                     response_serializer=_serialize,
                 ),
                 "WatchKvCache": stream(
@@ -417,8 +439,41 @@ class HostileWorker:
 
     async def _load(self, request: Any, context: Any) -> Any:
         call = self._count("GetLoad")
+        kind = self._load_kind(call)
+        if kind is None:
+            return self._load_reply(None)
+        self._sent(kind)
+        if kind is Kind.LOAD_HANG:
+            await anyio.sleep_forever()
+        return self._load_reply(kind)
+
+    async def _watch_load(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self._count("WatchLoad")
+        if not self.watch_load:
+            # What grpc itself answers for a method the server does not have.
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        while True:
+            changed, inflight_changed = self._changed, self._inflight_changed
+            kind = self._load_kind(self.calls["WatchLoad/report"] + 1)
+            if kind is Kind.LOAD_HANG:
+                self._sent(kind)
+                await changed.wait()  # silent until the modes change
+                continue
+            if kind is not None:
+                self._sent(kind)
+            self._count("WatchLoad/report")
+            yield self._load_reply(kind)
+            with anyio.move_on_after(self.load_heartbeat):
+                await inflight_changed.wait()
+
+    def _load_kind(self, call: int) -> Kind | None:
+        """The load mode that applies to the ``call``-th load reply, if any."""
         active = [kind for kind in sorted(LOAD_KINDS, key=lambda k: k.value) if self._active(kind, call)]
-        if not active:
+        return active[0] if active else None
+
+    def _load_reply(self, kind: Kind | None) -> Any:
+        """The honest report (``kind`` None), or what ``kind`` sends instead (not LOAD_HANG)."""
+        if kind is None:
             return sidecar_pb2.LoadReport(
                 inflight_requests=self.inflight,
                 ranks=[
@@ -430,10 +485,6 @@ class HostileWorker:
                     subscribed=True, batches_received=1, blocks=3, block_size=16
                 ),
             )
-        kind = active[0]
-        self._sent(kind)
-        if kind is Kind.LOAD_HANG:
-            await anyio.sleep_forever()
         if kind is Kind.LOAD_GARBAGE:
             return Raw(GARBAGE)
         if kind is Kind.LOAD_NEGATIVE:
@@ -516,6 +567,7 @@ class HostileWorker:
         choices = max(1, request.sampling_options.n) if request.sampling_options.HasField("n") else 1
         tokens = honest_tokens(request, self.vocab_size, self.default_tokens)
         self.inflight += 1
+        self._inflight_change()
         try:
             if kind is Kind.LENGTH_NO_TOKENS:
                 self._sent(kind)
@@ -569,6 +621,7 @@ class HostileWorker:
             await anyio.sleep_forever()
         finally:
             self.inflight -= 1
+            self._inflight_change()
             self._wake()
 
     def _output(
@@ -638,6 +691,7 @@ async def _serve(args: argparse.Namespace) -> None:
         "after": args.after,
         "honest_outputs": args.honest_outputs,
         "huge_keys": args.huge_keys,
+        "watch_load": args.watch_load,
     }
     async with (
         hostile_worker(info, listen=args.listen, **options) as worker,
@@ -661,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--huge-keys", type=int, default=300_000, metavar="N", help="keys of a huge snapshot")
     parser.add_argument("--model", default="hostile-model")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
+    parser.add_argument("--watch-load", action="store_true", help="serve WatchLoad (else UNIMPLEMENTED)")
     args = parser.parse_args(argv)
     with suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))
