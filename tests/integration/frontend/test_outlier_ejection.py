@@ -48,11 +48,13 @@ class ScriptedWorker(HostileWorker):
         self.hold: anyio.Event | None = None
         self.held = anyio.Event()
         self.arrivals = 0
+        self.arrived_ids: list[str] = []
         self.on_arrival: Callable[[], None] = lambda: None
         self.arrival = anyio.Event()
 
     async def _generate(self, request: sidecar_pb2.PreprocessedRequest, context: Any) -> AsyncIterator[Any]:
         self.arrivals += 1
+        self.arrived_ids.append(request.request_id)
         self.on_arrival()
         arrival, self.arrival = self.arrival, anyio.Event()
         arrival.set()
@@ -235,6 +237,9 @@ async def test_the_retry_budget_bounds_the_calls_a_busy_fleet_sees() -> None:
                 assert status == 503, data
             calls = one.arrivals + two.arrivals
             assert requests <= calls <= requests + reserve
+            for worker in (one, two):
+                assert len(set(worker.arrived_ids)) == worker.arrivals, "a busy worker is not asked again"
+            assert set(one.arrived_ids) & set(two.arrived_ids), "the budget allowed a retry on the other one"
             refused = sample(fe, "frontend_retries_refused_total", format=VLLM.name)
             assert refused >= requests - reserve
             # Busy is no fault: nobody was ejected.
