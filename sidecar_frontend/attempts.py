@@ -17,6 +17,11 @@ Where the next attempt may run (:attr:`Attempts.patient`): after a worker went a
 now and has not answered this sub-request busy may take it, and none is waited for: with no
 such worker the client gets the busy answer at once, as from the engine itself.
 
+What is decided here is what a sub-request may do on its own. Across sub-requests, retries are
+bounded too: the attempt runner asks the frontend's retry budget (``retry_budget.py``) before
+each retry decided here, and ends the sub-request with its failure when the budget refuses
+(migrations are not charged: the limit above bounds them).
+
 Every output the client is given passes through :meth:`Attempts.delivered`, which rewrites a
 continuation's outputs so that the client sees one uninterrupted generation.
 """
