@@ -1,6 +1,7 @@
-"""WatchLoad on a real sidecar over the testkit vLLM engine: a report at once, a new one as
-soon as a generation runs (the client never asks), the heartbeat restating an idle load, and
-one read of the engine for every stream, only while one is open."""
+"""WatchLoad on a real sidecar over the testkit vLLM engine (and SGLang's, over both
+transports): a report at once, a new one as soon as a generation runs (the client never asks),
+the heartbeat restating an idle load, and one read of the engine for every stream, only while
+one is open."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from sidecar_common.api import sidecar_pb2
+from tests.sglang_fixtures import Transport, sglang_stack
 from tests.vllm_fixtures import public_request, vllm_stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,3 +119,21 @@ async def test_the_stream_ends_with_the_server() -> None:
             async for _ in reports(watch):
                 pass
         assert not stack.server.load_watch.reading
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+async def test_an_sglang_sidecar_pushes_its_engines_load_as_get_load_reports_it(transport: Transport) -> None:
+    async with sglang_stack(transport, token_latency_ms=50.0) as stack:
+        watch = stack.stub.WatchLoad(sidecar_pb2.WatchLoadRequest())
+        try:
+            idle = await first_report(watch, lambda r: True)
+            assert running(idle) == 0
+            assert idle == await stack.stub.GetLoad(sidecar_pb2.GetLoadRequest(), timeout=WAIT)
+            generate = stack.stub.Generate(public_request("busy", max_tokens=400))
+            try:
+                busy = await first_report(watch, lambda r: running(r) >= 1)
+                assert busy.inflight_requests == 1
+            finally:
+                generate.cancel()
+        finally:
+            watch.cancel()
