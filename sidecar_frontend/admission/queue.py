@@ -40,7 +40,9 @@ bands get a fraction ``s`` of the tokens, give or take one ticket. ``D`` is clam
 ``[-s * cost, (1 - s) * cost]`` of the ticket just served (a bound the rule itself never
 reaches): a ticket served out of turn (:meth:`AdmissionQueue.take`) shifts the balance by one
 ticket at most, and the memory of the past is one ticket long. No clock and no decay: ``D`` is
-bounded by construction. Pops while only one band waits do not count.
+bounded by construction. Pops while only one band waits do not count. ``D`` is one counter,
+whichever band is the highest waiting one at the time (with three bands waiting, the middle one
+is the "lower" band served; the lowest waits until it is the highest lower band).
 
 **Out of turn.** :meth:`AdmissionQueue.heads` lists each (band, tenant)'s first ticket and
 :meth:`AdmissionQueue.take` serves one of them before its turn (the admission state does that
