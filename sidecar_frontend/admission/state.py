@@ -22,8 +22,10 @@ leaves at once (:meth:`ModelAdmission.cancel`). An admitted ticket holds its seq
 a ticket may be admitted when ``free >= slots`` and at least one of:
 
 * ``free - slots >= reserve``: it leaves the reserve untouched;
-* its tenant holds fewer slots than its fair share, ``total_slots / n`` where ``n`` counts the
-  tenants holding or queueing a ticket (its own included);
+* its tenant holds fewer slots than its fair share, ``total_slots / (n + 1)`` where ``n``
+  counts the tenants holding or queueing a ticket (its own included), and the one more is
+  whoever comes next: a lone tenant's flood fills the fleet up to the reserve and no further,
+  so the next tenant to arrive finds room at once;
 * its urgency is above the lowest urgency currently held or queued.
 
 The first two of those (fair share, urgency) are what *qualifies for the reserve*. The next
@@ -223,7 +225,9 @@ class ModelAdmission:
     def _qualifies(self, ticket: Ticket, total: int, lowest: int | None) -> bool:
         """Whether ``ticket`` may take the reserve: its tenant is under its fair share, or it is
         more urgent than the least urgent ticket held or queued."""
-        tenants = len(self._tickets_by_tenant)
+        # One more tenant than are here: the reserve is kept for whoever comes next, so a lone
+        # flood (whose share of the tenants present would be everything) cannot take it.
+        tenants = len(self._tickets_by_tenant) + 1
         under_share = self._held_by_tenant.get(ticket.tenant, 0) * tenants < total
         return under_share or (lowest is not None and ticket.urgency > lowest)
 

@@ -158,18 +158,19 @@ def test_a_tenant_holding_exactly_its_fair_share_may_not_take_the_reserve() -> N
 
 @pytest.mark.parametrize("leaves", ["expire", "cancel"])
 def test_a_request_that_left_no_longer_counts_among_the_tenants_sharing(leaves: str) -> None:
-    state = ModelAdmission(AdmissionSettings(max_queue_wait=5.0, headroom=0.5))  # 3 of 6 reserved
-    fleet = room(6)
+    # 11 of 12 reserved: past the first slot, only a tenant under its share gets in.
+    state = ModelAdmission(AdmissionSettings(max_queue_wait=5.0, headroom=0.9))
+    fleet = room(12)
     admitted(state.arrive("steady", 0, 1, 1, 0.0, fleet))
-    gone = queued(state.arrive("gone", 0, 1, 1, 0.0, room(6, foreign=5)))
+    gone = queued(state.arrive("gone", 0, 1, 1, 0.0, room(12, foreign=11)))
     if leaves == "expire":
         assert [ticket for ticket, _ in state.expire(5.0)] == [gone]
     else:
         assert state.cancel(gone)
-    # Two tenants share 6 slots: "a" goes under its share of 3 (three of its requests, two of
-    # them into the reserve); counting "gone" still, its share would be 2.
-    outcomes = [state.arrive("a", 0, 1, 1, 5.0, fleet) for _ in range(4)]
-    assert [isinstance(outcome, Ticket) and outcome.admitted for outcome in outcomes] == [True] * 3 + [False]
+    # Two tenants here, and room kept for one more: "a"'s share is 12 / 3 = 4, so four of its
+    # requests get in; counting "gone" still, its share would be 12 / 4 = 3.
+    outcomes = [state.arrive("a", 0, 1, 1, 5.0, fleet) for _ in range(5)]
+    assert [isinstance(outcome, Ticket) and outcome.admitted for outcome in outcomes] == [True] * 4 + [False]
 
 
 def test_a_tenant_never_overtakes_its_own_queued_request() -> None:
@@ -381,3 +382,15 @@ def test_any_sequence_keeps_the_books_and_never_overfills(
                 key = (ticket.urgency, ticket.tenant)
                 waiting[key] = waiting.get(key, 0) + 1
         assert state.queued() == waiting
+
+
+def test_a_lone_flood_stops_at_the_reserve_and_the_next_tenant_gets_in_at_once() -> None:
+    # 10 slots, 2 reserved: alone, the flood's share counts a tenant still to come (10 / 2 = 5),
+    # which it is past once it filled the 8 slots outside the reserve.
+    state = ModelAdmission(AdmissionSettings(headroom=0.2))
+    fleet = room(10)
+    flood = [state.arrive("flood", 0, 1, 1, 0.0, fleet) for _ in range(12)]
+    assert [isinstance(t, Ticket) and t.admitted for t in flood] == [True] * 8 + [False] * 4
+    quiet = state.arrive("quiet", 0, 1, 1, 0.0, fleet)
+    assert isinstance(quiet, Ticket) and quiet.admitted
+    assert state.held_slots == 9
