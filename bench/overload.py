@@ -61,7 +61,9 @@ SCENARIOS: tuple[Scenario, ...] = ("flood", "priority")
 _BUSY_MACHINE_CORES = 1.4
 _BUSY_CLIENT_CORES = 0.7
 _LATE_DISPATCH_MS = 20.0
-_CALIBRATION_WARMUP_S = 1.0  # the closed loop's streams start over its first second
+_CALIBRATION_WARMUP_S = 1.0
+# After a level's last arrival, a request with no answer after this many service times leaves.
+ANSWER_GRACE_SERVICES = 2.0  # the closed loop's streams start over its first second
 
 
 def _progress(text: str) -> None:
@@ -79,7 +81,8 @@ class _Config:
         self.request = RequestShape(
             self.shape.prompt_tokens, self.shape.output_tokens, send_priority=admission
         )
-        self.notes: list[str] = []
+        # Long enough for a request at the back of a full engine queue (admission off) to start.
+        self.answer_grace_s = ANSWER_GRACE_SERVICES * self.shape.service_secs
 
     async def run(self) -> dict[str, Any]:
         async with (
@@ -144,7 +147,7 @@ class _Config:
             return meter.read(time.perf_counter())
 
         cpu_task = asyncio.create_task(measure_cpu())
-        outcomes = await client.open_loop(arrivals, t0, window, self.profile.drain_s)
+        outcomes = await client.open_loop(arrivals, t0, window, self.answer_grace_s, self.profile.drain_s)
         cpu = await cpu_task
         marks = poller.take()
         row = summarize_level(outcomes, window)

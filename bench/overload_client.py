@@ -114,11 +114,17 @@ class Client:
             outcome.done_s = clock() - t0
 
     async def open_loop(
-        self, arrivals: Sequence[Arrival], t0: float, window: tuple[float, float], drain_s: float
+        self,
+        arrivals: Sequence[Arrival],
+        t0: float,
+        window: tuple[float, float],
+        answer_grace_s: float,
+        drain_s: float,
     ) -> list[Outcome]:
-        """Send every arrival at its time after ``t0`` (a ``time.perf_counter`` reading), then
-        wait (at most ``drain_s`` after the last) for every answer; requests still running then
-        are cancelled and marked ``cut``."""
+        """Send every arrival at its time after ``t0`` (a ``time.perf_counter`` reading). After
+        the last one, a request still without an answer ``answer_grace_s`` later leaves (its
+        client gives up: an admission queue drops it), and one still streaming ``drain_s``
+        later is cancelled; both are marked ``cut``."""
         clock = time.perf_counter
         outcomes: list[Outcome] = []
         tasks: list[asyncio.Task[None]] = []
@@ -130,7 +136,15 @@ class Client:
             outcomes.append(outcome)
             tasks.append(asyncio.create_task(self.send(outcome, t0, window)))
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=drain_s)
+            last = clock()
+            _, pending = await asyncio.wait(tasks, timeout=answer_grace_s)
+            waiting = [t for o, t in zip(outcomes, tasks, strict=True) if o.status is None and not t.done()]
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+            pending = {t for t in pending if not t.done()}
+            if pending:
+                _, pending = await asyncio.wait(pending, timeout=max(0.0, last + drain_s - clock()))
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -106,7 +106,7 @@ class Profile:
     warmup_s: float  # the first seconds of a level (queues filling) are not measured
     baseline_s: float  # the quiet tenant alone on an idle fleet
     calibration_s: float  # closed loop at the fleet's slots (its first warmup_s not measured)
-    drain_s: float  # after a level's last arrival, how long its requests may still run
+    drain_s: float  # after a level's last arrival, how long its streams may still run
     quiet_rps: float = 1.0
     high_fraction: float = 0.05
 

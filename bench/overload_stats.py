@@ -164,7 +164,10 @@ def summarize_level(outcomes: Sequence[Outcome], window: tuple[float, float]) ->
         "failure_samples": [o.failure for o in outcomes if o.failure and not o.admitted][:3],
         "lost": len(lost),
         "lost_samples": [o.error_event or o.failure or "stream ended without its finish" for o in lost][:3],
-        "cut": sum(o.cut for o in outcomes),
+        # The benchmark stopped waiting: still without an answer after the level (an admission
+        # queue's backlog), or still streaming long after it.
+        "left_waiting": sum(o.cut and o.status is None for o in outcomes),
+        "cut_streams": sum(o.cut and o.status is not None for o in outcomes),
         "dispatch_lag_p99_ms": _ms(percentile(lags, 99)),
         "dispatch_lag_max_ms": _ms(max(lags, default=None)),
     }
@@ -304,9 +307,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
             f"{_cell(base.get('ttft_p99_ms'))} ms ({base.get('ttft_samples', 0)} samples).",
             "",
             "| scenario | load | quiet TTFT p50 / p99 ms (n) | high TTFT p50 / p99 ms (n) | goodput tokens/s "
-            "| refusals (status reason: n) | refusal p99 ms | no Retry-After | lost "
+            "| refusals (status reason: n) | refusal p99 ms | no Retry-After | lost | left waiting "
             "| engine queue max / bound | CPU cores (busiest, machine, other) | dispatch lag p99 ms |",
-            "|---|---:|---|---|---:|---|---:|---:|---:|---:|---|---:|",
+            "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
         ]
         for row in result["rows"]:
             queue = f"{max(row['engine_queue_hwm'], default='-')} / {row['engine_queue_bound']}"
@@ -314,7 +317,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
                 row["scenario"], f"{row['load']:g}x", _ttft_cell(row, QUIET), _ttft_cell(row, HIGH),
                 _cell(row["goodput_tokens_per_s"]), _refusal_cell(row),
                 _cell(row["prompt_refusal_answer_p99_ms"]), str(row["refusals_without_retry_after"]),
-                str(row["lost"]), queue, _cpu_cell(row),
+                str(row["lost"]), str(row["left_waiting"]), queue, _cpu_cell(row),
                 _cell(row["dispatch_lag_p99_ms"]),
             ]  # fmt: skip
             lines.append(f"| {' | '.join(cells)} |")
