@@ -32,7 +32,10 @@ from sidecar_common.operations_flags import add_operations_arguments, refuse_met
 from sidecar_common.registration_record import RecordError
 from sidecar_common.tls_settings import ClientTlsFiles, TlsSettingsError, load_client_files
 from sidecar_common.version import add_version_flag
-from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig, WorkerSetConfig
+from sidecar_frontend.admission.capacity import CapacitySettings
+from sidecar_frontend.admission.state import AdmissionSettings
+from sidecar_frontend.admission.who import DEFAULT_PRIORITY_HEADER, DEFAULT_TENANT_HEADER, WhoRules
+from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, AdmissionConfig, HandlerConfig, WorkerSetConfig
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
@@ -67,6 +70,7 @@ class FrontendConfig:
     sources: FlagSources = field(default_factory=FlagSources)
     # The SGLang format's --incremental-streaming-output (formats.sglang.SglangFormat).
     sglang_incremental_streaming_output: bool = False
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 def _workers(text: str) -> tuple[str, ...]:
@@ -107,6 +111,40 @@ def _formats(text: str) -> tuple[str, ...]:
             f"expected a comma-separated list of {', '.join(FORMATS)}, got {text!r}"
         )
     return names
+
+
+def _fraction(text: str) -> float:
+    """A number from 0 up to (not including) 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to below 1, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to below 1, got {text!r}")
+    return value
+
+
+def _worker_capacity(text: str) -> tuple[str, int]:
+    """``HOST:PORT=N``: that worker runs at most N sequences at once, whatever its engine says."""
+    address, sep, count = text.rpartition("=")
+    if not sep or not address:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT=N, got {text!r}")
+    try:
+        limit = int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT=N with N a whole number, got {text!r}"
+        ) from None
+    if limit < 1:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT=N with N at least 1, got {text!r}")
+    return address, limit
+
+
+def _header_name(text: str) -> str:
+    name = text.strip()
+    if not name or any(c.isspace() or c in ':()<>@,;\\"/[]?={}' for c in name):
+        raise argparse.ArgumentTypeError(f"expected an HTTP header name, got {text!r}")
+    return name.lower()
 
 
 _ratio: Final = at_least_arg(1.0)
@@ -150,6 +188,24 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
         applies="sglang" in ns.formats,
         rule="is used only when --format includes sglang",
     )
+    for dest in (
+        "max_queue_depth",
+        "max_queue_wait_secs",
+        "admission_headroom",
+        "lower_band_share",
+        "worker_capacity",
+        "load_stale_secs",
+        "tenant_header",
+        "priority_header",
+        "sglang_low_priority_values_first",
+        "rate_limits",
+    ):
+        refuse_inapplicable(
+            ns,
+            dest,
+            applies=not ns.no_admission,
+            rule="is used only with admission on (not with --no-admission)",
+        )
     refuse_metrics_host_without_port(ns)
 
 
@@ -337,12 +393,124 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="the most block keys one KV cache update of a worker may carry; past it, as above",
     )
+    _add_admission_arguments(parser)
     add_discovery_arguments(parser)
     add_operations_arguments(
         parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
     )
     annotate_env_help(parser, ENV_PREFIX)
     return parser
+
+
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    admission = parser.add_argument_group('admission (docs/frontend.md, "Admission")')
+    defaults = AdmissionSettings()
+    admission.add_argument(
+        "--no-admission",
+        action="store_true",
+        help="send every request straight to a worker, however loaded the fleet is (no queue, no "
+        "fair share, no 429): the frontend's behaviour before admission",
+    )
+    admission.add_argument(
+        "--max-queue-depth",
+        type=positive_int_arg,
+        default=defaults.max_queue_depth,
+        metavar="N",
+        help="requests that may wait for room in one priority band of one model; past it, 429",
+    )
+    admission.add_argument(
+        "--max-queue-wait-secs",
+        type=seconds_arg(allow_zero=False),
+        default=defaults.max_queue_wait,
+        metavar="SECS",
+        help="how long a request may wait for room before it is refused (429)",
+    )
+    admission.add_argument(
+        "--admission-headroom",
+        type=_fraction,
+        default=defaults.headroom,
+        metavar="F",
+        help="the fraction of the fleet's running slots that only a tenant under its fair share, or "
+        "a request more urgent than the least urgent one running, may take: what keeps a quiet "
+        "tenant's first token fast under another tenant's flood",
+    )
+    admission.add_argument(
+        "--lower-band-share",
+        type=_fraction,
+        default=defaults.lower_band_share,
+        metavar="F",
+        help="the least fraction of tokens admitted that lower priority bands get while they wait "
+        "(0: strict priority)",
+    )
+    admission.add_argument(
+        "--worker-capacity",
+        type=_worker_capacity,
+        action="append",
+        default=None,
+        metavar="HOST:PORT=N",
+        help="that worker runs at most N sequences at once, over its engine's max_num_seqs "
+        "(vLLM) or max_running_requests (SGLang); repeatable (default: what each engine reports)",
+    )
+    admission.add_argument(
+        "--load-stale-secs",
+        type=seconds_arg(allow_zero=False),
+        default=CapacitySettings.stale_after,
+        metavar="SECS",
+        help="a worker whose load its sidecar last reported longer ago counts as full for "
+        "admission (unless every worker of the model is that stale)",
+    )
+    admission.add_argument(
+        "--tenant-header",
+        type=_header_name,
+        default=DEFAULT_TENANT_HEADER,
+        metavar="NAME",
+        help="the request header naming its tenant, for fair share and rate limits (absent: the "
+        "default tenant); a gateway in front should set it from authentication and strip the "
+        "client's own",
+    )
+    admission.add_argument(
+        "--priority-header",
+        type=_header_name,
+        default=DEFAULT_PRIORITY_HEADER,
+        metavar="NAME",
+        help="a request header whose integer overrides the body's priority, in the format's own "
+        "meaning (vLLM: lower first; SGLang: larger first)",
+    )
+    admission.add_argument(
+        "--sglang-low-priority-values-first",
+        action="store_true",
+        help="SGLang requests with lower priority values are served first (as SGLang's own server "
+        "flag of that name); without it, larger values first",
+    )
+    admission.add_argument(
+        "--rate-limits",
+        default=None,
+        metavar="FILE",
+        help='per-tenant requests and tokens per minute (TOML; docs/configuration.md, "Rate limits '
+        'file"); re-read when it changes (default: unset: no rate limits)',
+    )
+
+
+def _admission_config(ns: argparse.Namespace) -> AdmissionConfig:
+    if ns.no_admission:
+        return AdmissionConfig(enabled=False)
+    return AdmissionConfig(
+        enabled=True,
+        settings=AdmissionSettings(
+            max_queue_depth=ns.max_queue_depth,
+            max_queue_wait=ns.max_queue_wait_secs,
+            headroom=ns.admission_headroom,
+            lower_band_share=ns.lower_band_share,
+        ),
+        capacity=CapacitySettings(stale_after=ns.load_stale_secs),
+        worker_capacity=dict(ns.worker_capacity or ()),
+        who=WhoRules(
+            tenant_header=ns.tenant_header,
+            priority_header=ns.priority_header,
+            sglang_low_priority_values_first=ns.sglang_low_priority_values_first,
+        ),
+        rate_limits=ns.rate_limits,
+    )
 
 
 def _worker_tls(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ClientTlsFiles | None:
@@ -413,4 +581,5 @@ def parse_config(
         log_level=ns.log_level,
         sources=flag_sources(ns),
         sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
+        admission=_admission_config(ns),
     )

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 from sidecar_common.pool_settings import RetryPolicy
 from sidecar_common.tls_settings import ClientTlsFiles
+from sidecar_frontend.admission.capacity import CapacitySettings
+from sidecar_frontend.admission.state import AdmissionSettings
+from sidecar_frontend.admission.who import WhoRules
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "HandlerConfig", "WorkerSetConfig"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "AdmissionConfig", "HandlerConfig", "WorkerSetConfig"]
 
 DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 
@@ -58,3 +62,20 @@ class WorkerSetConfig:
     # (added, removed and announced keys together); past either, the worker misbehaves.
     kv_max_snapshot_keys: int = 4_000_000
     kv_max_update_keys: int = 262_144
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The admission flags (sidecar_frontend/admission/)."""
+
+    enabled: bool = True
+    settings: AdmissionSettings = field(default_factory=AdmissionSettings)
+    capacity: CapacitySettings = field(default_factory=CapacitySettings)
+    # A worker's running limit by its address, over what its engine reports (--worker-capacity).
+    worker_capacity: Mapping[str, int] = field(default_factory=dict)
+    who: WhoRules = field(default_factory=WhoRules)
+    # The rate limits file (--rate-limits); None: no rate limits.
+    rate_limits: str | None = None
+    # How often the queue looks at the fleet again while requests wait (for load reports of other
+    # frontends' requests, which no event of this frontend announces).
+    tick: float = 0.1

@@ -276,6 +276,11 @@ class Exchange:
             self.outcome, self.reason = "disconnected", "CLIENT_GONE"
             self._scope.cancel()
 
+    def used_tokens(self) -> int:
+        """Prompt and completion tokens of every sub-request so far: what it really cost."""
+        prompt = sum(len(r.token_ids) for r in self.call.requests)
+        return prompt + sum(a.progress.completion_tokens() for a in self.attempts)
+
     def _log(self, status: int) -> None:
         duration = self.clock() - self.started_at
         prompt = sum(len(r.token_ids) for r in self.call.requests)

@@ -27,6 +27,9 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason, RefusalReason
 from sidecar_common.tracing import SpanKind, Tracing, from_headers
 from sidecar_frontend import disagg
+from sidecar_frontend.admission.gate import REFUSAL_STATUS, Gate, Pass, refusal_headers
+from sidecar_frontend.admission.state import Refused
+from sidecar_frontend.admission.who import Who, estimated_tokens, read_who, sequences
 from sidecar_frontend.attempt_runner import AttemptRunner
 from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig
 from sidecar_frontend.exchange import AbortRegistry, Exchange, http_response, ms
@@ -34,6 +37,7 @@ from sidecar_frontend.formats.base import (
     AbortCall,
     Format,
     FormatContext,
+    GenerateCall,
     HttpReply,
     Route,
     RouteKind,
@@ -69,6 +73,7 @@ class Frontend:
         tracing: Tracing | None = None,
         choice: WorkerChoice | None = None,
         watch: CallWatch | None = None,
+        gate: Gate | None = None,
     ) -> None:
         if not formats:
             raise ValueError("at least one format is needed")
@@ -80,9 +85,14 @@ class Frontend:
         self.new_id = new_id
         self.registry = AbortRegistry()
         self._exchanges: set[Exchange] = set()
+        # Generate requests past their parse: waiting for admission or being served. The frontend
+        # is idle (its drain is over) when none is left.
+        self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.tracing = tracing if tracing is not None else Tracing()
+        # Admission (sidecar_frontend/admission/): None: every request goes straight to a worker.
+        self.gate = gate
         # ``choice``: the routing policy (default: the worker set's least loaded of two);
         # ``watch``: what it follows of each call (sidecar_frontend/routing/choice.py).
         self.runner = AttemptRunner(
@@ -139,7 +149,10 @@ class Frontend:
         await self._idle.wait()
 
     def stop_all(self, failure: WorkerFailure) -> None:
-        """End every exchange now, reporting ``failure`` for what was still running."""
+        """End every exchange now, reporting ``failure`` for what was still running; a request
+        still waiting for admission is refused (503)."""
+        if self.gate is not None:
+            self.gate.close(Refused(RefusalReason.NO_CAPACITY, 1, "the frontend is shutting down"))
         for exchange in list(self._exchanges):
             exchange.stop(failure, "shutdown")
 
@@ -270,7 +283,36 @@ class Frontend:
             reply = fmt.error_reply(503, message)
             ids = sorted({r.request_id for r in parsed.requests})
             self._refused(fmt, "unavailable", why, started_at, reply, request.headers, request_ids=ids)
-            return http_response(reply)
+            # Workers may come back: the client may try again after a second, as after any 503.
+            return http_response(reply, (("Retry-After", "1"),))
+        self._active += 1
+        self._idle.clear()
+        try:
+            return await self._admit_and_serve(fmt, parsed, model, started_at, request)
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    async def _admit_and_serve(
+        self, fmt: Format, parsed: GenerateCall, model: str, started_at: float, request: web.Request
+    ) -> web.StreamResponse:
+        """Admission (when on), then the exchange: a stream's status is sent only once it was
+        admitted, so a refusal is a real 429 or 503, never an error inside a 200 stream."""
+        passed: Pass | None = None
+        if self.gate is not None:
+            who = read_who(fmt.name, request.headers, list(parsed.requests), self.gate.config.who)
+            if isinstance(who, tuple):
+                name, why = who
+                reply = fmt.error_reply(400, f"header {name}: {why}")
+                return self._invalid(fmt, started_at, reply, request.headers, b"")
+            entered = await self.gate.enter(
+                model, who, estimated_tokens(parsed.requests), sequences(parsed.requests)
+            )
+            if isinstance(entered, Refused):
+                return self._admission_refused(fmt, parsed, started_at, request.headers, who, entered)
+            passed = entered
+            _consume_priority(parsed, self.workers.models().get(model))
         exchange = Exchange(
             self.runner,
             self.registry,
@@ -284,13 +326,46 @@ class Frontend:
             clock=self.clock,
         )
         self._exchanges.add(exchange)
-        self._idle.clear()
         try:
             return await exchange.serve(request)
         finally:
             self._exchanges.discard(exchange)
-            if not self._exchanges:
-                self._idle.set()
+            if passed is not None:
+                passed.release(exchange.used_tokens())
+
+    def _admission_refused(
+        self,
+        fmt: Format,
+        parsed: GenerateCall,
+        started_at: float,
+        headers: Mapping[str, str],
+        who: Who,
+        refused: Refused,
+    ) -> web.Response:
+        """A 429 or 503 in the format's shape, with ``Retry-After`` and the reason in a header
+        and in the words; one ``request`` line with the tenant and the measured values."""
+        status = REFUSAL_STATUS[refused.reason]
+        words = {
+            RefusalReason.QUEUE_FULL: "too many requests are waiting",
+            RefusalReason.QUEUE_TIMEOUT: "no worker had room in time",
+            RefusalReason.RATE_LIMITED: "over the rate limit",
+            RefusalReason.NO_CAPACITY: "no capacity",
+        }[refused.reason]
+        reply = fmt.error_reply(status, f"{words} ({refused.reason.value.lower()}): {refused.detail}")
+        ids = sorted({r.request_id for r in parsed.requests})
+        self._refused(
+            fmt,
+            "refused",
+            refused.reason,
+            started_at,
+            reply,
+            headers,
+            request_ids=ids,
+            tenant=who.tenant,
+            urgency=who.urgency,
+            retry_after=refused.retry_after,
+        )
+        return http_response(reply, refusal_headers(refused))
 
     def _invalid(
         self,
@@ -317,6 +392,7 @@ class Frontend:
         body: bytes = b"",
         data: object = None,
         request_ids: Sequence[str] = (),
+        **measured: object,
     ) -> None:
         """The metrics and the one ``request`` line of a request answered without a worker:
         why (the reason and the words the client got) and the request's id (``data``: the
@@ -342,7 +418,18 @@ class Frontend:
             status=reply.status,
             error=_reply_message(reply),
             duration_ms=ms(duration),
+            **measured,
         )
+
+
+def _consume_priority(parsed: GenerateCall, model: sidecar_pb2.ModelInfo | None) -> None:
+    """The admission queue honoured the request's priority. vLLM's gRPC wire cannot carry one
+    (its sidecar refuses a priority other than 0), so on a vLLM worker the engine then schedules
+    the request at its default: the field is taken off rather than refused. SGLang's wire
+    carries it: its engine's own priority scheduling (when on) sees it too."""
+    if model is not None and model.engine == "vllm":
+        for sub_request in parsed.requests:
+            sub_request.routing.ClearField("priority")
 
 
 async def _read_body(request: web.Request) -> bytes | None:

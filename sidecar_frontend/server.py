@@ -35,6 +35,10 @@ from sidecar_common.ports import bind_problem
 from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, run_event_loop
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
+from sidecar_frontend.admission.gate import Gate, WakeOnWorkerEvents
+from sidecar_frontend.admission.metrics import AdmissionMetrics
+from sidecar_frontend.admission.rate_file import follow_rate_file, load_rate_file
+from sidecar_frontend.admission.rates import RateConfigError, RateLimiter
 from sidecar_frontend.cli import FORMATS, FrontendConfig
 from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
@@ -197,13 +201,38 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
             workers.events.subscribe(WorkerMetrics(metrics))
             metrics.watch_fleet(lambda: _rows(workers))
             choice = routing.choice(workers)
+            try:
+                gate = _start_admission(config, supervisor, workers, metrics)
+            except RateConfigError as err:
+                log.error("start-up failed", error=str(err))
+                return EXIT_STARTUP_FAILED
             # Serving starts once discovery applied its first view (or its first attempt failed).
             await _start_discovery(supervisor, config, workers)
-            code = await _serve_http(config, formats, workers, choice, metrics, signals)
+            code = await _serve_http(config, formats, workers, choice, metrics, signals, gate)
         finally:
             await workers.aclose()
     log.info("stopped")
     return code
+
+
+def _start_admission(
+    config: FrontendConfig, supervisor: Supervisor, workers: WorkerSet, metrics: Metrics
+) -> Gate | None:
+    """The admission gate, its metrics, its ticker and the rate limits file's follower (None
+    with --no-admission). A rate limits file that cannot be read fails start-up."""
+    settings = config.admission
+    if not settings.enabled:
+        return None
+    limiter = RateLimiter(load_rate_file(settings.rate_limits)) if settings.rate_limits else None
+    observer = AdmissionMetrics(metrics.registry)
+    gate = Gate(workers.registry, settings, limiter=limiter, observer=observer)
+    observer.watch(gate.queued, gate.every_load)
+    workers.events.subscribe(WakeOnWorkerEvents(gate))
+    supervisor.start("admission", gate.run_ticker)
+    if limiter is not None and settings.rate_limits is not None:
+        path = settings.rate_limits
+        supervisor.start("rate_limits", lambda: follow_rate_file(path, limiter))
+    return gate
 
 
 async def _start_discovery(supervisor: Supervisor, config: FrontendConfig, workers: WorkerSet) -> None:
@@ -236,10 +265,18 @@ async def _serve_http(
     choice: RoutedChoice,
     metrics: Metrics,
     signals: AsyncIterator[signal.Signals],
+    gate: Gate | None = None,
 ) -> int:
     tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
     frontend = Frontend(
-        formats, workers, config.handler, metrics=metrics, tracing=tracing, choice=choice, watch=choice
+        formats,
+        workers,
+        config.handler,
+        metrics=metrics,
+        tracing=tracing,
+        choice=choice,
+        watch=choice,
+        gate=gate,
     )
     runner = web.AppRunner(
         frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE

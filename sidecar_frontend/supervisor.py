@@ -63,6 +63,8 @@ TASK_NAMES: Final = (
     "drain",
     "discovery",
     "tls_files",
+    "admission",
+    "rate_limits",
 )
 
 

@@ -17,6 +17,10 @@ from aiohttp import web
 from testkit.faults import FaultBook
 
 from sidecar_common.tracing import Tracing
+from sidecar_frontend.admission.gate import Gate, WakeOnWorkerEvents
+from sidecar_frontend.admission.metrics import AdmissionMetrics
+from sidecar_frontend.admission.rates import RateLimiter
+from sidecar_frontend.config import AdmissionConfig
 from sidecar_frontend.formats.base import Format
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
@@ -53,6 +57,7 @@ class FrontendStack:
     http: aiohttp.ClientSession
     sidecars: list[Any]  # the sidecar stacks (vllm_fixtures.Stack / sglang_fixtures.Stack)
     routing: RoutingParts | None = None  # None: routed by load
+    gate: Gate | None = None  # None: no admission
 
     def address(self, index: int) -> str:
         return f"127.0.0.1:{self.sidecars[index].server.port}"
@@ -71,9 +76,12 @@ async def frontend_over(
     routing: RouterConfig | None = None,
     listener: WorkerListener[Worker] | None = None,
     metrics: Metrics | None = None,
+    admission: AdmissionConfig | None = None,
+    limiter: RateLimiter | None = None,
 ) -> AsyncIterator[FrontendStack]:
     """A frontend whose workers are ``addresses``; waits until ``serving`` of them serve.
-    Without ``routing`` it chooses by load (the worker set's power of two choices)."""
+    Without ``routing`` it chooses by load (the worker set's power of two choices). Without
+    ``admission`` (or with it disabled) every request goes straight to a worker."""
     metrics = metrics if metrics is not None else Metrics()
     parts = (
         RoutingParts.build(routing, metrics.registry, rand=random.Random(seed), streams=FAST_STREAMS)
@@ -88,6 +96,12 @@ async def frontend_over(
             workers.add_worker(address)
         with anyio.fail_after(20):
             await workers.wait_serving(len(addresses) if serving is None else serving)
+        gate: Gate | None = None
+        if admission is not None and admission.enabled:
+            observer = AdmissionMetrics(metrics.registry)
+            gate = Gate(workers.registry, admission, limiter=limiter, observer=observer)
+            observer.watch(gate.queued, gate.every_load)
+            workers.events.subscribe(WakeOnWorkerEvents(gate))
         frontend = Frontend(
             formats,
             workers,
@@ -96,6 +110,7 @@ async def frontend_over(
             tracing=tracing,
             choice=choice,
             watch=choice,
+            gate=gate,
         )
         runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -103,10 +118,16 @@ async def frontend_over(
         await site.start()
         port = runner.addresses[0][1]
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+                anyio.create_task_group() as group,
+            ):
+                if gate is not None:
+                    group.start_soon(gate.run_ticker)
                 yield FrontendStack(
-                    frontend, workers, metrics, f"http://127.0.0.1:{port}", http, sidecars, parts
+                    frontend, workers, metrics, f"http://127.0.0.1:{port}", http, sidecars, parts, gate
                 )
+                group.cancel_scope.cancel()
         finally:
             await runner.cleanup()
 

@@ -1,0 +1,362 @@
+"""The admission gate: the I/O around each model's pure :class:`~.state.ModelAdmission`.
+
+A generate request that the format parsed passes here before any worker is chosen
+(``handler.py``): its tenant's rate limits first (``rates.py``), then its model's admission
+queue. It is admitted at once when the fleet has room for it, else it waits in the queue until a
+request ends, a worker joins or its load report frees room, or until ``--max-queue-wait-secs``
+(then a 429); a full band is refused at once (429), as is a model no worker has room for at all
+(503). A client that leaves while its request waits (aiohttp cancels the handler) takes the
+request out of the queue at once: it never reaches an engine.
+
+The fleet's room is read from the worker set each time it is needed (never cached): each
+eligible worker of the model (aggregated, or decode when the model is disaggregated), its
+running limit (its engine's ``max_num_seqs`` / ``max_running_requests`` from ``ModelInfo``, or
+``--worker-capacity``), the frontend's exact in-flight count there, and the load its sidecar
+last pushed (other frontends' requests, the engine's queue and KV use, and how fresh that is).
+
+What wakes a waiting request: the release of an admitted one (the common case: immediate), a
+worker event (joined, changed, left), and a ticker that looks again every ``tick`` seconds while
+anything waits, for what no event announces (a load report of another frontend's requests
+ending). The ticker is a supervised task when the frontend runs one; a request's own deadline
+never depends on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+import anyio
+import structlog
+
+from sidecar_common.errors import RefusalReason
+from sidecar_frontend.admission.capacity import Room, WorkerLoad, fleet_room
+from sidecar_frontend.admission.rates import Grant, RateLimiter, RateRefusal
+from sidecar_frontend.admission.state import ModelAdmission, Refused, Ticket
+from sidecar_frontend.admission.who import Who
+from sidecar_frontend.config import AdmissionConfig
+from sidecar_frontend.registry import Worker
+
+__all__ = [
+    "REFUSAL_STATUS",
+    "AdmissionConfig",
+    "AdmissionObserver",
+    "Gate",
+    "Pass",
+    "WakeOnWorkerEvents",
+    "refusal_headers",
+]
+
+log = structlog.get_logger("sidecar_frontend.admission")
+
+# The HTTP status of each admission refusal: the fleet is contended (429: this client, or this
+# tenant, should slow down) or has no capacity at all (503: nothing to wait for here).
+REFUSAL_STATUS: Final[Mapping[RefusalReason, int]] = {
+    RefusalReason.QUEUE_FULL: 429,
+    RefusalReason.QUEUE_TIMEOUT: 429,
+    RefusalReason.RATE_LIMITED: 429,
+    RefusalReason.NO_CAPACITY: 503,
+}
+
+
+class Pass:
+    """An admitted request: hold it while the request runs, :meth:`release` it once it ended."""
+
+    def __init__(self, gate: Gate, model: str, ticket: Ticket | None, grant: Grant | None) -> None:
+        self._gate = gate
+        self._model = model
+        self._ticket = ticket
+        self._grant = grant
+        self._released = False
+        self.waited = 0.0  # seconds it spent in the queue
+
+    def release(self, actual_tokens: int | None) -> None:
+        """The request ended having used ``actual_tokens`` (prompt plus completion; None: unknown,
+        its estimate stands). Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self._gate._release(self._model, self._ticket, self._grant, actual_tokens)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    ticket: Ticket
+    admitted: anyio.Event = field(default_factory=anyio.Event)
+    refused: Refused | None = None
+
+
+class Gate:
+    """Every model's admission, and the rate limits: one per frontend."""
+
+    def __init__(
+        self,
+        workers: _WorkerView,
+        config: AdmissionConfig,
+        *,
+        limiter: RateLimiter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        observer: AdmissionObserver | None = None,
+    ) -> None:
+        self._workers = workers
+        self.config = config
+        self.limiter = limiter
+        self._clock = clock
+        self._observer = observer
+        self._models: dict[str, ModelAdmission] = {}
+        self._waiters: dict[str, dict[Ticket, _Waiter]] = {}
+        self._anything_waits = anyio.Event()
+        self._closed: Refused | None = None
+
+    # ---------------------------------------------------------------- the request's side
+
+    async def enter(self, model: str, who: Who, cost: int, slots: int) -> Pass | Refused:
+        """Admit one request of ``who`` for ``model`` (``cost`` tokens estimated, ``slots``
+        sequences), waiting in the queue if it must; or why it is refused."""
+        if self._closed is not None:
+            return self._closed
+        now = self._clock()
+        grant: Grant | None = None
+        if self.limiter is not None:
+            taken = self.limiter.take(who.tenant, cost, now)
+            if isinstance(taken, RateRefusal):
+                refused = Refused(RefusalReason.RATE_LIMITED, taken.retry_after, taken.detail)
+                self._tell_refused(model, who, refused)
+                return refused
+            grant = taken
+        admission = self._admission(model)
+        arrived = admission.arrive(who.tenant, who.urgency, cost, slots, now, self._room(model, now))
+        if isinstance(arrived, Refused):
+            self._give_back(grant, now)
+            self._tell_refused(model, who, arrived)
+            return arrived
+        if arrived.admitted:
+            self._tell_admitted(model, who, 0.0)
+            return Pass(self, model, arrived, grant)
+        waiter = _Waiter(arrived)
+        waiting = self._waiters.setdefault(model, {})
+        waiting[arrived] = waiter
+        self._anything_waits.set()
+        self._tell_queued(model)
+        outcome: Pass | Refused | None = None
+        try:
+            with anyio.move_on_after(max(0.0, arrived.deadline - now)):
+                await waiter.admitted.wait()
+            if waiter.refused is None and not waiter.admitted.is_set():
+                # Its deadline passed: every ticket past its own leaves with its refusal.
+                self._expire(model)
+            if waiter.refused is not None:
+                outcome = waiter.refused
+            elif waiter.admitted.is_set():
+                passed = Pass(self, model, arrived, grant)
+                passed.waited = self._clock() - arrived.enqueued_at
+                outcome = passed
+            else:  # not past its deadline by the state's reckoning yet: it waits no longer
+                admission.cancel(arrived)
+                outcome = Refused(RefusalReason.QUEUE_TIMEOUT, 1, "waited the longest a request may wait")
+        finally:
+            waiting.pop(arrived, None)
+            if outcome is None:
+                # Cancelled while waiting (the client left, or the frontend stops): out of the
+                # queue now; if it had just been admitted, its slots are given back.
+                if admission.cancel(arrived):
+                    self._tell_cancelled(model, who)
+                elif waiter.admitted.is_set():
+                    admission.release(arrived, 0, self._clock())
+                    self._pump(model)
+                self._give_back(grant, self._clock())
+        if isinstance(outcome, Refused):
+            self._give_back(grant, self._clock())
+            self._tell_refused(model, who, outcome)
+        else:
+            self._tell_admitted(model, who, outcome.waited)
+        return outcome
+
+    def close(self, refused: Refused) -> None:
+        """The frontend stops: every waiting request gets ``refused``, and so does every new one."""
+        self._closed = refused
+        for model, waiting in self._waiters.items():
+            admission = self._models[model]
+            for ticket, waiter in list(waiting.items()):
+                if admission.cancel(ticket):
+                    waiter.refused = refused
+                    waiter.admitted.set()
+
+    # ---------------------------------------------------------------- what wakes the queue
+
+    def poke(self) -> None:
+        """The fleet may have room now (a worker event): look at every queue."""
+        for model in list(self._waiters):
+            self._pump(model)
+
+    async def run_ticker(self) -> None:
+        """Looks at the waiting queues every ``tick`` while anything waits (a supervised task)."""
+        while True:
+            await self._anything_waits.wait()
+            while any(self._waiters.values()):
+                self.poke()
+                for model in list(self._waiters):
+                    self._expire(model)
+                await anyio.sleep(self.config.tick)
+            self._anything_waits = anyio.Event()
+
+    # ---------------------------------------------------------------- the fleet's room
+
+    def worker_loads(self, model: str) -> list[WorkerLoad]:
+        """Each eligible worker that places ``model``'s generations, as capacity reads it."""
+        placing = self._workers.eligible_of("agg", model) or self._workers.eligible_of("decode", model)
+        return [self._load(worker) for worker in placing]
+
+    def room(self, model: str) -> Room:
+        return self._room(model, self._clock())
+
+    def _room(self, model: str, now: float) -> Room:
+        return fleet_room(self.worker_loads(model), now, self.config.capacity)
+
+    def every_load(self) -> list[tuple[WorkerLoad, int]]:
+        """Every worker's load and running limit (0: not known yet), for the saturation gauge."""
+        loads = [self._load(worker) for worker in self._workers.workers()]
+        return [(load, load.running_limit) for load in loads]
+
+    def _limit(self, worker: Worker) -> int:
+        limit = self.config.worker_capacity.get(worker.address)
+        if limit is None:
+            limit = worker.model.max_num_seqs if worker.model is not None else 0
+        return limit
+
+    def _load(self, worker: Worker) -> WorkerLoad:
+        limit = self._limit(worker)
+        others = max(0, worker.reported_inflight - worker.own_at_report)
+        return WorkerLoad(
+            address=worker.address,
+            running_limit=limit,
+            own_requests=worker.inflight,
+            others_requests=others,
+            engine_waiting=worker.waiting_requests,
+            kv_usage=worker.kv_usage,
+            reported_at=worker.load_reported_at,
+        )
+
+    # ---------------------------------------------------------------- the state's moves
+
+    def _admission(self, model: str) -> ModelAdmission:
+        admission = self._models.get(model)
+        if admission is None:
+            admission = self._models[model] = ModelAdmission(self.config.settings)
+        return admission
+
+    def _pump(self, model: str) -> None:
+        admission = self._models.get(model)
+        waiting = self._waiters.get(model)
+        if admission is None or not waiting:
+            return
+        now = self._clock()
+        for ticket in admission.pump(now, self._room(model, now)):
+            waiter = waiting.get(ticket)
+            if waiter is not None:
+                waiter.admitted.set()
+            else:  # its waiter is gone (cannot happen: a leaving waiter cancels its ticket)
+                admission.release(ticket, 0, now)
+
+    def _expire(self, model: str) -> None:
+        admission = self._models.get(model)
+        waiting = self._waiters.get(model)
+        if admission is None or waiting is None:
+            return
+        for ticket, refused in admission.expire(self._clock()):
+            waiter = waiting.get(ticket)
+            if waiter is not None:
+                waiter.refused = refused
+                waiter.admitted.set()
+
+    def _release(self, model: str, ticket: Ticket | None, grant: Grant | None, actual: int | None) -> None:
+        now = self._clock()
+        if ticket is not None:
+            self._models[model].release(ticket, actual, now)
+            self._pump(model)
+        if grant is not None and self.limiter is not None and actual is not None:
+            self.limiter.settle(grant, actual, now)
+
+    def _give_back(self, grant: Grant | None, now: float) -> None:
+        """A request refused or gone before it ran: its rate tokens are returned (its request
+        still counts: a refused request was a request)."""
+        if grant is not None and self.limiter is not None:
+            self.limiter.settle(grant, 0, now)
+
+    # ---------------------------------------------------------------- what is seen of it
+
+    def queued(self) -> dict[str, dict[tuple[int, str], int]]:
+        """Waiting requests by model, then by (urgency, tenant)."""
+        return {model: admission.queued() for model, admission in self._models.items()}
+
+    def held(self) -> dict[str, int]:
+        """Admitted sequences still running, by model."""
+        return {model: admission.held_slots for model, admission in self._models.items()}
+
+    def _tell_admitted(self, model: str, who: Who, waited: float) -> None:
+        if self._observer is not None:
+            self._observer.admitted(model, who, waited)
+
+    def _tell_queued(self, model: str) -> None:
+        if self._observer is not None:
+            self._observer.queued(model)
+
+    def _tell_cancelled(self, model: str, who: Who) -> None:
+        if self._observer is not None:
+            self._observer.cancelled(model, who)
+
+    def _tell_refused(self, model: str, who: Who, refused: Refused) -> None:
+        if self._observer is not None:
+            self._observer.refused(model, who, refused)
+
+
+class _WorkerView(Protocol):
+    """What the gate reads of the worker set (``WorkerSet``, or a test's stand-in)."""
+
+    def eligible_of(self, role: str, model: str) -> list[Worker]: ...
+
+    def workers(self) -> list[Worker]: ...
+
+
+class WakeOnWorkerEvents:
+    """A worker-set listener: any worker event (joined, changed, left) may free room, so the
+    waiting requests look again."""
+
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
+
+    def joined(self, worker: Worker) -> None:
+        self._gate.poke()
+
+    def changed(self, worker: Worker) -> None:
+        self._gate.poke()
+
+    def left(self, worker: Worker) -> None:
+        self._gate.poke()
+
+
+class AdmissionObserver:
+    """Told of every decision (metrics): no-ops here, overridden by ``admission/metrics.py``."""
+
+    def admitted(self, model: str, who: Who, waited: float) -> None:
+        pass
+
+    def queued(self, model: str) -> None:
+        pass
+
+    def cancelled(self, model: str, who: Who) -> None:
+        pass
+
+    def refused(self, model: str, who: Who, refused: Refused) -> None:
+        pass
+
+
+def refusal_headers(refused: Refused) -> tuple[tuple[str, str], ...]:
+    """``Retry-After`` (whole seconds) and the reason, as every refusal carries them."""
+    return (
+        ("Retry-After", str(max(1, math.ceil(refused.retry_after)))),
+        ("x-sidecar-refused-reason", refused.reason.value.lower()),
+    )

@@ -1,0 +1,133 @@
+"""Admission's metrics: on the frontend's own registry, beside ``sidecar_frontend/metrics.py``.
+
+What an operator asks of them: how long the queues are and who waits (``frontend_admission_
+queued`` by model, band and tenant, read at each scrape), how long requests wait
+(``frontend_admission_wait_seconds`` by model and band), what was decided and why
+(``frontend_admission_decisions_total`` by model, outcome and reason: admitted, refused with
+queue_full, queue_timeout, no_capacity or rate_limited, cancelled while queued), and how full each
+worker is seen (``frontend_worker_saturation``: the sequences running there, ours and others', over
+its running limit; read at each scrape).
+
+Tenants are a label only where a bound holds: the queue gauge shows the tenants waiting now (at
+most the queue's depth), and the decisions counter names at most ``MAX_TENANT_LABELS`` tenants,
+then counts the others as ``other``, so a client that invents a tenant per request cannot grow
+the scrape without bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from sidecar_frontend.admission.capacity import WorkerLoad
+from sidecar_frontend.admission.gate import AdmissionObserver
+from sidecar_frontend.admission.state import Refused
+from sidecar_frontend.admission.who import Who
+
+__all__ = ["MAX_TENANT_LABELS", "AdmissionMetrics"]
+
+MAX_TENANT_LABELS: Final = 64
+_OTHER: Final = "other"
+# A queue's wait, from none to the longest --max-queue-wait-secs anyone sets.
+_WAIT_BUCKETS: Final = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+
+
+class AdmissionMetrics(AdmissionObserver):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._decisions = Counter(
+            "frontend_admission_decisions",
+            "Admission's decisions, by model, tenant (the first 64 seen, then 'other'), outcome "
+            "(admitted, refused, cancelled: the client left while queued) and reason",
+            ["model", "tenant", "outcome", "reason"],
+            registry=registry,
+        )
+        self._wait = Histogram(
+            "frontend_admission_wait_seconds",
+            "How long admitted requests waited in the queue, by model and band (urgency)",
+            ["model", "band"],
+            buckets=_WAIT_BUCKETS,
+            registry=registry,
+        )
+        self._tenants: set[str] = set()
+        self._registry = registry
+
+    def watch(
+        self,
+        queued: Callable[[], dict[str, dict[tuple[int, str], int]]],
+        loads: Callable[[], Iterable[tuple[WorkerLoad, int]]],
+    ) -> None:
+        """Export the queues' depth and each worker's saturation, read at each scrape from
+        ``queued`` (the gate's) and ``loads`` (each worker's load with its running limit)."""
+        self._registry.register(_Scraped(queued, loads))
+
+    def _tenant(self, tenant: str) -> str:
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(tenant)
+            return tenant
+        return _OTHER
+
+    def admitted(self, model: str, who: Who, waited: float) -> None:
+        self._decisions.labels(model, self._tenant(who.tenant), "admitted", "NONE").inc()
+        self._wait.labels(model, str(who.urgency)).observe(waited)
+
+    def cancelled(self, model: str, who: Who) -> None:
+        self._decisions.labels(model, self._tenant(who.tenant), "cancelled", "CLIENT_GONE").inc()
+
+    def refused(self, model: str, who: Who, refused: Refused) -> None:
+        self._decisions.labels(model, self._tenant(who.tenant), "refused", refused.reason.value).inc()
+
+
+class _Scraped(Collector):
+    def __init__(
+        self,
+        queued: Callable[[], dict[str, dict[tuple[int, str], int]]],
+        loads: Callable[[], Iterable[tuple[WorkerLoad, int]]],
+    ) -> None:
+        self._queued = queued
+        self._loads = loads
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        depth = GaugeMetricFamily(
+            "frontend_admission_queued",
+            "Requests waiting for admission, by model, band (urgency) and tenant",
+            labels=["model", "band", "tenant"],
+        )
+        for model, by_key in sorted(self._queued().items()):
+            for (urgency, tenant), count in sorted(by_key.items()):
+                if count:
+                    depth.add_metric([model, str(urgency), tenant], count)
+        yield depth
+        saturation = GaugeMetricFamily(
+            "frontend_worker_saturation",
+            "Sequences running on each worker (this frontend's and others') over its running limit",
+            labels=["worker"],
+        )
+        for load, limit in sorted(self._loads(), key=lambda pair: pair[0].address):
+            if limit > 0:
+                saturation.add_metric([load.address], (load.own_requests + load.others_requests) / limit)
+        yield saturation
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
