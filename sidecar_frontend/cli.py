@@ -39,6 +39,8 @@ from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, AdmissionConfig, Han
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
+from sidecar_frontend.outliers import OutlierSettings
+from sidecar_frontend.retry_budget import RetryBudgetSettings
 from sidecar_frontend.routing.policy import PolicyConfig
 from sidecar_frontend.routing.router import RouterConfig, Routing
 
@@ -199,6 +201,7 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
         "priority_header",
         "sglang_low_priority_values_first",
         "rate_limits",
+        "preempt_after_secs",
     ):
         refuse_inapplicable(
             ns,
@@ -253,6 +256,23 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="how many times one generation may move to another worker after its worker failed "
         "(0: a failure after the first token is reported; one retry before it is always allowed)",
+    )
+    budget = RetryBudgetSettings()
+    serve.add_argument(
+        "--retry-budget-ratio",
+        type=_weight,
+        default=budget.ratio,
+        metavar="R",
+        help="retries on another worker (a busy or failed worker's request, before its first "
+        "token) allowed per request that succeeded recently, so an overloaded fleet never "
+        "multiplies its own load; past it the client gets the worker's own answer",
+    )
+    serve.add_argument(
+        "--retry-budget-min-per-sec",
+        type=_weight,
+        default=budget.min_per_second,
+        metavar="N",
+        help="retries per second always allowed, whatever the successes (a quiet fleet still retries)",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -330,6 +350,30 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         metavar="PEM",
         help="the private key of --worker-tls-cert; re-read when it changes",
+    )
+    outliers = OutlierSettings()
+    workers.add_argument(
+        "--outlier-failures",
+        type=_count,
+        default=outliers.consecutive_failures,
+        metavar="N",
+        help="a worker whose calls fail of its own fault (not the client's, not busy) N times in a "
+        "row is taken out of routing for a while, then given one request; never the last worker "
+        "of a model (0: never)",
+    )
+    workers.add_argument(
+        "--outlier-ejection-secs",
+        type=seconds_arg(allow_zero=False),
+        default=outliers.first_ejection,
+        metavar="SECS",
+        help="how long a worker is out after its first ejection; doubling each time it is ejected again",
+    )
+    workers.add_argument(
+        "--outlier-max-ejection-secs",
+        type=seconds_arg(allow_zero=False),
+        default=outliers.max_ejection,
+        metavar="SECS",
+        help="the longest an ejection lasts",
     )
     routing = parser.add_argument_group("routing")
     routing.add_argument(
@@ -483,6 +527,16 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         "flag of that name); without it, larger values first",
     )
     admission.add_argument(
+        "--preempt-after-secs",
+        type=seconds_arg(allow_zero=False),
+        default=None,
+        metavar="SECS",
+        help="a request that waited this long while every running slot holds less urgent work "
+        "takes one of those slots: that generation pauses (its client sees no error and no "
+        "repeated token) and resumes from its delivered tokens once there is room (default: "
+        "unset: never)",
+    )
+    admission.add_argument(
         "--rate-limits",
         default=None,
         metavar="FILE",
@@ -510,7 +564,19 @@ def _admission_config(ns: argparse.Namespace) -> AdmissionConfig:
             sglang_low_priority_values_first=ns.sglang_low_priority_values_first,
         ),
         rate_limits=ns.rate_limits,
+        preempt_after=ns.preempt_after_secs,
     )
+
+
+def _outliers(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> OutlierSettings:
+    try:
+        return OutlierSettings(
+            consecutive_failures=int(ns.outlier_failures),
+            first_ejection=ns.outlier_ejection_secs,
+            max_ejection=ns.outlier_max_ejection_secs,
+        )
+    except ValueError as err:
+        parser.error(f"--outlier-*: {err}")
 
 
 def _worker_tls(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ClientTlsFiles | None:
@@ -554,6 +620,9 @@ def parse_config(
             request_timeout=timeout if timeout > 0 else None,
             max_body_bytes=ns.max_body_bytes,
             migration_limit=ns.migration_limit,
+            retry_budget=RetryBudgetSettings(
+                ratio=ns.retry_budget_ratio, min_per_second=ns.retry_budget_min_per_sec
+            ),
         ),
         worker_set=WorkerSetConfig(
             connections=ns.worker_connections,
@@ -563,6 +632,7 @@ def parse_config(
             retire_grace=timeout + 5.0 if timeout > 0 else WorkerSetConfig.retire_grace,
             kv_max_snapshot_keys=ns.routing_max_snapshot_keys,
             kv_max_update_keys=ns.routing_max_update_keys,
+            outliers=_outliers(parser, ns),
         ),
         routing=RouterConfig(
             routing=Routing(ns.routing) if ns.routing is not None else None,

@@ -13,6 +13,8 @@ from sidecar_frontend.admission.capacity import CapacitySettings
 from sidecar_frontend.admission.state import AdmissionSettings
 from sidecar_frontend.admission.who import WhoRules
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
+from sidecar_frontend.outliers import OutlierSettings
+from sidecar_frontend.retry_budget import RetryBudgetSettings
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "AdmissionConfig", "HandlerConfig", "WorkerSetConfig"]
 
@@ -27,6 +29,8 @@ class HandlerConfig:
     # How long a retry or a migration waits for a worker to serve when none does (workers
     # restarting or being replaced): the gap an SRE expects a fleet to bridge.
     worker_wait: float = 5.0
+    # Retries across workers as a fraction of recent successes (sidecar_frontend/retry_budget.py).
+    retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class WorkerSetConfig:
     # (added, removed and announced keys together); past either, the worker misbehaves.
     kv_max_snapshot_keys: int = 4_000_000
     kv_max_update_keys: int = 262_144
+    # A worker failing calls of its own fault this many times in a row is ejected (outliers.py).
+    outliers: OutlierSettings = field(default_factory=OutlierSettings)
 
 
 @dataclass(frozen=True)
@@ -79,3 +85,6 @@ class AdmissionConfig:
     # How often the queue looks at the fleet again while requests wait (for load reports of other
     # frontends' requests, which no event of this frontend announces).
     tick: float = 0.1
+    # A request that waited this long while every running slot holds less urgent work may take
+    # the slot of one of those (preempted, resumed later token-exactly); None: never.
+    preempt_after: float | None = None

@@ -45,6 +45,7 @@ from sidecar_frontend.formats.base import (
 )
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.placement import CallWatch, WorkerChoice
+from sidecar_frontend.retry_budget import RetryBudget
 from sidecar_frontend.workers import WorkerSet
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
@@ -105,6 +106,7 @@ class Frontend:
             rand=rand,
             tracing=self.tracing,
             misbehaviour=workers.misbehaviour,
+            retry_budget=RetryBudget(self.config.retry_budget),
         )
 
     @property

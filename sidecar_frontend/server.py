@@ -195,7 +195,10 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
     # leaving the block (the drain is over) ends them all.
     async with Supervisor(supervisor_config, registry=metrics.registry) as supervisor:
         workers = WorkerSet(
-            config.worker_set, supervisor=supervisor, misbehaviour=MisbehaviourReporter(metrics.registry)
+            config.worker_set,
+            supervisor=supervisor,
+            misbehaviour=MisbehaviourReporter(metrics.registry),
+            outliers=config.worker_set.outliers,
         )
         try:
             workers.events.subscribe(WorkerMetrics(metrics))
