@@ -36,7 +36,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.__main__ import _git, _machine
+from bench.__main__ import _git, _machine, _wait_quiet
 from bench.overload_client import HIGH_PRIORITY, TENANT_HEADER, Client, RequestShape
 from bench.overload_fleet import CpuMeter, Fleet, QueuePoller, frontend_flags
 from bench.overload_plan import (
@@ -73,8 +73,11 @@ def _progress(text: str) -> None:
 class _Config:
     """One frontend configuration's runs, inside one event loop."""
 
-    def __init__(self, fleet: Fleet, profile: Profile, admission: bool, seed: int) -> None:
+    def __init__(
+        self, fleet: Fleet, profile: Profile, admission: bool, seed: int, quiet_wait_s: float
+    ) -> None:
         self.fleet = fleet
+        self.quiet_wait_s = quiet_wait_s
         self.profile = profile
         self.shape = fleet.shape
         self.seed = seed
@@ -135,6 +138,7 @@ class _Config:
     ) -> dict[str, Any]:
         """One level: the arrivals, CPU read over the measured window, the engines' queues over
         the whole level (its drain included)."""
+        waited = await asyncio.to_thread(_wait_quiet, self.quiet_wait_s)
         poller.take()
         meter = CpuMeter(self.fleet.pids())
         t0 = time.perf_counter()
@@ -153,6 +157,7 @@ class _Config:
         row = summarize_level(outcomes, window)
         row.update({
             "elapsed_s": round(time.perf_counter() - t0, 1),
+            "quiet_wait_s": waited,
             "engine_queue_hwm": marks["waiting"],
             "engine_running_hwm": marks["running"],
             "engine_queue_bound": self.shape.engine_queue,
@@ -175,7 +180,9 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def _saturation_notes(config: str, result: dict[str, Any]) -> list[str]:
-    """Levels where this machine, not the frontend, may have set the figures."""
+    """Levels where this machine, not the frontend, may have set the figures: the machine busy
+    (the benchmark's own processes or something else), the client's process busy, or the
+    client sending late."""
     notes = []
     for row in result["rows"]:
         cpu = row["cpu_cores"]
@@ -186,14 +193,16 @@ def _saturation_notes(config: str, result: dict[str, Any]) -> list[str]:
             or lag > _LATE_DISPATCH_MS
         ):
             notes.append(
-                f"{config} {row['scenario']} {row['load']:g}x: machine {cpu['machine']} cores (other "
-                f"{cpu['other']}), client {cpu['client']}, dispatch lag p99 {lag} ms: "
-                "CPU-bound, figures suspect"
+                f"{config} {row['scenario']} {row['load']:g}x: machine {cpu['machine']} cores busy, "
+                f"{cpu['benchmark']} of them the benchmark's, {cpu['other']} something else's; client "
+                f"{cpu['client']}, dispatch lag p99 {lag} ms: latencies may carry this machine's contention"
             )
     return notes
 
 
-def run(profile: Profile, shape: FleetShape, configs: list[str], seed: int) -> dict[str, Any]:
+def run(
+    profile: Profile, shape: FleetShape, configs: list[str], seed: int, quiet_wait_s: float = 0.0
+) -> dict[str, Any]:
     fleet = Fleet(shape)
     results: dict[str, Any] = {}
     try:
@@ -202,7 +211,7 @@ def run(profile: Profile, shape: FleetShape, configs: list[str], seed: int) -> d
             argv = fleet.start_frontend(admission=config == "on")
             _progress(f"admission {config}: {' '.join(argv[1:])}")
             try:
-                result = asyncio.run(_Config(fleet, profile, config == "on", seed).run())
+                result = asyncio.run(_Config(fleet, profile, config == "on", seed, quiet_wait_s).run())
             finally:
                 fleet.stop_frontend()
             results[config] = {"frontend_argv": argv[1:], **result}
@@ -231,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         help="on,off (default: on,off if the frontend has --no-admission, else off)",
     )
     parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="before each level, wait at most this long for a nearly idle machine "
+                        "(default 0; each level records its wait)")  # fmt: skip
     parser.add_argument("--pythonpath", help="run the fleet's processes from this checkout's code "
                         "(an export of another commit), put first on their PYTHONPATH")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the .json and .md go")
@@ -264,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     code = _git()
     date = dt.datetime.now(dt.UTC)
-    results = run(profile, shape, configs, args.seed)
+    results = run(profile, shape, configs, args.seed, args.quiet_wait)
     targets = [
         t for config, result in results.items() for t in evaluate(config, result["rows"], result["baseline"])
     ]

@@ -116,7 +116,8 @@ class Fleet:
 
 
 class CpuMeter:
-    """CPU of each process, and of the machine, between ``start`` and ``read``, in cores."""
+    """CPU of each process, of them all (``benchmark``), of the machine, and of everything else
+    on it (``other``: another suite, a type check), between ``start`` and ``read``, in cores."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self._pids = pids
@@ -135,6 +136,7 @@ class CpuMeter:
         busy, _ = machine_busy_seconds()
         machine = busy - self._busy0
         cores = {name: round(value / span, 3) for name, value in used.items()}
+        cores["benchmark"] = round(sum(used.values()) / span, 3)
         cores["machine"] = round(machine / span, 3)
         cores["other"] = round(max(0.0, machine - sum(used.values())) / span, 3)
         return cores

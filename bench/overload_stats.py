@@ -277,12 +277,11 @@ def _ttft_cell(row: Mapping[str, Any], kind: str) -> str:
 
 def _cpu_cell(row: Mapping[str, Any]) -> str:
     cpu = row["cpu_cores"]
-    busiest = max((k for k in cpu if k not in ("machine", "other")), key=lambda k: cpu[k], default=None)
+    totals = ("benchmark", "machine", "other")
+    busiest = max((k for k in cpu if k not in totals), key=lambda k: cpu[k], default=None)
     if busiest is None:
         return "-"
-    return (
-        f"{busiest} {cpu[busiest]:.2f}, all {cpu.get('machine', 0.0):.2f}, other {cpu.get('other', 0.0):.2f}"
-    )
+    return f"{busiest} {cpu[busiest]:.2f}, " + ", ".join(f"{k} {cpu.get(k, 0.0):.2f}" for k in totals)
 
 
 def markdown(doc: Mapping[str, Any]) -> str:
@@ -308,7 +307,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
             "",
             "| scenario | load | quiet TTFT p50 / p99 ms (n) | high TTFT p50 / p99 ms (n) | goodput tokens/s "
             "| refusals (status reason: n) | refusal p99 ms | no Retry-After | lost | left waiting "
-            "| engine queue max / bound | CPU cores (busiest, machine, other) | dispatch lag p99 ms |",
+            "| engine queue max / bound | CPU cores (busiest process, benchmark, machine, other) "
+            "| dispatch lag p99 ms |",
             "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
         ]
         for row in result["rows"]:

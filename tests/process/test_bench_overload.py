@@ -64,7 +64,7 @@ def test_quick_run_writes_the_json_and_the_table(tmp_path: Path) -> None:
             assert row["completed"] > 0
             assert "quiet" in row["by_kind"]
             assert len(row["engine_queue_hwm"]) == doc["fleet"]["workers"]
-            pids = {"frontend-" + config, "client", "machine", "other"}
+            pids = {"frontend-" + config, "client", "benchmark", "machine", "other"}
             pids |= {f"{role}{i}" for role in ("engine", "sidecar") for i in range(3)}
             assert set(row["cpu_cores"]) == pids
         assert any("high" in row["by_kind"] for row in rows if row["scenario"] == "priority")

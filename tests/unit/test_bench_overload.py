@@ -243,7 +243,13 @@ def test_the_markdown_has_a_line_per_row_and_per_target() -> None:
     baseline = summarize_level([_served(QUIET, 1.0, 0.050)], (0.0, 10.0))
     rows = [_row("flood", 1.0, 300.0, 60.0), _row("flood", 2.0, 290.0, 70.0)]
     for row in rows:
-        row["cpu_cores"] = {"frontend-on": 0.2, "client": 0.1, "machine": 0.5, "other": 0.05}
+        row["cpu_cores"] = {
+            "frontend-on": 0.2,
+            "client": 0.1,
+            "benchmark": 0.3,
+            "machine": 0.5,
+            "other": 0.05,
+        }
     targets = evaluate("on", rows, baseline)
     doc = {
         "profile": {"name": "quick"},
@@ -258,6 +264,6 @@ def test_the_markdown_has_a_line_per_row_and_per_target() -> None:
     }
     text = markdown(doc)
     assert "| flood | 2x | 70.0 / 70.0 (2) |  | 290.0 |" in text
-    assert "frontend-on 0.20, all 0.50, other 0.05" in text
+    assert "frontend-on 0.20, benchmark 0.30, machine 0.50, other 0.05" in text
     assert text.count("| PASS |") == sum(t.verdict == "PASS" for t in targets)
     assert "- a note" in text
