@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from sidecar_common.errors import FailureReason
+from sidecar_common.reasons import FailureReason
 from sidecar_common.retry import Backoff
 
 __all__ = ["OWN_FAULT", "Ejection", "OutlierSettings", "Outliers", "Verdict", "own_fault"]

@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
-from sidecar_common.errors import RefusalReason
+from sidecar_common.reasons import RefusalReason
 from sidecar_frontend.admission.capacity import Room
 from sidecar_frontend.admission.queue import AdmissionQueue, Ticket, TicketState
 
