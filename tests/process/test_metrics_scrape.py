@@ -127,7 +127,7 @@ _PROMQL_WORDS = frozenset({"sum", "min", "max", "rate", "histogram_quantile", "b
 _LABELS = frozenset(
     {
         *("le", "engine", "instance", "reason", "finish_reason", "outcome", "worker", "model", "role"),
-        *("state", "task", "kind"),
+        *("state", "task", "kind", "band", "format"),
     }
 )
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -364,5 +364,14 @@ def test_every_frontend_dashboard_query_names_only_metrics_the_frontend_exports(
         # A background task that failed, a worker whose replies were refused (issue 26).
         "frontend_background_failures_total",
         "frontend_worker_misbehaviour_total",
+        # Admission and overload (issue 27): queues, waits, decisions, saturation, the retry
+        # budget, outlier ejection.
+        "frontend_admission_queued",
+        "frontend_admission_wait_seconds_bucket",
+        "frontend_admission_decisions_total",
+        "frontend_worker_saturation",
+        "frontend_retries_refused_total",
+        "frontend_worker_ejections_total",
+        "frontend_worker_restorations_total",
     ):
         assert wanted in used, f"the frontend dashboard shows no {wanted}"
