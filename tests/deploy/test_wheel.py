@@ -72,6 +72,7 @@ def test_the_proto_loads_from_the_wheel_through_importlib_resources(
         "Abort",
         "GetModelInfo",
         "GetLoad",
+        "WatchLoad",
         "WatchKvCache",
     ]
 
