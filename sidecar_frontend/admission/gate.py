@@ -188,9 +188,18 @@ class Gate:
     # ---------------------------------------------------------------- what wakes the queue
 
     def poke(self) -> None:
-        """The fleet may have room now (a worker event): look at every queue."""
+        """The fleet may have room now (a worker event): look at every queue; and a model no
+        worker serves any more, with nothing waiting or running, is forgotten (its state and
+        its metrics' series), so a fleet whose models come and go keeps no trace of the old."""
         for model in list(self._waiters):
             self._pump(model)
+        served = self._workers.models()
+        for model, admission in list(self._models.items()):
+            if model not in served and not self._waiters.get(model) and admission.held_slots == 0:
+                del self._models[model]
+                self._waiters.pop(model, None)
+                if self._observer is not None:
+                    self._observer.forget_model(model)
 
     async def run_ticker(self) -> None:
         """Looks at the waiting queues every ``tick`` while anything waits (a supervised task)."""
@@ -320,6 +329,8 @@ class _WorkerView(Protocol):
 
     def workers(self) -> list[Worker]: ...
 
+    def models(self) -> Mapping[str, object]: ...
+
 
 class WakeOnWorkerEvents:
     """A worker-set listener: any worker event (joined, changed, left) may free room, so the
@@ -351,6 +362,9 @@ class AdmissionObserver:
         pass
 
     def refused(self, model: str, who: Who, refused: Refused) -> None:
+        pass
+
+    def forget_model(self, model: str) -> None:
         pass
 
 

@@ -16,6 +16,7 @@ the scrape without bound.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
@@ -70,6 +71,9 @@ class AdmissionMetrics(AdmissionObserver):
         )
         self._tenants: set[str] = set()
         self._registry = registry
+        # The label sets each model's series were made with, to remove them when it goes.
+        self._decision_labels: dict[str, set[tuple[str, str, str]]] = {}
+        self._bands: dict[str, set[str]] = {}
 
     def watch(
         self,
@@ -88,15 +92,30 @@ class AdmissionMetrics(AdmissionObserver):
             return tenant
         return _OTHER
 
+    def _decided(self, model: str, tenant: str, outcome: str, reason: str) -> None:
+        labels = (self._tenant(tenant), outcome, reason)
+        self._decision_labels.setdefault(model, set()).add(labels)
+        self._decisions.labels(model, *labels).inc()
+
     def admitted(self, model: str, who: Who, waited: float) -> None:
-        self._decisions.labels(model, self._tenant(who.tenant), "admitted", "NONE").inc()
-        self._wait.labels(model, str(who.urgency)).observe(waited)
+        self._decided(model, who.tenant, "admitted", "NONE")
+        band = str(who.urgency)
+        self._bands.setdefault(model, set()).add(band)
+        self._wait.labels(model, band).observe(waited)
 
     def cancelled(self, model: str, who: Who) -> None:
-        self._decisions.labels(model, self._tenant(who.tenant), "cancelled", "CLIENT_GONE").inc()
+        self._decided(model, who.tenant, "cancelled", "CLIENT_GONE")
 
     def refused(self, model: str, who: Who, refused: Refused) -> None:
-        self._decisions.labels(model, self._tenant(who.tenant), "refused", refused.reason.value).inc()
+        self._decided(model, who.tenant, "refused", refused.reason.value)
+
+    def forget_model(self, model: str) -> None:
+        for labels in self._decision_labels.pop(model, set()):
+            with contextlib.suppress(KeyError):
+                self._decisions.remove(model, *labels)
+        for band in self._bands.pop(model, set()):
+            with contextlib.suppress(KeyError):
+                self._wait.remove(model, band)
 
 
 class _Scraped(Collector):
