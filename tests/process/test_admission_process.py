@@ -63,7 +63,8 @@ def test_the_rate_limits_file_is_enforced_and_reread_when_it_changes(tmp_path: P
         assert status == 429
         assert headers["x-sidecar-refused-reason"] == "rate_limited"
         assert 1 <= int(headers["Retry-After"]) <= 60
-        assert body["code"] == 429 and "rate_limited" in body["message"]
+        assert body["code"] == 429
+        assert "rate_limited" in body["message"]
         # Another tenant (here the default one) is not held back by batch's limit.
         assert generate(url, "")[0] == 200
         refused = next(
@@ -91,7 +92,9 @@ def test_a_bad_rate_limits_file_stops_the_frontend_naming_it(tmp_path: Path) -> 
         proc = stack.enter_context(process(frontend_argv(port, extra=("--rate-limits", str(limits)))))
         assert proc.wait(timeout=WAIT) == 1
         failed = [e for e in log_lines(proc) if e.get("event") == "start-up failed"]
-        assert failed and str(limits) in failed[0]["error"] and "requests_per_minute" in failed[0]["error"]
+        assert failed
+        assert str(limits) in failed[0]["error"]
+        assert "requests_per_minute" in failed[0]["error"]
 
 
 @pytest.mark.parametrize("admission", [True, False], ids=["admission", "no-admission"])
