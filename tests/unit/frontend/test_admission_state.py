@@ -392,5 +392,6 @@ def test_a_lone_flood_stops_at_the_reserve_and_the_next_tenant_gets_in_at_once()
     flood = [state.arrive("flood", 0, 1, 1, 0.0, fleet) for _ in range(12)]
     assert [isinstance(t, Ticket) and t.admitted for t in flood] == [True] * 8 + [False] * 4
     quiet = state.arrive("quiet", 0, 1, 1, 0.0, fleet)
-    assert isinstance(quiet, Ticket) and quiet.admitted
+    assert isinstance(quiet, Ticket)
+    assert quiet.admitted
     assert state.held_slots == 9
