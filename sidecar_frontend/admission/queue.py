@@ -49,6 +49,15 @@ is the "lower" band served; the lowest waits until it is the highest lower band)
 for a ticket that may use the reserved headroom): it keeps its tag (its tenant pays for it) and
 does not move ``V``.
 
+**Preempted tickets.** :meth:`AdmissionQueue.requeue` puts an admitted ticket back (the admission
+state preempted it to make room for a more urgent one; its client is mid-response). It waits
+ahead of every queued ticket of its band, preempted ones in the order they came back, outside
+fair queueing: its tenant already paid for it when it was first served, so it keeps no tag, moves
+no virtual time and is charged nothing more (its eventual :meth:`AdmissionQueue.charge` settles
+it once); served again, it counts in the lower band share as any ticket served. It has no
+deadline, and the band's depth does not refuse it (it counts in the depth the band reports,
+which new arrivals are refused on).
+
 Removal is lazy where it has to be: a removed ticket is marked and skipped later, so
 :meth:`AdmissionQueue.remove` and :meth:`AdmissionQueue.expired` cost O(log n) a ticket.
 """
@@ -57,6 +66,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
@@ -86,10 +96,16 @@ class Ticket:
     cost: int
     # Sequences it will run (at least 1).
     slots: int
+    # When it (last) started waiting: its arrival, or its preemption.
     enqueued_at: float
-    # enqueued_at plus the longest it may wait.
+    # enqueued_at plus the longest it may wait (infinite once preempted).
     deadline: float
+    # Whether its request may be preempted while admitted (the gate sets it: a request that
+    # cannot resume where it stopped is never preempted).
+    preemptible: bool = True
     state: TicketState = field(default=TicketState.NEW, init=False)
+    # Queued again after a preemption (AdmissionQueue.requeue), until served again.
+    _resuming: bool = field(default=False, init=False, repr=False)
     # Its fair-queueing start tag, given when it becomes its tenant's first waiting ticket.
     _start: int = field(default=-1, init=False, repr=False)
     # Push order: ties between equal tags go to the earlier push.
@@ -105,6 +121,17 @@ class Ticket:
     def admitted(self) -> bool:
         """It holds its slots now: admitted and not released yet."""
         return self.state is TicketState.ADMITTED
+
+    @property
+    def resuming(self) -> bool:
+        """It waits again after a preemption (queued ahead of its band, no deadline)."""
+        return self._resuming and self.state is TicketState.QUEUED
+
+
+def _in_lane(ticket: Ticket) -> bool:
+    """Queued in its tenant's lane (fair queueing, its deadline): not a preempted ticket, whose
+    entries from its first wait are stale."""
+    return ticket.state is TicketState.QUEUED and not ticket._resuming
 
 
 @dataclass(eq=False)
@@ -125,6 +152,9 @@ class _Band:
     # (start tag, push order, ticket) of each lane's front ticket; entries of tickets that left
     # stay until they reach the top or the heap is compacted.
     heads: list[tuple[int, int, Ticket]] = field(default_factory=list)
+    # Preempted tickets waiting again, served before the lanes, in the order they came back.
+    resumed: deque[Ticket] = field(default_factory=deque)
+    # Queued tickets, in the lanes and resumed.
     queued: int = 0
     # Lanes left by the last sweep: the next sweep waits until there are twice as many.
     lanes_kept: int = 0
@@ -190,7 +220,8 @@ class AdmissionQueue:
         if band is None:
             return None
         ticket = self._band_front(band)
-        heapq.heappop(band.heads)
+        if not ticket._resuming:
+            heapq.heappop(band.heads)
         self._serve(band, ticket, in_turn=True)
         return ticket
 
@@ -199,8 +230,29 @@ class AdmissionQueue:
         if ticket.state is not TicketState.QUEUED:
             return False
         ticket.state = TicketState.CANCELLED
-        self._drop(ticket)
+        if ticket._resuming:
+            self._resumed_leaves(self._bands[ticket.urgency], ticket)
+        else:
+            self._drop(ticket)
         return True
+
+    def requeue(self, ticket: Ticket, now: float) -> None:
+        """An admitted ticket waits again, preempted (module docstring): ahead of every queued
+        ticket of its band, with no deadline, never refused."""
+        if ticket.state is not TicketState.ADMITTED:
+            raise ValueError(f"only an admitted ticket is requeued, this one is {ticket.state.value}")
+        band = self._bands.get(ticket.urgency)
+        if band is None:
+            band = self._new_band(ticket.urgency)
+        ticket.state = TicketState.QUEUED
+        ticket._resuming = True
+        ticket.enqueued_at = now
+        ticket.deadline = math.inf
+        band.resumed.append(ticket)
+        band.queued += 1
+        if band.queued == 1:
+            insort(self._backlogged, band.urgency)
+        self._length += 1
 
     def expired(self, now: float) -> list[Ticket]:
         """Remove and return every queued ticket whose deadline is at or before ``now``,
@@ -208,7 +260,7 @@ class AdmissionQueue:
         gone: list[Ticket] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             ticket = heapq.heappop(self._deadlines)[2]
-            if ticket.state is TicketState.QUEUED:
+            if _in_lane(ticket):
                 ticket.state = TicketState.EXPIRED
                 self._drop(ticket)
                 gone.append(ticket)
@@ -216,7 +268,7 @@ class AdmissionQueue:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a queued ticket."""
-        while self._deadlines and self._deadlines[0][2].state is not TicketState.QUEUED:
+        while self._deadlines and not _in_lane(self._deadlines[0][2]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
 
@@ -241,13 +293,18 @@ class AdmissionQueue:
         return self._length
 
     def depth(self) -> dict[tuple[int, str], int]:
-        """Queued tickets by (urgency, tenant)."""
-        return {
+        """Queued tickets by (urgency, tenant), preempted ones included."""
+        found = {
             (band.urgency, tenant): lane.queued
             for band in self._bands.values()
             for tenant, lane in band.lanes.items()
             if lane.queued
         }
+        for band in self._bands.values():
+            for ticket in band.resumed:
+                key = (band.urgency, ticket.tenant)
+                found[key] = found.get(key, 0) + 1
+        return found
 
     # ------------------------------------------------------------------ for the admission state
 
@@ -265,11 +322,13 @@ class AdmissionQueue:
         return self._backlogged[0] if self._backlogged else None
 
     def heads(self) -> list[Ticket]:
-        """Each (band, tenant)'s first queued ticket: the more urgent band first, then by start
-        tag (the order the band serves them in)."""
+        """Each band's preempted tickets and each (band, tenant)'s first queued ticket: the more
+        urgent band first, then preempted ones, then by start tag (the order the band serves
+        them in)."""
         found: list[Ticket] = []
         for urgency in reversed(self._backlogged):
             band = self._bands[urgency]
+            found.extend(band.resumed)
             fronts = [lane.waiting[0] for lane in band.lanes.values() if lane.queued]
             fronts.sort(key=lambda ticket: (ticket._start, ticket._seq))
             found.extend(fronts)
@@ -281,6 +340,9 @@ class AdmissionQueue:
         if ticket.state is not TicketState.QUEUED:
             return False
         band = self._bands[ticket.urgency]
+        if ticket._resuming:
+            self._serve(band, ticket, in_turn=self._band_front(band) is ticket)
+            return True
         lane = band.lanes[ticket.tenant]
         if lane.waiting[0] is not ticket:
             return False
@@ -300,13 +362,21 @@ class AdmissionQueue:
         return self._bands[self._backlogged[-1]]
 
     def _band_front(self, band: _Band) -> Ticket:
-        """The band's smallest start tag (the band has a queued ticket)."""
-        while band.heads[0][2].state is not TicketState.QUEUED:
+        """The band's first preempted ticket, else its smallest start tag (the band has a
+        queued ticket)."""
+        if band.resumed:
+            return band.resumed[0]
+        while not _in_lane(band.heads[0][2]):
             heapq.heappop(band.heads)
         return band.heads[0][2]
 
     def _serve(self, band: _Band, ticket: Ticket, *, in_turn: bool) -> None:
         self._count_share(band.urgency, ticket.cost)
+        if ticket._resuming:
+            # Served before, so its tenant paid: no tag, no virtual time.
+            ticket.state = TicketState.ADMITTED
+            self._resumed_leaves(band, ticket)
+            return
         if in_turn:
             band.virtual_time = max(band.virtual_time, ticket._start)
         ticket.state = TicketState.ADMITTED
@@ -336,6 +406,15 @@ class AdmissionQueue:
         self._length -= 1
         self._compact(band)
 
+    def _resumed_leaves(self, band: _Band, ticket: Ticket) -> None:
+        """A preempted ticket leaves the queue (its state already set)."""
+        ticket._resuming = False
+        band.resumed.remove(ticket)
+        band.queued -= 1
+        self._length -= 1
+        if band.queued == 0:
+            self._backlogged.remove(band.urgency)
+
     def _front_leaves(self, band: _Band, lane: _Lane) -> None:
         lane.waiting.popleft()
         lane.queued -= 1
@@ -359,10 +438,10 @@ class AdmissionQueue:
         """Drop the entries of tickets that left once they outnumber the queued ones (each
         compaction follows as many leaves as it costs)."""
         if len(band.heads) > 2 * band.queued + 16:
-            band.heads = [entry for entry in band.heads if entry[2].state is TicketState.QUEUED]
+            band.heads = [entry for entry in band.heads if _in_lane(entry[2])]
             heapq.heapify(band.heads)
         if len(self._deadlines) > 2 * self._length + 64:
-            self._deadlines = [entry for entry in self._deadlines if entry[2].state is TicketState.QUEUED]
+            self._deadlines = [entry for entry in self._deadlines if _in_lane(entry[2])]
             heapq.heapify(self._deadlines)
 
     def _new_band(self, urgency: int) -> _Band:

@@ -39,6 +39,23 @@ instead of waiting for the flood's requests to end. A new ticket is admitted at 
 that same choice picks it: when no queued ticket would go before it, or when it qualifies for
 the reserve and no head before it does. A request is never admitted into more than ``free``.
 
+**Preemption** (off unless the caller asks: ``--preempt-after-secs``). :meth:`ModelAdmission.victim`
+names an admitted ticket to pause for a waiting one. The waiting tickets are the queue's heads,
+the most urgent first (:meth:`AdmissionQueue.heads`); the room they will have counts the free
+slots and the slots of the preemptions in flight (named, not yet requeued or released), and a
+head that fits in it is taken to use it. The first head that does not fit and has waited at
+least ``after`` seconds gets a victim: an admitted ticket that is ``preemptible``, strictly less
+urgent, and not being preempted already; the least urgent, then the most recently admitted
+(the least work lost). So a waiting ticket has at most as many preemptions in flight as it needs
+slots (one, for a request of one sequence), and none once the room coming covers it. The caller
+pauses the victim's request, then :meth:`ModelAdmission.requeue` gives back its slots and
+queues it again (:meth:`AdmissionQueue.requeue`: ahead of its band, no deadline, never refused).
+A preempted ticket qualifies for the reserve (it was admitted before; its client is
+mid-response). While a ticket that preempted ones were requeued for still waits (it needs more
+slots than are free yet), nothing less urgent than it is admitted, in turn (a lower band's
+share) or out of turn: the room freed for it is kept for it (else a less urgent ticket would
+take it, to be preempted in turn).
+
 **Retry-After** of a refusal: the tickets queued in its band and above, divided by the recent
 rate of releases of this model (releases per second, exponentially decayed over
 :data:`RELEASE_RATE_WINDOW` seconds of the ``now`` values given), rounded up and clamped to
@@ -61,6 +78,7 @@ __all__ = [
     "RELEASE_RATE_WINDOW",
     "AdmissionSettings",
     "ModelAdmission",
+    "Preemption",
     "Refused",
     "Ticket",
 ]
@@ -80,6 +98,16 @@ class Refused:
     retry_after: int
     # Human words naming the measured values.
     detail: str
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """Why an admitted request is paused: its urgency, and the waiting request's it makes room
+    for, which has waited ``waited`` seconds."""
+
+    urgency: int
+    waiting_urgency: int
+    waited: float
 
 
 @dataclass(frozen=True)
@@ -117,6 +145,13 @@ class ModelAdmission:
         self._tickets_by_tenant: dict[str, int] = {}
         self._tickets_by_urgency: dict[int, int] = {}
         self._releases = _DecayedRate(RELEASE_RATE_WINDOW)
+        # The admitted tickets, in the order they were admitted (the last is the most recent).
+        self._holding: dict[Ticket, None] = {}
+        # Preemptions in flight: each victim named and not yet requeued or released, with the
+        # waiting ticket it was named for.
+        self._preempting: dict[Ticket, Ticket] = {}
+        # Preempted tickets waiting again, with the ticket they were preempted for.
+        self._requeued_for: dict[Ticket, Ticket] = {}
 
     def arrive(
         self, tenant: str, urgency: int, cost: int, slots: int, now: float, room: Room
@@ -150,6 +185,7 @@ class ModelAdmission:
         """A queued ticket leaves (its client left); False when it is not queued."""
         if not self._queue.remove(ticket):
             return False
+        self._requeued_for.pop(ticket, None)
         self._count_out(ticket)
         return True
 
@@ -179,12 +215,48 @@ class ModelAdmission:
         if ticket.state is not TicketState.ADMITTED:
             return
         ticket.state = TicketState.RELEASED
-        self._held_slots -= ticket.slots
-        _subtract(self._held_by_tenant, ticket.tenant, ticket.slots)
+        self._give_back_slots(ticket)
         self._count_out(ticket)
         self._releases.record(now)
         if actual_cost is not None:
             self._queue.charge(ticket, actual_cost)
+
+    def victim(self, now: float, room: Room, after: float) -> Ticket | None:
+        """The admitted ticket to preempt now for a ticket that waited at least ``after``
+        seconds without room, if any (module docstring); it counts as a preemption in flight
+        until :meth:`requeue` or :meth:`release`. Call :meth:`pump` first: a ticket the room
+        already fits is not waiting for a preemption."""
+        available = room.total_slots - room.foreign_slots - self._held_slots
+        available += sum(ticket.slots for ticket in self._preempting)
+        for head in self._queue.heads():
+            if head.slots <= available:
+                available -= head.slots
+                continue
+            if now - head.enqueued_at < after:
+                continue
+            chosen = self._least_valuable(below=head.urgency)
+            if chosen is None:
+                # The heads come most urgent first: no later one has a less urgent ticket.
+                return None
+            self._preempting[chosen] = head
+            return chosen
+        return None
+
+    def making_room_for(self, victim: Ticket) -> Ticket | None:
+        """The waiting ticket a preemption in flight was named for."""
+        return self._preempting.get(victim)
+
+    def requeue(self, ticket: Ticket, now: float) -> None:
+        """A preempted ticket's request stopped: its slots are free and it waits again, ahead of
+        its band, with no deadline (:meth:`AdmissionQueue.requeue`). Nothing happens for a ticket
+        that is not admitted."""
+        if ticket.state is not TicketState.ADMITTED:
+            return
+        waiter = self._preempting.get(ticket)
+        if waiter is not None:
+            self._requeued_for[ticket] = waiter
+        self._give_back_slots(ticket)
+        self._queue.requeue(ticket, now)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a queued ticket."""
@@ -213,18 +285,29 @@ class ModelAdmission:
             return None
         total = room.total_slots
         lowest = min(self._tickets_by_urgency, default=None)
-        if head.slots <= free and (
-            free - head.slots >= self._reserve(total) or self._qualifies(head, total, lowest)
+        # The room preemptions freed is kept for whom they were for (module docstring).
+        kept_for = max(
+            (waiter.urgency for waiter in self._requeued_for.values() if waiter.state is TicketState.QUEUED),
+            default=None,
+        )
+        if (
+            head.slots <= free
+            and (kept_for is None or head.urgency >= kept_for)
+            and (free - head.slots >= self._reserve(total) or self._qualifies(head, total, lowest))
         ):
             return head
         for candidate in self._queue.heads():
+            if kept_for is not None and candidate.urgency < kept_for:
+                break  # the heads come most urgent first: the rest are less urgent still
             if candidate.slots <= free and self._qualifies(candidate, total, lowest):
                 return candidate
         return None
 
     def _qualifies(self, ticket: Ticket, total: int, lowest: int | None) -> bool:
-        """Whether ``ticket`` may take the reserve: its tenant is under its fair share, or it is
-        more urgent than the least urgent ticket held or queued."""
+        """Whether ``ticket`` may take the reserve: it was preempted, or its tenant is under its
+        fair share, or it is more urgent than the least urgent ticket held or queued."""
+        if ticket.resuming:
+            return True
         # One more tenant than are here: the reserve is kept for whoever comes next, so a lone
         # flood (whose share of the tenants present would be everything) cannot take it.
         tenants = len(self._tickets_by_tenant) + 1
@@ -242,6 +325,26 @@ class ModelAdmission:
         assert taken, "the ticket admitted is one of the queue's heads"
         self._held_slots += ticket.slots
         self._held_by_tenant[ticket.tenant] = self._held_by_tenant.get(ticket.tenant, 0) + ticket.slots
+        self._holding[ticket] = None
+        self._requeued_for.pop(ticket, None)
+
+    def _give_back_slots(self, ticket: Ticket) -> None:
+        """An admitted ticket stops holding its slots (released, or preempted)."""
+        self._held_slots -= ticket.slots
+        _subtract(self._held_by_tenant, ticket.tenant, ticket.slots)
+        del self._holding[ticket]
+        self._preempting.pop(ticket, None)
+
+    def _least_valuable(self, below: int) -> Ticket | None:
+        """The preemptible admitted ticket less urgent than ``below`` and not being preempted
+        already: the least urgent, then the most recently admitted."""
+        chosen: Ticket | None = None
+        for ticket in self._holding:  # admission order: a later one of equal urgency wins
+            if ticket.urgency >= below or not ticket.preemptible or ticket in self._preempting:
+                continue
+            if chosen is None or ticket.urgency <= chosen.urgency:
+                chosen = ticket
+        return chosen
 
     def _count_in(self, ticket: Ticket) -> None:
         self._tickets_by_tenant[ticket.tenant] = self._tickets_by_tenant.get(ticket.tenant, 0) + 1

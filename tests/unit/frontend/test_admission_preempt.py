@@ -1,0 +1,327 @@
+"""Preemption in one model's admission: which admitted request is paused for a waiting one, and
+how a paused request waits again (pure state: ModelAdmission.victim and requeue)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar_frontend.admission.capacity import Room
+from sidecar_frontend.admission.queue import Ticket, TicketState
+from sidecar_frontend.admission.state import AdmissionSettings, ModelAdmission, Refused
+
+AFTER = 1.0
+
+
+def room(total: int, foreign: int = 0) -> Room:
+    return Room(total_slots=total, foreign_slots=foreign, workers=1, stale=0)
+
+
+def ticket_of(outcome: Ticket | Refused) -> Ticket:
+    assert isinstance(outcome, Ticket)
+    return outcome
+
+
+def full_fleet(
+    urgencies: list[int], *, preemptible: list[bool] | None = None, slots: int = 1, depth: int = 8
+) -> tuple[ModelAdmission, list[Ticket]]:
+    """A model whose slots are exactly filled by one admitted ticket per urgency given, in order
+    (tenant "t<i>", one slot each)."""
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=depth, headroom=0.0))
+    fleet = room(len(urgencies) * slots)
+    held = []
+    for index, urgency in enumerate(urgencies):
+        ticket = ticket_of(state.arrive(f"t{index}", urgency, 10, slots, 0.0, fleet))
+        assert ticket.admitted
+        if preemptible is not None:
+            ticket.preemptible = preemptible[index]
+        held.append(ticket)
+    return state, held
+
+
+@pytest.mark.parametrize(
+    ("held", "preemptible", "waiting", "chosen"),
+    [
+        # The least urgent; among equals, the most recently admitted (the least work lost).
+        ([0, 1, 0], None, 2, 2),
+        ([1, 0, 0, 1], None, 2, 2),
+        ([0, 1], None, 1, 0),
+        # Never one as urgent as the waiting request, or more.
+        ([2, 3], None, 2, None),
+        ([1], None, 1, None),
+        # Never one its request cannot resume (the gate marks it).
+        ([0, 0], [True, False], 1, 0),
+        ([0, 1], [False, True], 2, 1),
+        ([0], [False], 1, None),
+    ],
+)
+def test_the_victim_is_the_least_urgent_preemptible_ticket_most_recently_admitted(
+    held: list[int], preemptible: list[bool] | None, waiting: int, chosen: int | None
+) -> None:
+    state, tickets = full_fleet(held, preemptible=preemptible)
+    fleet = room(len(held))
+    waiter = ticket_of(state.arrive("w", waiting, 10, 1, 0.0, fleet))
+    assert waiter.state is TicketState.QUEUED
+    victim = state.victim(AFTER, fleet, AFTER)
+    assert victim is (None if chosen is None else tickets[chosen])
+    if victim is not None:
+        assert state.making_room_for(victim) is waiter
+
+
+def test_no_victim_before_the_waiting_request_waited_long_enough() -> None:
+    state, _ = full_fleet([0])
+    fleet = room(1)
+    state.arrive("w", 1, 10, 1, 10.0, fleet)
+    assert state.victim(10.0 + AFTER - 0.01, fleet, AFTER) is None
+    assert state.victim(10.0 + AFTER, fleet, AFTER) is not None
+
+
+def test_no_victim_when_preemption_is_off_or_nobody_waits_for_room() -> None:
+    state, _ = full_fleet([0, 0])
+    fleet = room(2)
+    assert state.victim(100.0, fleet, 0.0) is None  # nobody waits
+    state.arrive("w", 1, 10, 1, 0.0, fleet)
+    assert state.victim(1e9, fleet, math.inf) is None  # off: no wait is long enough
+    # A request the room fits is not waiting for a preemption.
+    assert state.victim(100.0, room(3), 0.0) is None
+
+
+def test_one_preemption_in_flight_per_waiting_request_of_one_sequence() -> None:
+    state, held = full_fleet([0, 0, 0])
+    fleet = room(3)
+    first = ticket_of(state.arrive("w1", 1, 10, 1, 0.0, fleet))
+    victim = state.victim(5.0, fleet, AFTER)
+    assert victim is held[2]
+    # The ticker looks again before the victim's request stopped: nothing more for w1.
+    assert state.victim(5.1, fleet, AFTER) is None
+    assert state.victim(5.2, fleet, AFTER) is None
+    # Another waiting request gets its own.
+    second = ticket_of(state.arrive("w2", 1, 10, 1, 0.0, fleet))
+    assert state.victim(5.3, fleet, AFTER) is held[1]
+    assert state.victim(5.4, fleet, AFTER) is None
+    assert {state.making_room_for(held[2]), state.making_room_for(held[1])} == {first, second}
+
+
+def test_a_waiting_request_of_several_sequences_gets_as_many_victims_as_it_needs() -> None:
+    state, held = full_fleet([0, 0, 0])
+    fleet = room(3)
+    ticket_of(state.arrive("w", 1, 10, 2, 0.0, fleet))
+    assert state.victim(5.0, fleet, AFTER) is held[2]
+    assert state.victim(5.0, fleet, AFTER) is held[1]
+    assert state.victim(5.0, fleet, AFTER) is None
+
+
+def test_a_preempted_request_gives_its_slots_to_the_waiting_one() -> None:
+    state, held = full_fleet([0])
+    fleet = room(1)
+    waiter = ticket_of(state.arrive("w", 1, 10, 1, 0.0, fleet))
+    victim = state.victim(5.0, fleet, AFTER)
+    assert victim is held[0]
+    state.requeue(victim, 5.5)
+    assert victim.state is TicketState.QUEUED
+    assert victim.resuming
+    assert state.held_slots == 0
+    assert state.held_by_tenant() == {}
+    assert state.queued() == {(0, "t0"): 1, (1, "w"): 1}
+    assert state.pump(5.5, fleet) == [waiter]
+    assert victim.state is TicketState.QUEUED
+    # The waiting request ends: the preempted one is admitted again.
+    state.release(waiter, 20, 9.0)
+    assert state.pump(9.0, fleet) == [victim]
+    assert victim.admitted
+    assert not victim.resuming
+    assert state.held_slots == 1
+    assert state.held_by_tenant() == {"t0": 1}
+
+
+def test_a_preempted_request_goes_before_the_later_arrivals_of_its_band() -> None:
+    # 3 slots, 1 of them the reserve. The preempted request's tenant is over its fair share
+    # when its slot comes back; the later arrivals' tenants are under theirs and would pass an
+    # ordinary queued request into the reserve.
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=8, headroom=0.3))
+    roomy, fleet = room(10), room(3)
+    held = [ticket_of(state.arrive(tenant, 0, 10, 1, 0.0, roomy)) for tenant in ("y", "x", "y")]
+    assert all(ticket.admitted for ticket in held)
+    urgent = ticket_of(state.arrive("w", 1, 10, 1, 0.0, fleet))
+    assert state.victim(2.0, fleet, AFTER) is held[2]
+    later = [ticket_of(state.arrive(tenant, 0, 10, 1, 2.5, fleet)) for tenant in ("a", "b")]
+    state.requeue(held[2], 3.0)
+    assert state.pump(3.0, fleet) == [urgent]
+    state.release(urgent, 20, 4.0)
+    # Its slot comes back: the preempted ticket takes it, not any of the band's later arrivals.
+    assert state.pump(4.0, fleet) == [held[2]]
+    assert all(ticket.state is TicketState.QUEUED for ticket in later)
+
+
+def test_a_preempted_request_never_expires_and_is_never_refused_for_depth() -> None:
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=1, max_queue_wait=2.0, headroom=0.0))
+    fleet = room(1)
+    held = ticket_of(state.arrive("a", 0, 10, 1, 0.0, fleet))
+    waiter = ticket_of(state.arrive("w", 1, 10, 1, 0.0, fleet))
+    queued = ticket_of(state.arrive("b", 0, 10, 1, 0.0, fleet))  # band 0 is full now
+    assert state.victim(1.0, fleet, AFTER) is held
+    state.requeue(held, 1.0)  # band 0 holds two now
+    assert state.queued() == {(0, "a"): 1, (0, "b"): 1, (1, "w"): 1}
+    assert state.next_deadline() == 2.0
+    gone = state.expire(1e6)
+    assert {ticket for ticket, _ in gone} == {waiter, queued}
+    assert held.state is TicketState.QUEUED
+    assert state.next_deadline() is None
+    assert state.pump(1e6, fleet) == [held]
+
+
+def test_a_preempted_request_whose_client_left_leaves_the_queue() -> None:
+    state, _ = full_fleet([0])
+    fleet = room(1)
+    waiter = ticket_of(state.arrive("w", 1, 10, 1, 0.0, fleet))
+    victim = state.victim(5.0, fleet, AFTER)
+    assert victim is not None
+    state.requeue(victim, 5.0)
+    assert state.cancel(victim)
+    assert victim.state is TicketState.CANCELLED
+    assert state.queued() == {(1, "w"): 1}
+    assert state.pump(5.0, fleet) == [waiter]
+    assert state.held_slots == 1
+
+
+def test_a_victim_that_ended_before_it_stopped_frees_the_waiting_request_for_another() -> None:
+    state, held = full_fleet([0, 0])
+    fleet = room(2)
+    waiter = ticket_of(state.arrive("w", 1, 10, 2, 0.0, fleet))
+    first = state.victim(5.0, fleet, AFTER)
+    second = state.victim(5.0, fleet, AFTER)
+    assert {first, second} == set(held)
+    assert first is not None
+    assert second is not None
+    state.release(first, 10, 5.1)  # it finished on its own meanwhile
+    assert state.pump(5.1, fleet) == []
+    state.requeue(second, 5.2)
+    assert state.pump(5.2, fleet) == [waiter]
+    assert state.held_slots == 2
+
+
+def test_room_freed_for_a_larger_waiting_request_is_kept_for_it() -> None:
+    # The waiting request needs both slots; the first victim's slot is free before the second
+    # one's: nothing less urgent takes it meanwhile (the victim itself neither, so it is not
+    # preempted again and again).
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=8, headroom=0.0))
+    fleet = room(2)
+    held = [ticket_of(state.arrive(tenant, 0, 10, 1, 0.0, fleet)) for tenant in ("a", "b")]
+    waiter = ticket_of(state.arrive("w", 2, 10, 2, 0.0, fleet))
+    quiet = ticket_of(state.arrive("q", 1, 10, 1, 0.0, fleet))
+    victims = [state.victim(5.0, fleet, AFTER), state.victim(5.0, fleet, AFTER)]
+    assert victims == [held[1], held[0]]
+    state.requeue(held[1], 5.1)
+    assert state.pump(5.1, fleet) == []
+    assert quiet.state is TicketState.QUEUED
+    assert held[1].state is TicketState.QUEUED
+    assert state.victim(5.1, fleet, AFTER) is None
+    state.requeue(held[0], 5.2)
+    assert state.pump(5.2, fleet) == [waiter]
+    state.release(waiter, 10, 6.0)
+    assert state.pump(6.0, fleet) == [quiet, held[1]]
+
+
+# ---------------------------------------------------------------------- any sequence
+
+operation = st.one_of(
+    st.tuples(
+        st.just("arrive"),
+        st.sampled_from("abc"),
+        st.integers(0, 3),
+        st.integers(1, 2),
+        st.booleans(),
+    ),
+    st.tuples(st.just("pump")),
+    st.tuples(st.just("victim"), st.sampled_from([0.0, 0.5, 2.0])),
+    st.tuples(st.just("stop"), st.integers(0, 100)),
+    st.tuples(st.just("release"), st.integers(0, 100)),
+    st.tuples(st.just("cancel"), st.integers(0, 100)),
+    st.tuples(st.just("tick"), st.floats(0.0, 1.0)),
+    st.tuples(st.just("room"), st.integers(1, 6)),
+)
+
+
+@given(st.lists(operation, max_size=80))
+def test_any_sequence_of_preemptions_keeps_the_books(operations: list[tuple[object, ...]]) -> None:
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=6, max_queue_wait=3.0, headroom=0.25))
+    fleet = room(4)
+    tickets: list[Ticket] = []
+    # Victims named and not yet stopped, with whom they were named for.
+    in_flight: dict[Ticket, Ticket] = {}
+    # Each preempted ticket, with the tickets there were when it last stopped.
+    there_before: dict[Ticket, set[int]] = {}
+    now = 0.0
+    for op in operations:
+        match op:
+            case ("arrive", str(tenant), int(urgency), int(slots), bool(preemptible)):
+                outcome = state.arrive(tenant, urgency, 10, slots, now, fleet)
+                if isinstance(outcome, Ticket):
+                    outcome.preemptible = preemptible
+                    tickets.append(outcome)
+            case ("pump",):
+                for admitted in state.pump(now, fleet):
+                    for resumed, before in there_before.items():
+                        if (
+                            resumed.state is TicketState.QUEUED
+                            and resumed.urgency == admitted.urgency
+                            and resumed.slots <= admitted.slots
+                        ):
+                            # A later arrival of its band never passes it (one that needs more
+                            # room than is free may be passed by a smaller one, as any ticket).
+                            assert id(admitted) in before
+            case ("victim", float(after)):
+                victim = state.victim(now, fleet, after)
+                if victim is not None:
+                    waiter = state.making_room_for(victim)
+                    assert waiter is not None
+                    assert waiter.state is TicketState.QUEUED
+                    assert victim.admitted
+                    assert victim.preemptible
+                    assert victim.urgency < waiter.urgency
+                    assert now - waiter.enqueued_at >= after
+                    assert victim not in in_flight
+                    in_flight[victim] = waiter
+                    # Never more preemptions in flight for one waiting ticket than its slots.
+                    assert sum(1 for w in in_flight.values() if w is waiter) <= waiter.slots
+            case ("stop", int(index)):
+                if in_flight:
+                    victim = list(in_flight)[index % len(in_flight)]
+                    del in_flight[victim]
+                    state.requeue(victim, now)
+                    assert victim.resuming
+                    there_before[victim] = {id(ticket) for ticket in tickets}
+            case ("release", int(index)):
+                holding = [ticket for ticket in tickets if ticket.admitted]
+                if holding:
+                    chosen = holding[index % len(holding)]
+                    state.release(chosen, 12, now)
+                    in_flight.pop(chosen, None)
+            case ("cancel", int(index)):
+                if tickets:
+                    chosen = tickets[index % len(tickets)]
+                    was_queued = chosen.state is TicketState.QUEUED
+                    assert state.cancel(chosen) is was_queued
+            case ("tick", float(step)):
+                now += step
+                for ticket, _ in state.expire(now):
+                    assert not ticket.resuming
+            case ("room", int(total)):
+                fleet = room(total)
+        holding = [ticket for ticket in tickets if ticket.admitted]
+        assert state.held_slots == sum(ticket.slots for ticket in holding)
+        by_tenant: dict[str, int] = {}
+        for ticket in holding:
+            by_tenant[ticket.tenant] = by_tenant.get(ticket.tenant, 0) + ticket.slots
+        assert state.held_by_tenant() == by_tenant
+        waiting: dict[tuple[int, str], int] = {}
+        for ticket in tickets:
+            if ticket.state is TicketState.QUEUED:
+                key = (ticket.urgency, ticket.tenant)
+                waiting[key] = waiting.get(key, 0) + 1
+        assert state.queued() == waiting
+        for victim in in_flight:
+            assert state.making_room_for(victim) is in_flight[victim]
