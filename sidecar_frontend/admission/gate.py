@@ -19,6 +19,16 @@ worker event (joined, changed, left), and a ticker that looks again every ``tick
 anything waits, for what no event announces (a load report of another frontend's requests
 ending). The ticker is a supervised task when the frontend runs one; a request's own deadline
 never depends on it.
+
+Preemption (``--preempt-after-secs``; off by default). The ticker also asks each model's
+admission for a victim (:meth:`~.state.ModelAdmission.victim`): an admitted request, less urgent
+than one that has waited that long without room. A request may be a victim only once its
+handler allowed it (:meth:`Pass.allow_preemption`, for a request that can resume where it
+stopped); the gate calls its ``on_preempt`` with the :class:`~.state.Preemption` (the handler's
+exchange stops its attempts, their engine requests aborted), counts it (the observer's
+``preempted``), and the request's :meth:`Pass.readmit` then gives back its slots and waits in
+the queue again, ahead of its band and with no deadline, until it is admitted again. A client
+that leaves meanwhile takes it out of the queue (its :meth:`Pass.release`).
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ import structlog
 
 from sidecar_common.errors import RefusalReason
 from sidecar_frontend.admission.capacity import Room, WorkerLoad, fleet_room
+from sidecar_frontend.admission.queue import TicketState
 from sidecar_frontend.admission.rates import Grant, RateLimiter, RateRefusal
-from sidecar_frontend.admission.state import ModelAdmission, Refused, Ticket
+from sidecar_frontend.admission.state import ModelAdmission, Preemption, Refused, Ticket
 from sidecar_frontend.admission.who import Who
 from sidecar_frontend.config import AdmissionConfig
 from sidecar_frontend.registry import Worker
@@ -65,13 +76,33 @@ REFUSAL_STATUS: Final[Mapping[RefusalReason, int]] = {
 class Pass:
     """An admitted request: hold it while the request runs, :meth:`release` it once it ended."""
 
-    def __init__(self, gate: Gate, model: str, ticket: Ticket | None, grant: Grant | None) -> None:
+    def __init__(self, gate: Gate, model: str, ticket: Ticket | None, grant: Grant | None, who: Who) -> None:
         self._gate = gate
         self._model = model
         self._ticket = ticket
         self._grant = grant
+        self.who = who
         self._released = False
         self.waited = 0.0  # seconds it spent in the queue
+        # Told when the request is preempted (allow_preemption).
+        self.on_preempt: Callable[[Preemption], None] | None = None
+        # Why its slots were taken back, from its preemption until it is admitted again.
+        self.preemption: Preemption | None = None
+        # Its wait to be admitted again, shared by whoever calls readmit.
+        self._resume: _Waiter | None = None
+
+    def allow_preemption(self, on_preempt: Callable[[Preemption], None]) -> None:
+        """The request can resume where it stopped: it may be preempted, and ``on_preempt`` is
+        then told (it must stop the request's generations; :meth:`readmit` waits for room)."""
+        self.on_preempt = on_preempt
+        if self._ticket is not None and not self._released:
+            self._ticket.preemptible = True
+
+    async def readmit(self) -> bool:
+        """Wait until the request is admitted again after its preemption (at once when it was
+        not preempted): the first call gives back its slots and queues it, every call waits for
+        the same admission. False when it never will be (the frontend stops)."""
+        return await self._gate._readmit(self)
 
     def release(self, actual_tokens: int | None) -> None:
         """The request ended having used ``actual_tokens`` (prompt plus completion; None: unknown,
@@ -79,7 +110,7 @@ class Pass:
         if self._released:
             return
         self._released = True
-        self._gate._release(self._model, self._ticket, self._grant, actual_tokens)
+        self._gate._release(self, self._grant, actual_tokens)
 
 
 @dataclass(eq=False)
@@ -107,7 +138,10 @@ class Gate:
         self._clock = clock
         self._observer = observer
         self._models: dict[str, ModelAdmission] = {}
+        # Waiting tickets by model: new requests (enter) and preempted ones (readmit).
         self._waiters: dict[str, dict[Ticket, _Waiter]] = {}
+        # The passes of the admitted requests, for their preemption.
+        self._passes: dict[Ticket, Pass] = {}
         self._anything_waits = anyio.Event()
         self._closed: Refused | None = None
 
@@ -133,9 +167,11 @@ class Gate:
             self._give_back(grant, now)
             self._tell_refused(model, who, arrived)
             return arrived
+        # Not a victim before its handler allows it (Pass.allow_preemption).
+        arrived.preemptible = False
         if arrived.admitted:
             self._tell_admitted(model, who, 0.0)
-            return Pass(self, model, arrived, grant)
+            return self._pass(model, arrived, grant, who)
         waiter = _Waiter(arrived)
         waiting = self._waiters.setdefault(model, {})
         waiting[arrived] = waiter
@@ -151,7 +187,7 @@ class Gate:
             if waiter.refused is not None:
                 outcome = waiter.refused
             elif waiter.admitted.is_set():
-                passed = Pass(self, model, arrived, grant)
+                passed = self._pass(model, arrived, grant, who)
                 passed.waited = self._clock() - arrived.enqueued_at
                 outcome = passed
             else:  # not past its deadline by the state's reckoning yet: it waits no longer
@@ -202,15 +238,62 @@ class Gate:
                     self._observer.forget_model(model)
 
     async def run_ticker(self) -> None:
-        """Looks at the waiting queues every ``tick`` while anything waits (a supervised task)."""
+        """Looks at the waiting queues every ``tick`` while anything waits (a supervised task),
+        and preempts for the requests that waited ``preempt_after`` when that is set."""
         while True:
             await self._anything_waits.wait()
             while any(self._waiters.values()):
                 self.poke()
                 for model in list(self._waiters):
                     self._expire(model)
+                if self.config.preempt_after is not None:
+                    self._preempt(self.config.preempt_after)
                 await anyio.sleep(self.config.tick)
             self._anything_waits = anyio.Event()
+
+    def _preempt(self, after: float) -> None:
+        """Preempt every victim the admission names now for a request that waited ``after``."""
+        for model, waiting in list(self._waiters.items()):
+            admission = self._models.get(model)
+            if admission is None or not waiting:
+                continue
+            now = self._clock()
+            room = self._room(model, now)
+            while (victim := admission.victim(now, room, after)) is not None:
+                passed = self._passes[victim]  # a victim is preemptible: its pass allowed it
+                waiter = admission.making_room_for(victim)
+                assert waiter is not None, "a victim is named for a waiting ticket"
+                cause = Preemption(victim.urgency, waiter.urgency, now - waiter.enqueued_at)
+                passed.preemption = cause
+                if self._observer is not None:
+                    self._observer.preempted(model, passed.who)
+                if passed.on_preempt is not None:
+                    passed.on_preempt(cause)
+
+    async def _readmit(self, passed: Pass) -> bool:
+        ticket = passed._ticket
+        if passed.preemption is None or ticket is None or passed._released:
+            return True
+        model = passed._model
+        waiter = passed._resume
+        if waiter is None:
+            # The first of its sub-requests back: its slots go to the waiting request.
+            waiter = passed._resume = _Waiter(ticket)
+            self._models[model].requeue(ticket, self._clock())
+            self._waiters.setdefault(model, {})[ticket] = waiter
+            self._anything_waits.set()
+            self._tell_queued(model)
+            self._pump(model)
+        await waiter.admitted.wait()
+        waiting = self._waiters.get(model, {})
+        if waiting.get(ticket) is waiter:
+            del waiting[ticket]
+        if waiter.refused is not None:
+            return False
+        if passed._resume is waiter:
+            passed._resume = None
+            passed.preemption = None
+        return True
 
     # ---------------------------------------------------------------- the fleet's room
 
@@ -281,10 +364,21 @@ class Gate:
                 waiter.refused = refused
                 waiter.admitted.set()
 
-    def _release(self, model: str, ticket: Ticket | None, grant: Grant | None, actual: int | None) -> None:
+    def _pass(self, model: str, ticket: Ticket, grant: Grant | None, who: Who) -> Pass:
+        passed = self._passes[ticket] = Pass(self, model, ticket, grant, who)
+        return passed
+
+    def _release(self, passed: Pass, grant: Grant | None, actual: int | None) -> None:
         now = self._clock()
+        model, ticket = passed._model, passed._ticket
         if ticket is not None:
-            self._models[model].release(ticket, actual, now)
+            self._passes.pop(ticket, None)
+            admission = self._models[model]
+            if ticket.state is TicketState.QUEUED:
+                # Preempted and waiting again: its client left, or its request ended otherwise.
+                admission.cancel(ticket)
+                self._waiters.get(model, {}).pop(ticket, None)
+            admission.release(ticket, actual, now)
             self._pump(model)
         if grant is not None and self.limiter is not None and actual is not None:
             self.limiter.settle(grant, actual, now)
@@ -365,6 +459,9 @@ class AdmissionObserver:
         pass
 
     def forget_model(self, model: str) -> None:
+        pass
+
+    def preempted(self, model: str, who: Who) -> None:
         pass
 
 

@@ -4,9 +4,10 @@ What an operator asks of them: how long the queues are and who waits (``frontend
 queued`` by model, band and tenant, read at each scrape), how long requests wait
 (``frontend_admission_wait_seconds`` by model and band), what was decided and why
 (``frontend_admission_decisions_total`` by model, outcome and reason: admitted, refused with
-queue_full, queue_timeout, no_capacity or rate_limited, cancelled while queued), and how full each
-worker is seen (``frontend_worker_saturation``: the sequences running there, ours and others', over
-its running limit; read at each scrape).
+queue_full, queue_timeout, no_capacity or rate_limited, cancelled while queued), how many running
+requests were preempted for more urgent ones (``frontend_admission_preemptions_total`` by model),
+and how full each worker is seen (``frontend_worker_saturation``: the sequences running there,
+ours and others', over its running limit; read at each scrape).
 
 Tenants are a label only where a bound holds: the queue gauge shows the tenants waiting now (at
 most the queue's depth), and the decisions counter names at most ``MAX_TENANT_LABELS`` tenants,
@@ -69,6 +70,14 @@ class AdmissionMetrics(AdmissionObserver):
             buckets=_WAIT_BUCKETS,
             registry=registry,
         )
+        self._preemptions = Counter(
+            "frontend_admission_preemptions",
+            "Running requests paused (their engine requests aborted) to make room for a more "
+            "urgent request that waited --preempt-after-secs; each resumes once admitted again",
+            ["model"],
+            registry=registry,
+        )
+        self._preempted_models: set[str] = set()
         self._tenants: set[str] = set()
         self._registry = registry
         # The label sets each model's series were made with, to remove them when it goes.
@@ -109,7 +118,15 @@ class AdmissionMetrics(AdmissionObserver):
     def refused(self, model: str, who: Who, refused: Refused) -> None:
         self._decided(model, who.tenant, "refused", refused.reason.value)
 
+    def preempted(self, model: str, who: Who) -> None:
+        self._preempted_models.add(model)
+        self._preemptions.labels(model).inc()
+
     def forget_model(self, model: str) -> None:
+        if model in self._preempted_models:
+            self._preempted_models.discard(model)
+            with contextlib.suppress(KeyError):
+                self._preemptions.remove(model)
         for labels in self._decision_labels.pop(model, set()):
             with contextlib.suppress(KeyError):
                 self._decisions.remove(model, *labels)
