@@ -373,5 +373,6 @@ def test_every_frontend_dashboard_query_names_only_metrics_the_frontend_exports(
         "frontend_retries_refused_total",
         "frontend_worker_ejections_total",
         "frontend_worker_restorations_total",
+        "frontend_admission_preemptions_total",
     ):
         assert wanted in used, f"the frontend dashboard shows no {wanted}"
