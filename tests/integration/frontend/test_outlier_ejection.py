@@ -248,3 +248,21 @@ async def test_the_retry_budget_bounds_the_calls_a_busy_fleet_sees() -> None:
     said = [e for e in logs if e["event"] == "retry refused: the retry budget is spent"]
     assert len(said) == refused
     assert {e["reason"] for e in said} == {"OVERLOADED"}
+
+
+async def test_a_gone_workers_requests_are_retried_whatever_the_retry_budget() -> None:
+    # The budget bounds what busy answers multiply; a worker that went away (UNAVAILABLE: its
+    # connection broke, its engine stopped) leaves requests the rest of the fleet must take, and
+    # a spent budget must not turn them into errors.
+    async with two_scripted() as (fe, one, two):
+        fe.frontend.runner.retry_budget = RetryBudget(
+            RetryBudgetSettings(ratio=0.0, min_per_second=1 / 4096.0, window=4096.0)  # one retry, ever
+        )
+        one.fail_with = grpc.StatusCode.UNAVAILABLE
+        for n in range(20):
+            status, data = await generate(fe, f"gone-{n}")
+            assert status == 200, data
+        # Each call "one" took failed and was retried on "two": more retries than the budget's one.
+        assert one.arrivals >= 2
+        assert two.arrivals == 20
+        assert sample(fe, "frontend_retries_refused_total", format=VLLM.name) == 0
