@@ -26,6 +26,17 @@ itself: the ejections and restorations it reports are counted here.
 Cancellation: each attempt runs in the sub-request's own cancel scope (:class:`SubCall`), so
 an abort by id ends it; leaving a call cancels it, and the sidecar aborts the engine request.
 
+Preemption (admission, ``admission/gate.py``): :meth:`SubCall.preempt` cancels the current
+attempt the same way, with a marker. That is no worker's failure: no retry budget, no outlier
+count, no worker failure metric, no move against ``--migration-limit``. The sub-request waits
+until its request is admitted again (:meth:`Recipient.readmit`, shared by the request's
+sub-requests), then runs the same request again when nothing was delivered, else the
+continuation from the delivered tokens (``Attempts.after_preemption``), on any worker (the one
+it ran on included): the client sees a pause. One ``request preempted`` line (the worker, the
+tokens delivered, its urgency and the waiting request's) and one ``request resumed`` line (how
+long it waited) per pause. A sub-request that starts while its request is preempted waits
+first.
+
 A worker is not trusted (``misbehaviour.py``): every reply of a call is decoded or refused (a
 ``None`` from grpc.aio is a message that did not decode; a status whose details do not decode
 is refused too), and every output is checked before the client is given it (its choice, its
@@ -57,6 +68,7 @@ from sidecar_common.errors import FAILURE_RULES, FailureReason
 from sidecar_common.rpc import cancel_is_ours
 from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
 from sidecar_frontend import disagg
+from sidecar_frontend.admission.state import Preemption
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, misbehaved, read_rpc_error
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
@@ -113,9 +125,18 @@ class SubCall:
     attempts: Attempts
     scope: anyio.CancelScope | None = None
     aborted: bool = False
+    # Set by preempt while its current attempt is being stopped.
+    preempted: Preemption | None = None
 
     def abort(self) -> None:
         self.aborted = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def preempt(self, cause: Preemption) -> None:
+        """Stop the current attempt (its engine request is aborted); the sub-request waits to be
+        admitted again, then goes on from what it delivered."""
+        self.preempted = cause
         if self.scope is not None:
             self.scope.cancel()
 
@@ -127,6 +148,8 @@ class Tally:
     workers: list[str] = field(default_factory=list)
     retries: int = 0
     migrations: int = 0
+    # Pauses of its sub-requests by preemption.
+    preemptions: int = 0
 
 
 class OutputNotEncoded(Exception):
@@ -152,6 +175,15 @@ class Recipient(Protocol):
     async def deliver(self, index: int, output: sidecar_pb2.LLMEngineOutput) -> None:
         """Give sub-request ``index``'s ``output`` (already in the client's terms) to the client;
         raises :class:`OutputNotEncoded` when the format could not take it."""
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """Why the request's admission was taken back, until it is admitted again; None while
+        it holds its admission (or has none to lose)."""
+
+    async def readmit(self) -> bool:
+        """Wait until the request is admitted again after a preemption (at once when it was
+        not preempted); False when it never will be (the frontend stops)."""
 
 
 class AttemptRunner:
@@ -234,6 +266,10 @@ class _Run:
     tried: list[str] = field(default_factory=list)
     # The move (retry or migration) decided after a failure, counted once a worker takes it.
     moving: tuple[str, WorkerFailure] | None = None
+    # The workers of the current attempt, once placed.
+    placed: tuple[str, ...] = ()
+    # When the sub-request was last paused by a preemption (None: it is not paused).
+    paused_at: float | None = None
     # The checks of every output the client is given, across attempts.
     check: OutputCheck = field(init=False)
 
@@ -248,12 +284,25 @@ class _Run:
         while True:
             if sub.aborted:
                 return WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
+            if self.to.preemption is not None or self.paused_at is not None:
+                stopped = await self._until_readmitted()
+                if stopped is not None:
+                    return stopped
+                continue  # aborted, or preempted again, meanwhile: look again
+            sub.preempted = None
+            self.placed = ()
             with anyio.CancelScope() as scope:
                 sub.scope = scope
                 failure = await self._attempt(current)
             sub.scope = None
             if scope.cancelled_caught:
-                return WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
+                if sub.aborted or sub.preempted is None:
+                    return WorkerFailure.of(FailureReason.CANCELLED, "aborted by request id")
+                after = await self._after_preemption(sub.preempted)
+                if not isinstance(after, sidecar_pb2.PreprocessedRequest):
+                    return after
+                current = after
+                continue
             if failure is None:
                 self.runner.retry_budget.succeeded(self.runner.clock())
                 return None
@@ -285,6 +334,74 @@ class _Run:
             current = following
             # Counted once another worker takes it (``_placed``), or as no_worker.
             self.moving = ("migrated" if delivered else "retry", failure)
+
+    async def _after_preemption(
+        self, cause: Preemption
+    ) -> sidecar_pb2.PreprocessedRequest | WorkerFailure | None:
+        """The current attempt was preempted: what runs once the request is readmitted, or how
+        the sub-request ends now (None: every terminal had been delivered)."""
+        runner, sub, attempts = self.runner, self.sub, self.sub.attempts
+        if attempts.complete:
+            runner.retry_budget.succeeded(runner.clock())
+            return None
+        worker = self.placed[-1] if self.placed else None
+        if self.placed:
+            # It did nothing wrong: the next attempt may go back to it.
+            del self.tried[-len(self.placed) :]
+        following = attempts.after_preemption()
+        if isinstance(following, Finish):
+            # The budget was spent before the terminal came: end it as LENGTH.
+            await self.to.deliver(sub.index, attempts.finish(following))
+            runner.retry_budget.succeeded(runner.clock())
+            return None
+        if isinstance(following, Refusal):
+            # The handler allows preemption only for requests that can resume.
+            why = following.reason.value
+            return WorkerFailure.of(
+                FailureReason.UNKNOWN,
+                f"internal error in the frontend: a preempted request cannot resume ({why})",
+            )
+        self._paused(cause, worker)
+        return following
+
+    def _paused(self, cause: Preemption, worker: str | None) -> None:
+        self.paused_at = self.runner.clock()
+        self.to.tally.preemptions += 1
+        log.info(
+            "request preempted",
+            request_id=self.sub.attempts.request.request_id,
+            worker=worker,
+            delivered_tokens=self.sub.attempts.progress.completion_tokens(),
+            urgency=cause.urgency,
+            waiting_urgency=cause.waiting_urgency,
+            waiting_secs=round(cause.waited, 3),
+        )
+
+    async def _until_readmitted(self) -> WorkerFailure | None:
+        """Wait (abortable) until the request is admitted again; the failure the sub-request
+        ends with when it never will be. Returns None also when the wait was cancelled (an
+        abort, or a preemption again): the caller looks again."""
+        cause = self.to.preemption
+        if self.paused_at is None and cause is not None:
+            # Preempted while between attempts (before its first one, say).
+            self._paused(cause, None)
+        with anyio.CancelScope() as scope:
+            self.sub.scope = scope
+            admitted = await self.to.readmit()
+        self.sub.scope = None
+        if scope.cancelled_caught:
+            return None
+        if not admitted:
+            return WorkerFailure.of(FailureReason.NO_WORKER, "the frontend is shutting down")
+        if self.paused_at is not None:
+            log.info(
+                "request resumed",
+                request_id=self.sub.attempts.request.request_id,
+                waited_secs=round(self.runner.clock() - self.paused_at, 3),
+                delivered_tokens=self.sub.attempts.progress.completion_tokens(),
+            )
+            self.paused_at = None
+        return None
 
     def _retry_allowed(self, failure: WorkerFailure) -> bool:
         """Whether the retry budget allows this retry (spent when it does); a refusal is
@@ -361,6 +478,7 @@ class _Run:
         )
         if chosen is None:
             return WorkerFailure.of(FailureReason.NO_WORKER, f"no worker is serving {self.to.model}")
+        self.placed = tuple(w.address for w in chosen)
         self._placed(chosen)
         self.to.tally.workers.extend(w.address for w in chosen)
         self.tried.extend(w.address for w in chosen)

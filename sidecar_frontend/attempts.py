@@ -22,6 +22,10 @@ bounded too: the attempt runner asks the frontend's retry budget (``retry_budget
 each retry decided here, and ends the sub-request with its failure when the budget refuses
 (migrations are not charged: the limit above bounds them).
 
+An attempt the frontend stopped itself (admission preempted the request, ``admission/``) is no
+worker's failure: :meth:`Attempts.after_preemption` runs the same request again while nothing
+was delivered, else the continuation, and neither counts as a move.
+
 Every output the client is given passes through :meth:`Attempts.delivered`, which rewrites a
 continuation's outputs so that the client sees one uninterrupted generation.
 """
@@ -135,6 +139,15 @@ class Attempts:
         if failure.migratable and not self.migration.finished and self.moves >= self.limit:
             return Refusal(RefusalReason.LIMIT)
         return self.migration.after_failure(failure.migratable)
+
+    def after_preemption(self) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
+        """The current attempt was preempted: the request to run next once readmitted (the same
+        one while nothing was delivered, else the continuation), or why there is none. No move
+        is counted, and the next attempt may go to any worker, the same one included."""
+        self._last_failure = None
+        if not self.progress.delivered:
+            return self.request
+        return self.migration.after_preemption()
 
 
 def read_rpc_error(error: grpc.RpcError) -> WorkerFailure | Fault:

@@ -14,6 +14,10 @@ Cancellation, owned here:
 - abort by id (:class:`AbortRegistry`): every sub-request in flight under that public id
   (whichever client and worker) has its call cancelled, then ``encoder.on_failure(CANCELLED)``.
   Cancelling the call is enough: the sidecar aborts on cancel, so no ``Abort`` RPC is sent.
+- preemption (admission took the request's slots back for a more urgent one, ``preempt``):
+  every sub-request's current attempt is cancelled the same way, and each waits for the
+  request's readmission (its ``admission``), then goes on from what it delivered: the client
+  sees a pause, never an error.
 
 Whatever fails inside (an output the format cannot encode, a bug), the response ends: a
 streamed one is ended (its chunked body finished) and the request is recorded ``error``,
@@ -26,6 +30,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import structlog
@@ -34,6 +39,7 @@ from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason
+from sidecar_frontend.admission.state import Preemption
 from sidecar_frontend.attempt_runner import AttemptRunner, OutputNotEncoded, SubCall, Tally
 from sidecar_frontend.attempts import Attempts
 from sidecar_frontend.formats.base import (
@@ -47,7 +53,7 @@ from sidecar_frontend.formats.base import (
 )
 from sidecar_frontend.metrics import Metrics
 
-__all__ = ["AbortRegistry", "Exchange", "http_response", "ms"]
+__all__ = ["AbortRegistry", "Exchange", "Readmission", "http_response", "ms"]
 
 log = structlog.get_logger("sidecar_frontend.handler")
 
@@ -82,6 +88,17 @@ class AbortRegistry:
         return len(targets)
 
 
+class Readmission(Protocol):
+    """The request's admission, as far as a preemption goes (the gate's ``Pass``)."""
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """Why its slots were taken back, until it is admitted again."""
+
+    async def readmit(self) -> bool:
+        """Wait until admitted again (at once when not preempted); False: never (shutdown)."""
+
+
 @dataclass(eq=False)
 class Exchange:
     """One HTTP generate request: its sub-requests, its encoder, its response."""
@@ -112,6 +129,10 @@ class Exchange:
     # A stream refused before its first bytes, answered as a plain reply (see
     # GenerateCall.refused_before_stream).
     refused_before_stream: bool = False
+    # Its admission, when admission is on (set before serve).
+    admission: Readmission | None = None
+    # Its sub-requests running now.
+    _subs: set[SubCall] = field(default_factory=set)
 
     @property
     def format_name(self) -> str:
@@ -124,6 +145,19 @@ class Exchange:
             self.outcome = outcome
             self.reason = failure.reason.value
         self._scope.cancel()
+
+    def preempt(self, cause: Preemption) -> None:
+        """Admission took the request's slots back: each running sub-request stops its attempt
+        (its engine request aborted) and waits to be admitted again (``attempt_runner.py``)."""
+        for sub in list(self._subs):
+            sub.preempt(cause)
+
+    @property
+    def preemption(self) -> Preemption | None:
+        return None if self.admission is None else self.admission.preemption
+
+    async def readmit(self) -> bool:
+        return True if self.admission is None else await self.admission.readmit()
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
         call = self.call
@@ -205,6 +239,7 @@ class Exchange:
     async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
         sub = SubCall(request.request_id, index, self.attempts[index])
         self.registry.add(sub)
+        self._subs.add(sub)
         try:
             failure = await self.runner.run(sub, self)
         except Exception as exc:
@@ -221,6 +256,7 @@ class Exchange:
         finally:
             sub.scope = None
             self.registry.discard(sub)
+            self._subs.discard(sub)
         self.ended[index] = True
         if failure is not None:
             if failure.reason is FailureReason.CANCELLED and sub.aborted and self.outcome == "ok":
@@ -313,6 +349,7 @@ class Exchange:
             workers=sorted(set(self.tally.workers)),
             retries=self.tally.retries,
             migrations=self.tally.migrations,
+            preemptions=self.tally.preemptions,
         )
 
     def _ids(self) -> str | list[str]:

@@ -44,6 +44,7 @@ from sidecar_frontend.formats.base import (
     WorkerFailure,
 )
 from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.migration import resume_refusal
 from sidecar_frontend.placement import CallWatch, WorkerChoice
 from sidecar_frontend.retry_budget import RetryBudget
 from sidecar_frontend.workers import WorkerSet
@@ -308,9 +309,13 @@ class Frontend:
                 name, why = who
                 reply = fmt.error_reply(400, f"header {name}: {why}")
                 return self._invalid(fmt, started_at, reply, request.headers, b"")
-            entered = await self.gate.enter(
-                model, who, estimated_tokens(parsed.requests), sequences(parsed.requests)
-            )
+            try:
+                entered = await self.gate.enter(
+                    model, who, estimated_tokens(parsed.requests), sequences(parsed.requests)
+                )
+            except asyncio.CancelledError:
+                self._left_while_queued(fmt, parsed, started_at, who)
+                raise
             if isinstance(entered, Refused):
                 return self._admission_refused(fmt, parsed, started_at, request.headers, who, entered)
             passed = entered
@@ -327,6 +332,10 @@ class Frontend:
             metrics=self.metrics,
             clock=self.clock,
         )
+        if passed is not None:
+            exchange.admission = passed
+            if self._preemptible(parsed, model):
+                passed.allow_preemption(exchange.preempt)
         self._exchanges.add(exchange)
         try:
             return await exchange.serve(request)
@@ -334,6 +343,44 @@ class Frontend:
             self._exchanges.discard(exchange)
             if passed is not None:
                 passed.release(exchange.used_tokens())
+
+    def _preemptible(self, parsed: GenerateCall, model: str) -> bool:
+        """Whether admission may preempt this request (when preemption is on): every
+        sub-request can resume from its delivered tokens (no guided decoding, no ``n > 1``),
+        and the model is not served disaggregated (not preempted in this version)."""
+        assert self.gate is not None
+        if self.gate.config.preempt_after is None:
+            return False
+        if self.workers.has_serving("prefill", model):
+            return False
+        return all(resume_refusal(sub_request) is None for sub_request in parsed.requests)
+
+    def _left_while_queued(self, fmt: Format, parsed: GenerateCall, started_at: float, who: Who) -> None:
+        """The client left while its request waited for admission (no engine saw it): counted
+        and logged as any request whose client left."""
+        duration = self.clock() - started_at
+        if self.metrics is not None:
+            self.metrics.request(
+                fmt.name,
+                "disconnected",
+                "CLIENT_GONE",
+                prompt_tokens=0,
+                completion_tokens=0,
+                ttft=None,
+                duration=duration,
+            )
+        ids = sorted({r.request_id for r in parsed.requests})
+        log.info(
+            "request",
+            format=fmt.name,
+            request_id=ids[0] if len(ids) == 1 else ids,
+            outcome="disconnected",
+            reason="CLIENT_GONE",
+            tenant=who.tenant,
+            urgency=who.urgency,
+            queued=True,
+            duration_ms=ms(duration),
+        )
 
     def _admission_refused(
         self,

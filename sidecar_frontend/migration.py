@@ -19,6 +19,11 @@ What is never migrated, and why:
 * a request whose every terminal was delivered: it finished, and must never run twice;
 * a failure the sidecar did not mark migratable (a bad request fails the same way everywhere);
 * more attempts than the migration limit (a request that kills workers must not kill the fleet).
+
+A generation the frontend itself stopped (admission preempted it for a more urgent request,
+``admission/``) continues the same way (:meth:`Migration.after_preemption`), but no worker
+failed: the migration limit is not charged. Only a request :func:`resume_refusal` has nothing
+against is preempted at all.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
 
-__all__ = ["DEFAULT_MIGRATION_LIMIT", "Finish", "Migration", "Refusal", "RefusalReason"]
+__all__ = ["DEFAULT_MIGRATION_LIMIT", "Finish", "Migration", "Refusal", "RefusalReason", "resume_refusal"]
 
 DEFAULT_MIGRATION_LIMIT = 3
 
@@ -55,6 +60,16 @@ class Finish:
     terminal: sidecar_pb2.LLMEngineOutput
 
 
+def resume_refusal(request: sidecar_pb2.PreprocessedRequest) -> RefusalReason | None:
+    """Why a generation of ``request`` could never continue from its delivered tokens, whatever
+    failed (guided decoding, ``n > 1``); None when it can."""
+    if request.sampling_options.HasField("guided_decoding"):
+        return RefusalReason.GUIDED_DECODING
+    if request.sampling_options.n > 1:
+        return RefusalReason.MULTIPLE_CHOICES
+    return None
+
+
 class Migration:
     """One sub-request across its attempts (the first one included)."""
 
@@ -64,6 +79,8 @@ class Migration:
         self._original = request
         self._limit = limit
         self._migrations = 0
+        # Continuations so far, migrations and preemptions (outputs are rewritten after one).
+        self._continuations = 0
         self._delivered: list[int] = []
         self._finished = False
         # Where the current attempt's accounting starts.
@@ -87,7 +104,7 @@ class Migration:
     def delivered(self, output: sidecar_pb2.LLMEngineOutput) -> sidecar_pb2.LLMEngineOutput:
         """Record an output of the current attempt; return it as the client must see it."""
         out = output
-        if self._migrations:
+        if self._continuations:
             out = self._rewrite(output)
         self._delivered.extend(out.token_ids)
         if out.HasField("cum_log_probs"):
@@ -98,17 +115,34 @@ class Migration:
 
     def after_failure(self, migratable: bool) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
         """The current attempt failed: the request to run next, or why there is none."""
-        original = self._original
         if self._finished:
             return Refusal(RefusalReason.FINISHED)
         if not migratable:
             return Refusal(RefusalReason.NOT_MIGRATABLE)
-        if original.sampling_options.HasField("guided_decoding"):
-            return Refusal(RefusalReason.GUIDED_DECODING)
-        if original.sampling_options.n > 1:
-            return Refusal(RefusalReason.MULTIPLE_CHOICES)
+        refused = resume_refusal(self._original)
+        if refused is not None:
+            return Refusal(refused)
         if self._migrations >= self._limit:
             return Refusal(RefusalReason.LIMIT)
+        following = self._continuation()
+        if isinstance(following, sidecar_pb2.PreprocessedRequest):
+            self._migrations += 1
+        return following
+
+    def after_preemption(self) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
+        """The current attempt was stopped by the frontend (preempted): the continuation, as
+        after a migratable failure, not counted against the migration limit."""
+        if self._finished:
+            return Refusal(RefusalReason.FINISHED)
+        refused = resume_refusal(self._original)
+        if refused is not None:
+            return Refusal(refused)
+        return self._continuation()
+
+    def _continuation(self) -> sidecar_pb2.PreprocessedRequest | Finish:
+        """The request that generates the rest from the delivered tokens, or the LENGTH
+        terminal when the budget was spent."""
+        original = self._original
         stop = original.stop_conditions
         done = len(self._delivered)
         if stop.HasField("max_tokens") and done >= stop.max_tokens:
@@ -124,7 +158,7 @@ class Migration:
         # A handoff belongs to the attempt it was made for; the next attempt gets its own.
         nxt.ClearField("prefill_result")
         nxt.ClearField("bootstrap_info")
-        self._migrations += 1
+        self._continuations += 1
         self._base_tokens = done
         self._base_cum_logprob = self._last_cum_logprob or 0.0
         return nxt
