@@ -30,8 +30,10 @@ import datetime as dt
 import json
 import os
 import random
+import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -201,14 +203,19 @@ def _saturation_notes(config: str, result: dict[str, Any]) -> list[str]:
 
 
 def run(
-    profile: Profile, shape: FleetShape, configs: list[str], seed: int, quiet_wait_s: float = 0.0
+    profile: Profile,
+    shape: FleetShape,
+    configs: list[str],
+    seed: int,
+    quiet_wait_s: float = 0.0,
+    admission_flags: Sequence[str] = (),
 ) -> dict[str, Any]:
     fleet = Fleet(shape)
     results: dict[str, Any] = {}
     try:
         fleet.start_workers()
         for config in configs:
-            argv = fleet.start_frontend(admission=config == "on")
+            argv = fleet.start_frontend(config == "on", admission_flags if config == "on" else ())
             _progress(f"admission {config}: {' '.join(argv[1:])}")
             try:
                 result = asyncio.run(_Config(fleet, profile, config == "on", seed, quiet_wait_s).run())
@@ -243,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each level, wait at most this long for a nearly idle machine "
                         "(default 0; each level records its wait)")  # fmt: skip
+    parser.add_argument("--admission-flags", type=shlex.split, default=[],
+                        help="more flags for the admission-on frontend, e.g. '--max-queue-depth 64' "
+                        "(default: none, its defaults)")  # fmt: skip
     parser.add_argument("--pythonpath", help="run the fleet's processes from this checkout's code "
                         "(an export of another commit), put first on their PYTHONPATH")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the .json and .md go")
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     code = _git()
     date = dt.datetime.now(dt.UTC)
-    results = run(profile, shape, configs, args.seed, args.quiet_wait)
+    results = run(profile, shape, configs, args.seed, args.quiet_wait, args.admission_flags)
     targets = [
         t for config, result in results.items() for t in evaluate(config, result["rows"], result["baseline"])
     ]

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -79,7 +80,7 @@ class Fleet:
             wait_grpc_ready(proc, listen, STARTUP_S)
             self.sidecars.append(listen)
 
-    def frontend_argv(self, port: int, admission: bool) -> list[str]:
+    def frontend_argv(self, port: int, admission: bool, extra: Sequence[str] = ()) -> list[str]:
         argv = [_script("sidecar-frontend"), "--listen", f"127.0.0.1:{port}", "--format", "vllm"]
         for address in self.sidecars:
             argv += ["--worker", address]
@@ -88,11 +89,11 @@ class Fleet:
         # the "off" configuration and takes no flag.
         if not admission and "--no-admission" in frontend_flags():
             argv.append("--no-admission")
-        return argv
+        return [*argv, *extra]
 
-    def start_frontend(self, admission: bool) -> list[str]:
+    def start_frontend(self, admission: bool, extra: Sequence[str] = ()) -> list[str]:
         port = free_port()
-        argv = self.frontend_argv(port, admission)
+        argv = self.frontend_argv(port, admission, extra)
         self.frontend = Proc(f"overload-frontend-{'on' if admission else 'off'}", argv, None).start()
         self.url = f"http://127.0.0.1:{port}"
         wait_http_ready(self.frontend, self.url + "/health", STARTUP_S)

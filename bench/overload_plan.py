@@ -156,12 +156,15 @@ def schedule(
     high_fraction: float,
     rng: random.Random,
 ) -> list[Arrival]:
-    """A level's arrivals in time order: the flood (in the priority scenario each of its
-    requests high priority with probability ``high_fraction``) and the quiet tenant's steady
-    requests, at a random phase so that they fall at no fixed point of the flood."""
+    """A level's arrivals in time order: the flood (in the priority scenario one of every
+    ``1 / high_fraction`` of its requests, from a random one on, high priority: a short level
+    never lacks them by chance) and the quiet tenant's steady requests, at a random phase so
+    that they fall at no fixed point of the flood."""
+    every = max(1, round(1 / high_fraction)) if high_fraction > 0 else 0
+    first = rng.randrange(every) if every else 0
     arrivals: list[Arrival] = []
-    for at in poisson_times(flood_rps, duration_s, rng):
-        high = scenario == "priority" and rng.random() < high_fraction
+    for i, at in enumerate(poisson_times(flood_rps, duration_s, rng)):
+        high = scenario == "priority" and every > 0 and (i - first) % every == 0
         arrivals.append(Arrival(at, HIGH if high else FLOOD))
     arrivals += [Arrival(at, QUIET) for at in steady_times(quiet_rps, duration_s, rng.random())]
     return sorted(arrivals, key=lambda a: a.at_s)

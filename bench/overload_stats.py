@@ -305,16 +305,18 @@ def markdown(doc: Mapping[str, Any]) -> str:
             f"Idle fleet: quiet TTFT p50 / p99 {_cell(base.get('ttft_p50_ms'))} / "
             f"{_cell(base.get('ttft_p99_ms'))} ms ({base.get('ttft_samples', 0)} samples).",
             "",
-            "| scenario | load | quiet TTFT p50 / p99 ms (n) | high TTFT p50 / p99 ms (n) | goodput tokens/s "
+            "| scenario | load | quiet TTFT p50 / p99 ms (n) | high TTFT p50 / p99 ms (n) "
+            "| flood TTFT p50 / p99 ms (n) | goodput tokens/s "
             "| refusals (status reason: n) | refusal p99 ms | no Retry-After | lost | left waiting "
             "| engine queue max / bound | CPU cores (busiest process, benchmark, machine, other) "
             "| dispatch lag p99 ms |",
-            "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
+            "|---|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
         ]
         for row in result["rows"]:
             queue = f"{max(row['engine_queue_hwm'], default='-')} / {row['engine_queue_bound']}"
             cells = [
-                row["scenario"], f"{row['load']:g}x", _ttft_cell(row, QUIET), _ttft_cell(row, HIGH),
+                row["scenario"], f"{row['load']:g}x",
+                _ttft_cell(row, QUIET), _ttft_cell(row, HIGH), _ttft_cell(row, FLOOD),
                 _cell(row["goodput_tokens_per_s"]), _refusal_cell(row),
                 _cell(row["prompt_refusal_answer_p99_ms"]), str(row["refusals_without_retry_after"]),
                 str(row["lost"]), str(row["left_waiting"]), queue, _cpu_cell(row),

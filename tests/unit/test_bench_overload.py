@@ -4,17 +4,22 @@ issue's figures and verdicts."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import math
 import random
+import time
 from typing import Any
 
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 from testkit.pacing import decode_step_secs
 
-from bench.overload_plan import FLOOD, HIGH, QUIET, FleetShape, poisson_times, schedule, steady_times
+from bench.overload_client import TENANT_HEADER, Client, RequestShape
+from bench.overload_plan import FLOOD, HIGH, QUIET, Arrival, FleetShape, poisson_times, schedule, steady_times
 from bench.overload_stats import Outcome, compare, evaluate, markdown, summarize_level
 
 
@@ -108,7 +113,7 @@ def test_the_priority_scenario_marks_a_share_of_the_flood_high() -> None:
     priority = schedule(50.0, 1.0, 100.0, "priority", 0.05, random.Random(3))
     assert not any(a.kind == HIGH for a in flood)
     highs = sum(a.kind == HIGH for a in priority)
-    assert highs / sum(a.kind in (HIGH, FLOOD) for a in priority) == pytest.approx(0.05, abs=0.015)
+    assert abs(highs - sum(a.kind in (HIGH, FLOOD) for a in priority) / 20) <= 1
     for arrivals in (flood, priority):
         assert [a.at_s for a in arrivals] == sorted(a.at_s for a in arrivals)
         assert sum(a.kind == QUIET for a in arrivals) == 100
@@ -263,7 +268,84 @@ def test_the_markdown_has_a_line_per_row_and_per_target() -> None:
         "notes": ["a note"],
     }
     text = markdown(doc)
-    assert "| flood | 2x | 70.0 / 70.0 (2) |  | 290.0 |" in text
+    assert "| flood | 2x | 70.0 / 70.0 (2) |  |  | 290.0 |" in text
     assert "frontend-on 0.20, benchmark 0.30, machine 0.50, other 0.05" in text
     assert text.count("| PASS |") == sum(t.verdict == "PASS" for t in targets)
     assert "- a note" in text
+
+
+@given(st.integers(0, 2**32), st.floats(5.0, 60.0))
+def test_a_short_priority_level_always_has_its_high_priority_requests(seed: int, rate: float) -> None:
+    arrivals = schedule(rate, 1.0, 10.0, "priority", 0.05, random.Random(seed))
+    flood = sum(a.kind in (HIGH, FLOOD) for a in arrivals)
+    assert sum(a.kind == HIGH for a in arrivals) >= flood // 20
+
+
+# -- the client, against a scripted server -------------------------------------------------
+
+
+def _scripted_app(hang: asyncio.Event) -> web.Application:
+    """Answers by what the request is: the quiet tenant streams 3 tokens and its finish, a
+    high-priority request (it carries vLLM's priority) waits for ``hang`` before any answer,
+    the flood is refused (429 with Retry-After and a reason) unless its prompt asks for a
+    stream that breaks off (an error event, no finish)."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if "priority" in body:
+            await hang.wait()
+        if request.headers[TENANT_HEADER] == "flood" and body["token_ids"][0] % 2:
+            return web.Response(
+                status=429, headers={"Retry-After": "2", "x-sidecar-refused-reason": "queue_full"}
+            )
+        response = web.StreamResponse()
+        await response.prepare(request)
+        quiet = request.headers[TENANT_HEADER] == "quiet"
+        for i in range(3):
+            finish = "length" if quiet and i == 2 else None
+            event = {"choices": [{"index": 0, "token_ids": [7], "finish_reason": finish}]}
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        if not quiet:
+            await response.write(b'data: {"error": {"message": "engine died"}}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    return app
+
+
+async def test_the_client_records_streams_refusals_breaks_and_requests_left_waiting() -> None:
+    hang = asyncio.Event()
+    runner = web.AppRunner(_scripted_app(hang))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        shape = RequestShape(prompt_tokens=4, output_tokens=3, send_priority=True)
+        async with Client(url, shape, seed=5) as client:
+            arrivals = [Arrival(0.0, QUIET), Arrival(0.0, HIGH)] + [
+                Arrival(0.01 * i, FLOOD) for i in range(12)
+            ]
+            outcomes = await client.open_loop(arrivals, time.perf_counter(), (0.0, 60.0), 0.2, 30.0)
+    finally:
+        hang.set()
+        await runner.cleanup()
+    quiet, high, *flood = outcomes
+    assert (quiet.status, quiet.tokens, quiet.completed, quiet.ttft_s is not None) == (200, 3, True, True)
+    assert quiet.tokens_in_window == 3
+    # Still without an answer after the grace: it left, which is neither lost nor refused.
+    assert (high.status, high.cut, high.lost) == (None, True, False)
+    refused = [o for o in flood if o.refused]
+    broken = [o for o in flood if o.admitted]
+    assert refused
+    assert broken
+    assert all((o.status, o.retry_after, o.refused_reason) == (429, "2", "queue_full") for o in refused)
+    assert all(o.lost and o.error_event and not o.finished for o in broken)
+    row = summarize_level(outcomes, (0.0, 60.0))
+    assert (row["left_waiting"], row["lost"], row["refusals"]) == (
+        1,
+        len(broken),
+        {"429 queue_full": len(refused)},
+    )
