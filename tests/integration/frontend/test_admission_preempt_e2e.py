@@ -40,15 +40,17 @@ PRIORITY_HEADER = "x-sidecar-priority"
 
 
 @asynccontextmanager
-async def one_worker(engine: str, preempt_after: float | None) -> AsyncIterator[FrontendStack]:
-    """One sidecar of ``engine`` running one sequence at a time, behind a frontend whose
+async def one_worker(
+    engine: str, preempt_after: float | None, slots: int = 1
+) -> AsyncIterator[FrontendStack]:
+    """One sidecar of ``engine`` running ``slots`` sequences at a time, behind a frontend whose
     admission preempts after ``preempt_after`` seconds (None: never)."""
     async with AsyncExitStack() as stack:
         if engine == "vllm":
-            cm: Any = vllm_stack(max_num_seqs=1, token_latency_ms=TOKEN_MS)
+            cm: Any = vllm_stack(max_num_seqs=slots, token_latency_ms=TOKEN_MS)
         else:
             transport = engine.removeprefix("sglang-")
-            cm = sglang_stack(transport, max_running_requests=1, token_latency_ms=TOKEN_MS)  # type: ignore[arg-type]
+            cm = sglang_stack(transport, max_running_requests=slots, token_latency_ms=TOKEN_MS)  # type: ignore[arg-type]
         sidecar = await stack.enter_async_context(cm)
         admission = AdmissionConfig(
             settings=AdmissionSettings(max_queue_depth=8, max_queue_wait=60.0, headroom=0.0),
@@ -234,6 +236,54 @@ async def test_a_preempted_generation_resumes_token_exactly(engine: str, fmt: st
         assert engine_outcomes(fe, "-low")[1:] == [Outcome.FINISHED]
         order = [rid for rid in ended_order(fe) if rid in ("low", "high")]
         assert order == ["low", "high", "low"]
+
+
+async def test_a_preempted_batch_pauses_every_prompt_and_resumes_them_together() -> None:
+    # Two slots, both held by one SGLang batch of two prompts: the urgent request takes the
+    # batch's place, and the batch comes back once both its slots are free again.
+    prompts = [PROMPT, [505, 606, 707]]
+    batch: dict[str, Any] = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True, "sampling_seed": 3},
+    }
+    async with one_worker("sglang-grpc", PREEMPT_AFTER, slots=2) as fe:
+        async with fe.http.post(fe.url + "/generate", json={**batch, "rid": ["r1", "r2"]}) as response:
+            reference = await response.json()
+        results: dict[str, Any] = {}
+
+        async def run_batch() -> None:
+            async with fe.http.post(fe.url + "/generate", json={**batch, "rid": ["b1", "b2"]}) as response:
+                results["batch"] = (response.status, await response.json())
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_batch)
+            await until(lambda: every_prompt_delivered(fe, 3), "both prompts delivered tokens")
+            results["high"] = await post_urgent(fe, "sglang", "high")
+        status, answers = results["batch"]
+        assert status == 200
+        assert results["high"][0] == 200
+
+        def seen(answer: dict[str, Any]) -> tuple[Any, ...]:
+            meta = answer["meta_info"]
+            return (
+                answer["output_ids"],
+                meta["finish_reason"],
+                meta["prompt_tokens"],
+                meta["completion_tokens"],
+            )
+
+        assert [seen(answer) for answer in answers] == [seen(answer) for answer in reference]
+        assert preemptions(fe) == 1
+        await until_idle(fe)
+        for rid in ("-b1", "-b2"):
+            assert engine_outcomes(fe, rid)[0] in (Outcome.ABORTED, Outcome.CANCELLED)
+            assert engine_outcomes(fe, rid)[1:] == [Outcome.FINISHED]
+
+
+def every_prompt_delivered(fe: FrontendStack, tokens: int) -> bool:
+    """Whether each sub-request of the one request in flight delivered ``tokens`` tokens."""
+    attempts = [a for exchange in fe.frontend._exchanges for a in exchange.attempts]
+    return bool(attempts) and all(a.progress.completion_tokens() >= tokens for a in attempts)
 
 
 async def test_without_the_flag_the_urgent_request_waits_for_the_running_one() -> None:
