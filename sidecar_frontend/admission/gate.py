@@ -277,6 +277,8 @@ class Gate:
         model = passed._model
         waiter = passed._resume
         if waiter is None:
+            if self._closed is not None:
+                return False  # the frontend stops: nothing is admitted any more
             # The first of its sub-requests back: its slots go to the waiting request.
             waiter = passed._resume = _Waiter(ticket)
             self._models[model].requeue(ticket, self._clock())

@@ -214,3 +214,19 @@ async def test_a_paused_request_is_refused_when_the_frontend_stops() -> None:
         assert not await low.readmit()
         low.release(None)
         assert fe.queued() == {}
+
+
+async def test_a_request_preempted_as_the_frontend_stops_is_not_queued_again() -> None:
+    async with fleet() as fe:
+        low = await admitted(fe, LOW)
+        stops = Stops()
+        low.allow_preemption(stops)
+        later(fe, lambda: fe.gate.enter(MODEL, HIGH, 10, 1))
+        await until(lambda: fe.queued() == {(5, "high"): 1}, "the urgent request waits")
+        fe.clock.now = AFTER
+        await stops.stopped.wait()
+        fe.gate.close(Refused(RefusalReason.NO_CAPACITY, 1, "the frontend is shutting down"))
+        assert not await low.readmit()
+        assert fe.queued() == {}
+        low.release(None)
+        assert fe.held() == 0
