@@ -127,6 +127,8 @@ class SubCall:
     aborted: bool = False
     # Set by preempt while its current attempt is being stopped.
     preempted: Preemption | None = None
+    # An output is being written to the client: a preemption waits for it (_Run._give).
+    delivering: bool = False
 
     def abort(self) -> None:
         self.aborted = True
@@ -137,7 +139,7 @@ class SubCall:
         """Stop the current attempt (its engine request is aborted); the sub-request waits to be
         admitted again, then goes on from what it delivered."""
         self.preempted = cause
-        if self.scope is not None:
+        if self.scope is not None and not self.delivering:
             self.scope.cancel()
 
 
@@ -597,11 +599,18 @@ class _Run:
 
     async def _give(self, worker: Worker, output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
         """``output`` (in the client's terms) to the client; the worker's failure when the
-        format could not take it."""
+        format could not take it. A preemption waits until it was written: it is recorded as
+        delivered already, so a write cut short would lose it for the client."""
+        sub = self.sub
+        sub.delivering = True
         try:
-            await self.to.deliver(self.sub.index, output)
+            await self.to.deliver(sub.index, output)
         except OutputNotEncoded as err:
             return self.runner.misbehaved(worker, Fault(Misbehaviour.UNENCODABLE_OUTPUT, str(err)))
+        finally:
+            sub.delivering = False
+        if sub.preempted is not None and sub.scope is not None:
+            sub.scope.cancel()  # the preemption held while the output was written
         return None
 
     async def _call(

@@ -9,17 +9,20 @@ no error. Off (no ``preempt_after``), the urgent request waits for the running o
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 from testkit.book import Outcome
 
+from sidecar_common.api import sidecar_pb2
 from sidecar_frontend.admission.state import AdmissionSettings
 from sidecar_frontend.config import AdmissionConfig
+from sidecar_frontend.exchange import Exchange
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from sidecar_frontend.handler import HandlerConfig
@@ -278,6 +281,50 @@ async def test_a_preempted_batch_pauses_every_prompt_and_resumes_them_together()
         for rid in ("-b1", "-b2"):
             assert engine_outcomes(fe, rid)[0] in (Outcome.ABORTED, Outcome.CANCELLED)
             assert engine_outcomes(fe, rid)[1:] == [Outcome.FINISHED]
+
+
+async def test_a_preemption_while_an_output_is_written_waits_for_the_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The client's write of one output is held (a slow client) until the preemption came: the
+    # output, counted as delivered, still reaches the client, and the rest follows it.
+    held, let_go = anyio.Event(), anyio.Event()
+    deliver = Exchange.deliver
+
+    async def slow_client(self: Exchange, index: int, output: sidecar_pb2.LLMEngineOutput) -> None:
+        if self.call.requests[index].request_id.endswith("low") and not held.is_set():
+            progress = self.attempts[index].progress.completion_tokens()
+            if progress >= 5:
+                held.set()
+                await let_go.wait()
+        await deliver(self, index, output)
+
+    monkeypatch.setattr(Exchange, "deliver", slow_client)
+    async with one_worker("vllm", PREEMPT_AFTER) as fe:
+        reference = Stream(fe, "vllm", "ref")
+        await reference.run()
+        low = Stream(fe, "vllm", "low")
+        async with anyio.create_task_group() as group:
+            group.start_soon(low.run)
+            with anyio.fail_after(30):
+                await held.wait()
+            urgent = later_result(group, post_urgent(fe, "vllm", "high"))
+            await until(lambda: preemptions(fe) == 1, "the running request is preempted", secs=30.0)
+            let_go.set()
+        assert low.status == 200
+        assert summary("vllm", low.events) == summary("vllm", reference.events)
+        assert urgent[0][0] == 200
+
+
+def later_result(group: TaskGroup, job: Awaitable[Any]) -> list[Any]:
+    """Run ``job`` in ``group``; its result lands in the list returned."""
+    results: list[Any] = []
+
+    async def run() -> None:
+        results.append(await job)
+
+    group.start_soon(run)
+    return results
 
 
 def every_prompt_delivered(fe: FrontendStack, tokens: int) -> bool:
