@@ -229,6 +229,11 @@ async def test_a_queued_client_that_leaves_never_reaches_an_engine() -> None:
             },
         )
         assert cancelled == 1
+        # The request is counted as any whose client left (as is the holder, whose client left too).
+        left = fe.metrics.registry.get_sample_value(
+            "frontend_requests_total", {"format": "vllm", "outcome": "disconnected", "reason": "CLIENT_GONE"}
+        )
+        assert left == 2
 
 
 async def test_the_more_urgent_request_is_admitted_first() -> None:
