@@ -136,14 +136,22 @@ def test_a_tenant_under_its_share_passes_the_queue_of_a_tenant_over_its_share() 
     assert state.pump(3.0, room(10, foreign=1)) == [again]
 
 
-def test_a_more_urgent_request_may_take_the_reserve() -> None:
-    state = ModelAdmission(AdmissionSettings(headroom=0.2))
+def test_urgency_goes_first_but_does_not_open_the_reserve() -> None:
+    state = ModelAdmission(AdmissionSettings(headroom=0.2))  # 2 of 10 reserved
     fleet = room(10)
     admitted(state.arrive("steady", 0, 1, 1, 0.0, fleet))
-    flood(state, "flood", 20, fleet)
-    urgent = admitted(state.arrive("flood", 5, 1, 1, 0.0, fleet))
-    assert urgent.urgency == 5
-    assert state.held_slots == 9
+    running = [t for t in flood(state, "flood", 20, fleet) if t.admitted]
+    # The flood's own urgent request waits: its tenant is over its share...
+    urgent = queued(state.arrive("flood", 5, 1, 1, 0.0, fleet))
+    assert state.held_slots == 8
+    # ...while a quiet tenant's request (under its share) takes the reserve at once...
+    admitted(state.arrive("quiet", 0, 1, 1, 0.0, fleet))
+    # ...and once room outside the reserve frees, it goes to the urgent one, before the flood's
+    # others (which were there first).
+    for ticket in running[:2]:
+        state.release(ticket, 1, 1.0)
+    assert state.pump(1.0, fleet) == [urgent]
+    assert state.held_slots == 8
 
 
 def test_a_tenant_holding_exactly_its_fair_share_may_not_take_the_reserve() -> None:
