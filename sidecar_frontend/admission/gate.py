@@ -163,6 +163,7 @@ class Gate:
             grant = taken
         admission = self._admission(model)
         arrived = admission.arrive(who.tenant, who.urgency, cost, slots, now, self._room(model, now))
+        self._refuse_pushed_out(model, admission)
         if isinstance(arrived, Refused):
             self._give_back(grant, now)
             self._tell_refused(model, who, arrived)
@@ -354,6 +355,15 @@ class Gate:
                 waiter.admitted.set()
             else:  # its waiter is gone (cannot happen: a leaving waiter cancels its ticket)
                 admission.release(ticket, 0, now)
+
+    def _refuse_pushed_out(self, model: str, admission: ModelAdmission) -> None:
+        """Wake the waiting requests the state refused to make room for another tenant's."""
+        waiting = self._waiters.get(model, {})
+        for ticket, refused in admission.pushed_out():
+            waiter = waiting.get(ticket)
+            if waiter is not None:
+                waiter.refused = refused
+                waiter.admitted.set()
 
     def _expire(self, model: str) -> None:
         admission = self._models.get(model)

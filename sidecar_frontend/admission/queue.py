@@ -208,6 +208,25 @@ class AdmissionQueue:
         heapq.heappush(self._deadlines, (ticket.deadline, ticket._seq, ticket))
         return True
 
+    def push_out_for(self, ticket: Ticket) -> Ticket | None:
+        """For a new ticket its band has no room for: the queued ticket to refuse in its stead,
+        or None (the new ticket is refused). The band's space is shared like its service: when
+        the tenant queueing the most there holds more than the newcomer's tenant would with it,
+        that tenant's newest queued ticket makes room (longest queue drops), so a flood that
+        fills a band cannot keep a quiet tenant out of it."""
+        band = self._bands.get(ticket.urgency)
+        if band is None or not band.lanes:
+            return None
+        own = band.lanes.get(ticket.tenant)
+        own_queued = own.queued if own is not None else 0
+        longest = max(band.lanes.values(), key=lambda lane: lane.queued)
+        if longest.queued <= own_queued + 1:
+            return None
+        for candidate in reversed(longest.waiting):
+            if _in_lane(candidate):
+                return candidate
+        return None
+
     def peek(self) -> Ticket | None:
         """The ticket :meth:`pop` would return, left in place."""
         band = self._chosen_band()

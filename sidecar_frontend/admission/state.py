@@ -156,6 +156,8 @@ class ModelAdmission:
         self._preempting: dict[Ticket, Ticket] = {}
         # Preempted tickets waiting again, with the ticket they were preempted for.
         self._requeued_for: dict[Ticket, Ticket] = {}
+        # Queued tickets refused to make room in a full band (pushed_out), not yet told.
+        self._pushed_out: list[tuple[Ticket, Refused]] = []
 
     def arrive(
         self, tenant: str, urgency: int, cost: int, slots: int, now: float, room: Room
@@ -164,7 +166,7 @@ class ModelAdmission:
         if room.total_slots < max(1, slots):
             return Refused(RefusalReason.NO_CAPACITY, 1, _no_capacity_words(room, slots))
         ticket = Ticket(tenant, urgency, cost, slots, now, now + self.settings.max_queue_wait)
-        if not self._queue.push(ticket):
+        if not self._queue.push(ticket) and not self._push_out_for(ticket, now):
             depth = self._queue.band_depth(urgency)
             return Refused(
                 RefusalReason.QUEUE_FULL,
@@ -175,6 +177,37 @@ class ModelAdmission:
         if self._next_admitted(room) is ticket:
             self._admit(ticket)
         return ticket
+
+    def _push_out_for(self, ticket: Ticket, now: float) -> bool:
+        """Make room in a full band for ``ticket`` by refusing the newest ticket of the tenant
+        queueing the most there (:meth:`AdmissionQueue.push_out_for`); whether it was queued."""
+        victim = self._queue.push_out_for(ticket)
+        if victim is None:
+            return False
+        self._queue.remove(victim)
+        self._requeued_for.pop(victim, None)
+        self._count_out(victim)
+        queued = self._queue.push(ticket)
+        assert queued, "a band with a ticket taken out has room for one"
+        self._pushed_out.append(
+            (
+                victim,
+                Refused(
+                    RefusalReason.QUEUE_FULL,
+                    self._retry_after(self._queue.queued_at_or_above(victim.urgency), now),
+                    f"the queue of band {victim.urgency} is full (--max-queue-depth) and tenant "
+                    f"{victim.tenant!r} held the most of it: its newest request made room for "
+                    "another tenant's",
+                ),
+            )
+        )
+        return True
+
+    def pushed_out(self) -> list[tuple[Ticket, Refused]]:
+        """The queued tickets refused to make room for other tenants' since the last call, each
+        with its refusal (the caller answers their requests)."""
+        gone, self._pushed_out = self._pushed_out, []
+        return gone
 
     def pump(self, now: float, room: Room) -> list[Ticket]:
         """Admit every queued ticket the rule lets in now, in order (the caller wakes them).

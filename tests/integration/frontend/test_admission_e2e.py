@@ -17,9 +17,9 @@ from typing import Any
 
 import anyio
 import pytest
-from sidecar_frontend.admission.state import AdmissionSettings
 
 from sidecar_frontend.admission.rates import RateConfig, RateLimiter, TenantRate
+from sidecar_frontend.admission.state import AdmissionSettings
 from sidecar_frontend.config import AdmissionConfig
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
@@ -301,3 +301,29 @@ async def test_a_streaming_request_that_waited_is_served_once_admitted() -> None
         assert events[-1] == "[DONE]"
         tokens = [t for event in events[:-1] for t in json.loads(event)["choices"][0]["token_ids"]]
         assert len(tokens) == 3
+
+
+async def test_a_flood_that_fills_the_queue_makes_room_for_another_tenant() -> None:
+    settings = AdmissionSettings(max_queue_depth=2, max_queue_wait=60.0, headroom=0.0)
+    async with fleet(settings) as fe:
+        answers: dict[str, int] = {}
+
+        async def send(rid: str, tenant: str) -> None:
+            status, _, _ = await post(fe, VLLM_PATH, vllm_body(rid, 1), {TENANT: tenant})
+            answers[rid] = status
+
+        async with anyio.create_task_group() as senders, anyio.create_task_group() as holding:
+            holder = Holder(fe, "hold", tenant="flood")
+            holding.start_soon(holder.run)
+            with anyio.fail_after(30):
+                await holder.first.wait()
+            for n in range(2):
+                senders.start_soon(send, f"flood-{n}", "flood")
+                await until(lambda n=n: queued(fe) == n + 1, "the flood queued")
+            # The band is full; the quiet tenant's request takes the flood's newest place.
+            senders.start_soon(send, "quiet", "quiet")
+            await until(lambda: "flood-1" in answers, "the flood's newest request answered")
+            assert answers["flood-1"] == 429
+            holding.cancel_scope.cancel()
+        assert answers == {"flood-0": 200, "flood-1": 429, "quiet": 200}
+        assert not engine_saw(fe, "flood-1")
