@@ -317,9 +317,10 @@ async def test_a_flood_that_fills_the_queue_makes_room_for_another_tenant() -> N
             holding.start_soon(holder.run)
             with anyio.fail_after(30):
                 await holder.first.wait()
-            for n in range(2):
-                senders.start_soon(send, f"flood-{n}", "flood")
-                await until(lambda n=n: queued(fe) == n + 1, "the flood queued")
+            senders.start_soon(send, "flood-0", "flood")
+            await until(lambda: queued(fe) == 1, "the flood's first request queued")
+            senders.start_soon(send, "flood-1", "flood")
+            await until(lambda: queued(fe) == 2, "the flood's second request queued")
             # The band is full; the quiet tenant's request takes the flood's newest place.
             senders.start_soon(send, "quiet", "quiet")
             await until(lambda: "flood-1" in answers, "the flood's newest request answered")
