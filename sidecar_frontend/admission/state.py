@@ -25,7 +25,7 @@ a ticket may be admitted when ``free >= slots`` and at least one of:
 * its tenant holds fewer slots than its fair share, ``total_slots / (n + 1)`` where ``n``
   counts the tenants holding or queueing a ticket (its own included), and the one more is
   whoever comes next: a lone tenant's flood fills the fleet up to the reserve and no further,
-  so the next tenant to arrive finds room at once (a preempted ticket coming back qualifies too).
+  so the next tenant to arrive finds room at once.
 
 That second rule is what *qualifies for the reserve*: the reserve is fairness's, not
 priority's. A more urgent request of a tenant over its share goes first for every slot that
@@ -54,8 +54,8 @@ urgent, and not being preempted already; the least urgent, then the most recentl
 slots (one, for a request of one sequence), and none once the room coming covers it. The caller
 pauses the victim's request, then :meth:`ModelAdmission.requeue` gives back its slots and
 queues it again (:meth:`AdmissionQueue.requeue`: ahead of its band, no deadline, never refused).
-A preempted ticket qualifies for the reserve (it was admitted before; its client is
-mid-response). While a ticket that preempted ones were requeued for still waits (it needs more
+A preempted ticket goes first in its band but opens no reserve (the reserve is fairness's; a
+preempted flood request must not take the next tenant's room). While a ticket that preempted ones were requeued for still waits (it needs more
 slots than are free yet), nothing less urgent than it is admitted, in turn (a lower band's
 share) or out of turn: the room freed for it is kept for it (else a less urgent ticket would
 take it, to be preempted in turn).
@@ -265,8 +265,12 @@ class ModelAdmission:
         already fits is not waiting for a preemption."""
         available = room.total_slots - room.foreign_slots - self._held_slots
         available += sum(ticket.slots for ticket in self._preempting)
+        reserve = self._reserve(room.total_slots)
         for head in self._queue.heads():
-            if head.slots <= available:
+            # A head that does not qualify for the reserve cannot use it: the room it waits for
+            # is what lies outside it.
+            usable = available if self._qualifies(head, room.total_slots, None) else available - reserve
+            if head.slots <= usable:
                 available -= head.slots
                 continue
             if now - head.enqueued_at < after:
@@ -341,10 +345,10 @@ class ModelAdmission:
         return None
 
     def _qualifies(self, ticket: Ticket, total: int, lowest: int | None) -> bool:
-        """Whether ``ticket`` may take the reserve: it was preempted, or its tenant is under its
-        fair share (module docstring: the reserve is fairness's, not priority's)."""
-        if ticket.resuming:
-            return True
+        """Whether ``ticket`` may take the reserve: its tenant is under its fair share (module
+        docstring: the reserve is fairness's, not priority's). A preempted ticket coming back goes
+        first in its band, but opens no reserve either: it would take the room kept for the next
+        tenant, whose protection preemption must not undo."""
         # One more tenant than are here: the reserve is kept for whoever comes next, so a lone
         # flood (whose share of the tenants present would be everything) cannot take it.
         tenants = len(self._tickets_by_tenant) + 1

@@ -139,8 +139,7 @@ def test_a_preempted_request_gives_its_slots_to_the_waiting_one() -> None:
 
 def test_a_preempted_request_goes_before_the_later_arrivals_of_its_band() -> None:
     # 3 slots, 1 of them the reserve. The preempted request's tenant is over its fair share
-    # when its slot comes back; the later arrivals' tenants are under theirs and would pass an
-    # ordinary queued request into the reserve.
+    # when its slot comes back; the later arrivals' tenants are under theirs.
     state = ModelAdmission(AdmissionSettings(max_queue_depth=8, headroom=0.3))
     roomy, fleet = room(10), room(3)
     held = [ticket_of(state.arrive(tenant, 0, 10, 1, 0.0, roomy)) for tenant in ("y", "x", "y")]
@@ -151,9 +150,13 @@ def test_a_preempted_request_goes_before_the_later_arrivals_of_its_band() -> Non
     state.requeue(held[2], 3.0)
     assert state.pump(3.0, fleet) == [urgent]
     state.release(urgent, 20, 4.0)
-    # Its slot comes back: the preempted ticket takes it, not any of the band's later arrivals.
-    assert state.pump(4.0, fleet) == [held[2]]
-    assert all(ticket.state is TicketState.QUEUED for ticket in later)
+    # Its slot comes back, inside the reserve: the reserve is fairness's, for the tenants under
+    # their share ("a"), not for the preempted request (its tenant "y" is over its share)...
+    assert state.pump(4.0, fleet) == [later[0]]
+    # ...and the next slot goes to the preempted ticket, before the band's later arrival.
+    state.release(held[0], 10, 5.0)
+    assert state.pump(5.0, fleet) == [held[2]]
+    assert later[1].state is TicketState.QUEUED
 
 
 def test_a_preempted_request_never_expires_and_is_never_refused_for_depth() -> None:
@@ -325,3 +328,16 @@ def test_any_sequence_of_preemptions_keeps_the_books(operations: list[tuple[obje
         assert state.queued() == waiting
         for victim in in_flight:
             assert state.making_room_for(victim) is in_flight[victim]
+
+
+def test_an_urgent_request_only_the_reserve_could_hold_gets_a_victim() -> None:
+    # 4 slots, 2 of them the reserve: the flood fills the rest, then its own urgent request
+    # waits (the reserve is for tenants under their share), and a victim is named for it rather
+    # than the free reserve counting as room it could use.
+    state = ModelAdmission(AdmissionSettings(headroom=0.5))
+    fleet = room(4)
+    low = [ticket_of(state.arrive("flood", 0, 10, 1, 0.0, fleet)) for _ in range(2)]
+    assert all(ticket.admitted for ticket in low)
+    urgent = ticket_of(state.arrive("flood", 1, 10, 1, 0.0, fleet))
+    assert not urgent.admitted
+    assert state.victim(1.0, fleet, AFTER) in low
