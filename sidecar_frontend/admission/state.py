@@ -55,10 +55,10 @@ slots (one, for a request of one sequence), and none once the room coming covers
 pauses the victim's request, then :meth:`ModelAdmission.requeue` gives back its slots and
 queues it again (:meth:`AdmissionQueue.requeue`: ahead of its band, no deadline, never refused).
 A preempted ticket goes first in its band but opens no reserve (the reserve is fairness's; a
-preempted flood request must not take the next tenant's room). While a ticket that preempted ones were requeued for still waits (it needs more
-slots than are free yet), nothing less urgent than it is admitted, in turn (a lower band's
-share) or out of turn: the room freed for it is kept for it (else a less urgent ticket would
-take it, to be preempted in turn).
+preempted flood request must not take the next tenant's room). While a ticket that preempted
+ones were requeued for still waits (it needs more slots than are free yet), nothing less urgent
+than it is admitted, in turn (a lower band's share) or out of turn: the room freed for it is
+kept for it (else a less urgent ticket would take it, to be preempted in turn).
 
 **Retry-After** of a refusal: the tickets queued in its band and above, divided by the recent
 rate of releases of this model (releases per second, exponentially decayed over
