@@ -17,7 +17,8 @@ leaves at once (:meth:`ModelAdmission.cancel`). An admitted ticket holds its seq
 **The admission rule.** With the room passed in::
 
     free    = total_slots - foreign_slots - held slots (this model's admitted, unreleased)
-    reserve = ceil(headroom * total_slots), at most total_slots - 1 (0 when headroom is 0)
+    reserve = ceil(headroom * total_slots), at most total_slots - 1 (0 when headroom is 0, and
+              0 while only one tenant is around: see below)
 
 a ticket may be admitted when ``free >= slots`` and at least one of:
 
@@ -26,6 +27,12 @@ a ticket may be admitted when ``free >= slots`` and at least one of:
   counts the tenants holding or queueing a ticket (its own included), and the one more is
   whoever comes next: a lone tenant's flood fills the fleet up to the reserve and no further,
   so the next tenant to arrive finds room at once.
+
+The reserve is kept only while more than one tenant is around (sent a request in the last
+:data:`RESERVE_TENANTS_WINDOW` seconds, or holds or waits for a slot): a lone tenant, such as
+one trainer driving its own fleet, uses all of it. The first request of a second tenant then
+waits for the first slot that frees (it goes before the lone tenant's waiting ones: it is under
+its share), and from then on the reserve is kept.
 
 That second rule is what *qualifies for the reserve*: the reserve is fairness's, not
 priority's. A more urgent request of a tenant over its share goes first for every slot that
@@ -70,6 +77,7 @@ come back or they do not: waiting longer tells nothing).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
@@ -91,6 +99,9 @@ _Key = TypeVar("_Key", str, int)
 
 # Seconds: the time constant of the decayed release rate behind Retry-After.
 RELEASE_RATE_WINDOW: Final = 10.0
+# The reserve is kept while more than one tenant sent a request within this many seconds (or
+# holds or waits for a slot): a lone tenant uses the whole fleet.
+RESERVE_TENANTS_WINDOW: Final = 60.0
 # The longest Retry-After given (seconds).
 MAX_RETRY_AFTER: Final = 60
 
@@ -156,6 +167,9 @@ class ModelAdmission:
         self._preempting: dict[Ticket, Ticket] = {}
         # Preempted tickets waiting again, with the ticket they were preempted for.
         self._requeued_for: dict[Ticket, Ticket] = {}
+        # Each tenant's last arrival, oldest first (the reserve is kept while two are recent).
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._reserve_kept = False
         # Queued tickets refused to make room in a full band (pushed_out), not yet told.
         self._pushed_out: list[tuple[Ticket, Refused]] = []
 
@@ -165,6 +179,9 @@ class ModelAdmission:
         """A new request: its ticket, admitted (``ticket.admitted``) or queued; or its refusal."""
         if room.total_slots < max(1, slots):
             return Refused(RefusalReason.NO_CAPACITY, 1, _no_capacity_words(room, slots))
+        self._seen[tenant] = now
+        self._seen.move_to_end(tenant)
+        self._look_around(now)
         ticket = Ticket(tenant, urgency, cost, slots, now, now + self.settings.max_queue_wait)
         if not self._queue.push(ticket) and not self._push_out_for(ticket, now):
             depth = self._queue.band_depth(urgency)
@@ -212,6 +229,7 @@ class ModelAdmission:
     def pump(self, now: float, room: Room) -> list[Ticket]:
         """Admit every queued ticket the rule lets in now, in order (the caller wakes them).
         Call :meth:`expire` first: a ticket past its deadline is still admitted here."""
+        self._look_around(now)
         admitted: list[Ticket] = []
         while (ticket := self._next_admitted(room)) is not None:
             self._admit(ticket)
@@ -263,6 +281,7 @@ class ModelAdmission:
         seconds without room, if any (module docstring); it counts as a preemption in flight
         until :meth:`requeue` or :meth:`release`. Call :meth:`pump` first: a ticket the room
         already fits is not waiting for a preemption."""
+        self._look_around(now)
         available = room.total_slots - room.foreign_slots - self._held_slots
         available += sum(ticket.slots for ticket in self._preempting)
         reserve = self._reserve(room.total_slots)
@@ -355,8 +374,19 @@ class ModelAdmission:
         del lowest  # urgency orders the queue; it does not open the reserve
         return self._held_by_tenant.get(ticket.tenant, 0) * tenants < total
 
+    def _look_around(self, now: float) -> None:
+        """Whether the reserve is kept now: while more than one tenant sent a request in the last
+        :data:`RESERVE_TENANTS_WINDOW` seconds or holds or waits for a slot (module docstring)."""
+        while self._seen:
+            tenant, last = next(iter(self._seen.items()))
+            if now - last < RESERVE_TENANTS_WINDOW:
+                break
+            del self._seen[tenant]
+        present = len(self._seen) + sum(1 for tenant in self._tickets_by_tenant if tenant not in self._seen)
+        self._reserve_kept = present >= 2
+
     def _reserve(self, total: int) -> int:
-        if self.settings.headroom <= 0.0 or total <= 1:
+        if self.settings.headroom <= 0.0 or total <= 1 or not self._reserve_kept:
             return 0
         # Rounded first: 0.1 * 30 is 3.0000000000000004 in floating point, whose ceiling is 4.
         return min(math.ceil(round(self.settings.headroom * total, 9)), total - 1)

@@ -336,6 +336,8 @@ def test_an_urgent_request_only_the_reserve_could_hold_gets_a_victim() -> None:
     # than the free reserve counting as room it could use.
     state = ModelAdmission(AdmissionSettings(headroom=0.5))
     fleet = room(4)
+    other = ticket_of(state.arrive("other", 0, 10, 1, 0.0, fleet))  # a second tenant: the reserve is kept
+    state.release(other, 10, 0.0)
     low = [ticket_of(state.arrive("flood", 0, 10, 1, 0.0, fleet)) for _ in range(2)]
     assert all(ticket.admitted for ticket in low)
     urgent = ticket_of(state.arrive("flood", 1, 10, 1, 0.0, fleet))

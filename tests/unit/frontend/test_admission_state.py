@@ -392,41 +392,34 @@ def test_any_sequence_keeps_the_books_and_never_overfills(
         assert state.queued() == waiting
 
 
-def test_a_lone_flood_stops_at_the_reserve_and_the_next_tenant_gets_in_at_once() -> None:
-    # 10 slots, 2 reserved: alone, the flood's share counts a tenant still to come (10 / 2 = 5),
-    # which it is past once it filled the 8 slots outside the reserve.
+def test_a_lone_tenant_uses_the_whole_fleet_and_the_reserve_is_kept_once_another_comes() -> None:
+    # 10 slots, 2 of them the reserve, which is kept only while more than one tenant is around.
     state = ModelAdmission(AdmissionSettings(headroom=0.2))
     fleet = room(10)
     flood = [state.arrive("flood", 0, 1, 1, 0.0, fleet) for _ in range(12)]
+    assert [isinstance(t, Ticket) and t.admitted for t in flood] == [True] * 10 + [False] * 2
+    running = [t for t in flood if isinstance(t, Ticket) and t.admitted]
+    # A second tenant: its first request waits for the first slot that frees, and takes it
+    # before the flood's waiting ones...
+    quiet = queued(state.arrive("quiet", 0, 1, 1, 1.0, fleet))
+    state.release(running[0], 1, 2.0)
+    assert state.pump(2.0, fleet) == [quiet]
+    # ...and from then on the flood is held out of the reserve.
+    state.release(running[1], 1, 3.0)
+    state.release(running[2], 1, 3.0)
+    assert state.pump(3.0, fleet) == []
+    assert state.held_slots == 8
+    # A quiet request now finds the reserve at once.
+    admitted(state.arrive("quiet", 0, 1, 1, 4.0, fleet))
+
+
+def test_the_reserve_goes_a_minute_after_the_second_tenant_was_last_seen() -> None:
+    state = ModelAdmission(AdmissionSettings(headroom=0.2))
+    fleet = room(10)
+    quiet = admitted(state.arrive("quiet", 0, 1, 1, 0.0, fleet))
+    state.release(quiet, 1, 1.0)
+    flood = [state.arrive("flood", 0, 1, 1, 2.0, fleet) for _ in range(12)]
     assert [isinstance(t, Ticket) and t.admitted for t in flood] == [True] * 8 + [False] * 4
-    quiet = state.arrive("quiet", 0, 1, 1, 0.0, fleet)
-    assert isinstance(quiet, Ticket)
-    assert quiet.admitted
-    assert state.held_slots == 9
-
-
-def test_a_full_band_makes_room_for_another_tenant_by_refusing_the_longest_lanes_newest() -> None:
-    state = ModelAdmission(AdmissionSettings(max_queue_depth=4, headroom=0.0))
-    fleet = room(1)
-    admitted(state.arrive("flood", 0, 1, 1, 0.0, fleet))
-    waiting = [queued(state.arrive("flood", 0, 1, 1, float(n), fleet)) for n in range(4)]
-    # The flood's own next request finds its band full: it is refused itself.
-    refused = state.arrive("flood", 0, 1, 1, 5.0, fleet)
-    assert isinstance(refused, Refused)
-    assert refused.reason is RefusalReason.QUEUE_FULL
-    assert state.pushed_out() == []
-    # Another tenant's is queued, and the flood's newest waiting request is refused for it.
-    quiet = queued(state.arrive("quiet", 0, 1, 1, 6.0, fleet))
-    [(gone, why)] = state.pushed_out()
-    assert gone is waiting[-1]
-    assert why.reason is RefusalReason.QUEUE_FULL
-    assert "'flood'" in why.detail
-    assert state.queued() == {(0, "flood"): 3, (0, "quiet"): 1}
-    # Two tenants queueing as much as each other: the band is full for both.
-    second = state.arrive("quiet", 0, 1, 1, 7.0, fleet)
-    assert isinstance(second, Ticket)
-    assert len(state.pushed_out()) == 1  # flood 2, quiet 2
-    third = state.arrive("quiet", 0, 1, 1, 8.0, fleet)
-    assert isinstance(third, Refused)
-    assert state.pushed_out() == []
-    assert quiet.state.value == "queued"
+    assert state.pump(59.0, fleet) == []
+    assert len(state.pump(61.0, fleet)) == 2  # the flood alone: the reserve is its too
+    assert state.held_slots == 10
