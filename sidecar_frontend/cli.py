@@ -474,9 +474,9 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         type=_fraction,
         default=defaults.headroom,
         metavar="F",
-        help="the fraction of the fleet's running slots that only a tenant under its fair share, or "
-        "a request more urgent than the least urgent one running, may take: what keeps a quiet "
-        "tenant's first token fast under another tenant's flood",
+        help="the fraction of the fleet's running slots that only a tenant under its fair share "
+        "may take, kept while more than one tenant is around: what keeps a quiet tenant's first "
+        "token fast under another tenant's flood",
     )
     admission.add_argument(
         "--lower-band-share",
