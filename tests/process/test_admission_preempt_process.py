@@ -1,5 +1,6 @@
-"""Preempt and migrate with every part a real process on loopback: a ``testkit-engine vllm``
-running one sequence at a time, its ``sidecar-vllm``, and ``sidecar-frontend
+"""Preempt and migrate with every part a real process on loopback, on each engine kind: a
+``testkit-engine`` (vLLM, or SGLang over gRPC or HTTP) running one sequence at a time, its
+sidecar, and ``sidecar-frontend
 --preempt-after-secs 0.2``. A long, less urgent stream runs; a more urgent request arrives and
 waits past the threshold; the stream is paused (its engine request aborted), the urgent request
 runs, and the stream resumes: its client sees a 200 stream with exactly the tokens and usage of
@@ -94,35 +95,52 @@ def json_log(argv: list[str]) -> Iterator[JsonLog]:
         proc.stop()
 
 
-@contextmanager
-def fleet() -> Iterator[tuple[JsonLog, str, int]]:
-    """Engine, sidecar and frontend; the frontend's log, URL and metrics port."""
-    with ExitStack() as stack:
+def engine_and_sidecar(stack: ExitStack, engine: str) -> int:
+    """A testkit engine of ``engine``'s kind running one sequence at a time, and its sidecar;
+    the sidecar's port."""
+    if engine == "vllm":
         engine_port = free_port()
         stack.enter_context(
             process(
                 [
                     script("testkit-engine"),
-                    "vllm",
-                    "--listen",
-                    f"127.0.0.1:{engine_port}",
-                    "--max-num-seqs",
-                    "1",
-                    "--token-latency-ms",
-                    "20",
+                    *("vllm", "--listen", f"127.0.0.1:{engine_port}"),
+                    *("--max-num-seqs", "1", "--token-latency-ms", "20"),
                 ]
             )
         )
-        sidecar = stack.enter_context(
+        sidecar_argv = [
+            script("sidecar-vllm"),
+            *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--grpc-connections", "1"),
+        ]
+    else:
+        transport = engine.removeprefix("sglang-")
+        grpc_port, http_port = free_port(), free_port()
+        stack.enter_context(
             process(
                 [
-                    script("sidecar-vllm"),
-                    *("--grpc-endpoint", f"127.0.0.1:{engine_port}", "--listen", "127.0.0.1:0"),
-                    *("--grpc-connections", "1", "--log-format", "json"),
+                    script("testkit-engine"),
+                    *("sglang", "--grpc-listen", f"127.0.0.1:{grpc_port}"),
+                    *("--http-listen", f"127.0.0.1:{http_port}"),
+                    *("--max-running-requests", "1", "--token-latency-ms", "20"),
                 ]
             )
         )
-        worker = serving_port(sidecar)
+        endpoint = (
+            ["--http-endpoint", f"127.0.0.1:{http_port}"]
+            if transport == "http"
+            else ["--grpc-endpoint", f"127.0.0.1:{grpc_port}", "--grpc-connections", "1"]
+        )
+        sidecar_argv = [script("sidecar-sglang"), *endpoint, "--transport", transport]
+    sidecar = stack.enter_context(process([*sidecar_argv, "--listen", "127.0.0.1:0", "--log-format", "json"]))
+    return serving_port(sidecar)
+
+
+@contextmanager
+def fleet(engine: str) -> Iterator[tuple[JsonLog, str, int]]:
+    """Engine, sidecar and frontend; the frontend's log, URL and metrics port."""
+    with ExitStack() as stack:
+        worker = engine_and_sidecar(stack, engine)
         metrics_port = free_port()
         frontend = stack.enter_context(
             json_log(
@@ -200,8 +218,9 @@ async def stream(
         return response.status, tokens, usage, errors
 
 
-async def test_a_preempted_stream_resumes_token_exactly_across_real_processes() -> None:
-    with fleet() as (frontend, url, metrics_port):
+@pytest.mark.parametrize("engine", ["vllm", "sglang-grpc", "sglang-http"])
+async def test_a_preempted_stream_resumes_token_exactly_across_real_processes(engine: str) -> None:
+    with fleet(engine) as (frontend, url, metrics_port):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT)) as http:
             reference = await stream(http, url, "ref")
             assert reference[0] == 200
