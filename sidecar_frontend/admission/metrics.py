@@ -2,7 +2,8 @@
 
 What an operator asks of them: how long the queues are and who waits (``frontend_admission_
 queued`` by model, band and tenant, read at each scrape), how long requests wait
-(``frontend_admission_wait_seconds`` by model and band), what was decided and why
+(``frontend_admission_wait_seconds`` by model and band; ``frontend_admission_tenant_wait_
+seconds_total`` summed by model and tenant), what was decided and why
 (``frontend_admission_decisions_total`` by model, outcome and reason: admitted, refused with
 queue_full, queue_timeout, no_capacity or rate_limited, cancelled while queued), how many running
 requests were preempted for more urgent ones (``frontend_admission_preemptions_total`` by model),
@@ -78,6 +79,14 @@ class AdmissionMetrics(AdmissionObserver):
             registry=registry,
         )
         self._preempted_models: set[str] = set()
+        self._tenant_wait = Counter(
+            "frontend_admission_tenant_wait_seconds",
+            "Seconds admitted requests waited in the queue, summed by model and tenant (the first 64 "
+            "seen, then 'other'): over frontend_admission_decisions_total{outcome=\"admitted\"}, "
+            "each tenant's mean wait",
+            ["model", "tenant"],
+            registry=registry,
+        )
         self._tenants: set[str] = set()
         self._registry = registry
         # The label sets each model's series were made with, to remove them when it goes.
@@ -108,6 +117,7 @@ class AdmissionMetrics(AdmissionObserver):
 
     def admitted(self, model: str, who: Who, waited: float) -> None:
         self._decided(model, who.tenant, "admitted", "NONE")
+        self._tenant_wait.labels(model, self._tenant(who.tenant)).inc(waited)
         band = str(who.urgency)
         self._bands.setdefault(model, set()).add(band)
         self._wait.labels(model, band).observe(waited)
@@ -127,9 +137,13 @@ class AdmissionMetrics(AdmissionObserver):
             self._preempted_models.discard(model)
             with contextlib.suppress(KeyError):
                 self._preemptions.remove(model)
-        for labels in self._decision_labels.pop(model, set()):
+        forgotten = self._decision_labels.pop(model, set())
+        for labels in forgotten:
             with contextlib.suppress(KeyError):
                 self._decisions.remove(model, *labels)
+        for tenant in {labels[0] for labels in forgotten}:
+            with contextlib.suppress(KeyError):
+                self._tenant_wait.remove(model, tenant)
         for band in self._bands.pop(model, set()):
             with contextlib.suppress(KeyError):
                 self._wait.remove(model, band)

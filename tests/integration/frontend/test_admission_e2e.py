@@ -301,6 +301,13 @@ async def test_a_streaming_request_that_waited_is_served_once_admitted() -> None
         assert events[-1] == "[DONE]"
         tokens = [t for event in events[:-1] for t in json.loads(event)["choices"][0]["token_ids"]]
         assert len(tokens) == 3
+        # Its wait is counted for its tenant (the default one here).
+        model = fe.workers.default_model() or ""
+        waited = fe.metrics.registry.get_sample_value(
+            "frontend_admission_tenant_wait_seconds_total", {"model": model, "tenant": ""}
+        )
+        assert waited is not None
+        assert waited > 0
 
 
 async def test_a_flood_that_fills_the_queue_makes_room_for_another_tenant() -> None:
