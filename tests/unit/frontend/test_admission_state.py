@@ -108,9 +108,10 @@ def test_the_headroom_lets_a_quiet_tenant_in_during_a_flood(headroom: float, qui
     fleet = room(10)
     admitted(state.arrive("steady", 0, 1, 1, 0.0, fleet))
     flooded = flood(state, "flood", 20, fleet)
-    # The flood runs up to the reserve (2 of 10 slots) with headroom, to the last slot without.
-    assert state.held_by_tenant() == {"steady": 1, "flood": 7 if headroom else 9}
-    assert sum(ticket.admitted for ticket in flooded) == (7 if headroom else 9)
+    # The flood runs up to the reserve with headroom (2 of 10 slots, beyond the one "steady",
+    # under its share, holds), to the last slot without.
+    assert state.held_by_tenant() == {"steady": 1, "flood": 6 if headroom else 9}
+    assert sum(ticket.admitted for ticket in flooded) == (6 if headroom else 9)
     quiet = state.arrive("quiet", 0, 1, 1, 0.0, fleet)
     assert isinstance(quiet, Ticket)
     assert quiet.admitted is quiet_admitted
@@ -124,34 +125,34 @@ def test_a_tenant_under_its_share_passes_the_queue_of_a_tenant_over_its_share() 
     state.release(large, None, 1.0)
     admitted(state.arrive("steady", 0, 1, 1, 1.0, fleet))
     flood(state, "flood", 20, fleet)
-    assert state.held_by_tenant() == {"steady": 1, "flood": 7}
+    assert state.held_by_tenant() == {"steady": 1, "flood": 6}
     # In fair-queueing order the flood's next ticket goes first, but it may not take the
     # reserve; "quiet" holds nothing, under its share of 10 / 3: it passes into the reserve.
     quiet = admitted(state.arrive("quiet", 0, 1, 1, 2.0, fleet))
-    assert state.held_by_tenant() == {"steady": 1, "flood": 7, "quiet": 1}
+    assert state.held_by_tenant() == {"steady": 1, "flood": 6, "quiet": 1}
     # And pump, later, does the same for a queued ticket of a tenant under its share.
     state.release(quiet, None, 3.0)
-    assert state.pump(3.0, room(10, foreign=1)) == []
-    again = queued(state.arrive("quiet", 0, 1, 1, 3.0, room(10, foreign=2)))
-    assert state.pump(3.0, room(10, foreign=1)) == [again]
+    assert state.pump(3.0, room(10, foreign=2)) == []
+    again = queued(state.arrive("quiet", 0, 1, 1, 3.0, room(10, foreign=3)))
+    assert state.pump(3.0, room(10, foreign=2)) == [again]
 
 
 def test_urgency_goes_first_but_does_not_open_the_reserve() -> None:
-    state = ModelAdmission(AdmissionSettings(headroom=0.2))  # 2 of 10 reserved
+    state = ModelAdmission(AdmissionSettings(headroom=0.2))  # 2 of 10, beyond the small tenants' own
     fleet = room(10)
     admitted(state.arrive("steady", 0, 1, 1, 0.0, fleet))
     running = [t for t in flood(state, "flood", 20, fleet) if t.admitted]
     # The flood's own urgent request waits: its tenant is over its share...
     urgent = queued(state.arrive("flood", 5, 1, 1, 0.0, fleet))
-    assert state.held_slots == 8
+    assert state.held_slots == 7
     # ...while a quiet tenant's request (under its share) takes the reserve at once...
     admitted(state.arrive("quiet", 0, 1, 1, 0.0, fleet))
-    # ...and once room outside the reserve frees, it goes to the urgent one, before the flood's
-    # others (which were there first).
-    for ticket in running[:2]:
+    # ...and once room outside the reserve frees (2 slots beyond what "steady" and "quiet"
+    # hold), it goes to the urgent one, before the flood's others (which were there first).
+    for ticket in running[:3]:
         state.release(ticket, 1, 1.0)
     assert state.pump(1.0, fleet) == [urgent]
-    assert state.held_slots == 8
+    assert state.held_slots == 6
 
 
 def test_a_tenant_holding_exactly_its_fair_share_may_not_take_the_reserve() -> None:
@@ -423,3 +424,20 @@ def test_the_reserve_goes_a_minute_after_the_second_tenant_was_last_seen() -> No
     assert state.pump(59.0, fleet) == []
     assert len(state.pump(61.0, fleet)) == 2  # the flood alone: the reserve is its too
     assert state.held_slots == 10
+
+
+def test_the_reserve_stays_free_beyond_what_the_tenants_under_their_share_hold() -> None:
+    # 20 slots, headroom 2: a tenant over its share leaves 2 free beyond what "quiet" holds.
+    state = ModelAdmission(AdmissionSettings(headroom=0.1))
+    fleet = room(20)
+    admitted(state.arrive("quiet", 0, 1, 1, 0.0, fleet))
+    running = [t for t in flood(state, "flood", 30, fleet) if t.admitted]
+    assert len(running) == 16  # 2 kept free beyond the one "quiet" holds
+    # "quiet" runs more and more at once: each of its requests still finds room at once...
+    for _ in range(2):
+        admitted(state.arrive("quiet", 0, 1, 1, 1.0, fleet))
+    # ...and a slot the flood frees is not the flood's again while "quiet" holds more.
+    state.release(running[0], 1, 2.0)
+    assert state.pump(2.0, fleet) == []
+    admitted(state.arrive("quiet", 0, 1, 1, 2.0, fleet))
+    assert state.held_by_tenant() == {"quiet": 4, "flood": 15}
