@@ -47,6 +47,9 @@ class RefusalReason(enum.Enum):
     QUEUE_FULL = "QUEUE_FULL"
     # It waited --max-queue-wait-secs in the admission queue without a worker having room (429).
     QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
+    # It waited in a full band and was refused to make room for another tenant's request: its
+    # tenant queued the most there (429).
+    QUEUE_PUSHED_OUT = "QUEUE_PUSHED_OUT"
     # No worker of the model can take a request at all (503).
     NO_CAPACITY = "NO_CAPACITY"
     # Its tenant is over its requests or tokens per minute (--rate-limits file) (429).

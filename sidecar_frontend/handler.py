@@ -397,6 +397,7 @@ class Frontend:
         words = {
             RefusalReason.QUEUE_FULL: "too many requests are waiting",
             RefusalReason.QUEUE_TIMEOUT: "no worker had room in time",
+            RefusalReason.QUEUE_PUSHED_OUT: "too many requests of this tenant are waiting",
             RefusalReason.RATE_LIMITED: "over the rate limit",
             RefusalReason.NO_CAPACITY: "no capacity",
         }[refused.reason]

@@ -68,6 +68,7 @@ log = structlog.get_logger("sidecar_frontend.admission")
 REFUSAL_STATUS: Final[Mapping[RefusalReason, int]] = {
     RefusalReason.QUEUE_FULL: 429,
     RefusalReason.QUEUE_TIMEOUT: 429,
+    RefusalReason.QUEUE_PUSHED_OUT: 429,
     RefusalReason.RATE_LIMITED: 429,
     RefusalReason.NO_CAPACITY: 503,
 }

@@ -217,7 +217,7 @@ class ModelAdmission:
             (
                 victim,
                 Refused(
-                    RefusalReason.QUEUE_FULL,
+                    RefusalReason.QUEUE_PUSHED_OUT,
                     self._retry_after(self._queue.queued_at_or_above(victim.urgency), now),
                     f"the queue of band {victim.urgency} is full (--max-queue-depth) and tenant "
                     f"{victim.tenant!r} held the most of it: its newest request made room for "

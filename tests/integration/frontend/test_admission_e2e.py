@@ -314,9 +314,11 @@ async def test_a_flood_that_fills_the_queue_makes_room_for_another_tenant() -> N
     settings = AdmissionSettings(max_queue_depth=2, max_queue_wait=60.0, headroom=0.0)
     async with fleet(settings) as fe:
         answers: dict[str, int] = {}
+        reasons: dict[str, str] = {}
 
         async def send(rid: str, tenant: str) -> None:
-            status, _, _ = await post(fe, VLLM_PATH, vllm_body(rid, 1), {TENANT: tenant})
+            status, headers, _ = await post(fe, VLLM_PATH, vllm_body(rid, 1), {TENANT: tenant})
+            reasons[rid] = headers.get("x-sidecar-refused-reason", "")
             answers[rid] = status
 
         async with anyio.create_task_group() as senders, anyio.create_task_group() as holding:
@@ -332,6 +334,7 @@ async def test_a_flood_that_fills_the_queue_makes_room_for_another_tenant() -> N
             senders.start_soon(send, "quiet", "quiet")
             await until(lambda: "flood-1" in answers, "the flood's newest request answered")
             assert answers["flood-1"] == 429
+            assert reasons["flood-1"] == "queue_pushed_out"
             holding.cancel_scope.cancel()
         assert answers == {"flood-0": 200, "flood-1": 429, "quiet": 200}
         assert not engine_saw(fe, "flood-1")

@@ -441,3 +441,30 @@ def test_the_reserve_stays_free_beyond_what_the_tenants_under_their_share_hold()
     assert state.pump(2.0, fleet) == []
     admitted(state.arrive("quiet", 0, 1, 1, 2.0, fleet))
     assert state.held_by_tenant() == {"quiet": 4, "flood": 15}
+
+
+def test_a_full_band_makes_room_for_another_tenant_by_refusing_the_longest_lanes_newest() -> None:
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=4, headroom=0.0))
+    fleet = room(1)
+    admitted(state.arrive("flood", 0, 1, 1, 0.0, fleet))
+    waiting = [queued(state.arrive("flood", 0, 1, 1, float(n), fleet)) for n in range(4)]
+    # The flood's own next request finds its band full: it is refused itself.
+    refused = state.arrive("flood", 0, 1, 1, 5.0, fleet)
+    assert isinstance(refused, Refused)
+    assert refused.reason is RefusalReason.QUEUE_FULL
+    assert state.pushed_out() == []
+    # Another tenant's is queued, and the flood's newest waiting request is refused for it.
+    quiet = queued(state.arrive("quiet", 0, 1, 1, 6.0, fleet))
+    [(gone, why)] = state.pushed_out()
+    assert gone is waiting[-1]
+    assert why.reason is RefusalReason.QUEUE_PUSHED_OUT
+    assert "'flood'" in why.detail
+    assert state.queued() == {(0, "flood"): 3, (0, "quiet"): 1}
+    # Two tenants queueing as much as each other: the band is full for both.
+    second = state.arrive("quiet", 0, 1, 1, 7.0, fleet)
+    assert isinstance(second, Ticket)
+    assert len(state.pushed_out()) == 1  # flood 2, quiet 2
+    third = state.arrive("quiet", 0, 1, 1, 8.0, fleet)
+    assert isinstance(third, Refused)
+    assert state.pushed_out() == []
+    assert quiet.state.value == "queued"

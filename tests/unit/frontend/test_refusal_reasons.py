@@ -15,6 +15,7 @@ def test_the_refusal_reasons_keep_their_wire_names() -> None:
         "MISCONFIGURED": "MISCONFIGURED",
         "QUEUE_FULL": "QUEUE_FULL",
         "QUEUE_TIMEOUT": "QUEUE_TIMEOUT",
+        "QUEUE_PUSHED_OUT": "QUEUE_PUSHED_OUT",
         "NO_CAPACITY": "NO_CAPACITY",
         "RATE_LIMITED": "RATE_LIMITED",
     }
