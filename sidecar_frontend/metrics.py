@@ -35,7 +35,7 @@ OUTCOMES = (
     "timeout",  # --request-timeout-secs ran out (DEADLINE)
     "disconnected",  # the client went away (CLIENT_GONE)
     "unavailable",  # no worker could take it (NO_WORKER, MISCONFIGURED)
-    "refused",  # admission refused it (QUEUE_FULL, QUEUE_PUSHED_OUT, QUEUE_TIMEOUT, NO_CAPACITY, RATE_LIMITED)
+    "refused",  # admission refused it (QUEUE_FULL, QUEUE_PUSHED_OUT, QUEUE_TIMEOUT, NO_CAPACITY, ...)
     "shutdown",  # the frontend stopped before it finished (ENGINE_SHUTDOWN)
 )
 
