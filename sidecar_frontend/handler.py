@@ -358,28 +358,18 @@ class Frontend:
     def _left_while_queued(self, fmt: Format, parsed: GenerateCall, started_at: float, who: Who) -> None:
         """The client left while its request waited for admission (no engine saw it): counted
         and logged as any request whose client left."""
-        duration = self.clock() - started_at
-        if self.metrics is not None:
-            self.metrics.request(
-                fmt.name,
-                "disconnected",
-                "CLIENT_GONE",
-                prompt_tokens=0,
-                completion_tokens=0,
-                ttft=None,
-                duration=duration,
-            )
         ids = sorted({r.request_id for r in parsed.requests})
-        log.info(
-            "request",
-            format=fmt.name,
-            request_id=ids[0] if len(ids) == 1 else ids,
-            outcome="disconnected",
-            reason="CLIENT_GONE",
+        self._refused(
+            fmt,
+            "disconnected",
+            "CLIENT_GONE",
+            started_at,
+            None,
+            {},
+            request_ids=ids,
             tenant=who.tenant,
             urgency=who.urgency,
             queued=True,
-            duration_ms=ms(duration),
         )
 
     def _admission_refused(
@@ -435,24 +425,27 @@ class Frontend:
         self,
         fmt: Format,
         outcome: str,
-        reason: FailureReason | RefusalReason,
+        reason: FailureReason | RefusalReason | str,
         started_at: float,
-        reply: HttpReply,
+        reply: HttpReply | None,
         headers: Mapping[str, str],
         body: bytes = b"",
         data: object = None,
         request_ids: Sequence[str] = (),
         **measured: object,
     ) -> None:
-        """The metrics and the one ``request`` line of a request answered without a worker:
-        why (the reason and the words the client got) and the request's id (``data``: the
-        body as the format parsed it, if it did)."""
+        """The metrics and the one ``request`` line of a request that ended without a worker:
+        why (the reason and, when it was answered, the words the client got; ``reply`` None:
+        its client left first) and the request's id (``data``: the body as the format parsed
+        it, if it did)."""
         duration = self.clock() - started_at
+        why = reason if isinstance(reason, str) else reason.value
+        answer = {} if reply is None else {"status": reply.status, "error": _reply_message(reply)}
         if self.metrics is not None:
             self.metrics.request(
                 fmt.name,
                 outcome,
-                reason.value,
+                why,
                 prompt_tokens=0,
                 completion_tokens=0,
                 ttft=None,
@@ -464,9 +457,8 @@ class Frontend:
             format=fmt.name,
             request_id=(ids[0] if len(ids) == 1 else ids) if ids else None,
             outcome=outcome,
-            reason=reason.value,
-            status=reply.status,
-            error=_reply_message(reply),
+            reason=why,
+            **answer,
             duration_ms=ms(duration),
             **measured,
         )

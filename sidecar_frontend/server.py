@@ -227,7 +227,7 @@ def _start_admission(
     if not settings.enabled:
         return None
     limiter = RateLimiter(load_rate_file(settings.rate_limits)) if settings.rate_limits else None
-    observer = AdmissionMetrics(metrics.registry)
+    observer = AdmissionMetrics(metrics.registry, max_wait=settings.settings.max_queue_wait)
     gate = Gate(workers.registry, settings, limiter=limiter, observer=observer)
     observer.watch(gate.queued, gate.every_load)
     workers.events.subscribe(WakeOnWorkerEvents(gate))

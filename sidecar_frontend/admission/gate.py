@@ -369,19 +369,18 @@ class Gate:
 
     def _refuse_pushed_out(self, model: str, admission: ModelAdmission) -> None:
         """Wake the waiting requests the state refused to make room for another tenant's."""
-        waiting = self._waiters.get(model, {})
-        for ticket, refused in admission.pushed_out():
-            waiter = waiting.get(ticket)
-            if waiter is not None:
-                waiter.refused = refused
-                waiter.admitted.set()
+        self._refuse_waiting(model, admission.pushed_out())
 
     def _expire(self, model: str) -> None:
         admission = self._models.get(model)
-        waiting = self._waiters.get(model)
-        if admission is None or waiting is None:
-            return
-        for ticket, refused in admission.expire(self._clock()):
+        if admission is not None:
+            self._refuse_waiting(model, admission.expire(self._clock()))
+
+    def _refuse_waiting(self, model: str, refusals: list[tuple[Ticket, Refused]]) -> None:
+        """Wake each waiting request of ``refusals`` with its refusal (the state already took
+        its ticket out of the queue)."""
+        waiting = self._waiters.get(model, {})
+        for ticket, refused in refusals:
             waiter = waiting.get(ticket)
             if waiter is not None:
                 waiter.refused = refused

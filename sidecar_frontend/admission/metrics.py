@@ -30,33 +30,19 @@ from sidecar_frontend.admission.capacity import WorkerLoad
 from sidecar_frontend.admission.gate import AdmissionObserver
 from sidecar_frontend.admission.state import Refused
 from sidecar_frontend.admission.who import Who
+from sidecar_frontend.metrics import buckets_up_to
 
 __all__ = ["MAX_TENANT_LABELS", "AdmissionMetrics"]
 
 MAX_TENANT_LABELS: Final = 64
 _OTHER: Final = "other"
-# A queue's wait, from none to the longest --max-queue-wait-secs anyone sets.
-_WAIT_BUCKETS: Final = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-)
 
 
 class AdmissionMetrics(AdmissionObserver):
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, max_wait: float | None = None) -> None:
+        """``max_wait``: the longest a request may wait (--max-queue-wait-secs), the wait
+        histogram's last finite bucket (a preempted request, which waits without that bound,
+        lands in +Inf past it)."""
         self._decisions = Counter(
             "frontend_admission_decisions",
             "Admission's decisions, by model, tenant (the first 64 seen, then 'other'), outcome "
@@ -68,7 +54,7 @@ class AdmissionMetrics(AdmissionObserver):
             "frontend_admission_wait_seconds",
             "How long admitted requests waited in the queue, by model and band (urgency)",
             ["model", "band"],
-            buckets=_WAIT_BUCKETS,
+            buckets=buckets_up_to(max_wait),
             registry=registry,
         )
         self._preemptions = Counter(

@@ -98,7 +98,7 @@ async def frontend_over(
             await workers.wait_serving(len(addresses) if serving is None else serving)
         gate: Gate | None = None
         if admission is not None and admission.enabled:
-            observer = AdmissionMetrics(metrics.registry)
+            observer = AdmissionMetrics(metrics.registry, max_wait=admission.settings.max_queue_wait)
             gate = Gate(workers.registry, admission, limiter=limiter, observer=observer)
             observer.watch(gate.queued, gate.every_load)
             workers.events.subscribe(WakeOnWorkerEvents(gate))
