@@ -33,6 +33,7 @@ from grpc_status import rpc_status as grpc_rpc_status
 from sidecar_common.reasons import FailureReason, RefusalReason
 
 __all__ = [
+    "CALL_STARTED",
     "ENGINE_NOT_FOUND",
     "ENGINE_STATUS_TO_REASON",
     "ERROR_DOMAIN",
@@ -54,6 +55,7 @@ __all__ = [
     "from_rpc_error",
     "invalid_argument",
     "is_engine_fault",
+    "never_started",
     "protocol_error",
     "rpc_status",
     "to_rpc_status",
@@ -70,6 +72,12 @@ NOT_SENT: Final = "not sent"
 # The reason stays INVALID_ARGUMENT (the request is the problem, on any worker); a frontend
 # whose server answers such a refusal with its own status (vLLM: 404) reads it from here.
 ENGINE_NOT_FOUND: Final = frozenset({grpc.StatusCode.NOT_FOUND.name, "404"})
+# The initial metadata a sidecar sends as soon as its Generate handler runs: a call whose
+# status came without it was never taken by the sidecar (see never_started).
+CALL_STARTED: Final = ("x-sidecar-call-started", "1")
+# gRPC's own words when a message is over a receiver's limit (RESOURCE_EXHAUSTED, bare): the
+# request itself is the problem, not the server's backlog.
+_MESSAGE_TOO_LARGE: Final = "larger than max"
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ FAILURE_RULES: Final[Mapping[FailureReason, FailureRule]] = {
     _R.UNKNOWN: FailureRule(_C.UNKNOWN, migratable=False, retried=False),
     _R.NO_WORKER: FailureRule(None, migratable=False, retried=False),
     _R.DEADLINE: FailureRule(None, migratable=False, retried=False),
+    _R.NOT_STARTED: FailureRule(None, migratable=False, retried=True),
 }
 
 
@@ -273,7 +282,25 @@ def from_rpc_error(rpc: str, error: grpc.RpcError) -> SidecarError:
     return decode_rpc_error(error, engine_call=rpc)
 
 
-def decode_rpc_error(error: grpc.RpcError, *, engine_call: str | None = None) -> SidecarError:
+def never_started(code: grpc.StatusCode, details: str, *, error_info: bool, started: bool) -> bool:
+    """Whether a Generate call that failed with ``code`` was never taken by the sidecar: its
+    status carries no sidecar ErrorInfo (``error_info``), no start marker came before it
+    (``started``, :data:`CALL_STARTED`), and it is one of the two ways gRPC's server core ends
+    a call the application has not picked up: RESOURCE_EXHAUSTED when too many calls wait
+    (gRPC's pending-request limits, 1,000 soft and 3,000 hard by default), CANCELLED when one
+    waited too long (30 s by default). Such a call reached no engine: it can run again
+    anywhere, on the same worker too. A message over the server's size limit is also a bare
+    RESOURCE_EXHAUSTED, but the request is the problem there: not this."""
+    if error_info or started:
+        return False
+    if code is grpc.StatusCode.CANCELLED:
+        return True
+    return code is grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE not in details
+
+
+def decode_rpc_error(
+    error: grpc.RpcError, *, engine_call: str | None = None, started: bool | None = None
+) -> SidecarError:
     """A failed call as a typed error: the one place a gRPC status becomes a reason.
 
     ``engine_call`` names the engine call that failed: the status is an engine's, typed by
@@ -283,12 +310,22 @@ def decode_rpc_error(error: grpc.RpcError, *, engine_call: str | None = None) ->
     status without one (the connection broke, a proxy answered) is typed by its code, as the
     sidecars type an engine's; except CANCELLED: a caller's own cancels never come back as a
     status, so a bare CANCELLED is the worker's server ending its calls as it stops.
+
+    ``started`` says whether the call's initial metadata carried the sidecar's start marker
+    (None: unknown, a caller that did not look). A call known not to have started whose
+    status is gRPC core's refusal (:func:`never_started`) is NOT_STARTED.
     """
     code, details = rpc_status(error)
     if engine_call is not None:
         return from_engine_status(engine_call, code, details)
     message = details if details else "worker error with no details"
     info = _error_info(error)
+    if started is not None and never_started(
+        code, details or "", error_info=info is not None, started=started
+    ):
+        return SidecarError(
+            FailureReason.NOT_STARTED, f"{message} ({code.name}, before the sidecar took the call)"
+        )
     if info is not None:
         origin = None
         if info.metadata.get("origin") == ORIGIN_ENGINE:

@@ -11,8 +11,8 @@ __all__ = ["FailureReason", "RefusalReason"]
 
 class FailureReason(enum.Enum):
     """Why a generation failed. The sidecars' reasons travel as the ErrorInfo ``reason`` of
-    their status (docs/api.md); ``NO_WORKER`` and ``DEADLINE`` are the frontend's own and
-    never travel."""
+    their status (docs/api.md); ``NO_WORKER``, ``DEADLINE`` and ``NOT_STARTED`` are the
+    frontend's own and never travel."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     CANNOT_CONNECT = "CANNOT_CONNECT"
@@ -26,6 +26,10 @@ class FailureReason(enum.Enum):
     NO_WORKER = "NO_WORKER"
     # The frontend's own: its --request-timeout-secs ran out.
     DEADLINE = "DEADLINE"
+    # The frontend's own: the worker's gRPC server refused or dropped the call before its
+    # sidecar took it (too many calls waiting to be picked up, or one waited too long), so no
+    # engine saw the request. Retried, on the same worker too (errors.py, never_started).
+    NOT_STARTED = "NOT_STARTED"
 
 
 class RefusalReason(enum.Enum):

@@ -50,6 +50,7 @@ OWN_FAULT: Final[Mapping[FailureReason, bool]] = {
     _R.UNKNOWN: True,
     _R.NO_WORKER: False,  # the frontend's own: no call was made
     _R.DEADLINE: False,  # the frontend's own --request-timeout-secs
+    _R.NOT_STARTED: False,  # a busy server's backlog, like OVERLOADED
 }
 
 

@@ -59,12 +59,12 @@ REASON_TO_FRONTEND = {
 
 def test_the_tables_cover_every_status_code_and_every_reason() -> None:
     assert set(ENGINE_TO_REASON) == set(grpc.StatusCode)
-    # Every reason but the frontend's own two, which no sidecar sends.
-    assert set(REASON_TO_FRONTEND) == set(FailureReason) - {R.NO_WORKER, R.DEADLINE}
+    # Every reason but the frontend's own three, which no sidecar sends.
+    assert set(REASON_TO_FRONTEND) == set(FailureReason) - {R.NO_WORKER, R.DEADLINE, R.NOT_STARTED}
     assert set(REASON_TO_FRONTEND) == SIDECAR_REASONS
 
 
-@pytest.mark.parametrize("reason", [R.NO_WORKER, R.DEADLINE])
+@pytest.mark.parametrize("reason", [R.NO_WORKER, R.DEADLINE, R.NOT_STARTED])
 def test_the_frontends_own_reasons_have_no_sidecar_status(reason: FailureReason) -> None:
     with pytest.raises(ValueError, match="the frontend's own reason"):
         to_rpc_status(SidecarError(reason, "m"))

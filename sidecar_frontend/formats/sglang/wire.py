@@ -56,6 +56,8 @@ FAILURE_STATUS: Final[Mapping[FailureReason, int | None]] = {
     FailureReason.UNKNOWN: 500,
     FailureReason.NO_WORKER: 503,
     FailureReason.DEADLINE: 503,
+    # No engine saw it, and its worker's server had no room to take it: SGLang's busy answer.
+    FailureReason.NOT_STARTED: 503,
 }
 
 

@@ -75,6 +75,9 @@ FAILURE_ANSWERS: Final[Mapping[FailureReason, FailureAnswer]] = {
     FailureReason.NO_WORKER: FailureAnswer.ENGINE_FAILED,
     # Our request deadline ends the request as vLLM's abort does.
     FailureReason.DEADLINE: FailureAnswer.ABORT,
+    # Its worker's server had no room to take the call (no engine saw it): vLLM's admission
+    # refusal, before any stream starts.
+    FailureReason.NOT_STARTED: FailureAnswer.BUSY,
 }
 
 # vLLM checks admission before it starts a stream (serving's check_admission): a streamed

@@ -40,6 +40,9 @@ RULES: Mapping[FailureReason, tuple[grpc.StatusCode | None, bool, bool, bool]] =
     R.UNKNOWN: (C.UNKNOWN, False, False, False),
     R.NO_WORKER: (None, False, False, False),  # the frontend's own: never on the wire
     R.DEADLINE: (None, False, False, False),
+    # gRPC's server core refused the call before the sidecar took it: no engine saw it, so it
+    # runs again (on the same worker too, after a pause: not busy).
+    R.NOT_STARTED: (None, False, True, False),
 }
 
 # The HTTP status a unary request gets when its only sub-request fails with the reason.
@@ -54,6 +57,7 @@ VLLM_UNARY_STATUS: Mapping[FailureReason, int] = {
     R.UNKNOWN: 500,
     R.NO_WORKER: 500,
     R.DEADLINE: 200,
+    R.NOT_STARTED: 503,  # vLLM's admission refusal
 }
 SGLANG_UNARY_STATUS: Mapping[FailureReason, int] = {
     R.INVALID_ARGUMENT: 400,
@@ -66,6 +70,7 @@ SGLANG_UNARY_STATUS: Mapping[FailureReason, int] = {
     R.UNKNOWN: 500,
     R.NO_WORKER: 503,
     R.DEADLINE: 503,
+    R.NOT_STARTED: 503,
 }
 
 # One unary request per format, and the status each reason gets: a format added to the
@@ -96,12 +101,12 @@ def test_the_kernels_rule_for_each_reason(reason: FailureReason) -> None:
 
 
 def test_the_sidecars_send_their_reasons_only() -> None:
-    assert set(FailureReason) - SIDECAR_REASONS == {R.NO_WORKER, R.DEADLINE}
+    assert set(FailureReason) - SIDECAR_REASONS == {R.NO_WORKER, R.DEADLINE, R.NOT_STARTED}
     assert set(FRONTEND_STATUS) == SIDECAR_REASONS
 
 
 def test_only_a_busy_engine_is_answered_before_a_vllm_stream_starts() -> None:
-    assert {R.OVERLOADED} == REFUSED_BEFORE_STREAM
+    assert {R.OVERLOADED, R.NOT_STARTED} == REFUSED_BEFORE_STREAM
 
 
 @pytest.mark.parametrize("reason", list(FailureReason), ids=lambda r: r.value)

@@ -49,6 +49,7 @@ _R = FailureReason
         (_R.UNKNOWN, True),
         (_R.NO_WORKER, False),
         (_R.DEADLINE, False),
+        (_R.NOT_STARTED, False),
     ],
 )
 def test_which_failures_are_the_workers_own_fault(reason: FailureReason, counts: bool) -> None:
