@@ -275,6 +275,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="retries per second always allowed, whatever the successes (a quiet fleet still retries)",
     )
     serve.add_argument(
+        "--max-starting-calls-per-worker",
+        type=positive_int_arg,
+        default=HandlerConfig.start_slots,
+        metavar="N",
+        help="Generate calls this frontend leaves waiting at one sidecar for it to take them up; "
+        "more wait here (gRPC's server refuses calls past ~1,000 waiting and drops one after 30 s)",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=positive_int_arg,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -620,6 +628,7 @@ def parse_config(
             request_timeout=timeout if timeout > 0 else None,
             max_body_bytes=ns.max_body_bytes,
             migration_limit=ns.migration_limit,
+            start_slots=ns.max_starting_calls_per_worker,
             retry_budget=RetryBudgetSettings(
                 ratio=ns.retry_budget_ratio, min_per_second=ns.retry_budget_min_per_sec
             ),
