@@ -41,6 +41,8 @@ class HttpCommand:
     hop_pid: int | None = None
     engine_pid: int | None = None
     prompt_len: int = 16
+    # The sidecar behind the frontend: its CPU in the same window (``cpu_s["sidecar"]``).
+    sidecar_pid: int | None = None
 
 
 def _body(cmd: HttpCommand, worker: int, seq: int) -> tuple[str, bytes]:
@@ -122,7 +124,12 @@ async def run(cmd: HttpCommand) -> dict[str, Any]:
         if cmd.hop_pid:
             reset_peak_rss(cmd.hop_pid)
         await asyncio.sleep(cmd.warmup_s)
-        pids = {"hop": cmd.hop_pid, "engine": cmd.engine_pid, "client": os.getpid()}
+        pids = {
+            "hop": cmd.hop_pid,
+            "engine": cmd.engine_pid,
+            "sidecar": cmd.sidecar_pid,
+            "client": os.getpid(),
+        }
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items() if p}
         busy0, steal0 = machine_busy_seconds()
         tally.start = time.perf_counter()
