@@ -3,7 +3,7 @@
 ``python -m bench.pertoken [--rounds N] [--out FILE] [--flame DIR]`` starts what
 ``bench.frontend`` starts (a fast testkit vLLM engine, one token per chunk, and ``sidecar-vllm``
 on CPU 0 with the load generator; two ``sidecar-frontend`` processes on CPU 1, SGLang
-incremental and cumulative) and runs only its 256 streams × 128 tokens rows, reading the
+incremental and cumulative) and runs only its rows of 256 streams of 128 tokens, reading the
 sidecar's CPU in the same window as the frontend's (``bench.http_loadgen``'s ``sidecar_pid``).
 The sidecar shares CPU 0 with the engine and the load generator, so its tokens/s is not its
 own limit; its CPU per token is.
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pertoken", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--window", type=float, default=3.0, help="seconds measured per run")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of " + ",".join(FORMATS))
+    known = ",".join(FORMATS)
+    parser.add_argument("--formats", default=known, help=f"comma-separated, of {known}")
     parser.add_argument("--out", type=Path, help="append the runs, one JSON object a line")
     parser.add_argument("--label", default="", help="recorded with each run (e.g. a commit)")
     parser.add_argument("--flame", type=Path, help="record py-spy flame graphs into this folder")
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pythonpath", type=Path, help="import our packages from here first")
     args = parser.parse_args(argv)
     if args.pythonpath is not None:
-        os.environ["PYTHONPATH"] = f"{args.pythonpath.resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        first = str(args.pythonpath.resolve())
+        os.environ["PYTHONPATH"] = f"{first}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     paths = [p for p in args.formats.split(",") if p]
     bench = Bench(Profile(rounds=args.rounds, warmup_s=1.0, window_s=args.window, long_window_s=args.window))
     gen = LoadGen(plan.ENGINE_CORE, module="bench.http_loadgen")
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         for round_no in range(args.rounds):
             for path in paths:
                 row = _row(gen.run(_command(bench, path, args.window, 1.0), args.window + 60))
-                row.update(path=path, round=round_no, label=args.label, date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                date = time.strftime("%Y-%m-%dT%H:%M:%S")
+                row.update(path=path, round=round_no, label=args.label, date=date)
                 runs.append(row)
                 print(f"  {path}: {row}", flush=True)
         if args.flame is not None:
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if mine:
             fe = statistics.median(r["frontend_us_per_token"] for r in mine)
             sc = statistics.median(r["sidecar_us_per_token"] for r in mine)
-            print(f"{path}: median frontend {fe:.1f} µs/token, sidecar {sc:.1f} µs/token over {len(mine)} run(s)")
+            print(f"{path}: median µs/token frontend {fe:.1f}, sidecar {sc:.1f} ({len(mine)} runs)")
     return 0
 
 
