@@ -380,10 +380,21 @@ class OutputOptions(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_LOGPROB_FIELD_NUMBER: _builtins.int
+    UNARY_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.int
     """Top-N alternatives per output token; 0 returns the sampled token's logprob only."""
     prompt_logprobs: _builtins.int
     skip_special_tokens: _builtins.bool
+    unary: _builtins.bool
+    """The caller wants one answer, not a token stream (a non-streaming HTTP request): each
+    choice then comes as one LLMEngineOutput, its terminal, carrying all its tokens, logprobs,
+    prompt logprobs, finish and usage: what its stream would join to. The sidecar asks its
+    engine for one answer (vLLM's and SGLang's wires have that mode), so its cost does not
+    grow with the output. Nothing comes before the answer: a call that fails delivered
+    nothing. A prefill or decode worker of a disaggregated pair streams as usual (the early
+    handoff and the decode's cancel hold need the stream), as does a sidecar older than this
+    field: a client joins either the same way. False (the default): the stream.
+    """
     @_builtins.property
     def token_ids_logprob(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The log-probabilities of these token ids (SGLang's token_ids_logprob), in this order, at
@@ -399,10 +410,11 @@ class OutputOptions(_message.Message):
         prompt_logprobs: _builtins.int | None = ...,
         skip_special_tokens: _builtins.bool | None = ...,
         token_ids_logprob: _abc.Iterable[_builtins.int] | None = ...,
+        unary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens", "token_ids_logprob", b"token_ids_logprob"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens", "token_ids_logprob", b"token_ids_logprob", "unary", b"unary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
