@@ -11,7 +11,7 @@ BUF := $(BUF_DIR)/node_modules/.bin/buf
 # one file: exact pins for every dependency and extra of pyproject.toml, pip and the build backend.
 LOCK := requirements.lock
 
-.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check lock bench bench-full soak mutation clean
+.PHONY: setup run test lint typecheck protos protos-check buf install-systemd deploy-check lock bench bench-full bench-peer-setup soak mutation clean
 
 $(STAMP): pyproject.toml testkit/pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -120,6 +120,12 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(BIN)/python -m bench --full
 	$(BIN)/python -m bench.sglang_growth
+
+# SMG (PyPI smg, pinned with hashes in bench/smg-requirements.txt) in .venv-smg/, for
+# `python -m bench.full_path`, which also runs this when that venv is missing. Benchmark only:
+# never a dependency of the product.
+bench-peer-setup:
+	scripts/smg_venv.sh
 
 soak: $(STAMP)
 	SIDECAR_SOAK_SCALE=10 $(BIN)/python -m pytest -q tests/reliability -k soak -s
