@@ -64,7 +64,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import FAILURE_RULES, FailureReason
+from sidecar_common.errors import CALL_STARTED, FAILURE_RULES, FailureReason
 from sidecar_common.rpc import cancel_is_ours
 from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
 from sidecar_frontend import disagg
@@ -114,6 +114,10 @@ class RunnerConfig(Protocol):
     @property
     def worker_wait(self) -> float:
         """How long a retry or a migration waits for a worker to serve when none does."""
+
+    @property
+    def start_slots(self) -> int:
+        """Calls left waiting at one sidecar for its server to take them up (``_call``)."""
 
 
 @dataclass(eq=False)
@@ -314,6 +318,10 @@ class _Run:
                 # Say why the last worker failed rather than that no other one was left.
                 return previous or failure
             previous = failure
+            if failure.reason is FailureReason.NOT_STARTED:
+                if not await self._after_unstarted(failure):
+                    return failure
+                continue  # the same request (or continuation) again, on any worker
             delivered = attempts.progress.delivered
             following = attempts.after_failure(failure)
             if isinstance(following, Finish):
@@ -336,6 +344,24 @@ class _Run:
             current = following
             # Counted once another worker takes it (``_placed``), or as no_worker.
             self.moving = ("migrated" if delivered else "retry", failure)
+
+    async def _after_unstarted(self, failure: WorkerFailure) -> bool:
+        """The call was never started by its worker's server: pause (abortable), then the same
+        request runs again, the worker it was sent to included (it did nothing wrong). False
+        when the sub-request ran out of such retries (``Attempts.after_unstarted``). Neither the
+        retry budget nor ``--migration-limit`` is charged: no engine saw the request."""
+        sub = self.sub
+        pause = sub.attempts.after_unstarted(self.runner.rand.random)
+        if pause is None:
+            return False
+        if self.placed:
+            del self.tried[-len(self.placed) :]
+        self.moving = ("retry", failure)
+        with anyio.CancelScope() as scope:
+            sub.scope = scope
+            await anyio.sleep(pause)
+        sub.scope = None
+        return True
 
     async def _after_preemption(
         self, cause: Preemption
@@ -643,8 +669,23 @@ class _Run:
                     attributes={"server.address": worker.address, "llm.request_id": request.request_id},
                 ),
             ):
+                gate = worker.start_gate(runner.config.start_slots)
+                if gate is not None:
+                    await gate.acquire()
                 call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
+                started: bool | None = None
                 try:
+                    # Until its sidecar says it took the call, the call holds one of the
+                    # worker's start slots: what waits beyond them waits here, not in the
+                    # worker's gRPC server (which refuses calls past its limits and drops
+                    # one that waited 30 s). The marker also types a call that fails
+                    # without it (NOT_STARTED: no engine saw it, it may run again).
+                    started = _marked_started(await call.initial_metadata())
+                    if gate is not None:
+                        gate.release()
+                        gate = None
+                    if started:
+                        worker.marks_start = True
                     outputs = aiter(call)
                     async for output in outputs:
                         if output is None:
@@ -660,6 +701,8 @@ class _Run:
                         observe(output)
                         if first:
                             first = False
+                            if not started and worker.marks_start is None:
+                                worker.marks_start = False  # an older sidecar: no marker
                             if metrics is not None:
                                 metrics.worker_first_output(worker.address, runner.clock() - began)
                         failure = await consume(output)
@@ -669,7 +712,9 @@ class _Run:
                             await self._after_final(worker, outputs)
                             return None
                 except grpc.RpcError as err:
-                    read = read_rpc_error(err)
+                    # An older sidecar says nothing of its calls' start: read as before.
+                    known = None if worker.marks_start is False else bool(started) or not first
+                    read = read_rpc_error(err, started=known)
                     failure = read if isinstance(read, WorkerFailure) else runner.misbehaved(worker, read)
                     return failure
                 except asyncio.CancelledError:
@@ -683,6 +728,8 @@ class _Run:
                     )
                     return failure
                 finally:
+                    if gate is not None:
+                        gate.release()
                     # A no-op once the stream ended; otherwise the sidecar aborts the engine request.
                     call.cancel()
             return None
@@ -728,6 +775,12 @@ class _Run:
                 request_id=self.sub.attempts.request.request_id,
                 waited_secs=runner.end_grace,
             )
+
+
+def _marked_started(metadata: grpc.aio.Metadata | None) -> bool:
+    """Whether a Generate call's initial metadata carries the sidecar's start marker."""
+    key, value = CALL_STARTED
+    return metadata is not None and metadata.get(key) == value
 
 
 def _ignore(output: sidecar_pb2.LLMEngineOutput) -> None:

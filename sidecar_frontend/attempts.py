@@ -22,6 +22,12 @@ bounded too: the attempt runner asks the frontend's retry budget (``retry_budget
 each retry decided here, and ends the sub-request with its failure when the budget refuses
 (migrations are not charged: the limit above bounds them).
 
+A call the worker's gRPC server never handed to its sidecar (NOT_STARTED: too many calls were
+waiting there, or one waited too long) is no worker's failure either, and reached no engine:
+:meth:`Attempts.after_unstarted` gives the pause before the same request runs again (on any
+worker, the same one included), doubling from :data:`UNSTARTED_BACKOFF`'s first pause to its cap,
+at most :data:`UNSTARTED_LIMIT` times; no move is counted.
+
 An attempt the frontend stopped itself (admission preempted the request, ``admission/``) is no
 worker's failure: :meth:`Attempts.after_preemption` runs the same request again while nothing
 was delivered, else the continuation, and neither counts as a move.
@@ -32,18 +38,23 @@ continuation's outputs so that the client sees one uninterrupted generation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FAILURE_RULES, FailureReason, decode_rpc_error
+from sidecar_common.retry import Backoff
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT, Finish, Migration, Refusal, RefusalReason
 from sidecar_frontend.misbehaviour import Fault, Misbehaviour
 
 __all__ = [
+    "UNSTARTED_BACKOFF",
+    "UNSTARTED_LIMIT",
     "Attempts",
     "Finish",
     "Progress",
@@ -53,6 +64,13 @@ __all__ = [
     "misbehaved",
     "read_rpc_error",
 ]
+
+
+# A call its worker's server never started runs again after a pause from 50 ms doubling to 1 s,
+# at most 30 times (about 25 s of pauses): a sidecar that takes no call for that long is not
+# busy but stuck, and the client gets the busy answer (503) rather than waiting on.
+UNSTARTED_BACKOFF: Final = Backoff(initial=0.05, cap=1.0)
+UNSTARTED_LIMIT: Final = 30
 
 
 @dataclass
@@ -90,6 +108,7 @@ class Attempts:
         self.progress = Progress()
         self.migration = Migration(request, migration_limit)
         self.retries = 0  # moves before anything was delivered
+        self.unstarted = 0  # calls a worker's server never started (not moves)
         self._last_failure: WorkerFailure | None = None
 
     @property
@@ -140,6 +159,17 @@ class Attempts:
             return Refusal(RefusalReason.LIMIT)
         return self.migration.after_failure(failure.migratable)
 
+    def after_unstarted(self, rand: Callable[[], float]) -> float | None:
+        """The current attempt's call was never started by its worker's server (NOT_STARTED):
+        the pause before the same request runs again, or None when it ran out of such retries.
+        No move is counted and the last failure is forgotten (the next attempt may take any
+        worker, the same one included). ``rand`` (uniform in [0, 1)) jitters the pause."""
+        if self.unstarted >= UNSTARTED_LIMIT:
+            return None
+        self.unstarted += 1
+        self._last_failure = None
+        return UNSTARTED_BACKOFF.pause(self.unstarted, rand)
+
     def after_preemption(self) -> sidecar_pb2.PreprocessedRequest | Refusal | Finish:
         """The current attempt was preempted: the request to run next once readmitted (the same
         one while nothing was delivered, else the continuation), or why there is none. No move
@@ -150,13 +180,14 @@ class Attempts:
         return self.migration.after_preemption()
 
 
-def read_rpc_error(error: grpc.RpcError) -> WorkerFailure | Fault:
+def read_rpc_error(error: grpc.RpcError, started: bool | None = None) -> WorkerFailure | Fault:
     """A failed Generate call as the sidecar typed it (see
-    :func:`~sidecar_common.errors.decode_rpc_error`), or the worker's fault when its status
-    details (a ``google.rpc.Status``, its ``ErrorInfo``) do not decode: such a status says
-    nothing the frontend can act on, so it is refused rather than read."""
+    :func:`~sidecar_common.errors.decode_rpc_error`; ``started``: whether the sidecar's start
+    marker came, None when unknown), or the worker's fault when its status details (a
+    ``google.rpc.Status``, its ``ErrorInfo``) do not decode: such a status says nothing the
+    frontend can act on, so it is refused rather than read."""
     try:
-        return WorkerFailure.from_error(decode_rpc_error(error))
+        return WorkerFailure.from_error(decode_rpc_error(error, started=started))
     except DecodeError as err:
         return Fault(Misbehaviour.UNDECODABLE_STATUS, f"a status whose details do not decode ({err})")
 

@@ -108,6 +108,11 @@ class Worker:
     # last GetLoad's kv_cache.subscribed).
     publishes_cache: bool = False
     idle: anyio.Event = field(default_factory=anyio.Event)
+    # Whether its sidecar marks each Generate call as started in its initial metadata
+    # (sidecar_common.errors.CALL_STARTED; None: no call has told yet, False: an older sidecar).
+    marks_start: bool | None = None
+    # The calls this frontend left waiting at its server to be taken up (start_gate).
+    _start_slots: anyio.Semaphore | None = None
     # The TLS files' version the pool's connections were made with (0: plaintext or none yet).
     tls_version: int = 0
     # The scopes of the long-lived calls on the current connections (health Watch, KV stream):
@@ -154,6 +159,16 @@ class Worker:
                 on_change(self)
             if self.inflight == 0:
                 self.idle.set()
+
+    def start_gate(self, slots: int) -> anyio.Semaphore | None:
+        """What a Generate call holds from its sending until its sidecar marks it started:
+        ``slots`` such calls at most (FIFO beyond). None for a sidecar known not to mark its
+        calls (it would hold each slot until its first output, bounding prefills instead)."""
+        if self.marks_start is False:
+            return None
+        if self._start_slots is None:
+            self._start_slots = anyio.Semaphore(slots)
+        return self._start_slots
 
     @contextmanager
     def on_current_connections(self) -> Iterator[anyio.CancelScope]:

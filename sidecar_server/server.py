@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import FailureReason, SidecarError, to_rpc_status
+from sidecar_common.errors import CALL_STARTED, FailureReason, SidecarError, to_rpc_status
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata
@@ -87,6 +87,10 @@ class ServerConfig:
     # WatchLoad: at most one report per interval to each client, and the load read this often
     # while any client watches (--load-push-interval-ms).
     load_push_interval: float = DEFAULT_PUSH_INTERVAL_SECS
+    # gRPC core's limits on calls waiting for this server to pick them up, soft and hard (None:
+    # gRPC's, 1,000 and 3,000): past them core refuses calls (RESOURCE_EXHAUSTED) before any
+    # handler runs. Frontends bound what they leave waiting here themselves (their start slots).
+    pending_calls: tuple[int, int] | None = None
 
 
 class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -177,6 +181,10 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def Generate(  # type: ignore[override]
         self, request: sidecar_pb2.PreprocessedRequest, context: _Context
     ) -> None:
+        # Said before anything else: a frontend whose call fails without it knows no engine
+        # saw the request (gRPC's core refused or dropped it before this handler ran) and
+        # may run it again here (sidecar_common.errors.never_started).
+        await context.send_initial_metadata((CALL_STARTED,))
         owner = self._owner
         with owner._tracing.span(
             "sidecar.v1.Worker/Generate",
@@ -285,6 +293,7 @@ class SidecarServer:
                 # itself) on the same port would bind too and silently split the traffic.
                 # Off, a taken port fails the bind, and start-up says so.
                 ("grpc.so_reuseport", 0),
+                *self._pending_call_options(),
             ]
         )
         sidecar_pb2_grpc.add_WorkerServicer_to_server(_Worker(self), server)
@@ -408,6 +417,16 @@ class SidecarServer:
                 f"{self._engine.name} engine is unhealthy or unreachable: {self._engine_health.problem}",
             )
         return None
+
+    def _pending_call_options(self) -> list[tuple[str, int]]:
+        limits = self._config.pending_calls
+        if limits is None:
+            return []
+        soft, hard = limits
+        return [
+            ("grpc.server.max_pending_requests", soft),
+            ("grpc.server.max_pending_requests_hard_limit", hard),
+        ]
 
     def _engine_health_changed(self, ok: bool, why: str) -> None:
         if self._metrics is not None:

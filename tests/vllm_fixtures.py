@@ -137,6 +137,7 @@ async def vllm_stack(
     *,
     drain_timeout: float = 30.0,
     tracing: Tracing | None = None,
+    pending_calls: tuple[int, int] | None = None,
     **engine_config: Any,
 ) -> AsyncIterator[Stack]:
     """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
@@ -151,6 +152,7 @@ async def vllm_stack(
             drain_timeout=drain_timeout,
             hold_decode_cancels=mode == "decode",
             health_watch_interval=0.2,
+            pending_calls=pending_calls,
         ),
         tracing=tracing,
     )
