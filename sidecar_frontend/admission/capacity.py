@@ -29,6 +29,14 @@ The rules, worker by worker:
   counts on this frontend's exact count only, its limit with no foreign slot, so that a fleet
   whose reports stopped is still served.
 
+With ``CapacitySettings.processes`` N above 1 (``sidecar-frontend --processes N``), each process
+counts only its share of a worker, ``ceil(limit / N)`` (at least 1), as the worker's limit,
+and of the other frontends' sequences (its sibling processes' among them) only those that do
+not fit in the rest of the worker, ``max(0, others - (limit - share))``: N processes that
+admit within their shares together admit at most the worker's limit (give or take N for the
+rounding up), even before the sidecar's next report tells each of the others' sequences. With
+N = 1 the share is the limit and every rule above is unchanged.
+
 :func:`worker_has_room` applies the same rules to one worker: ``own + others < limit``, and its
 engine not full, and its report fresh. :func:`workers_with_room` does it for a list, with the
 every-worker-stale exception (then ``own < limit``).
@@ -75,11 +83,14 @@ class CapacitySettings:
     kv_saturated: float = 0.95
     # The limit of a worker whose running limit is not known (0).
     default_running_limit: int = 64
+    # The frontend processes sharing each worker's slots (--processes): each counts its share.
+    processes: int = 1
 
 
 @dataclass(frozen=True)
 class Room:
-    # The sum of the running limits of the workers counted.
+    # The sum of the running limits of the workers counted (each process's share of them with
+    # --processes).
     total_slots: int
     # The slots of those workers that this frontend cannot use: the other frontends' sequences,
     # and what a full engine or a stale worker keeps beyond this frontend's own sequences.
@@ -98,14 +109,15 @@ def fleet_room(loads: Sequence[WorkerLoad], now: float, settings: CapacitySettin
     foreign = 0
     for load in loads:
         limit = _limit(load, settings)
+        others = _others(load, limit, settings)
         total += limit
         if _is_stale(load, now, settings):
             if not every_one_stale:
                 foreign += max(0, limit - load.own_requests)
         elif _engine_full(load, settings):
-            foreign += max(load.others_requests, limit - load.own_requests)
+            foreign += max(others, limit - load.own_requests)
         else:
-            foreign += load.others_requests
+            foreign += others
     return Room(total_slots=total, foreign_slots=foreign, workers=len(loads), stale=stale)
 
 
@@ -114,7 +126,8 @@ def worker_has_room(load: WorkerLoad, now: float, settings: CapacitySettings) ->
     full, and ``own + others < limit``."""
     if _is_stale(load, now, settings) or _engine_full(load, settings):
         return False
-    return load.own_requests + load.others_requests < _limit(load, settings)
+    limit = _limit(load, settings)
+    return load.own_requests + _others(load, limit, settings) < limit
 
 
 def workers_with_room(
@@ -128,7 +141,17 @@ def workers_with_room(
 
 
 def _limit(load: WorkerLoad, settings: CapacitySettings) -> int:
-    return load.running_limit if load.running_limit > 0 else settings.default_running_limit
+    """This process's share of the worker's running limit (the whole limit for one process)."""
+    limit = load.running_limit if load.running_limit > 0 else settings.default_running_limit
+    return max(1, -(-limit // max(1, settings.processes)))
+
+
+def _others(load: WorkerLoad, share: int, settings: CapacitySettings) -> int:
+    """The other frontends' sequences that reach into this process's share of the worker."""
+    if settings.processes <= 1:
+        return load.others_requests
+    limit = load.running_limit if load.running_limit > 0 else settings.default_running_limit
+    return max(0, load.others_requests - (limit - share))
 
 
 def _is_stale(load: WorkerLoad, now: float, settings: CapacitySettings) -> bool:
