@@ -8,10 +8,15 @@ Two halves, both free of I/O, clocks, logging and globals:
 * :class:`ResponseState` is fed the engine's ``GenerateResponse`` messages one at a time and
   returns the ``LLMEngineOutput`` deltas the frontend sees.
 
-The stream shape it expects is the one of vLLM's own servicer (``smg-grpc-servicer``): in
-streaming mode each engine step yields one ``chunk`` per choice carrying that step's new
-tokens, and a finishing step is followed by a ``complete`` for that choice whose
-``output_ids`` restate the same final delta. Counts on the wire are per message.
+The shapes it expects are those of vLLM's own servicer (``smg-grpc-servicer``,
+``VllmEngineServicer.Generate``). Streaming (``stream`` true, vLLM's DELTA output kind): each
+engine step yields one ``chunk`` per choice carrying that step's new tokens, and a finishing
+step is followed by a ``complete`` for that choice whose ``output_ids`` restate the same final
+delta. One answer (``stream`` false, vLLM's FINAL_ONLY): nothing until the request is over,
+then one ``complete`` per choice carrying every token id, their logprobs, the prompt's
+logprobs, the finish and the counts; a choice's terminal then carries all of it. Counts on
+the wire are per message. The engine is asked for one answer when the caller wants one
+(``OutputOptions.unary``, :func:`asks_one_answer`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ __all__ = [
     "KNOWN_EXTRA_ARGS",
     "MAX_CHOICES",
     "ResponseState",
+    "asks_one_answer",
     "to_generate_request",
     "wire_seed",
 ]
@@ -86,7 +92,7 @@ def to_generate_request(
         request_id=private_id,
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=request.token_ids),
         sampling_params=_sampling_params(request, mode),
-        stream=True,
+        stream=not asks_one_answer(request, mode),
     )
     media = _media_refs(request.multi_modal_data, supports_vision)
     if media is not None:
@@ -98,6 +104,15 @@ def to_generate_request(
     if kv is not None:
         native.kv_transfer_params_json = json.dumps(kv, separators=(",", ":"), allow_nan=False)
     return native
+
+
+def asks_one_answer(request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> bool:
+    """Whether the engine is asked for one answer (``stream`` false) rather than a stream: when
+    the caller wants one (``OutputOptions.unary``) on an aggregated worker. A prefill streams
+    as always (it sends only its handoff terminal either way), and so does a decode: the
+    dispatcher holds a cancel until the decode's first token (its KV transfer), which one
+    answer would show only at the end."""
+    return request.output_options.unary and mode == "agg"
 
 
 def _refuse_uncarried(request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> None:

@@ -5,7 +5,9 @@ and fault plans. Building the messages (chunks, completes, logprob shapes, hando
 terminals) is pure and lives in ``vllm_wire``.
 
 The stream shape follows smg-grpc-servicer's ``VllmEngineServicer`` with ``stream=true``
-(vLLM's DELTA output kind):
+(vLLM's DELTA output kind), and with ``stream=false`` (FINAL_ONLY: one answer, nothing until
+every choice is done, then one ``complete`` per choice carrying all its tokens, logprobs and
+the prompt's; an abort's ``complete`` carries the tokens so far):
 
 * per engine step and per choice, one ``chunk`` with only the new token ids; counts are per
   message (``completion_tokens`` = ids in this message); ``input_logprobs`` ride on each
@@ -75,7 +77,7 @@ from sidecar_common.endpoint import format_host_port
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Book, Outcome, trace_fields
 from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
-from testkit.generator import GeneratedToken, Generator, prompt_logprobs
+from testkit.generator import Generator, prompt_logprobs
 from testkit.kv_publisher import EngineKvCache
 from testkit.pacing import decode_step_secs
 
@@ -84,8 +86,6 @@ from testkit.vllm_config import VllmEngineConfig
 from testkit.vllm_wire import (
     HANDOFF_FIELDS,
     Choice,
-    chunk,
-    complete,
     from_abort,
     handoff,
     input_logprobs,
@@ -93,6 +93,8 @@ from testkit.vllm_wire import (
     prompt_refusal,
     sampling_refusal,
     sampling_spec,
+    step,
+    stopped,
 )
 
 __all__ = [
@@ -497,7 +499,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if not await self.book.admit(rid, len(prompt)):
             live.aborted.set()
             for ch in choices:
-                for msg in from_abort(ch, len(prompt), 0):
+                for msg in from_abort(ch, len(prompt), 0, stream=request.stream):
                     yield msg
             return
         cached = self.kv_cache.begin(rid, prompt, rank=self._rank(request))
@@ -526,44 +528,35 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             )
             await self._pause(live, step_secs * c.chunk_tokens)
             if live.aborted.is_set():
-                for ch in live_choices:
-                    for msg in from_abort(ch, len(prompt), cached):
-                        yield msg
+                for msg in stopped(
+                    choices,
+                    stream=request.stream,
+                    chunk_tokens=c.chunk_tokens,
+                    primary_eos=c.eos_token_ids[0],
+                    prompt_tokens=len(prompt),
+                    cached=cached,
+                    in_lp=in_lp,
+                    sampling=sampling,
+                ):
+                    yield msg
                 return
-            step: list[pb.GenerateResponse] = []
-            for ch in live_choices:
-                toks: list[GeneratedToken] = []
-                while len(toks) < c.chunk_tokens and not ch.gen.done:
-                    toks.append(ch.gen.step())
-                ids = [t.token_id for t in toks]
-                lps = [t.logprobs for t in toks]
-                ch.all_ids += ids
-                ch.all_lps += lps
-                produced += len(ids)
-                fin = ch.finish = toks[-1].finish
-                if request.stream:
-                    step.append(chunk(ch, ids, lps, len(prompt), cached, in_lp, sampling.logprobs))
-                if fin is not None and (request.stream or all(x.gen.done for x in choices)):
-                    for done in [ch] if request.stream else choices:
-                        step.append(
-                            complete(
-                                done,
-                                done.finish or fin,
-                                stream=request.stream,
-                                chunk_tokens=c.chunk_tokens,
-                                primary_eos=c.eos_token_ids[0],
-                                prompt_tokens=len(prompt),
-                                cached=cached,
-                                in_lp=in_lp,
-                                sampling=sampling,
-                                handoff=self._handoff(prompt) if prefill else None,
-                            )
-                        )
+            messages, made = step(
+                choices,
+                stream=request.stream,
+                chunk_tokens=c.chunk_tokens,
+                primary_eos=c.eos_token_ids[0],
+                prompt_tokens=len(prompt),
+                cached=cached,
+                in_lp=in_lp,
+                sampling=sampling,
+                handoff=lambda: self._handoff(prompt) if prefill else None,
+            )
+            produced += made
             self.book.set_tokens(rid, produced)
             if all(ch.gen.done for ch in choices):
                 # The output's KV is cached too (all but the last token's, never computed).
                 self.kv_cache.store(rid, prompt + tuple(choices[0].all_ids[:-1]))
-            for msg in step:
+            for msg in messages:
                 yield msg
 
     async def _faulted(

@@ -1,20 +1,23 @@
 """vLLM's gRPC messages as the testkit engine sends them (pure: no I/O, no clock, no asyncio).
 
-Builds what ``vllm_engine`` streams, following smg-grpc-servicer's ``VllmEngineServicer`` with
-``stream=true`` (vLLM's DELTA output kind): the per-step ``chunk`` of one choice, the
-``complete`` that restates a choice's final delta (or all of it when not streaming), vLLM's
-final abort output, the logprob shapes (the chosen token first, then the top-k without it),
-the NIXL-shaped prefill handoff, and the malformed terminals a fault asks for.
+Builds what ``vllm_engine`` sends, following smg-grpc-servicer's ``VllmEngineServicer``: with
+``stream=true`` (vLLM's DELTA output kind) the per-step ``chunk`` of one choice and the
+``complete`` that restates a choice's final delta; with ``stream=false`` (FINAL_ONLY) nothing
+until every choice is done, then one ``complete`` per choice carrying all of it
+(:func:`step`). Also vLLM's final abort output (either mode), the logprob shapes (the chosen
+token first, then the top-k without it), the NIXL-shaped prefill handoff, and the malformed
+terminals a fault asks for.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from testkit.generator import Finish, Generator, PositionLogprobs, SamplingSpec
+from testkit.generator import Finish, GeneratedToken, Generator, PositionLogprobs, SamplingSpec
 
 __all__ = [
     "HANDOFF_FIELDS",
@@ -30,6 +33,8 @@ __all__ = [
     "prompt_refusal",
     "sampling_refusal",
     "sampling_spec",
+    "step",
+    "stopped",
 ]
 
 # What a decode request's kv params must name (vLLM's NIXL connector reads each).
@@ -243,9 +248,35 @@ def complete(
     return pb.GenerateResponse(complete=done)
 
 
-def from_abort(ch: Choice, prompt_tokens: int, cached: int) -> list[pb.GenerateResponse]:
-    """vLLM's final abort output for one choice: an empty chunk, then complete("abort")."""
+def from_abort(
+    ch: Choice,
+    prompt_tokens: int,
+    cached: int,
+    *,
+    stream: bool = True,
+    in_lp: pb.InputLogProbs | None = None,
+    logprobs: int | None = None,
+) -> list[pb.GenerateResponse]:
+    """vLLM's final abort output for one choice. Streaming: an empty chunk, then
+    complete("abort"). One answer (FINAL_ONLY, whose outputs are whole): complete("abort")
+    alone, carrying every token so far with its logprobs, and the prompt's logprobs once a
+    step ran (a stream sends them with its first chunk)."""
     i = ch.gen.index
+    if not stream:
+        return [
+            pb.GenerateResponse(
+                complete=pb.GenerateComplete(
+                    output_ids=ch.all_ids,
+                    finish_reason="abort",
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=len(ch.all_ids),
+                    cached_tokens=cached,
+                    output_logprobs=output_logprobs(ch.all_lps, logprobs),
+                    input_logprobs=in_lp if ch.all_ids else None,
+                    index=i,
+                )
+            )
+        ]
     return [
         pb.GenerateResponse(
             chunk=pb.GenerateStreamChunk(prompt_tokens=prompt_tokens, cached_tokens=cached, index=i)
@@ -256,6 +287,95 @@ def from_abort(ch: Choice, prompt_tokens: int, cached: int) -> list[pb.GenerateR
             )
         ),
     ]
+
+
+def step(
+    choices: Sequence[Choice],
+    *,
+    stream: bool,
+    chunk_tokens: int,
+    primary_eos: int,
+    prompt_tokens: int,
+    cached: int,
+    in_lp: pb.InputLogProbs | None,
+    sampling: SamplingSpec,
+    handoff: Callable[[], dict[str, Any] | None],
+) -> tuple[list[pb.GenerateResponse], int]:
+    """One engine step: every unfinished choice generates up to ``chunk_tokens`` tokens. The
+    messages the servicer sends for the step, and how many tokens it produced. Streaming: a
+    chunk per choice, and a choice that finished adds its complete. One answer: nothing until
+    every choice is done, then one complete per choice. ``handoff`` makes a finishing choice's
+    handoff (a prefill's; None otherwise)."""
+    messages: list[pb.GenerateResponse] = []
+    produced = 0
+    for ch in [ch for ch in choices if not ch.gen.done]:
+        toks: list[GeneratedToken] = []
+        while len(toks) < chunk_tokens and not ch.gen.done:
+            toks.append(ch.gen.step())
+        ids = [t.token_id for t in toks]
+        lps = [t.logprobs for t in toks]
+        ch.all_ids += ids
+        ch.all_lps += lps
+        produced += len(ids)
+        fin = ch.finish = toks[-1].finish
+        if stream:
+            messages.append(chunk(ch, ids, lps, prompt_tokens, cached, in_lp, sampling.logprobs))
+        if fin is not None and (stream or all(x.gen.done for x in choices)):
+            for done in [ch] if stream else choices:
+                messages.append(
+                    complete(
+                        done,
+                        done.finish or fin,
+                        stream=stream,
+                        chunk_tokens=chunk_tokens,
+                        primary_eos=primary_eos,
+                        prompt_tokens=prompt_tokens,
+                        cached=cached,
+                        in_lp=in_lp,
+                        sampling=sampling,
+                        handoff=handoff(),
+                    )
+                )
+    return messages, produced
+
+
+def stopped(
+    choices: Sequence[Choice],
+    *,
+    stream: bool,
+    chunk_tokens: int,
+    primary_eos: int,
+    prompt_tokens: int,
+    cached: int,
+    in_lp: pb.InputLogProbs | None,
+    sampling: SamplingSpec,
+) -> list[pb.GenerateResponse]:
+    """The last messages of a request aborted while it ran: each unfinished choice's abort
+    output (:func:`from_abort`). One answer (FINAL_ONLY) holds every choice until the request
+    is over, so the choices that had finished come now too, in choice order, each with its own
+    finish."""
+    messages: list[pb.GenerateResponse] = []
+    for ch in choices:
+        if not ch.gen.done:
+            messages += from_abort(
+                ch, prompt_tokens, cached, stream=stream, in_lp=in_lp, logprobs=sampling.logprobs
+            )
+        elif not stream and ch.finish is not None:
+            messages.append(
+                complete(
+                    ch,
+                    ch.finish,
+                    stream=False,
+                    chunk_tokens=chunk_tokens,
+                    primary_eos=primary_eos,
+                    prompt_tokens=prompt_tokens,
+                    cached=cached,
+                    in_lp=in_lp,
+                    sampling=sampling,
+                    handoff=None,
+                )
+            )
+    return messages
 
 
 def handoff(
