@@ -35,7 +35,13 @@ from sidecar_common.version import add_version_flag
 from sidecar_frontend.admission.capacity import CapacitySettings
 from sidecar_frontend.admission.state import AdmissionSettings
 from sidecar_frontend.admission.who import DEFAULT_PRIORITY_HEADER, DEFAULT_TENANT_HEADER, WhoRules
-from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, AdmissionConfig, HandlerConfig, WorkerSetConfig
+from sidecar_frontend.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    AdmissionConfig,
+    ConnectionSettings,
+    HandlerConfig,
+    WorkerSetConfig,
+)
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
@@ -73,6 +79,9 @@ class FrontendConfig:
     # The SGLang format's --incremental-streaming-output (formats.sglang.SglangFormat).
     sglang_incremental_streaming_output: bool = False
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # Frontend processes serving --listen (sidecar_frontend/processes/); 1: this process alone.
+    processes: int = 1
+    connections: ConnectionSettings = field(default_factory=ConnectionSettings)
 
 
 def _workers(text: str) -> tuple[str, ...]:
@@ -227,6 +236,40 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     serve = parser.add_argument_group("serving")
     serve.add_argument(
         "--listen", type=listen_arg, default="0.0.0.0:8000", metavar="HOST:PORT", help="HTTP listen address"
+    )
+    serve.add_argument(
+        "--processes",
+        type=positive_int_arg,
+        default=1,
+        metavar="N",
+        help="frontend processes serving --listen together, each a whole frontend (its own "
+        "worker connections, routing view and admission share) under one supervising parent; "
+        "up to one per core given to the frontend (1: this process alone, no parent)",
+    )
+    connections = ConnectionSettings()
+    serve.add_argument(
+        "--listen-backlog",
+        type=positive_int_arg,
+        default=connections.backlog,
+        metavar="N",
+        help="connections the kernel holds complete before the frontend accepts them (capped by "
+        "the host's net.core.somaxconn, which the start-up log shows)",
+    )
+    serve.add_argument(
+        "--keepalive-timeout-secs",
+        type=seconds_arg(allow_zero=False),
+        default=connections.keepalive_timeout,
+        metavar="SECS",
+        help="an idle keep-alive connection is closed after this long",
+    )
+    serve.add_argument(
+        "--min-open-files",
+        type=positive_int_arg,
+        default=None,
+        metavar="N",
+        help="the frontend raises its open files limit to the hard limit at start; refuse to "
+        "start (exit 1) when that is below N (each connection is one open file) (default: "
+        "unset: start whatever the limit)",
     )
     serve.add_argument(
         "--format",
@@ -564,7 +607,8 @@ def _admission_config(ns: argparse.Namespace) -> AdmissionConfig:
             headroom=ns.admission_headroom,
             lower_band_share=ns.lower_band_share,
         ),
-        capacity=CapacitySettings(stale_after=ns.load_stale_secs),
+        # Each of --processes N processes admits against its share of every worker's slots.
+        capacity=CapacitySettings(stale_after=ns.load_stale_secs, processes=ns.processes),
         worker_capacity=dict(ns.worker_capacity or ()),
         who=WhoRules(
             tenant_header=ns.tenant_header,
@@ -661,4 +705,10 @@ def parse_config(
         sources=flag_sources(ns),
         sglang_incremental_streaming_output=ns.sglang_incremental_streaming_output,
         admission=_admission_config(ns),
+        processes=ns.processes,
+        connections=ConnectionSettings(
+            backlog=ns.listen_backlog,
+            keepalive_timeout=ns.keepalive_timeout_secs,
+            min_open_files=ns.min_open_files,
+        ),
     )

@@ -16,9 +16,26 @@ from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.outliers import OutlierSettings
 from sidecar_frontend.retry_budget import RetryBudgetSettings
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "AdmissionConfig", "HandlerConfig", "WorkerSetConfig"]
+__all__ = [
+    "DEFAULT_KEEPALIVE_TIMEOUT",
+    "DEFAULT_LISTEN_BACKLOG",
+    "DEFAULT_MAX_BODY_BYTES",
+    "AdmissionConfig",
+    "ConnectionSettings",
+    "HandlerConfig",
+    "WorkerSetConfig",
+]
 
 DEFAULT_MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+# Connections the kernel may hold complete but not yet accepted: a burst of thousands of
+# clients (a trainer's rollouts) must not meet refused connections (aiohttp's own default is
+# 128). The kernel caps it at net.core.somaxconn (4096 by default since Linux 5.4).
+DEFAULT_LISTEN_BACKLOG: Final = 4096
+# An idle keep-alive connection is closed after this long: longer than the common load
+# balancers' idle timeouts (60 s to 350 s, except GCP's 600 s), so a balancer is never the
+# one to find a connection closed under a request it forwards; short enough that connections
+# a client forgot do not pile up for an hour (aiohttp's default, 3630 s).
+DEFAULT_KEEPALIVE_TIMEOUT: Final = 620.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,17 @@ class WorkerSetConfig:
     kv_max_update_keys: int = 262_144
     # A worker failing calls of its own fault this many times in a row is ejected (outliers.py).
     outliers: OutlierSettings = field(default_factory=OutlierSettings)
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """How the HTTP listener takes connections (``--listen-backlog``,
+    ``--keepalive-timeout-secs``, ``--min-open-files``)."""
+
+    backlog: int = DEFAULT_LISTEN_BACKLOG
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    # Refuse to start when the open files limit cannot be raised to this (None: start anyway).
+    min_open_files: int | None = None
 
 
 @dataclass(frozen=True)

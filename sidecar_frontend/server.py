@@ -7,10 +7,20 @@ endpoint -> HTTP listener -> the ``serving`` log line (with the bound port). A l
 address that cannot be bound (taken, not of this host, not resolving) is found before the worker
 set starts: one log line naming the address, the cause and the flag (or its variable), exit 1.
 
+Before the worker set, the host's limits on connections (sidecar_frontend/host_limits.py): the
+open files limit is raised to the hard limit (``--min-open-files`` refuses to start below it),
+and the listen backlog (``--listen-backlog``) is logged with the kernel's cap on it, in one
+``connection limits`` line.
+
 The first SIGTERM/SIGINT stops accepting connections at once, lets in-flight requests finish
 within ``--drain-timeout-secs``, then ends what is left (each running sub-request is cancelled,
 so its sidecar aborts it; the client gets the format's error for ENGINE_SHUTDOWN). A second
 signal skips the wait. Exit 0: it stopped as asked.
+
+With ``--processes N`` above 1, :func:`run` hands over to the supervising parent
+(sidecar_frontend/processes/), which starts N processes that each run :func:`serve` with an
+:class:`Inherited`: the listening sockets the parent bound (the bind checks and the limits are
+the parent's), and a metrics endpoint on a loopback port of its own, which the parent merges.
 """
 
 from __future__ import annotations
@@ -18,7 +28,9 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import anyio
@@ -43,6 +55,7 @@ from sidecar_frontend.cli import FORMATS, FrontendConfig
 from sidecar_frontend.discovery import run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
+from sidecar_frontend.host_limits import connection_limits
 from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.misbehaviour import MisbehaviourReporter, quiet_grpc_decode_failures
 from sidecar_frontend.registry import Refusal
@@ -53,9 +66,11 @@ from sidecar_frontend.supervisor import FAILURE_HOOK, Supervisor, SupervisorConf
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = [
+    "Inherited",
     "WorkerMetrics",
     "load_formats",
     "run",
+    "serve",
     "split_listen",
     "start_metrics_endpoint",
 ]
@@ -64,6 +79,18 @@ __all__ = [
 _STOP_GRACE: Final = 5.0
 
 log = structlog.get_logger("sidecar_frontend.server")
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What one process of ``--processes N`` gets from its parent (sidecar_frontend/processes/)."""
+
+    index: int
+    # Bound by the parent (SO_REUSEPORT, one per address of --listen), not yet listening: the
+    # kernel sends this process connections only once it listens, that is once it serves.
+    listeners: tuple[socket.socket, ...]
+    # Told the port of this process's own metrics endpoint (loopback) once it serves.
+    serving: Callable[[int], None]
 
 
 def load_formats(names: Sequence[str], *, sglang_incremental_streaming_output: bool = False) -> list[Format]:
@@ -87,7 +114,8 @@ def split_listen(listen: str) -> tuple[str, int]:
 
 
 async def start_metrics_endpoint(metrics: Metrics, host: str, port: int) -> web.AppRunner:
-    """The ``/metrics`` endpoint on ``host:port``, started (the caller cleans it up)."""
+    """The ``/metrics`` endpoint on ``host:port``, started (the caller cleans it up; its
+    ``addresses`` say the port when ``port`` is 0)."""
 
     async def scrape(_: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(metrics.registry))
@@ -103,7 +131,7 @@ async def start_metrics_endpoint(metrics: Metrics, host: str, port: int) -> web.
     except BaseException:
         await runner.cleanup()
         raise
-    log.info("metrics endpoint up", host=host, port=port)
+    log.info("metrics endpoint up", host=host, port=_bound_port(runner, port))
     return runner
 
 
@@ -145,14 +173,17 @@ def _rows(workers: WorkerSet) -> list[WorkerRow]:
     ]
 
 
-async def serve(config: FrontendConfig) -> int:
+async def serve(config: FrontendConfig, inherited: Inherited | None = None) -> int:
+    """One frontend, to its exit code; ``inherited``: as one process of ``--processes N``."""
     configure_logging(config.log_format, config.log_level)
     quiet_grpc_decode_failures()
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        return await _serve(config, signals)
+        return await _serve(config, signals, inherited)
 
 
-async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals]) -> int:
+async def _serve(
+    config: FrontendConfig, signals: AsyncIterator[signal.Signals], inherited: Inherited | None
+) -> int:
     try:
         formats = load_formats(
             config.formats, sglang_incremental_streaming_output=config.sglang_incremental_streaming_output
@@ -162,7 +193,8 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
         return EXIT_STARTUP_FAILED
     metrics = Metrics(version=package_version(), request_timeout=config.handler.request_timeout)
 
-    problem = _listen_problem(config)
+    # A process of --processes N inherits its limits and sockets, both checked by its parent.
+    problem = None if inherited is not None else connection_limits(config) or _listen_problem(config)
     if problem is not None:
         log.error("start-up failed", error=problem)
         return EXIT_STARTUP_FAILED
@@ -211,7 +243,7 @@ async def _serve(config: FrontendConfig, signals: AsyncIterator[signal.Signals])
                 return EXIT_STARTUP_FAILED
             # Serving starts once discovery applied its first view (or its first attempt failed).
             await _start_discovery(supervisor, config, workers)
-            code = await _serve_http(config, formats, workers, choice, metrics, signals, gate)
+            code = await _serve_http(config, formats, workers, choice, metrics, signals, gate, inherited)
         finally:
             await workers.aclose()
     log.info("stopped")
@@ -269,6 +301,7 @@ async def _serve_http(
     metrics: Metrics,
     signals: AsyncIterator[signal.Signals],
     gate: Gate | None = None,
+    inherited: Inherited | None = None,
 ) -> int:
     tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
     frontend = Frontend(
@@ -282,18 +315,31 @@ async def _serve_http(
         gate=gate,
     )
     runner = web.AppRunner(
-        frontend.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=_STOP_GRACE
+        frontend.build_app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=_STOP_GRACE,
+        keepalive_timeout=config.connections.keepalive_timeout,
     )
     await runner.setup()
     metrics_runner: web.AppRunner | None = None
+    backlog = config.connections.backlog
     try:
         host, port = split_listen(config.listen)
-        site = web.TCPSite(runner, host, port)
+        sites: list[web.BaseSite]
+        if inherited is None:
+            sites = [web.TCPSite(runner, host, port, backlog=backlog)]
+        else:
+            sites = [web.SockSite(runner, sock, backlog=backlog) for sock in inherited.listeners]
         try:
-            if config.metrics_port is not None:
+            if inherited is not None:
+                # Its parent merges it into the one endpoint of --metrics-port, and watches it.
+                metrics_runner = await start_metrics_endpoint(metrics, "127.0.0.1", 0)
+            elif config.metrics_port is not None:
                 metrics_host = config.metrics_host or host
                 metrics_runner = await start_metrics_endpoint(metrics, metrics_host, config.metrics_port)
-            await site.start()
+            for site in sites:
+                await site.start()
         except OSError as err:
             # Taken between the check and the bind: aiohttp's words, still one line.
             log.error("start-up failed", error=f"cannot listen: {err}")
@@ -301,7 +347,9 @@ async def _serve_http(
         log.info(
             "serving", port=_bound_port(runner, port), formats=list(config.formats), tracing=tracing.exporting
         )
-        return await _until_stopped(frontend, site, config.drain_timeout, signals)
+        if inherited is not None and metrics_runner is not None:
+            inherited.serving(_bound_port(metrics_runner, 0))
+        return await _until_stopped(frontend, sites, config.drain_timeout, signals)
     finally:
         await runner.cleanup()
         if metrics_runner is not None:
@@ -334,11 +382,15 @@ def _bound_port(runner: web.AppRunner, asked: int) -> int:
 
 
 async def _until_stopped(
-    frontend: Frontend, site: web.TCPSite, drain_timeout: float, signals: AsyncIterator[signal.Signals]
+    frontend: Frontend,
+    sites: Sequence[web.BaseSite],
+    drain_timeout: float,
+    signals: AsyncIterator[signal.Signals],
 ) -> int:
     first = await signals.__anext__()
     log.info("stop requested", signal=first.name, inflight=frontend.inflight)
-    await site.stop()  # no new connections
+    for site in sites:
+        await site.stop()  # no new connections
     async with anyio.create_task_group() as group:
 
         async def second_signal() -> None:
@@ -361,5 +413,10 @@ async def _until_stopped(
 
 
 def run(config: FrontendConfig) -> int:
-    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`serve`."""
+    """Synchronous entry: :func:`~sidecar_common.programs.run_event_loop` over :func:`serve`,
+    or with ``--processes`` above 1 the parent that runs that many (sidecar_frontend/processes/)."""
+    if config.processes > 1:
+        from sidecar_frontend.processes.parent import run_parent
+
+        return run_parent(config)
     return run_event_loop(serve, config)

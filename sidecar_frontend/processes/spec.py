@@ -1,0 +1,67 @@
+"""What the parent of ``--processes N`` hands each process, and what a process tells back.
+
+The parent writes a :class:`ChildSpec` on the process's stdin (an 8-byte length, then the
+pickled spec: both ends are this package, in one interpreter's version) and keeps stdin open
+for as long as the process runs: the process reads end-of-file there when the parent is gone
+(even killed outright) and stops as after SIGTERM. The process writes JSON lines on its status
+pipe (``status_fd``): :func:`serving_line` once it serves.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Final
+
+from sidecar_frontend.cli import FrontendConfig
+
+__all__ = ["ChildSpec", "parse_status", "read_spec", "serving_line", "spec_bytes"]
+
+_LENGTH: Final = struct.Struct(">Q")
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    config: FrontendConfig
+    index: int  # 0 .. N-1, the ``process`` field of its log lines and label of its metrics
+    listen_fds: tuple[int, ...]  # the sockets the parent bound for it, one per --listen address
+    status_fd: int  # the write end of its status pipe
+
+
+def spec_bytes(spec: ChildSpec) -> bytes:
+    body = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+def read_spec(stream: BinaryIO) -> ChildSpec:
+    """The spec from ``stream`` (the process's stdin); ValueError when it is not there."""
+    head = stream.read(_LENGTH.size)
+    if len(head) != _LENGTH.size:
+        raise ValueError("no process spec on stdin: this module is started by sidecar-frontend --processes")
+    (length,) = _LENGTH.unpack(head)
+    body = stream.read(length)
+    if len(body) != length:
+        raise ValueError("a truncated process spec on stdin")
+    spec = pickle.loads(body)  # our own parent's bytes, through a pipe it created
+    if not isinstance(spec, ChildSpec):
+        raise ValueError("stdin held something other than a process spec")
+    return spec
+
+
+def serving_line(metrics_port: int) -> bytes:
+    return json.dumps({"event": "serving", "metrics_port": metrics_port}).encode() + b"\n"
+
+
+def parse_status(line: bytes) -> int | None:
+    """The metrics port a ``serving`` status line names (None for any other line)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(entry, dict) and entry.get("event") == "serving":
+        port = entry.get("metrics_port")
+        if isinstance(port, int) and 0 < port < 65536:
+            return port
+    return None
