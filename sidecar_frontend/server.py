@@ -77,6 +77,9 @@ __all__ = [
 
 # After the drain, how long the cancelled requests get to write their last bytes.
 _STOP_GRACE: Final = 5.0
+# A process of --processes N listens (and so takes its share of the connections) once a worker
+# serves, or after this long whatever the fleet does (an outage answers 503 from every process).
+_FIRST_WORKER_WAIT: Final = 10.0
 
 log = structlog.get_logger("sidecar_frontend.server")
 
@@ -338,6 +341,8 @@ async def _serve_http(
             elif config.metrics_port is not None:
                 metrics_host = config.metrics_host or host
                 metrics_runner = await start_metrics_endpoint(metrics, metrics_host, config.metrics_port)
+            if inherited is not None:
+                await _until_a_worker_serves(workers, _FIRST_WORKER_WAIT)
             for site in sites:
                 await site.start()
         except OSError as err:
@@ -356,6 +361,20 @@ async def _serve_http(
             await metrics_runner.cleanup()
         with anyio.move_on_after(_STOP_GRACE, shield=True):
             await tracing.aclose()  # the spans still queued
+
+
+async def _until_a_worker_serves(workers: WorkerSet, bound: float) -> None:
+    """Until a worker serves (agg or decode: one that places generations), at most ``bound``
+    seconds. A process restarted beside others would otherwise take connections while its
+    workers connect, and answer its share of them 503 while the others serve."""
+    with anyio.move_on_after(bound) as waited:
+        while True:
+            changed = workers.next_change()
+            if workers.serving("agg") or workers.serving("decode"):
+                return
+            await changed.wait()
+    if waited.cancelled_caught:
+        log.warning("no worker serves yet: listening anyway", waited_secs=bound)
 
 
 def _listen_problem(config: FrontendConfig) -> str | None:

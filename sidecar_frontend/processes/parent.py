@@ -72,11 +72,15 @@ from sidecar_frontend.processes.policy import (
 )
 from sidecar_frontend.processes.spec import ChildSpec, parse_status, spec_bytes
 
-__all__ = ["ParentSettings", "run_parent", "supervise"]
+__all__ = ["LIVENESS_HOOK", "ParentSettings", "liveness_from", "run_parent", "supervise"]
 
 log = structlog.get_logger("sidecar_frontend.processes")
 
 CHILD_MODULE: Final = "sidecar_frontend.processes.child"
+# Tests of real processes ask a stopped process's metrics endpoint more often than production
+# does (`SECS,FAILURES`: the interval, which is also each answer's timeout, and the failures in
+# a row before the kill), so that a wedged process is found within seconds. Unset in production.
+LIVENESS_HOOK: Final = "SIDECAR_TEST_PROCESS_LIVENESS"
 # How long the merged /metrics waits for each process's own (less than the manifests' probe
 # timeout, 10 s, so a process that does not answer leaves the others' answer in time).
 SCRAPE_TIMEOUT: Final = 5.0
@@ -436,8 +440,17 @@ async def supervise(config: FrontendConfig, settings: ParentSettings | None = No
     return code
 
 
+def liveness_from(value: str | None) -> Liveness:
+    """:data:`LIVENESS_HOOK`'s value as the liveness bounds (the defaults when unset)."""
+    if not value:
+        return Liveness()
+    interval, failures = value.split(",")
+    return Liveness(interval=float(interval), timeout=float(interval), failures=int(failures))
+
+
 def run_parent(config: FrontendConfig) -> int:
     """Synchronous entry (sidecar_frontend.server.run with --processes above 1)."""
+    settings = ParentSettings(liveness=liveness_from(os.environ.get(LIVENESS_HOOK)))
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(supervise(config))
+        return asyncio.run(supervise(config, settings))
     return EXIT_OK
