@@ -19,6 +19,18 @@ Cancellation, owned here:
   request's readmission (its ``admission``), then goes on from what it delivered: the client
   sees a pause, never an error.
 
+A client that reads slower than the stream comes (backpressure, owned here): each stream's
+HTTP transport buffers at most :data:`STREAM_WRITE_BUFFER` bytes before it pauses (plus the
+event that crossed the mark). While it is paused, an encoder that can hold
+(``base.HoldingEncoder``) takes up to :data:`HOLD_TOKENS` tokens into its state without
+writing them, and one task waits for the client to read everything, then writes what was held,
+one event per choice carrying all of it; past :data:`HOLD_TOKENS` (or with an encoder that
+cannot hold, after any write into a paused transport) the output's delivery waits for the
+client, so the attempt runner stops reading the worker's gRPC stream: grpc's flow control
+(a fixed per-stream window, ``sidecar_common.pool``) then stops the sidecar, whose relay
+buffer is bounded (``sidecar_server.relay``) and stops reading the engine. A client that keeps
+up never pauses the transport, so its events are written as they come, one per output.
+
 Whatever fails inside (an output the format cannot encode, a bug), the response ends: a
 streamed one is ended (its chunked body finished) and the request is recorded ``error``,
 never ``ok``; each such failure is logged with its traceback.
@@ -30,11 +42,12 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 import anyio
 import structlog
 from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
 from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
@@ -48,12 +61,27 @@ from sidecar_frontend.formats.base import (
     Encoder,
     Format,
     GenerateCall,
+    HoldingEncoder,
     HttpReply,
     WorkerFailure,
 )
 from sidecar_frontend.metrics import Metrics
 
-__all__ = ["AbortRegistry", "Exchange", "Readmission", "http_response", "ms"]
+__all__ = [
+    "HOLD_TOKENS",
+    "STREAM_WRITE_BUFFER",
+    "AbortRegistry",
+    "Exchange",
+    "Readmission",
+    "http_response",
+    "ms",
+]
+
+# A stream's HTTP transport pauses once it buffers more than this (asyncio's default mark), and
+# resumes once the client has read all of it.
+STREAM_WRITE_BUFFER: Final = 64 * 1024
+# Tokens an encoder may hold for a paused client before the delivery waits for the client.
+HOLD_TOKENS: Final = 256
 
 log = structlog.get_logger("sidecar_frontend.handler")
 
@@ -133,6 +161,21 @@ class Exchange:
     admission: Readmission | None = None
     # Its sub-requests running now.
     _subs: set[SubCall] = field(default_factory=set)
+    # Backpressure (module docstring). What the stream's transport held after a write, at most
+    # (the figure a test of a stalled client reads); how often a write waited for the client.
+    peak_buffered: int = 0
+    reader_waits: int = 0
+    # Tokens the encoder holds for the paused client now, and the task that writes them.
+    held_tokens: int = 0
+    _flushed: asyncio.Event | None = None
+    _holder: HoldingEncoder | None = None
+    # The stream's connection, once its response started.
+    _protocol: BaseProtocol | None = None
+    _transport: asyncio.Transport | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.encoder, HoldingEncoder):
+            self._holder = self.encoder
 
     @property
     def format_name(self) -> str:
@@ -205,8 +248,14 @@ class Exchange:
         now = self.clock()
         if self.first_output_at is None:
             self.first_output_at = now
+        holder = self._holder
+        hold = holder is not None and self._paused()
         try:
-            data = self.encoder.on_output(index, output, now)
+            if hold:
+                assert holder is not None
+                data = holder.hold(index, output, now)
+            else:
+                data = self.encoder.on_output(index, output, now)
         except Exception as exc:
             # The runner reports it as the worker's (logged at error, rate-limited per worker):
             # the traceback is here for whoever debugs the format.
@@ -214,8 +263,42 @@ class Exchange:
             raise OutputNotEncoded(
                 f"{self.fmt.name} could not encode an output: {type(exc).__name__}: {exc}"
             ) from exc
-        if data:
+        if hold:
+            await self._held(len(output.token_ids), data)
+        elif data:
             await self._write(data)
+
+    def _paused(self) -> bool:
+        """The client is behind: the stream's transport paused (it holds more than it should)."""
+        protocol = self._protocol
+        return protocol is not None and protocol.writing_paused
+
+    async def _held(self, tokens: int, data: bytes) -> None:
+        """The encoder took an output while the client is behind: a task writes what it holds
+        once the client has read the rest; past HOLD_TOKENS this delivery waits for that."""
+        self.held_tokens += tokens
+        flushed = self._flushed
+        if flushed is None and self._group is not None:
+            flushed = self._flushed = asyncio.Event()
+            self._group.start_soon(self._flush_when_read, flushed)
+        if data:
+            await self._write(data)  # a choice's end: it never waits in the encoder
+        if flushed is not None and self.held_tokens >= HOLD_TOKENS:
+            await flushed.wait()
+
+    async def _flush_when_read(self, flushed: asyncio.Event) -> None:
+        assert self._holder is not None
+        assert self._http_request is not None
+        try:
+            self.reader_waits += 1
+            await self._http_request.writer.drain()
+        except ConnectionError:
+            self._client_left()
+        finally:
+            self._flushed = None
+            self.held_tokens = 0
+            flushed.set()
+        await self._write(self._holder.flush(self.clock()))
 
     async def _run_all(self) -> None:
         timeout = self.request_timeout
@@ -279,6 +362,13 @@ class Exchange:
             response.headers[name] = value
         response.enable_chunked_encoding()
         await response.prepare(self._http_request)
+        transport = self._http_request.transport
+        if transport is not None:
+            # Paused past the mark; resumed only once the client read everything, so that what
+            # was held while it was behind goes out in as few events as possible.
+            transport.set_write_buffer_limits(high=STREAM_WRITE_BUFFER, low=0)
+            self._transport = transport
+            self._protocol = self._http_request.protocol
         self.response = response
 
     async def _write_failure(self, index: int, failure: WorkerFailure) -> None:
@@ -299,18 +389,38 @@ class Exchange:
         if not data or self.client_gone or (self.response is None and not self.call.stream):
             return
         try:
-            async with self._write_lock:
-                if self.response is None:
-                    if self.refused_before_stream:
-                        return
-                    await self._start_stream()
-                assert self.response is not None
-                await self.response.write(data)
+            response = self.response
+            if response is None:
+                # Only the stream's start needs the lock (a write after it goes straight to the
+                # transport, in the order of the calls: the transport takes it before any await).
+                async with self._write_lock:
+                    if self.response is None:
+                        if self.refused_before_stream:
+                            return
+                        await self._start_stream()
+                    response = self.response
+                    assert response is not None
+                    await response.write(data)
+            else:
+                await response.write(data)
+            transport, protocol = self._transport, self._protocol
+            if transport is not None:
+                buffered = transport.get_write_buffer_size()
+                if buffered > self.peak_buffered:
+                    self.peak_buffered = buffered
+            if self._holder is None and protocol is not None and protocol.writing_paused:
+                # An encoder that cannot hold: this delivery waits for the client.
+                assert self._http_request is not None
+                self.reader_waits += 1
+                await self._http_request.writer.drain()
         except ConnectionError:
-            # The client is gone: stop every sub-request (their calls are cancelled).
-            self.client_gone = True
-            self.outcome, self.reason = "disconnected", "CLIENT_GONE"
-            self._scope.cancel()
+            self._client_left()
+
+    def _client_left(self) -> None:
+        """The client is gone: stop every sub-request (their calls are cancelled)."""
+        self.client_gone = True
+        self.outcome, self.reason = "disconnected", "CLIENT_GONE"
+        self._scope.cancel()
 
     def used_tokens(self) -> int:
         """Prompt and completion tokens of every sub-request so far: what it really cost."""

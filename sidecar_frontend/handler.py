@@ -145,6 +145,11 @@ class Frontend:
         """HTTP generate requests being served."""
         return len(self._exchanges)
 
+    @property
+    def exchanges(self) -> tuple[Exchange, ...]:
+        """The generate requests being served (each with its stream's backpressure figures)."""
+        return tuple(self._exchanges)
+
     def inflight_ids(self) -> frozenset[str]:
         return self.registry.ids()
 

@@ -25,6 +25,13 @@ Life of one generate call, as the handler drives it:
 5. Streaming: once every sub-request has ended, the handler writes ``encoder.close()``.
    Unary: the handler sends ``encoder.reply()``.
 
+A client that reads slower than the stream comes (the HTTP transport's buffer is full): an
+encoder that is also a :class:`HoldingEncoder` is given the outputs with ``encoder.hold(i,
+output, now)`` instead, which takes them into its state and writes only what must not wait;
+once the client has read what was written, ``encoder.flush(now)`` writes the held tokens, each
+choice's in one event. A client that keeps up never sees a held event: its bytes are those of
+``on_output`` alone.
+
 The encoder decides whether a failure ends the whole HTTP response: after ``on_failure``
 returns, the handler asks ``encoder.aborted``; when true it cancels the other sub-requests and
 finishes (streaming: writes ``close()``; unary: sends ``reply()``).
@@ -35,7 +42,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import ENGINE_NOT_FOUND, FAILURE_RULES, FailureReason, SidecarError
@@ -47,6 +54,7 @@ __all__ = [
     "FormatContext",
     "GenerateBody",
     "GenerateCall",
+    "HoldingEncoder",
     "HttpReply",
     "Route",
     "RouteKind",
@@ -209,6 +217,26 @@ class Encoder(Protocol):
 
     def reply(self) -> HttpReply:
         """Unary: the whole response, once every sub-request ended (or one aborted it)."""
+        ...
+
+
+@runtime_checkable
+class HoldingEncoder(Encoder, Protocol):
+    """An encoder that can carry several outputs' tokens in one event while the client reads
+    slower than the stream comes (the handler decides when: never while the client keeps up).
+
+    Held tokens are never lost nor reordered: ``on_output``, ``on_failure`` and ``close``
+    write what is held of a choice before anything that follows it, and the events of one
+    choice joined carry the same tokens as without holding (the format's laws hold for an
+    output of any number of tokens)."""
+
+    def hold(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
+        """As :meth:`Encoder.on_output` (it raises on the same outputs), but the output's tokens
+        wait for :meth:`flush`; returns only what must be written now (a choice's end)."""
+        ...
+
+    def flush(self, now: float) -> bytes:
+        """Every held token, one event per choice, that the format allows to go out now."""
         ...
 
 

@@ -4,7 +4,9 @@ events a stream would have carried.
 
 One item per sub-request (see :class:`~sidecar_frontend.formats.sglang.plan.ItemPlan`).
 Outputs are deltas; an item keeps everything it has produced and renders either all of it
-(cumulative streams, unary) or what is new since its last event (incremental streams).
+(cumulative streams, unary) or what is new since its last event (incremental streams). While
+the client reads slower than the stream comes, outputs are only added to their item
+(``hold``) and ``flush`` writes one event per item for all of them (``base.HoldingEncoder``).
 """
 
 from __future__ import annotations
@@ -277,6 +279,34 @@ class SglangEncoder:
             return b""  # held back until stream_interval tokens are unsent (or the end)
         return self._emit(item, now)
 
+    def hold(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
+        """The output joins its item's state; only its end is written now, carrying every
+        token not yet sent (``base.HoldingEncoder``)."""
+        item = self._items[index]
+        if self._aborted or item.done:
+            return b""
+        item.add(output)
+        if output.finish_reason == sidecar_pb2.UNSPECIFIED:
+            return b""
+        item.end(output)
+        item.finished_at = now
+        return self._emit(item, now)
+
+    def flush(self, now: float) -> bytes:
+        """One event for each item with tokens not yet sent, as ``on_output`` would write it
+        (``stream_interval`` still holds an item back until that many are unsent)."""
+        if self._aborted:
+            return b""
+        events = []
+        for item in self._items:
+            unsent = len(item.output_ids) - item.sent
+            if item.done or unsent <= 0:
+                continue
+            if item.events and unsent < item.plan.stream_interval:
+                continue
+            events.append(self._emit(item, now))
+        return b"".join(events)
+
     def on_failure(self, index: int, failure: WorkerFailure, now: float) -> bytes:
         item = self._items[index]
         if self._aborted or item.done:
@@ -291,8 +321,10 @@ class SglangEncoder:
             return self._emit(item, now)
         if self._stream and status == 400:
             # A refused value: SGLang's SSE error event (no index), then [DONE].
+            # Tokens held for a slow client go out first, as they would have without holding.
+            held = self.flush(now)
             self._aborted = True
-            return stream_error_event(message)
+            return held + stream_error_event(message)
         if self._stream:
             # Any other failure ends that item with an abort chunk carrying the status.
             item.finish = _abort_reason(status, message)

@@ -3,7 +3,9 @@
 Unary: one ``GenerateTokensResponse`` (every key present, nulls included, in vLLM's order).
 Streaming: ``GenerateTokensStreamResponse`` chunks, one choice per chunk, as vLLM frames them:
 ``data: <compact json>\\n\\n`` per event, a usage chunk when ``include_usage`` asked for it, and
-``data: [DONE]\\n\\n`` at the end (after an error event too).
+``data: [DONE]\\n\\n`` at the end (after an error event too). While the client reads slower
+than the stream comes, a choice's chunk carries every token that came meanwhile
+(``base.HoldingEncoder``), as one chunk of a worker that sent them in one output would.
 
 A failure is answered as vLLM answers the matching engine condition: a cancelled request
 (an abort, or our request deadline) finishes its open choices with ``finish_reason:"abort"``
@@ -169,6 +171,26 @@ class VllmEncoder:
 
     def on_output(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
         del index, now  # one sub-request; choices are told apart by output.index
+        return self._take(output, hold=False)
+
+    def hold(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
+        """The output's tokens join its choice's held chunk (a finish is written at once,
+        carrying them): ``base.HoldingEncoder``."""
+        del index, now
+        return self._take(output, hold=True)
+
+    def flush(self, now: float) -> bytes:
+        """Every held chunk that cannot be its choice's last, as one chunk per choice; one
+        that may be the last stays held for its terminal, as on the ordinary path."""
+        del now
+        events = []
+        for index, held in list(self._held.items()):
+            if not self._may_end(held.generated, held.token_ids[-1]):
+                del self._held[index]
+                events.append(self._write_held(self._choices[index], held))
+        return b"".join(events)
+
+    def _take(self, output: sidecar_pb2.LLMEngineOutput, *, hold: bool) -> bytes:
         if self._aborted:
             return b""
         choice = self._choice(output.index)
@@ -204,6 +226,14 @@ class VllmEncoder:
                 if logprobs is not None and held.logprobs is not None:
                     logprobs = _join(held.logprobs, logprobs)
             return self._chunk(choice, ids, logprobs, finish, stop_reason, choice.generated)
+        if hold:
+            # The client is behind: the tokens wait in the choice's held chunk (flush).
+            if held is not None:
+                ids = held.token_ids + ids
+                if logprobs is not None and held.logprobs is not None:
+                    logprobs = _join(held.logprobs, logprobs)
+            self._held[choice.index] = _Held(ids, logprobs, choice.generated)
+            return b""
         written = b"" if held is None else self._write_held(choice, held)
         if self._may_end(choice.generated, ids[-1]):
             # It may be the last chunk: wait for the next output to say so (the terminal comes
