@@ -196,8 +196,19 @@ def _handler(engine: _Engine) -> grpc.GenericRpcHandler[Any, Any]:
     return grpc.method_handlers_generic_handler(_SERVICE, methods)
 
 
+# gRPC core refuses calls the application has not taken up yet past a soft limit (at random)
+# and a hard one, and cancels one left waiting 30 s: a Python server busy streaming takes up
+# about one new call per event-loop turn, so a burst of 2,048 calls would fail here, at the
+# stand-in, on either side. Lifted: a call waits for its turn, it is never refused.
+_SERVER_OPTIONS = [
+    ("grpc.server.max_pending_requests", 1 << 20),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
+    ("grpc.server_max_unrequested_time_in_server", 24 * 3600),
+]
+
+
 async def _serve(listen: str, engine: _Engine) -> None:
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((_handler(engine),))
     checker = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)

@@ -148,6 +148,9 @@ async def _read_stream(
             if event.error is not None:
                 tally.error(client, ErrorKind.SSE_ERROR_EVENT, event.error, now)
                 return ErrorKind.SSE_ERROR_EVENT
+            if event.aborted is not None:
+                tally.error(client, ErrorKind.ABORT_FINISH, f"after {seen} tokens: {event.aborted}", now)
+                return ErrorKind.ABORT_FINISH
             if event.completion_tokens is not None and event.completion_tokens > seen:
                 if seen == 0:
                     tally.waiting_since.pop(client, None)

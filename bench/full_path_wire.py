@@ -13,10 +13,13 @@ the last id, our frontend's carries none. An error inside a stream is a ``data: 
 event on both. A non-streamed answer is one JSON object (SMG: a list holding it) with every
 ``output_ids``.
 
-An answer is an error of one kind (:class:`ErrorKind`) when its status is not 200, when its
-stream carries an error event, when it ends before its finish (``incomplete``), when it finishes
-with fewer tokens than asked (``short``), when its body cannot be read (``bad_body``), or when the
-connection fails (``connection``).
+An answer is an error of one kind (:class:`ErrorKind`): ``http_<status>`` when its status is
+not 200; ``sse_error_event`` when its stream carries an error event; ``abort_finish`` when it
+finishes as aborted (SGLang's ``finish_reason`` of type ``abort``, with the status the failure
+would have had: how our frontend ends a stream whose worker failed after the headers went
+out); ``incomplete`` when it ends before its finish; ``short`` when it finishes with fewer
+tokens than asked; ``bad_body`` when its body cannot be read; ``connection`` when the
+connection fails.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ DONE = b"[DONE]"
 
 class ErrorKind(StrEnum):
     SSE_ERROR_EVENT = "sse_error_event"
+    ABORT_FINISH = "abort_finish"
     INCOMPLETE = "incomplete"
     SHORT = "short"
     BAD_BODY = "bad_body"
@@ -84,6 +88,7 @@ class Event:
     finished: bool = False
     error: str | None = None
     done: bool = False
+    aborted: str | None = None  # the abort finish, as sent
 
 
 def parse_event(payload: bytes) -> Event:
@@ -92,7 +97,7 @@ def parse_event(payload: bytes) -> Event:
     if payload == DONE:
         return Event(done=True)
     match = _COMPLETION.search(payload)
-    if match is not None and b'"error"' not in payload:
+    if match is not None and b'"error"' not in payload and b'"abort"' not in payload:
         finished = _FINISH_KEY in payload and _NOT_FINISHED.search(payload) is None
         return Event(completion_tokens=int(match.group(1)), finished=finished)
     try:
@@ -108,12 +113,11 @@ def parse_event(payload: bytes) -> Event:
         reason = meta.get("finish_reason")
         ids = value.get("output_ids")
         count = meta.get("completion_tokens")
-        return Event(
-            completion_tokens=count
-            if isinstance(count, int)
-            else (len(ids) if isinstance(ids, list) else None),
-            finished=reason is not None,
-        )
+        if not isinstance(count, int):
+            count = len(ids) if isinstance(ids, list) else None
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        aborted = json.dumps(reason)[:300] if kind == "abort" else None
+        return Event(completion_tokens=count, finished=reason is not None, aborted=aborted)
     return Event()
 
 
@@ -171,8 +175,11 @@ def parse_unary(body: bytes, max_tokens: int) -> UnaryAnswer:
     meta = value.get("meta_info")
     if not isinstance(ids, list) or not isinstance(meta, dict):
         return UnaryAnswer(0, ErrorKind.BAD_BODY, f"no output_ids or meta_info: {body[:120]!r}")
-    if meta.get("finish_reason") is None:
+    reason = meta.get("finish_reason")
+    if reason is None:
         return UnaryAnswer(len(ids), ErrorKind.INCOMPLETE, "no finish_reason")
+    if (reason.get("type") if isinstance(reason, dict) else reason) == "abort":
+        return UnaryAnswer(len(ids), ErrorKind.ABORT_FINISH, json.dumps(reason)[:300])
     if len(ids) < max_tokens:
         return UnaryAnswer(len(ids), ErrorKind.SHORT, f"{len(ids)} of {max_tokens} tokens")
     return UnaryAnswer(len(ids), None)
