@@ -120,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flame-seconds", type=float, default=8.0)
     parser.add_argument("--pythonpath", type=Path, help="import our packages from here first")
     args = parser.parse_args(argv)
+    paths = [p for p in args.formats.split(",") if p]
+    bench = Bench(Profile(rounds=args.rounds, warmup_s=1.0, window_s=args.window, long_window_s=args.window))
+    # The load generator is this checkout's (started first); only the measured processes
+    # take --pythonpath.
+    gen = LoadGen(plan.ENGINE_CORE, module="bench.http_loadgen")
     if args.pythonpath is not None:
         first = str(args.pythonpath.resolve())
         os.environ["PYTHONPATH"] = f"{first}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    paths = [p for p in args.formats.split(",") if p]
-    bench = Bench(Profile(rounds=args.rounds, warmup_s=1.0, window_s=args.window, long_window_s=args.window))
-    gen = LoadGen(plan.ENGINE_CORE, module="bench.http_loadgen")
     runs: list[dict[str, Any]] = []
     try:
         bench.start()
