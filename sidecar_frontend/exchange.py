@@ -216,7 +216,12 @@ class Exchange:
             await self._run_all()
             if call.stream and not self.refused_before_stream:
                 if not self.client_gone:
-                    await self._write(self.encoder.close())
+                    closing = self.encoder.close()
+                    if self.response is not None:
+                        # The stream's last bytes and the end of its body in one write.
+                        await self.response.write_eof(closing)
+                        return self.response
+                    await self._write(closing)
                 if self.response is None:
                     # Held for the first bytes, and the client left before any: no stream.
                     raise ConnectionResetError("the client left before the stream started")
