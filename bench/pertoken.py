@@ -32,6 +32,7 @@ from typing import Any
 from bench import plan
 from bench.frontend import FORMATS, Bench, Profile
 from bench.procs import LoadGen
+from bench.procstat import machine_busy_seconds
 
 __all__ = ["main"]
 
@@ -56,6 +57,19 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
         "errors": result.get("errors", 0),
         "other_cpu_s": round(cpu.get("other", 0.0), 2),
     }
+
+
+def _wait_quiet(max_s: float, busy_limit: float = 0.3, probe_s: float = 0.5) -> float:
+    """Wait (at most ``max_s``) until the machine is nearly idle (below ``busy_limit`` cores
+    busy); the seconds waited. Each run records it; its "other" CPU shows what remained."""
+    began = time.monotonic()
+    while max_s > 0:
+        busy0, _ = machine_busy_seconds()
+        time.sleep(probe_s)
+        busy1, _ = machine_busy_seconds()
+        if (busy1 - busy0) / probe_s < busy_limit or time.monotonic() - began >= max_s:
+            break
+    return round(time.monotonic() - began, 2)
 
 
 def _command(bench: Bench, path: str, window: float, warmup: float) -> dict[str, Any]:
@@ -119,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flame", type=Path, help="record py-spy flame graphs into this folder")
     parser.add_argument("--flame-seconds", type=float, default=8.0)
     parser.add_argument("--pythonpath", type=Path, help="import our packages from here first")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=0.0, help="seconds to wait for an idle machine before a run"
+    )
     args = parser.parse_args(argv)
     paths = [p for p in args.formats.split(",") if p]
     bench = Bench(Profile(rounds=args.rounds, warmup_s=1.0, window_s=args.window, long_window_s=args.window))
@@ -133,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         bench.start()
         for round_no in range(args.rounds):
             for path in paths:
+                waited = _wait_quiet(args.quiet_wait)
                 row = _row(gen.run(_command(bench, path, args.window, 1.0), args.window + 60))
+                row["quiet_wait_s"] = waited
                 date = time.strftime("%Y-%m-%dT%H:%M:%S")
                 row.update(path=path, round=round_no, label=args.label, date=date)
                 runs.append(row)
