@@ -236,12 +236,18 @@ def markdown(doc: dict[str, Any]) -> str:
     """The result table: one block per scenario (each side's medians with the range over its
     runs, then the ratio ours / SMG's), then one PASS/MISS line per target."""
     scenarios = [Scenario(**s) for s in doc["scenarios"]]
+    ours = doc.get("ours") or {}
+    ours_text = (
+        f"`sidecar-frontend` + `sidecar-vllm` from `{ours['code']}`"
+        + (f", `--processes {ours['processes']}`" if ours.get("processes") else "")
+        if ours
+        else "not run"
+    )
     lines = [
         f"# bench.full_path, {doc['date']} ({doc['profile']}, {doc['pairs']} pair(s))",
         "",
-        f"Ours: `sidecar-frontend` + `sidecar-vllm` from `{doc['ours']['code']}`"
-        + (f", `--processes {doc['ours']['processes']}`" if doc["ours"].get("processes") else "")
-        + f"; SMG: {doc.get('smg', {}).get('version', 'not run')}. {doc['pinning']}. Each request: "
+        f"Ours: {ours_text}; SMG: {(doc.get('smg') or {}).get('version', 'not run')}. {doc['pinning']}. "
+        "Each request: "
         f"{doc['request']['prompt_tokens']} prompt ids, {doc['request']['max_tokens']} output tokens, "
         "SGLang `/generate` on both sides. Figures: median (min-max) over the runs; CPU per token is the "
         "side's proxy processes only.",

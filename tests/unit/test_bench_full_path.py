@@ -263,3 +263,5 @@ def test_the_table_shows_each_side_the_ratios_and_the_verdicts() -> None:
     assert "Ours / SMG's: tokens/s 0.27x" in text
     assert text.count("- **MISS**") == 5
     assert "- a note" in text
+    assert "Ours: not run" in markdown({**doc, "ours": {}})
+    assert "SMG: not run" in markdown({**doc, "smg": {}})
