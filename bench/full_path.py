@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import http.client
 import json
 import os
 import platform
@@ -35,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -172,7 +172,7 @@ def _smoke(url: str, deadline_s: float, proc: Proc) -> None:
             ):
                 return
             last = f"answer without its 4 tokens: {events}"
-        except (OSError, urllib.error.HTTPError) as err:
+        except (OSError, http.client.HTTPException) as err:
             last = str(err)
         time.sleep(0.2)
     raise RuntimeError(
@@ -437,7 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quiet-wait", type=float, help="max seconds to wait for an idle machine before each run"
     )
-    parser.add_argument("--engine-cpus", default=ENGINE_CPUS, help="taskset list for engine + load generator")
+    parser.add_argument(
+        "--engine-cpus",
+        default=ENGINE_CPUS,
+        help="taskset list for the engine and the load generator (default 0; the load "
+        "generator is pinned only to a single CPU)",
+    )
     parser.add_argument("--proxy-cpus", default=PROXY_CPUS, help="taskset list for the proxies (default 1)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and the table go")
     args = parser.parse_args(argv)
