@@ -37,6 +37,7 @@ __all__ = [
     "NativeRequest",
     "NativeSampling",
     "RequestSettings",
+    "asks_one_answer",
     "build_native",
     "handoff_info",
     "lora_disabled_refusal",
@@ -133,6 +134,8 @@ class NativeRequest:
     prefill: bool = False
     # SGLang's token_ids_logprob (HTTP only; sent with return_logprob).
     token_ids_logprob: tuple[int, ...] = ()
+    # False: one answer (``stream`` false on either wire), see :func:`asks_one_answer`.
+    stream: bool = True
 
 
 def _int32(value: int, name: str, *, minimum: int = INT32_MIN) -> int:
@@ -378,6 +381,15 @@ def _priority(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
     return value
 
 
+def asks_one_answer(request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> bool:
+    """Whether the engine is asked for one answer (``stream`` false) rather than a stream: when
+    the caller wants one (``OutputOptions.unary``) on an aggregated worker. A prefill streams
+    as always (over HTTP its handoff goes out as soon as SGLang admits it, which one answer
+    would delay to the end), and so does a decode: the dispatcher holds a cancel until the
+    decode's first token (its KV transfer), which one answer would show only at the end."""
+    return request.output_options.unary and mode == "agg"
+
+
 def build_native(
     request: sidecar_pb2.PreprocessedRequest, private_id: str, settings: RequestSettings, room: int
 ) -> NativeRequest:
@@ -420,6 +432,7 @@ def build_native(
         prompt_logprobs=prompt_logprobs,
         prefill=prefill,
         token_ids_logprob=tuple(out.token_ids_logprob),
+        stream=not asks_one_answer(request, settings.mode),
     )
 
 
@@ -448,11 +461,11 @@ def _http_sampling(sampling: NativeSampling) -> dict[str, object]:
 
 
 def to_grpc(native: NativeRequest) -> sglang_pb2.GenerateRequest:
-    """The native gRPC message (streaming)."""
+    """The native gRPC message."""
     message = sglang_pb2.GenerateRequest(
         input_ids=native.input_ids,
         sampling_params=sglang_pb2.SamplingParams(**_sampling_items(native.sampling, http=False)),  # type: ignore[arg-type]
-        stream=True,
+        stream=native.stream,
         rid=native.rid,
     )
     if native.return_logprob:
@@ -478,11 +491,11 @@ def to_grpc(native: NativeRequest) -> sglang_pb2.GenerateRequest:
 
 
 def to_http_json(native: NativeRequest) -> dict[str, object]:
-    """The ``POST /generate`` body (streaming), absent fields omitted."""
+    """The ``POST /generate`` body, absent fields omitted."""
     body: dict[str, object] = {
         "input_ids": list(native.input_ids),
         "sampling_params": _http_sampling(native.sampling),
-        "stream": True,
+        "stream": native.stream,
         "rid": native.rid,
     }
     if native.return_logprob:

@@ -29,11 +29,13 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason, SidecarError, engine_words, protocol_error
 from sidecar_common.limits import exact_integer
 from sidecar_sglang.convert_request import NativeRequest, handoff_info
+from sidecar_sglang.refusals import abort_reason
 
 __all__ = [
     "NativeEvent",
     "ResponseState",
     "abort_reason",
+    "answer_error",
     "error_from_http_status",
     "event_from_http",
 ]
@@ -66,20 +68,24 @@ def error_from_http_status(status: int, message: str, rpc: str = "Generate") -> 
     return SidecarError(FailureReason.UNKNOWN, words)
 
 
-# SGLang aborts with 503 what its capacity or its time limits refuse (a full waiting queue,
-# the waiting or running timeout, a request pre-empted by a higher priority, a retraction
-# without a KV backup): the engine is busy, not the request wrong.
-_ABORT_BUSY: Final = 503
-
-
-def abort_reason(status: int | None) -> FailureReason:
-    """The typed error of an abort SGLang decided on its own, by its ``status_code``: the
-    status class a client of SGLang sees (400 stays a refusal, 503 stays "busy")."""
-    if status is not None and 400 <= status < 500:
-        return FailureReason.INVALID_ARGUMENT
-    if status == _ABORT_BUSY:
-        return FailureReason.OVERLOADED
-    return FailureReason.UNKNOWN
+def answer_error(status: int, payload: object, words: str) -> SidecarError:
+    """A non-streaming ``POST /generate`` that did not answer 200 (docs/sglang.md, "One
+    answer"). What ends a stream with an ``abort`` finish of some status, SGLang's tokenizer
+    manager raises for a non-streaming request: a 400 as ``{"error": {"message"}}``, any
+    other status through FastAPI's handler as ``{"object": "error", "message", "code"}``. A
+    503 in that shape is the scheduler's "busy" abort (a full queue, a timeout): OVERLOADED in
+    SGLang's words, as the same abort reads in a stream (:func:`abort_reason`). Every other
+    answer reads as its HTTP status does (:func:`error_from_http_status`; a 400 is already a
+    refusal in SGLang's words there)."""
+    if (
+        abort_reason(status) is FailureReason.OVERLOADED
+        and isinstance(payload, dict)
+        and payload.get("object") == "error"
+    ):
+        message = payload.get("message")
+        if isinstance(message, str) and message:
+            return engine_words(FailureReason.OVERLOADED, message, "Generate", str(status))
+    return error_from_http_status(status, words)
 
 
 def event_from_http(payload: object) -> NativeEvent:

@@ -121,7 +121,8 @@ class SglangEngine(EngineClient):
             native = dataclasses.replace(call.native, rid=pid)
         else:
             native = build_native(call.request, pid, self._settings, room=self._room())
-        state = ResponseState(native, cumulative=not self._incremental)
+        # One answer is whole whatever the server's streaming mode: "cumulative" (one event).
+        state = ResponseState(native, cumulative=not self._incremental or not native.stream)
         self._live[pid] = False
         try:
             async with self._transport.stream(native, cumulative=state.cumulative) as events:

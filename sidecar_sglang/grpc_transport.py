@@ -143,7 +143,8 @@ class GrpcTransport:
         request = to_grpc(native)
         request.trace_headers.update(outgoing_headers())  # the request's trace context
         call = self._generate.next()(request)
-        events = self._events(call, GrpcEventDecoder(native, cumulative=cumulative).decode, native.input_ids)
+        decode = GrpcEventDecoder(native, cumulative=cumulative).decode
+        events = self._events(call, decode, native.input_ids, unary=not native.stream)
         try:
             yield events
         finally:
@@ -156,6 +157,8 @@ class GrpcTransport:
         call: grpc.aio.UnaryStreamCall[sglang_pb2.GenerateRequest, bytes],
         decode: Callable[[bytes], NativeEvent],
         prompt: Sequence[int],
+        *,
+        unary: bool,
     ) -> AsyncGenerator[NativeEvent]:
         try:
             async for message in call:
@@ -163,7 +166,8 @@ class GrpcTransport:
         except grpc.RpcError as err:
             # SGLang ends a stream it aborted at our request with CANCELLED and no terminal.
             abort_echo = err.code() == grpc.StatusCode.CANCELLED
-            raise StreamCut(generate_error(*rpc_status(err), prompt), abort_echo=abort_echo) from None
+            error = generate_error(*rpc_status(err), prompt, unary=unary)
+            raise StreamCut(error, abort_echo=abort_echo) from None
 
     async def abort(self, rid: str, timeout: float) -> None:
         request = sglang_pb2.AbortRequest(rid=rid, abort_all=False)

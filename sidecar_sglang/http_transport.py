@@ -1,9 +1,11 @@
-"""SGLang's native HTTP API as a transport: ``POST /generate`` as Server-Sent Events, the info
-endpoints, ``/abort_request``, ``/health`` and ``/v1/loads``.
+"""SGLang's native HTTP API as a transport: ``POST /generate`` as Server-Sent Events (or, for
+one answer, one JSON body), the info endpoints, ``/abort_request``, ``/health`` and
+``/v1/loads``.
 
 I/O and framing only: the request body is :func:`~sidecar_sglang.convert_request.to_http_json`'s,
 :mod:`sidecar_sglang.sse` frames the byte stream, each event's JSON becomes a
-:class:`NativeEvent`. The rules are :class:`SglangEngine`'s.
+:class:`NativeEvent`; a non-streaming request's answer is one JSON object, the one event. The
+rules are :class:`SglangEngine`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sidecar_server.config import SidecarConfig
 from sidecar_server.engine import HEALTHY, EngineHealth
 from sidecar_server.engine_client import EngineTimeouts
 from sidecar_sglang.convert_request import NativeRequest, Transport, to_http_json
-from sidecar_sglang.convert_response import NativeEvent, error_from_http_status, event_from_http
+from sidecar_sglang.convert_response import NativeEvent, answer_error, error_from_http_status, event_from_http
 from sidecar_sglang.engine import SglangEngine, random_room
 from sidecar_sglang.sse import SseParser
 from sidecar_sglang.transport import EngineFacts, StreamCut
@@ -79,6 +81,14 @@ def _error_words(body: bytes) -> str:
             if value is not None:
                 return str(value)
     return text.strip()[:500]
+
+
+def _json_or_none(body: bytes) -> object:
+    """The JSON value of ``body``, or None when it is none (an empty or garbled body)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
 
 
 class _NotHealthy(NotReady):
@@ -229,7 +239,17 @@ class HttpTransport:
                 body = b""
                 with anyio.move_on_after(_ERROR_BODY_TIMEOUT), contextlib.suppress(aiohttp.ClientError):
                     body = await resp.content.read(_ERROR_BODY_LIMIT)
-                raise error_from_http_status(resp.status, _error_words(body))
+                if native.stream:
+                    raise error_from_http_status(resp.status, _error_words(body))
+                raise answer_error(resp.status, _json_or_none(body), _error_words(body))
+            if not native.stream:
+                answer = self._answer(resp)
+                try:
+                    yield answer
+                finally:
+                    await answer.aclose()
+                reusable = True  # the whole body was read
+                return
             parser = SseParser()
             events = self._events(resp, parser)
             try:
@@ -246,6 +266,26 @@ class HttpTransport:
                     # An unfinished body cannot go back to the pool; closing also tells SGLang
                     # the client left.
                     resp.close()
+
+    @staticmethod
+    async def _answer(resp: aiohttp.ClientResponse) -> AsyncGenerator[NativeEvent]:
+        """A non-streaming request's answer: one JSON object, read whole, its one event (which
+        must be the terminal: SGLang answers only once the request is over)."""
+        try:
+            body = await resp.read()
+        except aiohttp.ClientError as err:
+            error = SidecarError(
+                FailureReason.ENGINE_SHUTDOWN,
+                f"Generate: reading SGLang's answer failed before its end: {err!r}",
+            )
+            raise StreamCut(error, abort_echo=True) from err
+        payload = _json_or_none(body)
+        if payload is None:
+            raise protocol_error("sglang", "the answer to a non-streaming request is not JSON")
+        event = event_from_http(payload)
+        if not event.finished:
+            raise protocol_error("sglang", "the answer to a non-streaming request has no finish_reason")
+        yield event
 
     async def _events(self, resp: aiohttp.ClientResponse, parser: SseParser) -> AsyncGenerator[NativeEvent]:
         while True:

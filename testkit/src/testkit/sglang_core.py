@@ -42,6 +42,7 @@ __all__ = [
     "chosen_row",
     "logprob_width",
     "queue_full_reason",
+    "raised_abort",
     "sampling_spec",
 ]
 
@@ -98,13 +99,37 @@ class NativeRequest:
 
 
 class RequestRejected(Exception):
-    """The request is refused before it runs; each wire renders it its own way."""
+    """The request is refused before it runs; each wire renders it its own way: HTTP
+    ``http_status`` with ``http_body`` (by default ``{"error": {"message"}}``), gRPC
+    ``grpc_code`` with ``grpc_message`` (by default the message)."""
 
-    def __init__(self, message: str, http_status: int = 400, grpc_code: str = "INTERNAL") -> None:
+    def __init__(
+        self,
+        message: str,
+        http_status: int = 400,
+        grpc_code: str = "INTERNAL",
+        *,
+        http_body: dict[str, Any] | None = None,
+        grpc_message: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.http_status = http_status
         self.grpc_code = grpc_code
+        self.http_body: dict[str, Any] = http_body or {"error": {"message": message}}
+        self.grpc_message = message if grpc_message is None else grpc_message
+
+
+def raised_abort(status: int, message: str) -> RequestRejected:
+    """What SGLang's tokenizer manager raises, for a non-streaming request, where a stream would
+    end with an ``abort`` finish of ``status`` (``_handle_abort_finish_reason``): a ValueError
+    for 400 (HTTP 400 ``{"error": {"message"}}``, gRPC INTERNAL with the message), otherwise a
+    FastAPI HTTPException (HTTP ``status`` in FastAPI's error shape from SGLang's handler,
+    gRPC INTERNAL with the exception's text, ``"<status>: <message>"``)."""
+    if status == 400:
+        return RequestRejected(message)
+    body = {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
+    return RequestRejected(message, status, http_body=body, grpc_message=f"{status}: {message}")
 
 
 @dataclass(frozen=True)

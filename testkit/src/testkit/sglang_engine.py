@@ -52,6 +52,7 @@ from testkit.sglang_core import (
     bad_request_reason,
     chosen_ids,
     queue_full_reason,
+    raised_abort,
     sampling_spec,
 )
 from testkit.sglang_info import SglangEngineConfig, loads, model_info, server_info
@@ -276,7 +277,7 @@ class SglangTestEngine:
         if refusal is not None:
             if not req.stream:
                 # The tokenizer manager turns a 400 abort of a non-streaming request into a raise.
-                raise RequestRejected(refusal)
+                raise raised_abort(400, refusal)
             stream.put(Chunk(abort_out(req.rid, bad_request_reason(refusal), 0.0), True))
             stream.put(None)
             self.book.refused(req.rid, Outcome.ERROR, refusal)
@@ -285,7 +286,7 @@ class SglangTestEngine:
             # As SGLang's scheduler: turned away with a 503 abort (a clean terminal of a stream;
             # the tokenizer manager raises it as HTTP 503 for a unary request).
             if not req.stream:
-                raise RequestRejected("The request queue is full.", http_status=503)
+                raise raised_abort(503, "The request queue is full.")
             stream.put(Chunk(abort_out(req.rid, queue_full_reason(), 0.0), True))
             stream.put(None)
             self.book.refused(req.rid, Outcome.ERROR, "The request queue is full.")

@@ -109,7 +109,7 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
         try:
             stream = engine.submit(native_request_from_proto(request, rid))
         except RequestRejected as e:
-            await context.abort(grpc.StatusCode[e.grpc_code], e.message)
+            await context.abort(grpc.StatusCode[e.grpc_code], e.grpc_message)
         self._channels[rid] = stream
         ended = False  # the stream reached an end of its own (else the client left)
         try:

@@ -296,7 +296,7 @@ class SglangHttpServer:
             stream = engine.submit(req)
         except RequestRejected as e:
             if e.http_status >= 500 or not req.stream:
-                return web.json_response({"error": {"message": e.message}}, status=e.http_status)
+                return web.json_response(e.http_body, status=e.http_status)
             resp = await self._open_sse(request)
             await resp.write(_error_event(e.message, e.http_status))
             await resp.write(b"data: [DONE]\n\n")
