@@ -2,7 +2,8 @@
 
 The last stage of :func:`~sidecar_frontend.formats.sglang.validate.validate`: it refuses
 nothing (every check ran before it), it only builds. A batch of P prompts with n samples
-gives P*n sub-requests, prompt-major, each with the id the client sees.
+gives P*n sub-requests, prompt-major, each with the id the client sees. A non-streaming
+request asks each worker for one answer (``OutputOptions.unary``).
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ def plan(
         )
         _stop_conditions(params, checked.cap, template.stop_conditions)
         _sampling_options(params, template.sampling_options)
+        # A non-streaming request is one answer: so is what each worker is asked for (its
+        # engine too). A worker that streams anyway is joined the same way by the encoder.
+        if not stream:
+            template.output_options.unary = True
         if checked.return_logprob:
             template.output_options.logprobs = checked.top_logprobs_num
             if 0 <= checked.logprob_start_len < len(prompt):

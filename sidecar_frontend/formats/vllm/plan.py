@@ -5,7 +5,8 @@ tracked: a sampling parameter the caller did not send stays absent on the
 ``PreprocessedRequest`` (its proto3 ``optional`` field is not set), so the engine applies its
 own default, exactly as vLLM distinguishes "the client said 16" from "the client said
 nothing". A value that does not fit its field on the ``sidecar.v1`` wire is refused by name
-as it is written (:func:`~sidecar_frontend.formats.vllm.errors.uncarried`).
+as it is written (:func:`~sidecar_frontend.formats.vllm.errors.uncarried`). A non-streaming
+request asks the worker for one answer (``OutputOptions.unary``).
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def plan(
         eos_token_ids=ctx.model_info.eos_token_ids,
     )
     params.fill(request, len(token_ids), ctx.model_info.max_context_length)
+    # A non-streaming request is one answer: so is what the worker is asked for (its engine
+    # too), and its cost does not grow with the tokens. A worker that streams anyway is joined
+    # the same way by the encoder.
+    if not stream:
+        request.output_options.unary = True
     _fill_routing(request, body, rank)
     if body.kv_transfer_params is not None:
         _fill_kv_transfer(request, body.kv_transfer_params, ctx.model_info.disaggregation_mode)

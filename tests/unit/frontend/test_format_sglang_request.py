@@ -53,7 +53,8 @@ def test_a_bare_prompt_gets_sglang_defaults_and_a_fresh_rid() -> None:
     assert list(sub.eos_token_ids) == [2]
     assert sub.stop_conditions == sidecar_pb2.StopConditions(max_tokens=128)
     assert sub.sampling_options == sidecar_pb2.SamplingOptions()
-    assert sub.output_options == sidecar_pb2.OutputOptions()
+    # Not streamed (SGLang's default): it asks the worker for one answer.
+    assert sub.output_options == sidecar_pb2.OutputOptions(unary=True)
     assert sub.routing == sidecar_pb2.RoutingHints()
 
 
@@ -208,6 +209,7 @@ TOP_LEVEL_CASES: list[tuple[dict[str, Any], dict[str, Any]]] = [
 def test_top_level_fields_map_to_the_sub_request(fields: dict[str, Any], expected: dict[str, Any]) -> None:
     sub = one(request(**fields))
     want = sidecar_pb2.PreprocessedRequest(**expected)
+    want.output_options.unary = True  # not streamed: one answer
     assert sub.request_id == (want.request_id or fresh_id(0))
     assert sub.output_options == want.output_options
     assert sub.routing == want.routing
@@ -218,6 +220,13 @@ def test_stream_and_return_prompt_token_ids_are_response_options() -> None:
     assert call.stream
     assert options(call).items[0].return_prompt_token_ids
     assert not accepted(request()).stream
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_not_streamed_asks_each_worker_for_one_answer(stream: bool) -> None:
+    call = accepted({"input_ids": [[1, 2], [3]], "stream": stream, "return_logprob": True})
+    assert [r.output_options.unary for r in call.requests] == [not stream] * 2
+    assert all(r.output_options.HasField("logprobs") for r in call.requests)
 
 
 def test_incremental_streaming_follows_the_context() -> None:

@@ -28,10 +28,12 @@ def _request(**top: Any) -> dict[str, Any]:
 
 
 def _expected(**sampling: Any) -> sidecar_pb2.PreprocessedRequest:
-    """The request an empty sampling_params gives, with the named sub-messages merged in."""
+    """The request an empty sampling_params gives (not streamed: it asks for one answer), with
+    the named sub-messages merged in."""
     req = sidecar_pb2.PreprocessedRequest(
         request_id="generate-tokens-842536af25e84b36", model="my-model", token_ids=PROMPT, eos_token_ids=[2]
     )
+    req.output_options.unary = True
     for name, fields in sampling.items():
         getattr(req, name).MergeFrom(type(getattr(req, name))(**fields))
     return req
@@ -102,6 +104,15 @@ def test_sampling_params_set_exactly_the_keys_sent(
     call = accepted({"token_ids": PROMPT, "sampling_params": sampling})
     assert call.requests[0] == expected
     assert not call.stream
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_not_streamed_asks_the_worker_for_one_answer(stream: bool) -> None:
+    call = accepted(_request(stream=stream))
+    assert call.stream is stream
+    assert call.requests[0].output_options.unary is not stream
+    # A streamed request's output options stay as they were: nothing set.
+    assert call.requests[0].HasField("output_options") is not stream
 
 
 def test_an_absent_key_stays_absent_where_an_explicit_zero_is_set() -> None:
