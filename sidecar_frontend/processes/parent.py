@@ -219,9 +219,11 @@ class _Parent:
                 await asyncio.wait_for(self.stop.wait(), verdict.pause)
 
     async def _run_once(self, slot: _Slot) -> int:
+        """One run of ``slot``'s process, to its exit status (negative: the signal that ended it)."""
+        slot.served = False
         read_end, write_end = os.pipe()
+        fds = tuple(sock.fileno() for sock in slot.sockets)
         try:
-            fds = tuple(sock.fileno() for sock in slot.sockets)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -230,9 +232,13 @@ class _Parent:
                 pass_fds=(*fds, write_end),
                 process_group=0,
             )
+        except OSError as err:
+            os.close(read_end)
+            log.error("process could not be started", process=slot.index, error=str(err))
+            return EXIT_STARTUP_FAILED  # as a process that failed to start: the parent gives up
         finally:
             os.close(write_end)
-        slot.proc, slot.served, slot.terminated, slot.metrics_port = proc, False, False, None
+        slot.proc, slot.terminated, slot.metrics_port = proc, False, None
         log.info("process started", process=slot.index, pid=proc.pid)
         status = asyncio.create_task(self._follow_status(slot, read_end))
         watch = asyncio.create_task(self._watch_liveness(slot, proc))
