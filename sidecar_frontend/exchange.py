@@ -216,12 +216,7 @@ class Exchange:
             await self._run_all()
             if call.stream and not self.refused_before_stream:
                 if not self.client_gone:
-                    closing = self.encoder.close()
-                    if self.response is not None:
-                        # The stream's last bytes and the end of its body in one write.
-                        await self.response.write_eof(closing)
-                        return self.response
-                    await self._write(closing)
+                    await self._write(self.encoder.close())
                 if self.response is None:
                     # Held for the first bytes, and the client left before any: no stream.
                     raise ConnectionResetError("the client left before the stream started")
@@ -394,20 +389,13 @@ class Exchange:
         if not data or self.client_gone or (self.response is None and not self.call.stream):
             return
         try:
-            response = self.response
-            if response is None:
-                # Only the stream's start needs the lock (a write after it goes straight to the
-                # transport, in the order of the calls: the transport takes it before any await).
-                async with self._write_lock:
-                    if self.response is None:
-                        if self.refused_before_stream:
-                            return
-                        await self._start_stream()
-                    response = self.response
-                    assert response is not None
-                    await response.write(data)
-            else:
-                await response.write(data)
+            async with self._write_lock:
+                if self.response is None:
+                    if self.refused_before_stream:
+                        return
+                    await self._start_stream()
+                assert self.response is not None
+                await self.response.write(data)
             transport, protocol = self._transport, self._protocol
             if transport is not None:
                 buffered = transport.get_write_buffer_size()
