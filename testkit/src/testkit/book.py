@@ -96,6 +96,12 @@ class Book:
     def used_tokens(self) -> int:
         return sum(self._running.values())
 
+    def held_tokens(self, request_id: str) -> int | None:
+        """The KV tokens a running request holds (its prompt and its output so far, as its
+        engine last set them); None when it is not running. How a test sees a request's
+        progress at the engine, also one whose client is told nothing before its answer."""
+        return self._running.get(request_id)
+
     def set_tokens(self, request_id: str, tokens: int) -> None:
         if request_id in self._running:
             self._running[request_id] = tokens

@@ -260,7 +260,10 @@ async def test_a_preempted_batch_pauses_every_prompt_and_resumes_them_together()
 
         async with anyio.create_task_group() as group:
             group.start_soon(run_batch)
-            await until(lambda: every_prompt_delivered(fe, 3), "both prompts delivered tokens")
+            # Not streamed: one answer per prompt, nothing delivered before it. Preempted while
+            # its engine generates, each prompt runs again from its start when readmitted.
+            generating = {"b1": len(prompts[0]), "b2": len(prompts[1])}
+            await until(lambda: every_prompt_generated(fe, generating, 3), "both prompts generate tokens")
             results["high"] = await post_urgent(fe, "sglang", "high")
         status, answers = results["batch"]
         assert status == 200
@@ -327,10 +330,15 @@ def later_result(group: TaskGroup, job: Awaitable[Any]) -> list[Any]:
     return results
 
 
-def every_prompt_delivered(fe: FrontendStack, tokens: int) -> bool:
-    """Whether each sub-request of the one request in flight delivered ``tokens`` tokens."""
-    attempts = [a for exchange in fe.frontend._exchanges for a in exchange.attempts]
-    return bool(attempts) and all(a.progress.completion_tokens() >= tokens for a in attempts)
+def every_prompt_generated(fe: FrontendStack, prompts: dict[str, int], tokens: int) -> bool:
+    """Whether the engine generated ``tokens`` tokens for each request of ``prompts`` (rid:
+    prompt length) so far, whatever reached the frontend."""
+    held = {
+        rid.rsplit("-", 1)[-1]: sidecar.engine.book.held_tokens(rid) or 0
+        for sidecar in fe.sidecars
+        for rid in sidecar.engine.book.running_ids()
+    }
+    return all(held.get(rid, 0) - length >= tokens for rid, length in prompts.items())
 
 
 async def test_without_the_flag_the_urgent_request_waits_for_the_running_one() -> None:

@@ -132,6 +132,8 @@ async def test_a_worker_killed_at_a_random_token_changes_nothing_the_client_sees
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 async def test_a_unary_request_whose_worker_dies_is_unchanged(fmt: str) -> None:
+    # A non-streaming request is one answer from its worker: nothing is delivered before it,
+    # so a worker that dies mid-generation has its request run again from the start elsewhere.
     async with two_workers("vllm") as fe:
         path, body = request_body(fmt, "u-calm")
         body = {**body, "stream": False}
@@ -145,12 +147,14 @@ async def test_a_unary_request_whose_worker_dies_is_unchanged(fmt: str) -> None:
                 return await response.json()
 
         pending = asyncio.ensure_future(post())
-        # Kill the worker once the generation delivered tokens from it.
-        await until(lambda: _tokens_delivered(fe) >= 3, "three tokens were delivered")
+        # Kill the worker once its engine generated tokens (none reached the frontend).
+        await until(lambda: _generated(fe, "u-storm") >= 3, "three tokens were generated")
+        assert _tokens_delivered(fe) == 0
         victim = next(i for i, s in enumerate(fe.sidecars) if _running(s, "u-storm"))
         await fe.sidecars[victim].server.stop()
         reply = await pending
-        assert metric(fe, "frontend_migrations_total", format=fmt, outcome="migrated") == 1
+        assert metric(fe, "frontend_retries_total", format=fmt) == 1
+        assert metric(fe, "frontend_migrations_total", format=fmt, outcome="migrated") == 0
         if fmt == "sglang":
             assert reply["output_ids"] == reference["output_ids"]
             for key in ("finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs"):
@@ -158,6 +162,17 @@ async def test_a_unary_request_whose_worker_dies_is_unchanged(fmt: str) -> None:
         else:
             assert reply["choices"] == reference["choices"]
             assert reply["usage"] == reference["usage"]
+
+
+def _generated(fe: FrontendStack, rid: str) -> int:
+    """Tokens the engines generated so far for the request ``rid`` (its KV beyond the prompt)."""
+    for sidecar in fe.sidecars:
+        book = sidecar.engine.book
+        for running in book.running_ids():
+            if running.endswith("-" + rid):
+                held = book.held_tokens(running) or 0
+                return max(0, held - len(PROMPT))
+    return 0
 
 
 def _running(sidecar: Any, rid: str) -> bool:
