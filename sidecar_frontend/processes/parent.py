@@ -184,6 +184,14 @@ class _Parent:
 
     async def keep(self, slot: _Slot) -> None:
         """Run ``slot``'s process, and again after it ends, until the stop (or giving up)."""
+        try:
+            await self._keep(slot)
+        except Exception:  # a bug here must stop the frontend, not leave a process unwatched
+            log.exception("process supervision failed", process=slot.index)
+            self.gave_up = True
+            self.stop.set()
+
+    async def _keep(self, slot: _Slot) -> None:
         loop = asyncio.get_running_loop()
         failures = 0
         while not self.stop.is_set():
