@@ -13,6 +13,8 @@ samples the frontend and the sidecar (``DIR/<format>-{frontend,sidecar}.speedsco
 open them at speedscope.app; py-spy must be installed: it is a dev dependency). A profiled run
 is slower (py-spy stops the process for each sample): its figures are not measurements.
 
+``--summarize FILE``: the medians of the runs an ``--out FILE`` collected, as a table.
+
 ``--pythonpath DIR``: every started process imports our packages from DIR first (an export of
 an older commit), for before/after figures alternated in one sitting.
 """
@@ -122,6 +124,30 @@ def _flame(bench: Bench, gen: LoadGen, paths: list[str], out: Path, seconds: flo
         print(f"  flame {path}: {result}", flush=True)
 
 
+def summarize(path: Path) -> str:
+    """A markdown table of the runs in ``path`` (one JSON object a line): per label and
+    format, every run's figures and their medians."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [
+        "| label | format | runs | frontend µs/token | sidecar µs/token | tokens/event | other CPU s |",
+        "|---|---|---:|---|---|---|---|",
+    ]
+    keys = dict.fromkeys((r["label"], r["path"]) for r in rows)
+    for label, fmt in sorted(keys, key=lambda k: (k[1], k[0])):
+        mine = [r for r in rows if (r["label"], r["path"]) == (label, fmt)]
+
+        def cell(key: str, runs: list[dict[str, Any]] = mine) -> str:
+            values = [r[key] for r in runs]
+            listed = ", ".join(f"{v:g}" for v in values)
+            return f"**{statistics.median(values):g}** ({listed})"
+
+        lines.append(
+            f"| {label} | {fmt} | {len(mine)} | {cell('frontend_us_per_token')} "
+            f"| {cell('sidecar_us_per_token')} | {cell('tokens_per_event')} | {cell('other_cpu_s')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pertoken", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
@@ -136,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quiet-wait", type=float, default=0.0, help="seconds to wait for an idle machine before a run"
     )
+    parser.add_argument("--summarize", type=Path, help="print the medians of a runs file, run nothing")
     args = parser.parse_args(argv)
+    if args.summarize is not None:
+        print(summarize(args.summarize), end="")
+        return 0
     paths = [p for p in args.formats.split(",") if p]
     bench = Bench(Profile(rounds=args.rounds, warmup_s=1.0, window_s=args.window, long_window_s=args.window))
     # The load generator is this checkout's (started first); only the measured processes
