@@ -684,8 +684,6 @@ class _Run:
                     if gate is not None:
                         gate.release()
                         gate = None
-                    if started:
-                        worker.marks_start = True
                     outputs = aiter(call)
                     async for output in outputs:
                         if output is None:
@@ -701,8 +699,6 @@ class _Run:
                         observe(output)
                         if first:
                             first = False
-                            if not started and worker.marks_start is None:
-                                worker.marks_start = False  # an older sidecar: no marker
                             if metrics is not None:
                                 metrics.worker_first_output(worker.address, runner.clock() - began)
                         failure = await consume(output)
@@ -712,8 +708,9 @@ class _Run:
                             await self._after_final(worker, outputs)
                             return None
                 except grpc.RpcError as err:
-                    # An older sidecar says nothing of its calls' start: read as before.
-                    known = None if worker.marks_start is False else bool(started) or not first
+                    # Only a sidecar that marks its calls says anything by leaving the marker
+                    # out: an older one is read as before.
+                    known = bool(started) or not first if worker.marks_start else None
                     read = read_rpc_error(err, started=known)
                     failure = read if isinstance(read, WorkerFailure) else runner.misbehaved(worker, read)
                     return failure

@@ -108,9 +108,6 @@ class Worker:
     # last GetLoad's kv_cache.subscribed).
     publishes_cache: bool = False
     idle: anyio.Event = field(default_factory=anyio.Event)
-    # Whether its sidecar marks each Generate call as started in its initial metadata
-    # (sidecar_common.errors.CALL_STARTED; None: no call has told yet, False: an older sidecar).
-    marks_start: bool | None = None
     # The calls this frontend left waiting at its server to be taken up (start_gate).
     _start_slots: anyio.Semaphore | None = None
     # The TLS files' version the pool's connections were made with (0: plaintext or none yet).
@@ -160,11 +157,17 @@ class Worker:
             if self.inflight == 0:
                 self.idle.set()
 
+    @property
+    def marks_start(self) -> bool:
+        """Its sidecar marks each Generate call as started in its initial metadata
+        (``ModelInfo.generate_start_marker``, sidecar_common.errors.CALL_STARTED)."""
+        return self.model is not None and self.model.generate_start_marker
+
     def start_gate(self, slots: int) -> anyio.Semaphore | None:
         """What a Generate call holds from its sending until its sidecar marks it started:
-        ``slots`` such calls at most (FIFO beyond). None for a sidecar known not to mark its
-        calls (it would hold each slot until its first output, bounding prefills instead)."""
-        if self.marks_start is False:
+        ``slots`` such calls at most (FIFO beyond). None for a sidecar that does not mark its
+        calls (an older one: a slot would be held until the first output, bounding prefills)."""
+        if not self.marks_start:
             return None
         if self._start_slots is None:
             self._start_slots = anyio.Semaphore(slots)

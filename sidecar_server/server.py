@@ -625,11 +625,14 @@ class SidecarServer:
         if not self._serving:
             await _fail(context, SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving"))
         try:
-            return self._engine.model_info()
+            info = sidecar_pb2.ModelInfo()
+            info.CopyFrom(self._engine.model_info())
         except SidecarError as err:
             await _fail(context, err)
         except Exception as exc:
             await _fail(context, self._internal_error("model_info", exc))
+        info.generate_start_marker = True  # the Generate handler's first act (CALL_STARTED)
+        return info
 
     async def _load(self, context: _Context) -> sidecar_pb2.LoadReport:
         try:
