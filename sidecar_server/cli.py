@@ -275,15 +275,6 @@ def build_parser(spec: EngineSpec, *, prog: str | None = None) -> argparse.Argum
         help="WatchLoad: at most one load report per this many milliseconds to each client (changes "
         "in between are coalesced), and the engine's load read this often while any client watches",
     )
-    serve.add_argument(
-        "--acceptors",
-        type=flags.positive_int_arg,
-        default=SidecarConfig.acceptors,
-        metavar="N",
-        help="gRPC servers sharing the listen port, each taking up new calls: a server takes up "
-        "one new call per turn of the event loop, and a turn is long while thousands of streams "
-        "are relayed",
-    )
     _add_security_arguments(parser)
     fleet = parser.add_argument_group("fleet registration (etcd)")
     fleet.add_argument(
@@ -371,7 +362,6 @@ def parse_config(
         max_request_bytes=ns.max_request_bytes,
         kv_events=kv_events,
         load_push_interval=ns.load_push_interval_ms / 1000,
-        acceptors=ns.acceptors,
     )
     return config, ns
 

@@ -42,8 +42,6 @@ class SidecarConfig:
     kv_events: KvEventsConfig | None = None  # --kv-events-endpoint & co; None: off
     # WatchLoad's push interval in seconds (--load-push-interval-ms).
     load_push_interval: float = 0.1
-    # gRPC servers sharing the listen port (--acceptors; sidecar_server.server.ServerConfig).
-    acceptors: int = 1
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,6 @@ def _server_config(config: SidecarConfig) -> ServerConfig:
         reflection=config.reflection,
         max_request_bytes=config.max_request_bytes,
         load_push_interval=config.load_push_interval,
-        acceptors=config.acceptors,
     )
 
 

@@ -22,7 +22,6 @@ from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.endpoint import format_host_port, parse_host_port
 from sidecar_common.errors import CALL_STARTED, FailureReason, SidecarError, to_rpc_status
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
@@ -92,10 +91,6 @@ class ServerConfig:
     # gRPC's, 1,000 and 3,000): past them core refuses calls (RESOURCE_EXHAUSTED) before any
     # handler runs. Frontends bound what they leave waiting here themselves (their start slots).
     pending_calls: tuple[int, int] | None = None
-    # gRPC servers on the listen port (SO_REUSEPORT), each with its own loop taking up new
-    # calls: a grpc.aio server takes up one new call per turn of the event loop, and a turn is
-    # long while thousands of streams are relayed (--acceptors).
-    acceptors: int = 1
 
 
 class _Health(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
@@ -250,7 +245,7 @@ class SidecarServer:
             hold_timeout=config.decode_hold_timeout,
             drain_grace=config.abort_timeout,
         )
-        self._servers: list[grpc.aio.Server] = []
+        self._server: grpc.aio.Server | None = None
         self._port = 0
         self._serving = False  # engine connected and discovered
         # The health watch and the probes after an engine fault: stop() ends them.
@@ -288,23 +283,12 @@ class SidecarServer:
         return await self._registry.wait_idle(seconds)
 
     async def start(self) -> None:
-        if self._servers:
+        if self._server is not None:
             raise RuntimeError("SidecarServer.start called twice")
-        acceptors = max(1, self._config.acceptors)
-        first = self._new_server(reuseport=acceptors > 1)
-        self._port = self._bind(first, self._config.listen)
-        servers = [first]
-        if acceptors > 1:
-            # The others bind the port the first one got (the same one unless it was 0).
-            bound = parse_host_port(self._config.listen, port_zero_allowed=True)
-            again = format_host_port(bound.host, self._port)
-            for _ in range(acceptors - 1):
-                server = self._new_server(reuseport=True)
-                self._bind(server, again)
-                servers.append(server)
-        for server in servers:
-            await server.start()
-        self._servers = servers
+        server = self._new_server()
+        self._port = self._bind(server, self._config.listen)
+        await server.start()
+        self._server = server
         tls = self._config.tls
         _log.info(
             "sidecar listening",
@@ -313,20 +297,17 @@ class SidecarServer:
             tls="mutual" if tls is not None and tls.mutual else "on" if tls is not None else "off",
             reflection=self._config.reflection,
             max_request_bytes=self._config.max_request_bytes,
-            acceptors=acceptors,
         )
 
-    def _new_server(self, *, reuseport: bool) -> grpc.aio.Server:
+    def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", self._config.max_request_bytes),
                 # grpcio turns SO_REUSEPORT on by default: a second sidecar (or the engine
                 # itself) on the same port would bind too and silently split the traffic.
-                # Off, a taken port fails the bind, and start-up says so. With several
-                # acceptors it is on for ours; the daemon checked the port was free first
-                # (sidecar_common.ports.bind_problem binds without it).
-                ("grpc.so_reuseport", 1 if reuseport else 0),
+                # Off, a taken port fails the bind, and start-up says so.
+                ("grpc.so_reuseport", 0),
                 *self._pending_call_options(),
             ]
         )
@@ -411,15 +392,13 @@ class SidecarServer:
         self.cancel_inflight()
         await self._engine_health.close()
         await self.load_watch.close(self._config.health_probe_timeout)
-        if self._servers:
+        if self._server is not None:
             # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
             # engine abort; the grace lets those statuses reach the clients, where stop(None)
             # would cut them to a bare UNAVAILABLE. What is still running after it (health
             # watches, a handler stuck past its bounds) is cancelled.
             await self._registry.wait_idle(self._cleanup_bound())
-            async with anyio.create_task_group() as group:
-                for server in self._servers:
-                    group.start_soon(server.stop, self._config.stop_grace)
+            await self._server.stop(self._config.stop_grace)
             await self._registry.wait_idle(self._cleanup_bound())
         _log.info("sidecar stopped")
 

@@ -138,7 +138,6 @@ async def vllm_stack(
     drain_timeout: float = 30.0,
     tracing: Tracing | None = None,
     pending_calls: tuple[int, int] | None = None,
-    acceptors: int = 1,
     **engine_config: Any,
 ) -> AsyncIterator[Stack]:
     """A testkit engine (``engine`` or one built from ``engine_config``), adapter and server."""
@@ -154,7 +153,6 @@ async def vllm_stack(
             hold_decode_cancels=mode == "decode",
             health_watch_interval=0.2,
             pending_calls=pending_calls,
-            acceptors=acceptors,
         ),
         tracing=tracing,
     )
