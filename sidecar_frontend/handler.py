@@ -117,8 +117,9 @@ class Frontend:
 
     # ---------------------------------------------------------------- the app
 
-    def build_app(self) -> web.Application:
-        """One route per (method, path); the first format to declare one owns it."""
+    def build_app(self, extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
+        """One route per (method, path); the first format to declare one owns it.
+        ``extra_routes``: routes of the frontend's own (the admin API), before the 404."""
         app = web.Application(client_max_size=self.config.max_body_bytes)
         taken: dict[tuple[str, str], str] = {}
         paths: dict[str, Format] = {}
@@ -135,6 +136,7 @@ class Frontend:
             # Registered last, so it only answers the methods no format declared.
             allowed = ", ".join(sorted(method for method, p in taken if p == path))
             app.router.add_route("*", path, self._wrong_method(fmt, allowed))
+        app.add_routes(extra_routes)
         # Any other path: the web framework's 404, in the first format's shape (both
         # FastAPI servers answer {"detail": "Not Found"} as application/json).
         app.router.add_route("*", "/{path:.*}", self._not_found(self.formats[0], frozenset(paths)))
