@@ -37,6 +37,7 @@ from sidecar_frontend.admission.state import AdmissionSettings
 from sidecar_frontend.admission.who import DEFAULT_PRIORITY_HEADER, DEFAULT_TENANT_HEADER, WhoRules
 from sidecar_frontend.config import (
     DEFAULT_MAX_BODY_BYTES,
+    AdminConfig,
     AdmissionConfig,
     ConnectionSettings,
     HandlerConfig,
@@ -82,6 +83,8 @@ class FrontendConfig:
     # Frontend processes serving --listen (sidecar_frontend/processes/); 1: this process alone.
     processes: int = 1
     connections: ConnectionSettings = field(default_factory=ConnectionSettings)
+    # The membership API (sidecar_frontend/admin.py).
+    admin: AdminConfig = field(default_factory=AdminConfig)
 
 
 def _workers(text: str) -> tuple[str, ...]:
@@ -151,6 +154,12 @@ def _worker_capacity(text: str) -> tuple[str, int]:
     return address, limit
 
 
+def _admin_token(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError("expected a token without spaces (what admin calls send as bearer)")
+    return text
+
+
 def _header_name(text: str) -> str:
     name = text.strip()
     if not name or any(c.isspace() or c in ':()<>@,;\\"/[]?={}' for c in name):
@@ -218,6 +227,12 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
             applies=not ns.no_admission,
             rule="is used only with admission on (not with --no-admission)",
         )
+    refuse_inapplicable(
+        ns,
+        "admin_listen",
+        applies=ns.processes == 1,
+        rule="is used only with --processes 1 (the membership API needs one process for now)",
+    )
     refuse_metrics_host_without_port(ns)
 
 
@@ -490,6 +505,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     _add_admission_arguments(parser)
     add_discovery_arguments(parser)
+    _add_admin_arguments(parser)
     add_operations_arguments(
         parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
     )
@@ -593,6 +609,27 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help='per-tenant requests and tokens per minute (TOML; docs/configuration.md, "Rate limits '
         'file"); re-read when it changes (default: unset: no rate limits)',
+    )
+
+
+def _add_admin_arguments(parser: argparse.ArgumentParser) -> None:
+    admin = parser.add_argument_group('membership API (docs/rl.md, "The membership API")')
+    admin.add_argument(
+        "--admin-token",
+        type=_admin_token,
+        default=None,
+        metavar="TOKEN",
+        help="admin calls (POST, GET and DELETE /workers; /add_worker, /remove_worker, /list_workers) "
+        "need the header Authorization: Bearer TOKEN, from any address; prefer the variable (a "
+        "command line is visible to the host's users) (default: unset: admin calls are answered "
+        "only from loopback)",
+    )
+    admin.add_argument(
+        "--admin-listen",
+        type=listen_arg,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the admin calls on this address only, not on --listen (default: unset: on --listen)",
     )
 
 
@@ -711,4 +748,5 @@ def parse_config(
             keepalive_timeout=ns.keepalive_timeout_secs,
             min_open_files=ns.min_open_files,
         ),
+        admin=AdminConfig(token=ns.admin_token, listen=ns.admin_listen),
     )

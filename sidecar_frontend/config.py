@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_KEEPALIVE_TIMEOUT",
     "DEFAULT_LISTEN_BACKLOG",
     "DEFAULT_MAX_BODY_BYTES",
+    "AdminConfig",
     "AdmissionConfig",
     "ConnectionSettings",
     "HandlerConfig",
@@ -100,6 +101,16 @@ class ConnectionSettings:
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     # Refuse to start when the open files limit cannot be raised to this (None: start anyway).
     min_open_files: int | None = None
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """The membership API (sidecar_frontend/admin.py): ``--admin-token``, ``--admin-listen``."""
+
+    # Admin calls need ``Authorization: Bearer <token>``; None: they are answered from loopback only.
+    token: str | None = field(default=None, repr=False)
+    # Serve the admin endpoints here alone (None: on --listen, beside the formats' routes).
+    listen: str | None = None
 
 
 @dataclass(frozen=True)

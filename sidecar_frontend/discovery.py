@@ -2,7 +2,9 @@
 
 :func:`run_discovery` feeds a :class:`DiscoverySink` (the worker set) until cancelled:
 
-- ``static``: the ``--worker`` list, added once (then it returns).
+- ``static``: the ``--worker`` list, added once (then it returns). It may be empty: the
+  frontend then starts with no worker and serves those registered through the membership API
+  (sidecar_frontend/admin.py).
 - ``dns``: every ``--dns-refresh-secs`` each ``--dns-name [ROLE=]NAME:PORT`` is resolved; each
   address is a worker on PORT (a Kubernetes headless Service has one A/AAAA record per ready
   Pod). An address no longer listed is drained; a failed lookup keeps the last answer.
@@ -317,8 +319,6 @@ def discovery_config_from_args(
             workers.append((parse_worker(address)[0], role))
     dns_targets = tuple(dict.fromkeys(namespace.dns_names or ()))
     endpoints: tuple[str, ...] = namespace.etcd_endpoints or ()
-    if mode == "static" and not workers:
-        raise ValueError("--discovery static needs at least one --worker")
     if mode != "static" and workers:
         raise ValueError(f"--worker is the static list: it cannot be combined with --discovery {mode}")
     if mode == "dns" and not dns_targets:

@@ -842,7 +842,7 @@ MISTAKES: list[tuple[list[str], dict[str, str], int, str]] = [
     (["sidecar", "nosuch"], {}, 2, "unknown engine 'nosuch'"),
     (["sidecar", "frontend", "--worker", "nonsense"], {}, 2, "--worker"),
     # The frontend.
-    (["sidecar-frontend"], {}, 2, "--discovery static needs at least one --worker"),
+    (["sidecar-frontend", "--admin-token", " "], {}, 2, "--admin-token: expected a token without spaces"),
     (["sidecar-frontend", "--worker", "{free}"], {"SIDECAR_FRONTEND_DNS_REFRESH_SECS": "9"}, 2,
      "--dns-refresh-secs comes from SIDECAR_FRONTEND_DNS_REFRESH_SECS"),
     # A listen address that cannot be bound: one line naming the address, the cause and the
