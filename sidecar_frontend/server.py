@@ -47,15 +47,17 @@ from sidecar_common.ports import bind_problem
 from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, run_event_loop
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
+from sidecar_frontend.admin import AdminApi
 from sidecar_frontend.admission.gate import Gate, WakeOnWorkerEvents
 from sidecar_frontend.admission.metrics import AdmissionMetrics
 from sidecar_frontend.admission.rate_file import follow_rate_file, load_rate_file
 from sidecar_frontend.admission.rates import RateConfigError, RateLimiter
 from sidecar_frontend.cli import FORMATS, FrontendConfig
-from sidecar_frontend.discovery import run_discovery
+from sidecar_frontend.discovery import DiscoverySink, run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.host_limits import connection_limits
+from sidecar_frontend.membership import Membership
 from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.misbehaviour import MisbehaviourReporter, quiet_grpc_decode_failures
 from sidecar_frontend.registry import Refusal
@@ -215,6 +217,8 @@ async def _serve(
         models=sorted(config.worker_set.models) or None,
         sglang_incremental_streaming_output=config.sglang_incremental_streaming_output,
         routing=config.routing.routing.value if config.routing.routing is not None else "kv/approx",
+        admin_listen=config.admin.listen or "on --listen",
+        admin_auth="bearer token" if config.admin.token is not None else "loopback only",
     )
     limits = config.worker_set
     routing = RoutingParts.build(
@@ -244,9 +248,16 @@ async def _serve(
             except RateConfigError as err:
                 log.error("start-up failed", error=str(err))
                 return EXIT_STARTUP_FAILED
+            # Discovery and the membership API each list workers; each lets go only of its own.
+            membership = Membership(workers, config.discovery.mode)
             # Serving starts once discovery applied its first view (or its first attempt failed).
-            await _start_discovery(supervisor, config, workers)
-            code = await _serve_http(config, formats, workers, choice, metrics, signals, gate, inherited)
+            await _start_discovery(supervisor, config, membership)
+            if config.discovery.mode == "static" and not config.discovery.static_workers:
+                log.warning("no worker yet: they come through the membership API (POST /workers, docs/rl.md)")
+            admin = AdminApi(workers, membership, token=config.admin.token, processes=config.processes)
+            code = await _serve_http(
+                config, formats, workers, choice, metrics, signals, gate, inherited, admin
+            )
         finally:
             await workers.aclose()
     log.info("stopped")
@@ -273,7 +284,7 @@ def _start_admission(
     return gate
 
 
-async def _start_discovery(supervisor: Supervisor, config: FrontendConfig, workers: WorkerSet) -> None:
+async def _start_discovery(supervisor: Supervisor, config: FrontendConfig, workers: DiscoverySink) -> None:
     """Discovery as a supervised task (restarted if it fails); returns once its first view is
     applied or its first attempt failed, as ``run_discovery`` reports through its status."""
     first_view = anyio.Event()
@@ -305,6 +316,7 @@ async def _serve_http(
     signals: AsyncIterator[signal.Signals],
     gate: Gate | None = None,
     inherited: Inherited | None = None,
+    admin: AdminApi | None = None,
 ) -> int:
     tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
     frontend = Frontend(
@@ -317,8 +329,10 @@ async def _serve_http(
         watch=choice,
         gate=gate,
     )
+    # The admin endpoints beside the formats' routes, or alone on --admin-listen.
+    beside = admin.routes() if admin is not None and config.admin.listen is None else ()
     runner = web.AppRunner(
-        frontend.build_app(),
+        frontend.build_app(beside),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=_STOP_GRACE,
@@ -326,6 +340,7 @@ async def _serve_http(
     )
     await runner.setup()
     metrics_runner: web.AppRunner | None = None
+    admin_runner: web.AppRunner | None = None
     backlog = config.connections.backlog
     try:
         host, port = split_listen(config.listen)
@@ -341,6 +356,8 @@ async def _serve_http(
             elif config.metrics_port is not None:
                 metrics_host = config.metrics_host or host
                 metrics_runner = await start_metrics_endpoint(metrics, metrics_host, config.metrics_port)
+            if admin is not None and config.admin.listen is not None:
+                admin_runner = await _start_admin_endpoint(admin, config.admin.listen)
             if inherited is not None:
                 await _until_a_worker_serves(workers, _FIRST_WORKER_WAIT)
             for site in sites:
@@ -359,8 +376,24 @@ async def _serve_http(
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+        if admin_runner is not None:
+            await admin_runner.cleanup()
         with anyio.move_on_after(_STOP_GRACE, shield=True):
             await tracing.aclose()  # the spans still queued
+
+
+async def _start_admin_endpoint(admin: AdminApi, listen: str) -> web.AppRunner:
+    """The admin endpoints alone on ``listen`` (``--admin-listen``), started."""
+    runner = web.AppRunner(admin.app(), access_log=None)
+    await runner.setup()
+    host, port = split_listen(listen)
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    log.info("admin endpoint up", host=host, port=_bound_port(runner, port))
+    return runner
 
 
 async def _until_a_worker_serves(workers: WorkerSet, bound: float) -> None:
@@ -385,6 +418,10 @@ def _listen_problem(config: FrontendConfig) -> str | None:
     problem = bind_problem(host, port)
     if problem is not None:
         return f"{problem} ({config.sources.naming('listen')})"
+    if config.admin.listen is not None:
+        problem = bind_problem(*split_listen(config.admin.listen), serving="serve admin calls on")
+        if problem is not None:
+            return f"{problem} ({config.sources.naming('admin_listen')})"
     if config.metrics_port is None:
         return None
     problem = bind_problem(config.metrics_host or host, config.metrics_port, serving="serve metrics on")
