@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason, RefusalReason
@@ -76,6 +77,7 @@ class Frontend:
         choice: WorkerChoice | None = None,
         watch: CallWatch | None = None,
         gate: Gate | None = None,
+        middlewares: Sequence[Middleware] = (),
     ) -> None:
         if not formats:
             raise ValueError("at least one format is needed")
@@ -95,6 +97,8 @@ class Frontend:
         self.tracing = tracing if tracing is not None else Tracing()
         # Admission (sidecar_frontend/admission/): None: every request goes straight to a worker.
         self.gate = gate
+        # What every request goes through before its route (routing's session header).
+        self.middlewares = tuple(middlewares)
         # ``choice``: the routing policy (default: the worker set's least loaded of two);
         # ``watch``: what it follows of each call (sidecar_frontend/routing/choice.py).
         self.runner = AttemptRunner(
@@ -120,7 +124,7 @@ class Frontend:
     def build_app(self, extra_routes: Sequence[web.RouteDef] = ()) -> web.Application:
         """One route per (method, path); the first format to declare one owns it.
         ``extra_routes``: routes of the frontend's own (the admin API), before the 404."""
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=self.middlewares)
         taken: dict[tuple[str, str], str] = {}
         paths: dict[str, Format] = {}
         for fmt in self.formats:
