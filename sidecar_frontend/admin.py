@@ -216,7 +216,9 @@ class AdminApi:
             return _text(200, f"worker {url} was not registered: nothing to remove")
         outcome = self._unregister(address)
         if isinstance(outcome, AdminError):
-            return _text(outcome.status, outcome.message)
+            # Removing a worker that is already leaving changes nothing: 200, as the legacy
+            # routers answer a removal of a worker they no longer hold.
+            return _text(200 if outcome.code == "WORKER_DRAINING" else outcome.status, outcome.message)
         return _text(200, f"Successfully removed worker: {url}")
 
     async def _legacy_list(self, request: web.Request) -> web.StreamResponse:

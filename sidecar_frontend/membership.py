@@ -318,6 +318,9 @@ class Membership:
     source: str = "static"
     _registered: dict[str, Registration] = field(default_factory=dict)  # by address
     _discovered: dict[str, str] = field(default_factory=dict)  # address -> role
+    # Registrations the API removed whose workers may still be draining: still listed with the
+    # URL they were registered under (forgotten lazily once the set no longer holds them).
+    _leaving: dict[str, Registration] = field(default_factory=dict)
 
     # -------------------------------------------------------------- discovery's face
 
@@ -343,9 +346,21 @@ class Membership:
         """The API's registrations, by address."""
         return self._registered
 
+    def _registration_of(self, address: str) -> Registration | None:
+        """The registration of a registered worker, or of one the API removed that drains."""
+        registration = self._registered.get(address)
+        if registration is not None:
+            return registration
+        leaving = self._leaving.get(address)
+        if leaving is not None and self.workers.get(address) is None:
+            del self._leaving[address]
+            return None
+        return leaving
+
     def source_of(self, address: str) -> str:
-        """``api`` for a registered worker, else the discovery mode that listed it."""
-        return "api" if address in self._registered else self.source
+        """``api`` for a worker the API registered (draining after its removal included),
+        else the discovery mode that listed it."""
+        return "api" if self._registration_of(address) is not None else self.source
 
     def refusal_to_register(self, registration: Registration) -> AdminError | None:
         """Why ``registration`` cannot be added now (409), or None."""
@@ -381,6 +396,7 @@ class Membership:
         if refusal is not None:
             return refusal
         self._registered[registration.address] = registration
+        self._leaving.pop(registration.address, None)
         self.workers.add_worker(registration.address, registration.role)
         return None
 
@@ -388,8 +404,16 @@ class Membership:
         """Why the worker at ``address`` cannot be removed through the API (404, 409), or None."""
         if address in self._registered:
             return None
-        if self.workers.get(address) is None:
+        worker = self.workers.get(address)
+        if worker is None:
             return AdminError(404, "WORKER_NOT_FOUND", f"no worker {address}")
+        if worker.state is WorkerState.DRAINING and address not in self._discovered:
+            return AdminError(
+                409,
+                "WORKER_DRAINING",
+                f"worker {self.url_of(address)} is already draining: it leaves once the requests in "
+                "flight there finish",
+            )
         return AdminError(
             409,
             "WORKER_FROM_DISCOVERY",
@@ -410,6 +434,7 @@ class Membership:
                 f"worker {registration.url} is no longer registered through the API; it stays, "
                 f"as --discovery {self.source} lists it too"
             )
+        self._leaving[address] = registration
         self.workers.drain_worker(address)
         return f"worker {registration.url} is draining: requests in flight there finish, then it leaves"
 
@@ -421,7 +446,7 @@ class Membership:
             known[address] = canonical_url(registration.scheme, address)
         text = key.strip()
         for address, url in known.items():
-            given = self._registered.get(address)
+            given = self._registration_of(address)
             if text in (worker_id(url), url, address) or (given is not None and text == given.url):
                 return address
         parsed = parse_worker_url(text)
@@ -430,11 +455,11 @@ class Membership:
         return None
 
     def url_of(self, address: str) -> str:
-        registration = self._registered.get(address)
+        registration = self._registration_of(address)
         return registration.url if registration is not None else canonical_url("grpc", address)
 
     def id_of(self, address: str) -> str:
-        registration = self._registered.get(address)
+        registration = self._registration_of(address)
         if registration is not None:
             return registration.id
         return worker_id(canonical_url("grpc", address))

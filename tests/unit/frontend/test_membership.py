@@ -322,6 +322,24 @@ def test_the_api_cannot_take_or_remove_a_discovered_worker() -> None:
     assert fake.calls == [("add", "a:1")]
 
 
+def test_a_removed_worker_is_listed_as_the_apis_while_it_drains() -> None:
+    fake = FakeSet()
+    membership = Membership(fake, "static")
+    registration = Registration("grpc://a:1/", "a:1", "agg", "sidecar")
+    membership.register(registration)
+    membership.unregister("a:1")
+    assert (membership.source_of("a:1"), membership.url_of("a:1")) == ("api", "grpc://a:1/")
+    assert membership.find("grpc://a:1/") == "a:1"
+    assert membership.unregister("a:1") == AdminError(
+        409,
+        "WORKER_DRAINING",
+        "worker grpc://a:1/ is already draining: it leaves once the requests in flight there finish",
+    )
+    fake.forget("a:1")
+    assert membership.find("grpc://a:1/") is None
+    assert membership.unregister("a:1") == AdminError(404, "WORKER_NOT_FOUND", "no worker a:1")
+
+
 def test_a_second_registration_and_one_while_draining_are_conflicts() -> None:
     fake = FakeSet()
     membership = Membership(fake, "static")
