@@ -16,7 +16,7 @@ and the engine's usage, when it arrives, is counted against the prediction.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Final
 
@@ -102,6 +102,15 @@ class RoutedChoice:
         while len(pending) > _PENDING_LIMIT:
             pending.popitem(last=False)
         return worker
+
+    def predicted_cached(
+        self, model: str, request: sidecar_pb2.PreprocessedRequest, workers: Sequence[Worker]
+    ) -> dict[str, int]:
+        """The prompt tokens of ``request`` each of ``workers`` is predicted to hold cached, as
+        the router weighs them (none held: left out; no router: nothing); read only."""
+        if self.router is None:
+            return {}
+        return self.router.predicted_cached(model, prompt_of(request), [self._target(w) for w in workers])
 
     @contextmanager
     def watch(

@@ -30,6 +30,7 @@ from typing import Final, NamedTuple, Protocol
 
 from sidecar_frontend.routing.index import BlockIndex
 from sidecar_frontend.routing.policy import Candidate, Decision, PolicyConfig, Reason, choose
+from sidecar_frontend.routing.sessions import SessionSettings
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -74,6 +75,8 @@ class RouterConfig:
     index_max_bytes: int | None = 256 * 1024 * 1024  # per model
     approx_ttl: float = 120.0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Sticky sessions (sessions.py), whatever the routing.
+    sessions: SessionSettings = field(default_factory=SessionSettings)
 
     def __post_init__(self) -> None:
         if self.approx_ttl <= 0:
@@ -183,20 +186,7 @@ class Router:
         index = self.index(model)
         index.expire(now)
         keys_by_size: dict[int, Sequence[int]] = {}
-        cached: dict[str, int] = {}
-        if prompt.cacheable and len(tokens) > 1:
-            # approx or unset: every worker is indexed; kv: those publishing their cache.
-            indexed = targets if routing is not Routing.KV else [t for t in targets if t.publishes]
-            sizes: dict[int, list[str]] = {}
-            for target in indexed:
-                size = target.block_size if target.block_size > 0 else DEFAULT_BLOCK_SIZE
-                sizes.setdefault(size, []).append(target.address)
-            for size, addresses in sizes.items():
-                keys = self._keys(prompt, size, keys_by_size)
-                lookable = (len(tokens) - 1) // size
-                matched = index.match(keys if lookable == len(keys) else keys[:lookable], addresses)
-                for address, blocks in matched.items():
-                    cached[address] = blocks * size
+        cached = self._cached(index, prompt, targets, keys_by_size)
         sent = self._sent
         # Each candidate made as the tuple it is: Candidate(...) is a Python call (a NamedTuple's
         # __new__), 6 % of an 8k-token decision over 64 workers (bench/README.md, "plain code").
@@ -230,7 +220,46 @@ class Router:
             index.store(chosen.address, keys, expires=now + self.config.approx_ttl)
         return decision
 
+    def predicted_cached(self, model: str, prompt: Prompt, targets: Sequence[Target]) -> dict[str, int]:
+        """The prompt tokens each of ``targets`` is predicted to hold cached, as :meth:`choose`
+        weighs them (a target holding none is left out); read only: nothing is recorded, counted
+        or expired. ``round-robin`` and ``random`` predict nothing."""
+        if self.config.routing in (Routing.ROUND_ROBIN, Routing.RANDOM):
+            return {}
+        index = self._indexes.get(model)
+        if index is None:
+            return {}
+        return self._cached(index, prompt, targets, {})
+
     # ---------------------------------------------------------------- internals
+
+    def _cached(
+        self,
+        index: BlockIndex,
+        prompt: Prompt,
+        targets: Sequence[Target],
+        keys_by_size: dict[int, Sequence[int]],
+    ) -> dict[str, int]:
+        """The prompt tokens each target holds cached by ``index`` (none: left out); the keys
+        made are kept in ``keys_by_size``."""
+        tokens = prompt.token_ids
+        cached: dict[str, int] = {}
+        if not prompt.cacheable or len(tokens) <= 1:
+            return cached
+        # approx or unset: every worker is indexed; kv: those publishing their cache.
+        routing = self.config.routing
+        indexed = targets if routing is not Routing.KV else [t for t in targets if t.publishes]
+        sizes: dict[int, list[str]] = {}
+        for target in indexed:
+            size = target.block_size if target.block_size > 0 else DEFAULT_BLOCK_SIZE
+            sizes.setdefault(size, []).append(target.address)
+        for size, addresses in sizes.items():
+            keys = self._keys(prompt, size, keys_by_size)
+            lookable = (len(tokens) - 1) // size
+            matched = index.match(keys if lookable == len(keys) else keys[:lookable], addresses)
+            for address, blocks in matched.items():
+                cached[address] = blocks * size
+        return cached
 
     def _recorded(self, targets: Sequence[Target], worker: str) -> Target | None:
         """The target of ``worker`` when a decision for it becomes an approximate entry, else

@@ -5,7 +5,11 @@ attaches it to the running worker set (:meth:`RoutingParts.choice`): from then o
 the set's events. A worker that joins gets its cache stream (a supervised task of that worker);
 a worker that leaves takes its entries and series with it, and an index no worker is left in
 goes at once; a worker now serving another model (a rollout reusing its address) loses its
-entries in its old model's index."""
+entries in its old model's index.
+
+It also holds the process's sessions (``sessions_choice.py``): the choice it makes is sticky for
+a request naming a session, and the server mounts :meth:`RoutingParts.http_routes`
+(``/finish_session``) and :meth:`RoutingParts.middlewares` (the session header)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 
 from sidecar_common.kv_keys import block_key_chain
@@ -21,6 +27,8 @@ from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.index import BlockIndex
 from sidecar_frontend.routing.metrics import RoutingMetrics
 from sidecar_frontend.routing.router import Router, RouterConfig, Routing
+from sidecar_frontend.routing.sessions_choice import SessionChoice, Sessions
+from sidecar_frontend.routing.sessions_http import finish_session_routes, session_middleware
 from sidecar_frontend.routing.streams import CacheStreams, StreamConfig
 from sidecar_frontend.workers import Worker, WorkerSet
 
@@ -33,6 +41,7 @@ class RoutingParts:
     router: Router | None
     streams: CacheStreams | None
     metrics: RoutingMetrics
+    sessions: Sessions
     # The worker set routing runs over, once choice() was asked (None before).
     _workers: WorkerSet | None = field(default=None, init=False)
 
@@ -52,7 +61,7 @@ class RoutingParts:
             if router is not None and config.follows_streams
             else None
         )
-        parts = cls(config, router, followed, metrics)
+        parts = cls(config, router, followed, metrics, Sessions(config.sessions, registry))
         metrics.watch(
             parts._indexes,
             followed.rows if followed is not None else list,
@@ -60,9 +69,10 @@ class RoutingParts:
         )
         return parts
 
-    def choice(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> RoutedChoice:
+    def choice(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> SessionChoice:
         """The attempt runner's worker choice (and call watch) over ``workers`` (running),
-        whose events routing follows from now on (the workers already there included)."""
+        whose events routing follows from now on (the workers already there included); sticky
+        for the requests naming a session."""
         self._workers = workers
         if self.streams is not None:
             self.streams.watch_changes(workers.next_change, workers.misbehaviour)
@@ -70,7 +80,19 @@ class RoutingParts:
         workers.events.subscribe(listener)
         for worker in workers.workers():
             listener.joined(worker)
-        return RoutedChoice(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
+        routed = RoutedChoice(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
+        return SessionChoice(routed, workers, self.sessions)
+
+    def http_routes(self) -> list[web.RouteDef]:
+        """The routes routing serves beside the formats' (``/finish_session``, answered even
+        with sessions off: a trainer's release of a session is then a no-op)."""
+        return finish_session_routes(self.sessions)
+
+    def middlewares(self) -> tuple[Middleware, ...]:
+        """What every request goes through: the reading of its session header (none with
+        sessions off)."""
+        settings = self.config.sessions
+        return (session_middleware(settings.headers),) if settings.enabled else ()
 
     def forget_worker(self, address: str) -> None:
         """``address`` left the set: its entries and series go."""
