@@ -61,7 +61,7 @@ from sidecar_frontend.membership import Membership
 from sidecar_frontend.metrics import Metrics, WorkerRow
 from sidecar_frontend.misbehaviour import MisbehaviourReporter, quiet_grpc_decode_failures
 from sidecar_frontend.registry import Refusal
-from sidecar_frontend.routing.choice import RoutedChoice
+from sidecar_frontend.routing.sessions_choice import SessionChoice
 from sidecar_frontend.routing.streams import StreamConfig
 from sidecar_frontend.routing.wiring import RoutingParts
 from sidecar_frontend.supervisor import FAILURE_HOOK, Supervisor, SupervisorConfig, fault_file_from
@@ -256,7 +256,7 @@ async def _serve(
                 log.warning("no worker yet: they come through the membership API (POST /workers, docs/rl.md)")
             admin = AdminApi(workers, membership, token=config.admin.token, processes=config.processes)
             code = await _serve_http(
-                config, formats, workers, choice, metrics, signals, gate, inherited, admin
+                config, formats, workers, choice, metrics, signals, gate, inherited, admin, routing
             )
         finally:
             await workers.aclose()
@@ -311,12 +311,13 @@ async def _serve_http(
     config: FrontendConfig,
     formats: list[Format],
     workers: WorkerSet,
-    choice: RoutedChoice,
+    choice: SessionChoice,
     metrics: Metrics,
     signals: AsyncIterator[signal.Signals],
     gate: Gate | None = None,
     inherited: Inherited | None = None,
     admin: AdminApi | None = None,
+    routing: RoutingParts | None = None,
 ) -> int:
     tracing = Tracing.from_environment(os.environ, service="sidecar-frontend")
     frontend = Frontend(
@@ -328,11 +329,12 @@ async def _serve_http(
         choice=choice,
         watch=choice,
         gate=gate,
+        middlewares=routing.middlewares() if routing is not None else (),
     )
     # The admin endpoints beside the formats' routes, or alone on --admin-listen.
     beside = admin.routes() if admin is not None and config.admin.listen is None else ()
     runner = web.AppRunner(
-        frontend.build_app(beside),
+        frontend.build_app([*beside, *(routing.http_routes() if routing is not None else ())]),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=_STOP_GRACE,
