@@ -50,6 +50,7 @@ from sidecar_frontend.outliers import OutlierSettings
 from sidecar_frontend.retry_budget import RetryBudgetSettings
 from sidecar_frontend.routing.policy import PolicyConfig
 from sidecar_frontend.routing.router import RouterConfig, Routing
+from sidecar_frontend.routing.sessions_flags import add_session_arguments, session_settings
 
 __all__ = ["ENV_PREFIX", "FORMATS", "FrontendConfig", "build_parser", "parse_config"]
 
@@ -503,6 +504,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="the most block keys one KV cache update of a worker may carry; past it, as above",
     )
+    add_session_arguments(parser)
     _add_admission_arguments(parser)
     add_discovery_arguments(parser)
     _add_admin_arguments(parser)
@@ -698,6 +700,7 @@ def parse_config(
     try:
         discovery = discovery_config_from_args(ns, workers)
         _refuse_inapplicable(ns)
+        sessions = session_settings(ns, dict(ns.worker_capacity or ()))
     except ValueError as err:
         parser.error(str(err))
     timeout: float = ns.request_timeout_secs
@@ -733,6 +736,7 @@ def parse_config(
                 hot_spot_slack=ns.routing_hot_spot_slack,
                 left_behind_weight=ns.routing_left_behind_weight,
             ),
+            sessions=sessions,
         ),
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
