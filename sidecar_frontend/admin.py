@@ -239,7 +239,7 @@ class AdminApi:
                 if worker.state is WorkerState.REFUSED:
                     return f"worker {registration.url} was refused: {worker.refusal_message}"
                 await changed.wait()
-        waited = f"{self._add_wait:.0f}s"
+        waited = f"{self._add_wait:g}s"
         return f"Timeout {waited} waiting for worker {registration.url} to serve; it was removed again"
 
     # ---------------------------------------------------------------- changes, logged
