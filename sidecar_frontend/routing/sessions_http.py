@@ -30,6 +30,7 @@ def session_middleware(headers: Sequence[str]) -> Middleware:
     handling of that request."""
     names = tuple(headers)
 
+    @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         session = session_of(request.headers, names)
         if session is None:
