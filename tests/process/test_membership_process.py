@@ -1,0 +1,159 @@
+"""The membership API as a trainer uses it: ``sidecar-frontend`` started with no worker, a
+testkit vLLM engine and its ``sidecar-vllm`` as real processes, the sidecar registered with
+curl (``POST /workers``, bearer token from the variable) and with urllib (the legacy
+``/add_worker``), generations through it, its removal; ``--admin-listen``; ``--processes 2``
+refusing admin calls by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import pytest
+
+from tests.e2e_helpers import WAIT, free_port, log_lines, process, script, serving_port
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow(10)]
+
+PROMPT = [101, 202, 303, 404]
+TOKEN = "process-test-token"
+
+
+def sidecar(stack: ExitStack) -> int:
+    """A testkit vLLM engine and its sidecar, as processes; the sidecar's port."""
+    engine_port = free_port()
+    stack.enter_context(process([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}"]))
+    proc = stack.enter_context(
+        process(
+            [
+                script("sidecar-vllm"),
+                "--grpc-endpoint",
+                f"127.0.0.1:{engine_port}",
+                "--listen",
+                "127.0.0.1:0",
+                "--grpc-connections",
+                "1",
+                "--grpc-retry-interval-secs",
+                "0.2",
+                "--log-format",
+                "json",
+            ]
+        )
+    )
+    return serving_port(proc)
+
+
+@contextmanager
+def frontend(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """``sidecar-frontend`` with no worker: (its URL, its admin URL)."""
+    argv = [script("sidecar-frontend"), "--listen", "127.0.0.1:0", "--log-format", "json", *flags]
+    with process(argv, env) as proc:
+        admin_port: int | None = None
+        seen: list[dict[str, Any]] = []
+        for entry in log_lines(proc):
+            seen.append(entry)
+            if entry.get("event") == "admin endpoint up":
+                admin_port = int(entry["port"])
+            if entry.get("event") == "serving":
+                url = f"http://127.0.0.1:{entry['port']}"
+                yield url, f"http://127.0.0.1:{admin_port}" if admin_port is not None else url
+                return
+        raise AssertionError(f"the frontend never served; exit {proc.poll()}; log: {seen}")
+
+
+def call(method: str, url: str, body: object = None, token: str | None = None) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=WAIT) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def until_serving(admin: str, worker_url: str, token: str | None = None) -> dict[str, Any]:
+    """GET /workers until the worker serves (bounded); its row."""
+    import time
+
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        _, listed = call("GET", admin + "/workers", token=token)
+        rows = [row for row in listed["workers"] if row["url"] == worker_url]
+        if rows and rows[0]["state"] == "serving":
+            return dict(rows[0])
+        time.sleep(0.05)  # polling a real process: there is no event to wait on
+    raise AssertionError(f"{worker_url} never served: {listed}")
+
+
+def test_a_sidecar_registered_with_curl_serves_and_leaves() -> None:
+    with ExitStack() as stack:
+        port = sidecar(stack)
+        url, admin = stack.enter_context(frontend(env={"SIDECAR_FRONTEND_ADMIN_TOKEN": TOKEN}))
+        worker_url = f"grpc://127.0.0.1:{port}"
+        body = json.dumps({"url": worker_url, "worker_type": "regular"})
+        run = subprocess.run(
+            ["curl", "-sSf", "-H", f"Authorization: Bearer {TOKEN}", "-H", "Content-Type: application/json",
+             "-d", body, admin + "/workers"],
+            capture_output=True, text=True, timeout=WAIT, check=True,
+        )  # fmt: skip
+        accepted = json.loads(run.stdout)
+        assert accepted["status"] == "accepted"
+        row = until_serving(admin, worker_url, TOKEN)
+        assert (row["id"], row["model"], row["source"]) == (accepted["worker_id"], "testkit-model", "api")
+
+        status, answer = call(
+            "POST",
+            url + "/inference/v1/generate",
+            {"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}},
+        )
+        assert status == 200
+        assert len(answer["choices"][0]["token_ids"]) == 4
+        # Without the token: 401, and nothing changes.
+        status, refused = call("DELETE", admin + f"/workers/{accepted['worker_id']}")
+        assert (status, refused["code"]) == (401, "UNAUTHORIZED")
+        status, deleted = call("DELETE", admin + f"/workers/{accepted['worker_id']}", token=TOKEN)
+        assert (status, deleted["status"]) == (202, "accepted")
+        status, _ = call(
+            "POST", url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert status == 503, "its only worker is gone"
+
+
+def test_the_legacy_add_on_an_admin_port_of_its_own() -> None:
+    with ExitStack() as stack:
+        port = sidecar(stack)
+        url, admin = stack.enter_context(frontend("--admin-listen", "127.0.0.1:0"))
+        assert admin != url
+        worker_url = f"grpc://127.0.0.1:{port}"
+        # On the HTTP port the admin paths are not served: the format's 404.
+        status, _ = call("GET", url + "/list_workers")
+        assert status == 404
+        status, text = call("POST", admin + f"/add_worker?url={worker_url}")
+        assert (status, text) == (200, f"Successfully added worker: {worker_url}")
+        assert call("GET", admin + "/list_workers") == (200, {"urls": [worker_url]})
+        status, answer = call(
+            "POST", url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+        )
+        assert status == 200
+        assert len(answer["output_ids"]) == 3
+        status, text = call("POST", admin + f"/remove_worker?url={worker_url}")
+        assert (status, text) == (200, f"Successfully removed worker: {worker_url}")
+
+
+def test_with_two_processes_admin_calls_are_refused_by_name() -> None:
+    with frontend("--processes", "2") as (url, _):
+        status, body = call("GET", url + "/workers")
+        assert (status, body["code"]) == (501, "NOT_IMPLEMENTED")
+        assert "needs --processes 1" in body["error"]
