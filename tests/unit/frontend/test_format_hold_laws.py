@@ -15,13 +15,14 @@ schedule of holds and flushes:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_frontend.formats.base import HoldingEncoder, WorkerFailure
+from sidecar_frontend.formats.base import HoldingEncoder, HttpReply, WorkerFailure
 from sidecar_frontend.formats.sglang import FORMAT as SGLANG
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from tests.unit.frontend import test_format_sglang_support as sglang_support
@@ -109,6 +110,24 @@ def test_vllm_holding_keeps_the_fold_and_the_framing(case: dict[str, Any], data:
     assert held["choices"] == plain["choices"]
     assert held["other"] == plain["other"]
     assert held["events"] <= plain["events"]
+    reply = _vllm_unary(case)
+    if reply.status == 200:
+        # Joined, each choice's chunks are the unary reply's choice.
+        for choice in json.loads(reply.body)["choices"]:
+            got = held["choices"].get(choice["index"], {"ids": [], "logprobs": []})
+            assert got["ids"] == choice["token_ids"]
+            assert got["logprobs"] == (choice["logprobs"]["content"] if case["logprobs"] else [])
+
+
+def _vllm_unary(case: dict[str, Any]) -> HttpReply:
+    body = {**_vllm_body(case), "stream": False}
+    del body["stream_options"]
+    encoder = VLLM.new_encoder(vllm_support.accepted(body), 100.0)
+    for output in case["outputs"]:
+        assert encoder.on_output(0, output, 101.0) == b""
+    if case["ending"] is not None:
+        encoder.on_failure(0, WorkerFailure(case["ending"], "it ended"), 102.0)
+    return encoder.reply()
 
 
 @given(generations(), st.data())
