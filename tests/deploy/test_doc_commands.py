@@ -1,4 +1,4 @@
-"""Every command block of README.md and deploy/README.md is either run here, as a reader would
+"""Every command block of README.md, deploy/README.md and docs/rl.md is either run here, as a reader would
 paste it into a shell, or says on its first line what it needs that this machine lacks
 (`# needs: ...`). So the docs cannot drift from what the commands do.
 
@@ -27,7 +27,7 @@ from tests.e2e_helpers import free_port
 
 pytestmark = pytest.mark.slow(17)
 
-DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md"]
+DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", ROOT / "docs" / "rl.md"]
 SHELLS = ("sh", "bash", "shell", "console")
 # What a block may declare it needs (first line `# needs: ...`): what this machine and CI lack.
 LACKS = (
