@@ -225,10 +225,10 @@ class HoldingEncoder(Encoder, Protocol):
     """An encoder that can carry several outputs' tokens in one event while the client reads
     slower than the stream comes (the handler decides when: never while the client keeps up).
 
-    Held tokens are never lost nor reordered: ``on_output``, ``on_failure`` and ``close``
-    write what is held of a choice before anything that follows it, and the events of one
-    choice joined carry the same tokens as without holding (the format's laws hold for an
-    output of any number of tokens)."""
+    Held tokens are never lost nor reordered: whatever ends a choice (its terminal, a failure)
+    writes its held tokens first or with it, ``on_output`` writes them before anything newer of
+    that choice, and the events of one choice joined carry the same tokens as without holding
+    (the format's laws hold for an output of any number of tokens)."""
 
     def hold(self, index: int, output: sidecar_pb2.LLMEngineOutput, now: float) -> bytes:
         """As :meth:`Encoder.on_output` (it raises on the same outputs), but the output's tokens
