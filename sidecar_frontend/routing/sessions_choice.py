@@ -38,6 +38,7 @@ from sidecar_frontend.routing.sessions import (
     choose_worker,
     keep_or_move,
     running_limit,
+    saturated,
 )
 from sidecar_frontend.routing.sessions_metrics import SessionMetrics
 from sidecar_frontend.workers import Worker, WorkerSet
@@ -163,17 +164,14 @@ class SessionChoice:
         workers = available_first([w for w in self.workers.serving(role, model) if w.address not in exclude])
         if not workers:
             return None
-        table = sessions.table
-        candidates = [
-            Candidate(
-                w.address,
-                table.held(w.address),
-                w.score(),
-                running_limit(w.address, w.model.max_num_seqs if w.model is not None else 0, settings),
-            )
-            for w in workers
-        ]
-        reason = keep_or_move(held, candidates, exclude, settings.saturation)
+        own = next((w for w in workers if w.address == held), None) if held is not None else None
+        if own is not None and not saturated(self._candidate(own), settings.saturation):
+            # The common turn, decided without looking at every worker (keep_or_move's first rule).
+            candidates: list[Candidate] = []
+            reason = Reason.KEPT
+        else:
+            candidates = [self._candidate(w) for w in workers]
+            reason = keep_or_move(held, candidates, exclude, settings.saturation)
         left_behind = 0
         chosen = held
         if reason is not Reason.KEPT:
@@ -197,6 +195,15 @@ class SessionChoice:
             return None
         sessions.placed(key, worker.address, reason, held=held, left_behind_tokens=left_behind, now=now)
         return worker
+
+    def _candidate(self, worker: Worker) -> Candidate:
+        reported = worker.model.max_num_seqs if worker.model is not None else 0
+        return Candidate(
+            worker.address,
+            self.sessions.table.held(worker.address),
+            worker.score(),
+            running_limit(worker.address, reported, self.sessions.settings),
+        )
 
     def watch(
         self, worker: Worker, request: sidecar_pb2.PreprocessedRequest
