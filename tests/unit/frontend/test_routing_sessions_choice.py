@@ -300,3 +300,19 @@ def test_routing_parts_read_the_header_only_with_sessions_on_and_always_answer_f
     assert off.middlewares() == ()
     for parts in (on, off):
         assert [(r.method, r.path) for r in parts.http_routes()] == [("*", "/finish_session")]
+
+
+def test_a_disaggregated_session_sticks_its_prefill_worker_and_finish_releases_it() -> None:
+    fleet = Fleet([], SessionSettings())
+    prefills = [worker(A), worker(B)]
+    for member in prefills:
+        member.role = "prefill"
+        fleet.workers.registry.add(member)
+    with named("s"):
+        first = fleet.choice("prefill", MODEL, request(PROMPT), frozenset())
+        assert first is not None
+        for n in range(3):
+            assert fleet.choice("prefill", MODEL, request([*PROMPT, n]), frozenset()) is first
+    assert fleet.metric("frontend_sessions_started_total", role="prefill") == 1
+    assert fleet.sessions.finish("s") == 1
+    assert len(fleet.sessions.table) == 0
