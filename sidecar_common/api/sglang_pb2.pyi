@@ -606,3 +606,163 @@ class AbortResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
+
+@_typing.final
+class FlushCacheRequest(_message.Message):
+    """The admin RPCs below are in the 0.5.23 server's service; their messages as SGLang's
+    proto defines them (each answer is built from the tokenizer manager's JSON result).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushCacheRequest: _TypeAlias = FlushCacheRequest  # noqa: Y015
+
+@_typing.final
+class FlushCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    success: _builtins.bool
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        success: _builtins.bool = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "success", b"success"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushCacheResponse: _TypeAlias = FlushCacheResponse  # noqa: Y015
+
+@_typing.final
+class PauseGenerationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """"abort", "retract" or "in_place"."""
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseGenerationRequest: _TypeAlias = PauseGenerationRequest  # noqa: Y015
+
+@_typing.final
+class PauseGenerationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseGenerationResponse: _TypeAlias = PauseGenerationResponse  # noqa: Y015
+
+@_typing.final
+class ContinueGenerationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContinueGenerationRequest: _TypeAlias = ContinueGenerationRequest  # noqa: Y015
+
+@_typing.final
+class ContinueGenerationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContinueGenerationResponse: _TypeAlias = ContinueGenerationResponse  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_PATH_FIELD_NUMBER: _builtins.int
+    LOAD_FORMAT_FIELD_NUMBER: _builtins.int
+    model_path: _builtins.str
+    load_format: _builtins.str
+    def __init__(
+        self,
+        *,
+        model_path: _builtins.str = ...,
+        load_format: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_load_format", b"_load_format", "load_format", b"load_format"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_load_format", b"_load_format", "load_format", b"load_format", "model_path", b"model_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__load_format: _TypeAlias = _typing.Literal["load_format"]  # noqa: Y015
+    _WhichOneofArgType__load_format: _TypeAlias = _typing.Literal["_load_format", b"_load_format"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__load_format) -> _WhichOneofReturnType__load_format | None: ...
+
+Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    success: _builtins.bool
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        success: _builtins.bool = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "success", b"success"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015

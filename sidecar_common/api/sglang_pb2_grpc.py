@@ -70,6 +70,26 @@ class SglangServiceStub:
                 request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.AbortRequest.SerializeToString,
                 response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/sglang.runtime.v1.SglangService/FlushCache',
+                request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/sglang.runtime.v1.SglangService/PauseGeneration',
+                request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.PauseGenerationResponse.FromString,
+                _registered_method=True)
+        self.ContinueGeneration = channel.unary_unary(
+                '/sglang.runtime.v1.SglangService/ContinueGeneration',
+                request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.ContinueGenerationRequest.SerializeToString,
+                response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.ContinueGenerationResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDisk = channel.unary_unary(
+                '/sglang.runtime.v1.SglangService/UpdateWeightsFromDisk',
+                request_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class SglangServiceServicer:
@@ -117,6 +137,30 @@ class SglangServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContinueGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDisk(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SglangServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +198,26 @@ def add_SglangServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.AbortRequest.FromString,
                     response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.AbortResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.FlushCacheRequest.FromString,
+                    response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.PauseGenerationResponse.SerializeToString,
+            ),
+            'ContinueGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContinueGeneration,
+                    request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.ContinueGenerationRequest.FromString,
+                    response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.ContinueGenerationResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDisk,
+                    request_deserializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=sglang_dot_runtime_dot_v1_dot_sglang__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -345,6 +409,114 @@ class SglangService:
             '/sglang.runtime.v1.SglangService/Abort',
             sglang_dot_runtime_dot_v1_dot_sglang__pb2.AbortRequest.SerializeToString,
             sglang_dot_runtime_dot_v1_dot_sglang__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.runtime.v1.SglangService/FlushCache',
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.FlushCacheRequest.SerializeToString,
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.runtime.v1.SglangService/PauseGeneration',
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.PauseGenerationRequest.SerializeToString,
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.PauseGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.runtime.v1.SglangService/ContinueGeneration',
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.ContinueGenerationRequest.SerializeToString,
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.ContinueGenerationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sglang.runtime.v1.SglangService/UpdateWeightsFromDisk',
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.UpdateWeightsRequest.SerializeToString,
+            sglang_dot_runtime_dot_v1_dot_sglang__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

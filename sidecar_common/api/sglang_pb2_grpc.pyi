@@ -43,6 +43,10 @@ class SglangServiceStub:
     ListModels: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.ListModelsRequest, _sglang_pb2.ListModelsResponse]
     GetLoad: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.GetLoadRequest, _sglang_pb2.GetLoadResponse]
     Abort: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.AbortRequest, _sglang_pb2.AbortResponse]
+    FlushCache: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.FlushCacheRequest, _sglang_pb2.FlushCacheResponse]
+    PauseGeneration: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.PauseGenerationRequest, _sglang_pb2.PauseGenerationResponse]
+    ContinueGeneration: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.ContinueGenerationRequest, _sglang_pb2.ContinueGenerationResponse]
+    UpdateWeightsFromDisk: _grpc.UnaryUnaryMultiCallable[_sglang_pb2.UpdateWeightsRequest, _sglang_pb2.UpdateWeightsResponse]
 
 @_typing.type_check_only
 class SglangServiceAsyncStub(SglangServiceStub):
@@ -54,6 +58,10 @@ class SglangServiceAsyncStub(SglangServiceStub):
     ListModels: _aio.UnaryUnaryMultiCallable[_sglang_pb2.ListModelsRequest, _sglang_pb2.ListModelsResponse]  # type: ignore[assignment]
     GetLoad: _aio.UnaryUnaryMultiCallable[_sglang_pb2.GetLoadRequest, _sglang_pb2.GetLoadResponse]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_sglang_pb2.AbortRequest, _sglang_pb2.AbortResponse]  # type: ignore[assignment]
+    FlushCache: _aio.UnaryUnaryMultiCallable[_sglang_pb2.FlushCacheRequest, _sglang_pb2.FlushCacheResponse]  # type: ignore[assignment]
+    PauseGeneration: _aio.UnaryUnaryMultiCallable[_sglang_pb2.PauseGenerationRequest, _sglang_pb2.PauseGenerationResponse]  # type: ignore[assignment]
+    ContinueGeneration: _aio.UnaryUnaryMultiCallable[_sglang_pb2.ContinueGenerationRequest, _sglang_pb2.ContinueGenerationResponse]  # type: ignore[assignment]
+    UpdateWeightsFromDisk: _aio.UnaryUnaryMultiCallable[_sglang_pb2.UpdateWeightsRequest, _sglang_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
 
 class SglangServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -104,5 +112,33 @@ class SglangServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sglang_pb2.AbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sglang_pb2.AbortResponse, _abc.Awaitable[_sglang_pb2.AbortResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def FlushCache(
+        self,
+        request: _sglang_pb2.FlushCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sglang_pb2.FlushCacheResponse, _abc.Awaitable[_sglang_pb2.FlushCacheResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PauseGeneration(
+        self,
+        request: _sglang_pb2.PauseGenerationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sglang_pb2.PauseGenerationResponse, _abc.Awaitable[_sglang_pb2.PauseGenerationResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ContinueGeneration(
+        self,
+        request: _sglang_pb2.ContinueGenerationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sglang_pb2.ContinueGenerationResponse, _abc.Awaitable[_sglang_pb2.ContinueGenerationResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateWeightsFromDisk(
+        self,
+        request: _sglang_pb2.UpdateWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sglang_pb2.UpdateWeightsResponse, _abc.Awaitable[_sglang_pb2.UpdateWeightsResponse]]: ...
 
 def add_SglangServiceServicer_to_server(servicer: SglangServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
