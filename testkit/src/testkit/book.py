@@ -54,6 +54,8 @@ class Book:
     # id; requests that carried none are not in it.
     trace_context: dict[str, dict[str, str]] = field(default_factory=dict)
     finished: list[FinishedRecord] = field(default_factory=list)
+    # While True nothing is admitted (a paused scheduler): requests queue, none is promoted.
+    admission_paused: bool = False
     _running: dict[str, int] = field(default_factory=dict)  # id -> tokens held in KV
     _waiting: OrderedDict[str, tuple[asyncio.Future[bool], int]] = field(default_factory=OrderedDict)
 
@@ -120,12 +122,30 @@ class Book:
         """
         if self.is_live(request_id):
             raise ValueError(f"request {request_id!r} is already live")
-        if not self._waiting and self._fits(tokens):
+        if not self._waiting and not self.admission_paused and self._fits(tokens):
             self._running[request_id] = tokens
             return True
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = (fut, tokens)
         return await fut
+
+    def retract(self, request_id: str) -> asyncio.Future[bool]:
+        """A running request goes back to the end of the queue, keeping the tokens it holds
+        (SGLang's retraction); the future is True once it runs again, False if it is aborted
+        while it waits (``abort_waiting``)."""
+        tokens = self._running.pop(request_id)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = (fut, tokens)
+        self._promote()
+        return fut
+
+    def pause_admission(self) -> None:
+        """Admit nothing until ``resume_admission`` (running requests keep their slots)."""
+        self.admission_paused = True
+
+    def resume_admission(self) -> None:
+        self.admission_paused = False
+        self._promote()
 
     def abort_waiting(self, request_id: str) -> bool:
         """Take a waiting request out of the queue; its ``admit`` returns False."""
@@ -158,7 +178,7 @@ class Book:
 
     def _promote(self) -> None:
         # FIFO: the head waits for room even if a later, smaller request would fit.
-        while self._waiting:
+        while self._waiting and not self.admission_paused:
             rid, (fut, tokens) = next(iter(self._waiting.items()))
             if not fut.done() and not self._fits(tokens):
                 return

@@ -198,4 +198,17 @@ def scheduler_refusal(cfg: SglangEngineConfig, req: NativeRequest) -> str | None
             f"req.logprob_start_len={req.logprob_start_len} is higher than the number of input tokens "
             f"len(req.origin_input_ids)={n_in}. Please use a smaller logprob_start_len."
         )
+    if req.return_routed_experts:
+        # Checked whether or not the server returns routed experts (--enable-return-routed-experts).
+        start = req.routed_experts_start_len
+        if start > n_in:
+            return (
+                f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={n_in}. Please use a smaller routed_experts_start_len."
+            )
+        if start < 0:
+            return (
+                f"recv_req.routed_experts_start_len={start} is lower than 0. "
+                "Please use a non-negative routed_experts_start_len."
+            )
     return None

@@ -181,6 +181,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as SGLang does (default: unset: no bound)",
     )
     a(
+        "--weight-version",
+        default=d.weight_version,
+        metavar="VERSION",
+        help="the weight version the engine starts with (updates change it)",
+    )
+    a(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="answer return_routed_experts with the testkit's fake MoE routing (HTTP /generate)",
+    )
+    a(
+        "--num-hidden-layers",
+        type=int,
+        default=d.num_hidden_layers,
+        metavar="N",
+        help="testkit: MoE layers in each routed-experts row",
+    )
+    a(
+        "--num-experts-per-tok",
+        type=int,
+        default=d.num_experts_per_tok,
+        metavar="K",
+        help="testkit: experts each layer routes a token to",
+    )
+    a(
+        "--num-experts",
+        type=int,
+        default=d.num_experts,
+        metavar="E",
+        help="testkit: expert ids are below this",
+    )
+    a(
+        "--health-check-timeout-secs",
+        type=float,
+        default=d.health_check_timeout_secs,
+        metavar="SECS",
+        help="SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: /health answers 503 after this while paused",
+    )
+    a(
         "--fault",
         type=fault_arg,
         action="append",
@@ -223,6 +262,12 @@ def config_from_args(args: argparse.Namespace) -> SglangEngineConfig:
         tokenizer_workers=args.tokenizer_workers,
         kv_events=args.kv_events_config,
         prefill_us_per_token=args.prefill_us_per_token,
+        weight_version=args.weight_version,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        num_hidden_layers=args.num_hidden_layers,
+        num_experts_per_tok=args.num_experts_per_tok,
+        num_experts=args.num_experts,
+        health_check_timeout_secs=args.health_check_timeout_secs,
     )
 
 

@@ -19,10 +19,13 @@ from typing import Any, NamedTuple
 from testkit.book import Outcome
 from testkit.faults import FaultKind, FaultPlan
 from testkit.generator import GeneratedToken, ModelSpec, PositionLogprobs, SamplingSpec, prompt_logprobs
+from testkit.routed_experts import ExpertsShape, encode_routed_experts, routed_experts
+from testkit.weight_versions import EngineVersions, VersionChange, sglang_meta, sglang_spans
 
 __all__ = [
     "CHOSEN_WIDTH",
     "DEFAULT_MAX_NEW_TOKENS",
+    "PAUSE_MODES",
     "SGLANG_VERSION",
     "AbortRecord",
     "Bootstrap",
@@ -47,6 +50,8 @@ __all__ = [
 ]
 
 SGLANG_VERSION = "0.5.23"
+# PauseGenerationReqInput.mode's values.
+PAUSE_MODES = ("abort", "retract", "in_place")
 # SGLang's SamplingParams default when a request names no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -96,6 +101,10 @@ class NativeRequest:
     # SGLang's token_ids_logprob as the HTTP body gave it (checked in sglang_checks; the gRPC
     # wire has no field). None: not asked.
     token_ids_logprob: object = None
+    # SGLang's return_routed_experts and routed_experts_start_len (HTTP only: the gRPC wire has
+    # neither). Served when the engine runs with enable_return_routed_experts (testkit.routed_experts).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 class RequestRejected(Exception):
@@ -243,14 +252,17 @@ def queue_full_reason() -> dict[str, Any]:
     return {"type": "abort", "status_code": 503, "message": "The request queue is full."}
 
 
-def abort_out(rid: str, reason: dict[str, Any], elapsed: float) -> dict[str, Any]:
+def abort_out(rid: str, reason: dict[str, Any], elapsed: float, version: str) -> dict[str, Any]:
     """The out of a request that ends before producing anything (aborted while waiting,
-    refused by the scheduler)."""
+    refused by the scheduler), as SGLang's ``_handle_abort_req`` renders it: its one empty
+    weight-version span is of ``version``, the scheduler's version then."""
+    shown, last = sglang_meta(sglang_spans((), version, 0), 0)
     meta = {
         "id": rid,
         "finish_reason": reason,
-        "weight_version": "default",
+        "weight_version": last,
         "e2e_latency": elapsed,
+        "weight_versions": shown,
         "completion_tokens": 0,
     }
     return {"text": "", "output_ids": [], "meta_info": meta}
@@ -261,15 +273,25 @@ class RequestState:
     """One running request's output so far, rendered as SGLang streams it.
 
     ``take`` each generated token; ``flush`` a non-final chunk when the stream interval is
-    reached; end with ``finish`` (stop/length, with any malformed-terminal fault) or
-    ``abort_chunk``. Cumulative output repeats everything so far in each chunk; incremental
-    output (streaming only) sends what is new.
+    reached; end with ``finish`` (stop/length, with any malformed-terminal fault),
+    ``abort_chunk`` (aborted while it ran) or ``waiting_abort_chunk`` (aborted in the waiting
+    queue after a retraction). Cumulative output repeats everything so far in each chunk;
+    incremental output (streaming only) sends what is new.
+
+    ``versions`` is the engine's (shared): unfinished outputs say the tokenizer manager's
+    version, a final output its spans (``changes`` the scheduler recorded on this request,
+    then its current version). ``experts`` (None: not returned) makes a final output that ran
+    on the scheduler carry ``routed_experts``.
     """
 
     request: NativeRequest
     model: ModelSpec
     incremental_output: bool
     started: float  # monotonic
+    versions: EngineVersions = field(default_factory=EngineVersions)
+    experts: ExpertsShape | None = None
+    changes: list[VersionChange] = field(default_factory=list)
+    retractions: int = 0
     ids: list[int] = field(default_factory=list)
     text: str = ""
     out_lp: list[list[Any]] = field(default_factory=list)
@@ -334,8 +356,8 @@ class RequestState:
             "id": req.rid,
             "finish_reason": finish_reason,
             "prompt_tokens": len(req.input_ids),
-            "weight_version": "default",
-            "num_retractions": 0,
+            "weight_version": self.versions.reported,
+            "num_retractions": self.retractions,
         }
         if req.return_logprob:
             inc = self.incremental
@@ -353,12 +375,31 @@ class RequestState:
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.ids)
         meta["cached_tokens"] = self.cached
+        if final:
+            self._versions_into(meta)
+            if self.experts is not None and req.return_routed_experts:
+                rows = routed_experts(
+                    req.input_ids + tuple(self.ids), req.routed_experts_start_len, self.experts
+                )
+                meta["routed_experts"] = encode_routed_experts(rows)
         if not self.stamped:
             self.stamped = True
             meta["response_sent_to_client_ts"] = now.wall
         if final:
             meta["e2e_latency"] = now.mono - self.started
         return meta
+
+    def _versions_into(self, meta: dict[str, Any]) -> None:
+        """A final output's spans, and its weight_version set to the last (SGLang's
+        ``add_weight_versions_to_meta_info``)."""
+        spans = sglang_spans(self.changes, self.versions.current, len(self.ids))
+        meta["weight_versions"], meta["weight_version"] = sglang_meta(spans, len(self.ids))
+
+    def record_version_change(self, old_version: str) -> None:
+        """The scheduler's version moves on from ``old_version``: a request with output keeps
+        how many tokens that version made (SGLang's ``record_weight_version_events``)."""
+        if self.ids:
+            self.changes.append(VersionChange(old_version, len(self.ids)))
 
     def out(self, finish_reason: dict[str, Any] | None, final: bool, now: Now) -> dict[str, Any]:
         meta = self._meta(finish_reason, final, now)
@@ -381,6 +422,23 @@ class RequestState:
     def abort_chunk(self, message: str, now: Now) -> Chunk:
         reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
         return Chunk(self.out(reason, True, now), True)
+
+    def waiting_abort_chunk(self, now: Now) -> Chunk:
+        """Aborted in the waiting queue with output (retracted by a pause): SGLang's
+        ``_handle_abort_req`` form, with the whole text and ids so far (an incremental stream
+        gets the last id again, as SGLang sends it), its spans and no routed experts. The
+        testkit leaves out logprobs here."""
+        meta: dict[str, Any] = {
+            "id": self.request.rid,
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": self.versions.reported,
+            "e2e_latency": now.mono - self.started,
+        }
+        self._versions_into(meta)
+        meta["completion_tokens"] = len(self.ids)
+        ids = self.ids[-1:] if self.incremental else list(self.ids)
+        self.sent_ids, self.sent_text = len(self.ids), len(self.text)
+        return Chunk({"text": self.text, "output_ids": ids, "meta_info": meta}, True)
 
     def finish(
         self, tok: GeneratedToken | None, plan: FaultPlan | None, now: Now

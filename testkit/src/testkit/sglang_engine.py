@@ -16,6 +16,27 @@ scheduler that raises signals its parent at once, and a watchdog polling every s
 one that crashed; the parent then kills its whole process tree, HTTP and gRPC servers included.
 Here every request stalls where it is and, ``SCHEDULER_DEATH_EXIT_SECS`` later, both wires go
 away as in ``kill()`` (the testkit process itself stays up).
+
+Pause, continue and weight updates (SGLang 0.5.23's ``tokenizer_manager.pause_generation`` /
+``continue_generation`` / ``update_weights_from_disk``, ``scheduler.pause_generation``):
+
+* Every pause holds new requests before the scheduler (the tokenizer manager's pause
+  condition), as a weight update from disk on an unpaused engine does (its model-update
+  lock, which waits for the requests in flight first). A held request is not on the
+  scheduler: an abort does not reach it (SGLang's scheduler does not know it), its client
+  leaving drops it. The testkit checks a request before holding it (SGLang checks it after),
+  so a request SGLang would refuse on continue is refused at once.
+* ``abort``: everything on the scheduler is aborted (as ``/abort_request`` with abort_all),
+  and the pause returns once none is left. ``in_place``: the scheduler stops between steps;
+  its requests keep their KV and resume on continue (a request aborted meanwhile ends on
+  continue, its pending step's token riding on the abort). ``retract``: the scheduler stops
+  and its running requests go back to the waiting queue with their output, their KV released
+  (``num_retractions`` counts it); on continue each is prefilled again (prompt and output so
+  far) and goes on; one aborted meanwhile answers at once from the waiting queue.
+* Versions (``testkit.weight_versions``): the scheduler's labels the tokens, the tokenizer
+  manager's is reported; a change records itself on every request on the scheduler that has
+  output, so a final output's ``weight_versions`` spans say which version made which tokens.
+  The generator does not depend on the version: a version labels tokens, it does not change them.
 """
 
 from __future__ import annotations
@@ -38,6 +59,7 @@ from testkit.pacing import decode_step_secs
 from testkit.prefix_cache import NO_EXTRA, BlockExtra
 from testkit.sglang_checks import check_request
 from testkit.sglang_core import (
+    PAUSE_MODES,
     AbortRecord,
     Bootstrap,
     Chunk,
@@ -56,8 +78,15 @@ from testkit.sglang_core import (
     sampling_spec,
 )
 from testkit.sglang_info import SglangEngineConfig, loads, model_info, server_info
+from testkit.weight_versions import EngineVersions
 
-__all__ = ["SCHEDULER_DEATH_EXIT_SECS", "SglangTestEngine"]
+__all__ = ["SCHEDULER_DEATH_EXIT_SECS", "SglangTestEngine", "flush_failed_after_update"]
+
+# SGLang's message when a weight update's cache flush is refused (the update call fails).
+flush_failed_after_update = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
 
 SCHEDULER_DEATH_EXIT_SECS = 0.5
 
@@ -80,6 +109,12 @@ class _Live:
     plan: FaultPlan | None
     abort_evt: asyncio.Event = field(default_factory=asyncio.Event)
     abort_message: str = "Aborted"
+    # Held before the scheduler (a pause, a weight update) until it passes the gate; dropped
+    # when its client left meanwhile.
+    held: bool = True
+    dropped: bool = False
+    # Set while retracted: True once the scheduler runs it again, False if aborted meanwhile.
+    readmission: asyncio.Future[bool] | None = None
 
     @property
     def request(self) -> NativeRequest:
@@ -122,6 +157,23 @@ class SglangTestEngine:
         )
         self._scheduler_dead = asyncio.Event()
         self._death: asyncio.Task[None] | None = None  # the server going away after it
+        self._reset_control()
+
+    def _reset_control(self) -> None:
+        """A (re)started engine: unpaused, at its launch version, nothing held."""
+        self.versions = EngineVersions(self.config.weight_version, self.config.weight_version)
+        self.updated_model_path: str | None = None  # the last weight update's model path
+        self._pause_mode: str | None = None  # the tokenizer manager's pause (any mode)
+        self._scheduler_paused: str | None = None  # "in_place" or "retract": stopped between steps
+        self._scheduler_running = asyncio.Event()
+        self._scheduler_running.set()
+        self._weight_updates = 0  # updates waiting for the requests in flight, or applying
+        self._gate = asyncio.Event()  # set: a request may go to the scheduler
+        self._gate.set()
+        self._past_gate = 0  # live requests on the scheduler (SGLang's model-update readers)
+        self._drained = asyncio.Event()  # set: none
+        self._drained.set()
+        self.book.admission_paused = False
 
     @property
     def task_count(self) -> int:
@@ -149,6 +201,7 @@ class SglangTestEngine:
         cfg = self.config
         self._ready = asyncio.Event()
         self._scheduler_dead = asyncio.Event()
+        self._reset_control()
         self._started_at = time.time()
         servers: list[_Server] = []
         # A (re)started engine has a cold cache, and says so first (AllBlocksCleared).
@@ -278,7 +331,9 @@ class SglangTestEngine:
             if not req.stream:
                 # The tokenizer manager turns a 400 abort of a non-streaming request into a raise.
                 raise raised_abort(400, refusal)
-            stream.put(Chunk(abort_out(req.rid, bad_request_reason(refusal), 0.0), True))
+            stream.put(
+                Chunk(abort_out(req.rid, bad_request_reason(refusal), 0.0, self.versions.current), True)
+            )
             stream.put(None)
             self.book.refused(req.rid, Outcome.ERROR, refusal)
             return stream
@@ -287,11 +342,19 @@ class SglangTestEngine:
             # the tokenizer manager raises it as HTTP 503 for a unary request).
             if not req.stream:
                 raise raised_abort(503, "The request queue is full.")
-            stream.put(Chunk(abort_out(req.rid, queue_full_reason(), 0.0), True))
+            stream.put(Chunk(abort_out(req.rid, queue_full_reason(), 0.0, self.versions.current), True))
             stream.put(None)
             self.book.refused(req.rid, Outcome.ERROR, "The request queue is full.")
             return stream
-        state = RequestState(req, self.model, self.config.incremental, time.perf_counter())
+        experts = self.config.experts_shape if self.config.enable_return_routed_experts else None
+        state = RequestState(
+            req,
+            self.model,
+            self.config.incremental,
+            time.perf_counter(),
+            versions=self.versions,
+            experts=experts,
+        )
         live = _Live(state, stream, plan)
         self._live[req.rid] = live
         if req.bootstrap is not None:
@@ -308,21 +371,35 @@ class SglangTestEngine:
         return must_wait and self.book.waiting_count >= limit
 
     def abort(self, rid: str, abort_all: bool = False, *, source: str) -> list[str]:
-        """The scheduler's abort: every live rid starting with ``rid`` (or all). Returns them."""
+        """The scheduler's abort: every rid on the scheduler starting with ``rid`` (or all;
+        a held request is not on it). Returns them."""
+        scheduled = [r for r, live in self._live.items() if not live.held]
         if abort_all:
-            matched = list(self._live)
+            matched = scheduled
         elif not rid:
             matched = []  # an empty prefix would match everything: SGLang ignores it
         else:
-            matched = [r for r in self._live if r.startswith(rid)]
+            matched = [r for r in scheduled if r.startswith(rid)]
         self.abort_log.append(AbortRecord(rid, abort_all, source, tuple(matched)))
         if source in ("grpc", "http"):
             self.book.record_aborts([rid] if not abort_all else matched)
         for r in matched:
             live = self._live[r]
-            if not self.book.abort_waiting(r):
+            # A retracted request's abort is answered from the waiting queue; its event still
+            # wakes a request whose fault plan waits on it.
+            if not self.book.abort_waiting(r) or live.readmission is not None:
                 live.abort_evt.set()
         return matched
+
+    def drop_held(self, rid: str) -> bool:
+        """The client of ``rid`` left while it was held: it never reaches the scheduler.
+        False when ``rid`` is not held."""
+        live = self._live.get(rid)
+        if live is None or not live.held:
+            return False
+        live.dropped = True
+        live.abort_evt.set()
+        return True
 
     def note_ignored_abort(self, rid: str, *, source: str) -> None:
         """An abort a wire received but did not forward (no such live rid): still on record."""
@@ -330,7 +407,10 @@ class SglangTestEngine:
         self.book.record_aborts([rid])
 
     def abort_later(self, rid: str, delay: float, *, source: str) -> None:
-        """As SGLang's background task: abort ``rid`` after ``delay`` if it still runs."""
+        """As SGLang's background task: abort ``rid`` after ``delay`` if it still runs. A held
+        request is dropped at once (SGLang's request task is cancelled with its connection)."""
+        if self.drop_held(rid):
+            return
 
         async def _later() -> None:
             await asyncio.sleep(delay)
@@ -368,15 +448,22 @@ class SglangTestEngine:
             self.kv_cache.end(req.rid)
             self.book.release(req.rid, outcome, detail)
             self._live.pop(req.rid, None)
+            if not live.held:
+                self._past_gate -= 1
+                if self._past_gate == 0:
+                    self._drained.set()
             if send_end:
                 stream.put(None)
 
     async def _run(self, live: _Live) -> tuple[Outcome, bool]:
         """One request from admission to its end: (outcome, whether its stream ends)."""
         req, plan, stream, state = live.request, live.plan, live.stream, live.state
+        if not await self._pass_gate(live):
+            return Outcome.CANCELLED, True
         if not await self.book.admit(req.rid, len(req.input_ids)):
             reason = {"type": "abort", "message": "Abort in waiting queue"}
-            stream.put(Chunk(abort_out(req.rid, reason, time.perf_counter() - state.started), True))
+            elapsed = time.perf_counter() - state.started
+            stream.put(Chunk(abort_out(req.rid, reason, elapsed, self.versions.current), True))
             return Outcome.ABORTED, True
         if plan is not None and plan.kind in KV_EVENT_FAULTS:
             await self._kv_fault(plan, req.routed_dp_rank or 0)
@@ -406,12 +493,19 @@ class SglangTestEngine:
             if self._scheduler_dead.is_set():
                 # Nothing more comes from a dead scheduler; the server goes away soon.
                 await asyncio.Event().wait()
+            frozen = self._scheduler_paused is not None or live.readmission is not None
+            if frozen and not await self._turn(live):
+                stream.put(state.waiting_abort_chunk(_now()))
+                return Outcome.ABORTED, True
             # Every request in the batch waits the whole step, whose time grows with the batch.
             latency = decode_step_secs(c.token_latency_ms, c.token_latency_slope_ms, self.book.running_count)
             if len(state.ids) == fault_at and plan is not None:
                 self._flush(live)
                 return await self._apply_fault(live, plan)
-            if live.abort_evt.is_set() or (latency > 0 and await self._wait_abort(live, latency)):
+            aborted = live.abort_evt.is_set() or (latency > 0 and await self._wait_abort(live, latency))
+            if self._scheduler_paused is not None or live.readmission is not None:
+                continue  # paused or retracted meanwhile: this step does not run
+            if aborted:
                 if state.ids and not gen.done:
                     # SGLang marks a decoding request to finish and still runs the decode step
                     # already scheduled: its token rides on the abort.
@@ -440,6 +534,57 @@ class SglangTestEngine:
             # the wire keeps it open until the client leaves.
             return outcome, False
         return outcome, True
+
+    async def _pass_gate(self, live: _Live) -> bool:
+        """Hold the request while the engine is paused or a weight update waits (SGLang's pause
+        condition and model-update lock), then put it on the scheduler. False: dropped."""
+        while not self._gate.is_set() and not live.dropped:
+            waits = [asyncio.ensure_future(self._gate.wait()), asyncio.ensure_future(live.abort_evt.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        if live.dropped:
+            return False
+        live.held = False
+        self._past_gate += 1
+        self._drained.clear()
+        return True
+
+    async def _turn(self, live: _Live) -> bool:
+        """Until the scheduler runs this request: it waits out an in-place pause, and a
+        retracted request waits to be scheduled again, then is prefilled anew. False: it was
+        aborted in the waiting queue meanwhile."""
+        while True:
+            if live.readmission is not None:
+                admitted = await live.readmission
+                live.readmission = None
+                if not admitted:
+                    return False
+                await self._prefill_again(live)
+                continue
+            if self._scheduler_paused is None:
+                return True
+            await self._scheduler_running.wait()
+
+    async def _prefill_again(self, live: _Live) -> None:
+        """A retracted request back on the scheduler computes its prompt and output again (the
+        prefix cache may hold part of it); an abort meanwhile is seen at its next step."""
+        req = live.request
+        seq = req.input_ids + tuple(live.state.ids)
+        self.kv_cache.end(req.rid)  # it may have begun between its admission and the retraction
+        cached = self.kv_cache.begin(req.rid, seq, self._extra(req), req.routed_dp_rank or 0)
+        prefill = (len(seq) - cached) * self.config.prefill_us_per_token / 1e6
+        if prefill > 0:
+            await self._wait_abort(live, prefill)
+        self.kv_cache.store(req.rid, seq)
+
+    def _reopen_gate(self) -> None:
+        if self._pause_mode is None and self._weight_updates == 0:
+            self._gate.set()
+        else:
+            self._gate.clear()
 
     def _flush(self, live: _Live) -> None:
         chunk = live.state.flush(_now())
@@ -475,8 +620,126 @@ class SglangTestEngine:
             await self.kv_cache.restart()
 
     def flush_cache(self) -> bool:
-        """SGLang's /flush_cache: refused while requests run; else ``AllBlocksCleared``."""
+        """SGLang's /flush_cache: refused while requests run, or wait unless the scheduler is
+        paused (a retract pause can flush, an in-place one cannot); else ``AllBlocksCleared``."""
+        if self._scheduler_paused is None and self.book.waiting_count:
+            return False
         return self.kv_cache.flush()
+
+    # -- pause, continue, weight versions (see the module doc) ---------------------------
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the pause in force (None: not paused)."""
+        return self._pause_mode
+
+    @property
+    def holding(self) -> bool:
+        """New requests are held before the scheduler (a pause, or a weight update waiting)."""
+        return not self._gate.is_set()
+
+    def output_tokens(self, rid: str) -> int | None:
+        """The tokens a live request has produced so far (None: not live)."""
+        live = self._live.get(rid)
+        return None if live is None else len(live.state.ids)
+
+    @property
+    def held_count(self) -> int:
+        """Requests held before the scheduler by a pause or a weight update."""
+        return sum(1 for live in self._live.values() if live.held and not live.dropped)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's ``/pause_generation``; ValueError for a mode it does not have."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self._pause_mode = mode
+        self._reopen_gate()
+        if mode == "abort":
+            # The tokenizer manager aborts all and returns once no request holds its lock.
+            self.abort("", True, source="pause")
+            await self._drained.wait()
+            return
+        self._scheduler_paused = mode
+        self._scheduler_running.clear()
+        self.book.pause_admission()
+        if mode == "retract":
+            for rid in self.book.running_ids():
+                live = self._live.get(rid)
+                if live is not None and live.readmission is None:
+                    live.readmission = self.book.retract(rid)
+                    live.state.retractions += 1
+                    self.kv_cache.end(rid)
+
+    def continue_generation(self) -> None:
+        """SGLang's ``/continue_generation``: the scheduler runs again, held requests go to it."""
+        self._pause_mode = None
+        self._scheduler_paused = None
+        self._scheduler_running.set()
+        self.book.resume_admission()
+        self._reopen_gate()
+
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> None:
+        """SGLang's ``/update_weight_version`` (it aborts everything first unless told not to)."""
+        if abort_all_requests:
+            self.abort("", True, source="update_weight_version")
+        self._change_version(new_version)
+        self.versions.reported = new_version
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> tuple[bool, str, int]:
+        """SGLang's ``/update_weights_from_disk``: (success, message, num_paused_requests).
+        Unpaused, it first waits for the requests in flight while holding new ones; paused, it
+        applies at once. The cache flush after it (``flush_cache``) failing fails the call, but
+        the scheduler has taken the new version by then (the tokenizer manager has not)."""
+        if abort_all_requests:
+            self.abort("", True, source="update_weights")
+        waits_for_requests = self._pause_mode is None
+        if waits_for_requests:
+            self._weight_updates += 1
+            self._reopen_gate()
+        try:
+            if waits_for_requests:
+                await self._drained.wait()
+            success, message = True, "Succeeded to update model weights."
+            self._change_version(weight_version)
+            if flush_cache and not self.flush_cache():
+                success, message = False, flush_failed_after_update
+            if success:
+                self.updated_model_path = model_path
+                if weight_version is not None:
+                    self.versions.reported = weight_version
+                    message += f" Weight version updated to {weight_version}."
+            return success, message, 0
+        finally:
+            if waits_for_requests:
+                self._weight_updates -= 1
+                self._reopen_gate()
+
+    def _change_version(self, new_version: str | None) -> None:
+        """The scheduler's version moves (SGLang's ``record_weight_version_change``)."""
+        if new_version is None or new_version == self.versions.current:
+            return
+        old = self.versions.current
+        self.versions.current = new_version
+        for live in self._live.values():
+            if not live.held:
+                live.state.record_version_change(old)
+
+    async def health_probe(self) -> bool:
+        """``/health`` and ``/health_generate``: SGLang generates one token and answers 503
+        when nothing comes back within its timeout, as while paused or updating weights."""
+        if not self.ready:
+            return False
+        try:
+            await asyncio.wait_for(self._gate.wait(), self.config.health_check_timeout_secs)
+        except TimeoutError:
+            return False
+        return True
 
     # -- what the info endpoints report -------------------------------------------------
     def server_info(self, *, http: bool) -> dict[str, Any]:
@@ -490,7 +753,9 @@ class SglangTestEngine:
         )
 
     def model_info(self, *, http: bool) -> dict[str, Any]:
-        return model_info(self.config, http=http)
+        return model_info(
+            self.config, http=http, weight_version=self.versions.reported, model_path=self.updated_model_path
+        )
 
     def loads(self, dp_rank: int | None = None) -> list[dict[str, Any]]:
         return loads(self.config, self.book, dp_rank, time.time())

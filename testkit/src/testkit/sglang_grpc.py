@@ -1,13 +1,15 @@
 """SGLang's native gRPC wire (``sglang.runtime.v1.SglangService``) over the testkit engine.
 
-Framing follows SGLang 0.5.23's Rust server: every meta_info value is JSON text; a request's
-channel is keyed by its exact rid; ``Abort`` closes that channel (the stream ends CANCELLED
-with no terminal message) and forwards the rid to the scheduler, which aborts by prefix; an
-``Abort`` for a rid with no open channel is ignored; a stream the client cancels is aborted
-at once; submit errors and the tokenizer manager's refusals (``RequestRejected``) and any
-error inside a request's scheduler task end the stream with INTERNAL (the Rust server maps
-every bridge error so). A refusal of SGLang's scheduler is not an error on this wire: the
-stream carries one terminal with an ``abort`` finish of status_code 400 and ends OK
+Framing follows SGLang 0.5.23's Rust server (its admin RPCs too: FlushCache, PauseGeneration,
+ContinueGeneration, UpdateWeightsFromDisk, answered as its Python bridge builds them): every
+meta_info value is JSON text; a request's channel is keyed by its exact rid; ``Abort`` closes
+that channel (the stream ends CANCELLED with no terminal message) and forwards the rid to the
+scheduler, which aborts by prefix; an ``Abort`` for a rid with no open channel is ignored; a
+stream the client cancels is aborted at once; submit errors and the tokenizer manager's
+refusals (``RequestRejected``) and any error inside a request's scheduler task end the stream
+with INTERNAL (the Rust server maps every bridge error so). A refusal of SGLang's scheduler is
+not an error on this wire: the stream carries one terminal with an ``abort`` finish of
+status_code 400 and ends OK
 (see ``sglang_checks``).
 """
 
@@ -26,6 +28,7 @@ from sidecar_common.endpoint import format_host_port
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from testkit.book import Outcome
 from testkit.sglang_core import (
+    PAUSE_MODES,
     Bootstrap,
     Chunk,
     Closed,
@@ -129,7 +132,7 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
         finally:
             if self._channels.get(rid) is stream:
                 del self._channels[rid]
-            if not ended and engine.is_live(rid):
+            if not ended and engine.is_live(rid) and not engine.drop_held(rid):
                 engine.abort(rid, source="grpc-cancel")
 
     async def Abort(
@@ -140,6 +143,7 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
             channels, self._channels = self._channels, {}
             for rid, s in channels.items():
                 s.put(Closed(f"Request aborted: {rid}"))
+                engine.drop_held(rid)  # held by a pause: its client is gone, not the scheduler's
             engine.abort("", True, source="grpc")
             return sglang_pb2.AbortResponse(success=True)
         if not request.rid.strip():
@@ -151,8 +155,41 @@ class _Servicer(sglang_pb2_grpc.SglangServiceServicer):
             engine.note_ignored_abort(request.rid, source="grpc")
         else:
             stream.put(Closed(f"Request aborted: {request.rid}"))
+            engine.drop_held(request.rid)
             engine.abort(request.rid, source="grpc")
         return sglang_pb2.AbortResponse(success=True)
+
+    # -- admin RPCs: the 0.5.23 bridge's answers (entrypoints/grpc_bridge.py) --------------
+    async def FlushCache(
+        self, request: sglang_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.FlushCacheResponse:
+        # The bridge says "Cache flushed." whether or not the flush was done.
+        return sglang_pb2.FlushCacheResponse(success=self._engine.flush_cache(), message="Cache flushed.")
+
+    async def PauseGeneration(
+        self, request: sglang_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.PauseGenerationResponse:
+        if request.mode not in PAUSE_MODES:
+            # SGLang does not check (its scheduler asserts the mode, which ends it); the testkit refuses.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"mode must be one of {', '.join(PAUSE_MODES)} (testkit)"
+            )
+        await self._engine.pause_generation(request.mode)
+        return sglang_pb2.PauseGenerationResponse(message=f"Generation paused (mode={request.mode}).")
+
+    async def ContinueGeneration(
+        self, request: sglang_pb2.ContinueGenerationRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.ContinueGenerationResponse:
+        self._engine.continue_generation()
+        return sglang_pb2.ContinueGenerationResponse(message="Generation continued.")
+
+    async def UpdateWeightsFromDisk(
+        self, request: sglang_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> sglang_pb2.UpdateWeightsResponse:
+        # This wire carries no weight version: the version is unchanged (SGLang sets one only
+        # when the update names it).
+        success, message, _ = await self._engine.update_weights_from_disk(request.model_path)
+        return sglang_pb2.UpdateWeightsResponse(success=success, message=message)
 
     async def HealthCheck(
         self, request: sglang_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -21,6 +21,7 @@ from aiohttp import web
 from testkit.book import trace_fields
 from testkit.faults import parse_directive
 from testkit.sglang_core import (
+    PAUSE_MODES,
     Bootstrap,
     Chunk,
     Cut,
@@ -206,6 +207,8 @@ def native_request_from_json(body: object, rid: str, default_bootstrap_port: int
         routed_dp_rank=_int(body, "routed_dp_rank"),
         lora_path=_str(body, "lora_path"),
         cache_salt=_str(body, "cache_salt") or None,
+        return_routed_experts=_bool(body, "return_routed_experts"),
+        routed_experts_start_len=_int(body, "routed_experts_start_len") or 0,
         # SGLang's normalisation: an empty list is none; the rest is checked with the request.
         token_ids_logprob=body.get("token_ids_logprob") or None,
         temperature=_float(sp, "temperature"),
@@ -223,6 +226,18 @@ def _bad_request(message: str) -> web.Response:
     # FastAPI's RequestValidationError, as SGLang renders it (400, not 422).
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return web.Response(status=400, body=_dumps(body), content_type="application/json")
+
+
+async def _control_body(request: web.Request) -> dict[str, Any] | web.Response:
+    """An admin call's JSON object body (empty: all defaults), or the 400 for one that is not."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as e:
+        return _bad_request(f"JSON decode error: {e}")
+    if not isinstance(body, dict):
+        return _bad_request("Input should be a valid dictionary or object to extract fields from")
+    return body
 
 
 def _error_event(message: str, code: int) -> bytes:
@@ -253,6 +268,11 @@ class SglangHttpServer:
         r.add_get("/v1/models", self._models)
         r.add_get("/v1/loads", self._loads)
         r.add_route("*", "/flush_cache", self._flush_cache)
+        r.add_get("/ready", self._ready)
+        r.add_post("/pause_generation", self._pause)
+        r.add_post("/continue_generation", self._continue)
+        r.add_post("/update_weights_from_disk", self._update_weights)
+        r.add_post("/update_weight_version", self._update_weight_version)
         # Not SGLang's: the testkit's own control surface for out-of-process tests.
         r.add_get("/testkit/state", self._state)
         r.add_post("/testkit/faults", self._add_fault)
@@ -415,6 +435,9 @@ class SglangHttpServer:
                     for a in engine.abort_log
                 ],
                 "bootstraps": {rid: list(b) for rid, b in engine.bootstraps.items()},
+                "pause_mode": engine.pause_mode,
+                "held": engine.held_count,
+                "weight_version": engine.versions.current,
             }
         )
 
@@ -430,7 +453,65 @@ class SglangHttpServer:
         return web.Response(status=200)
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(status=200 if self._engine.ready else 503)
+        return web.Response(status=200 if await self._engine.health_probe() else 503)
+
+    async def _ready(self, request: web.Request) -> web.StreamResponse:
+        # SGLang's /ready: whether the server takes new requests (not while paused).
+        engine = self._engine
+        return web.Response(status=200 if engine.ready and engine.pause_mode is None else 503)
+
+    # -- pause, continue, weights (SGLang's admin endpoints; no admin key configured) -------
+    async def _pause(self, request: web.Request) -> web.StreamResponse:
+        body = await _control_body(request)
+        if isinstance(body, web.Response):
+            return body
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return _bad_request("mode: Input should be 'abort', 'retract' or 'in_place'")
+        await self._engine.pause_generation(mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.StreamResponse:
+        body = await _control_body(request)
+        if isinstance(body, web.Response):
+            return body
+        self._engine.continue_generation()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _update_weights(self, request: web.Request) -> web.StreamResponse:
+        body = await _control_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            model_path = body.get("model_path")
+            if not isinstance(model_path, str):
+                raise _BadBody("model_path: Field required (a string)")
+            version = _str(body, "weight_version")
+            abort_all = _bool(body, "abort_all_requests")
+            flush = body.get("flush_cache", True)
+            if not isinstance(flush, bool):
+                raise _BadBody("flush_cache: Input should be a valid boolean")
+        except _BadBody as e:
+            return _bad_request(str(e))
+        success, message, paused = await self._engine.update_weights_from_disk(
+            model_path, weight_version=version, abort_all_requests=abort_all, flush_cache=flush
+        )
+        answer = {"success": success, "message": message, "num_paused_requests": paused}
+        return web.json_response(answer, status=200 if success else 400)
+
+    async def _update_weight_version(self, request: web.Request) -> web.StreamResponse:
+        body = await _control_body(request)
+        if isinstance(body, web.Response):
+            return body
+        version = body.get("new_version")
+        abort_all = body.get("abort_all_requests", True)
+        if not isinstance(version, str):
+            return _bad_request("new_version: Field required (a string)")
+        if not isinstance(abort_all, bool):
+            return _bad_request("abort_all_requests: Input should be a valid boolean")
+        self._engine.update_weight_version(version, abort_all_requests=abort_all)
+        answer = {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        return web.json_response(answer)
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self._engine.server_info(http=True))

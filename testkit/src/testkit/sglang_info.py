@@ -12,7 +12,9 @@ from typing import Any
 
 from testkit.book import Book
 from testkit.kv_events import KvEventsConfig
+from testkit.routed_experts import ExpertsShape
 from testkit.sglang_core import SGLANG_VERSION
+from testkit.weight_versions import DEFAULT_WEIGHT_VERSION
 
 __all__ = ["DISAGG_MODES", "SglangEngineConfig", "loads", "model_info", "server_info"]
 
@@ -66,6 +68,17 @@ class SglangEngineConfig:
     # for each prompt token not cached (a simulated GPU; testkit only).
     kv_events: KvEventsConfig | None = None
     prefill_us_per_token: float = 0.0
+    # SGLang's --weight-version: the version the engine starts with (updates change it).
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    # SGLang's --enable-return-routed-experts, and the fake MoE's shape (testkit.routed_experts;
+    # SGLang reads num_hidden_layers and num_experts_per_tok from the model's config).
+    enable_return_routed_experts: bool = False
+    num_hidden_layers: int = 2
+    num_experts_per_tok: int = 2
+    num_experts: int = 8
+    # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: how long /health and /health_generate wait for
+    # their probe's first output (a paused engine gives none) before answering 503.
+    health_check_timeout_secs: float = 20.0
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGG_MODES:
@@ -82,6 +95,13 @@ class SglangEngineConfig:
             raise ValueError("latencies and delays must be >= 0")
         if self.context_length < 2 or self.kv_capacity_tokens < 1 or self.page_size < 1:
             raise ValueError("context_length, kv_capacity_tokens and page_size must be positive")
+        if self.health_check_timeout_secs < 0:
+            raise ValueError("health_check_timeout_secs must be >= 0")
+        ExpertsShape(self.num_hidden_layers, self.num_experts_per_tok, self.num_experts)  # checks the shape
+
+    @property
+    def experts_shape(self) -> ExpertsShape:
+        return ExpertsShape(self.num_hidden_layers, self.num_experts_per_tok, self.num_experts)
 
     @property
     def lora_enabled(self) -> bool:
@@ -132,6 +152,7 @@ def server_info(
         "max_req_input_len": min(cfg.context_length, cfg.kv_capacity_tokens) - 1,
         # SGLang's descriptor of its KV-event publisher (kv_events.sglang_kv_events_descriptor).
         "kv_events": kv_events,
+        "enable_return_routed_experts": cfg.enable_return_routed_experts,
     }
     if http:
         info.update(
@@ -145,13 +166,18 @@ def server_info(
     return info
 
 
-def model_info(cfg: SglangEngineConfig, *, http: bool) -> dict[str, Any]:
+def model_info(
+    cfg: SglangEngineConfig, *, http: bool, weight_version: str, model_path: str | None = None
+) -> dict[str, Any]:
+    """``/model_info`` / ``GetModelInfo``: ``weight_version`` is the tokenizer manager's; after
+    a weight update from disk SGLang reports that update's ``model_path`` as both the model
+    path and the served model name (``model_path``; None: none yet)."""
     info: dict[str, Any] = {
-        "model_path": cfg.model_path,
-        "served_model_name": cfg.model_name,
+        "model_path": model_path or cfg.model_path,
+        "served_model_name": model_path or cfg.model_name,
         "tokenizer_path": cfg.model_path,
         "is_generation": True,
-        "weight_version": "default",
+        "weight_version": weight_version,
         "load_format": "auto",
         "reasoning_parser": None,
         "tool_call_parser": None,
