@@ -213,6 +213,14 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="HTTP control endpoint: GET /book, POST and DELETE /faults (default: unset: off)",
     )
+    a(
+        "--admin-listen",
+        type=listen_arg,
+        default=None,
+        metavar="HOST:PORT",
+        help="HTTP admin port with vLLM's RL routes: /pause, /resume, /is_paused, "
+        "/update_weight_version, /weight_info... (vLLM serves them only over HTTP; default: off)",
+    )
 
 
 def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
@@ -244,6 +252,8 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmEngineConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_events=args.kv_events_config,
         prefill_us_per_token=args.prefill_us_per_token,
+        admin_host=args.admin_listen[0] if args.admin_listen else VllmEngineConfig().admin_host,
+        admin_port=args.admin_listen[1] if args.admin_listen else None,
     )
 
 
@@ -270,6 +280,8 @@ async def _serve_vllm(
             await site.start()
             _log.info("control on %s:%d", control[0], runner.addresses[0][1])
         port = await engine.start()
+        if engine.admin_port is not None:
+            _log.info("admin on %s:%d", config.admin_host, engine.admin_port)
         ready = asyncio.ensure_future(engine.wait_ready(config.startup_delay_secs + 3600))
         stopping = asyncio.ensure_future(stop.wait())
         try:
@@ -310,7 +322,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"testkit-engine vllm: error: {e}", file=sys.stderr)
         return 2
-    problem = listen_problem((config.host, config.port), args.control_listen)
+    problem = listen_problem((config.host, config.port), args.control_listen, args.admin_listen)
     if problem is not None:
         print(f"testkit-engine vllm: {problem}", file=sys.stderr)
         return 1

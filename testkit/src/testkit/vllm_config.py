@@ -49,6 +49,10 @@ class VllmEngineConfig:
     num_gpu_blocks_override: int | None = None
     kv_events: KvEventsConfig | None = None
     prefill_us_per_token: float = 0.0
+    # The admin HTTP port (testkit.vllm_admin: vLLM's /pause, /resume, /is_paused and weight
+    # version routes). None: not served; 0: a free port.
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:

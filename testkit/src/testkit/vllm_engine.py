@@ -53,6 +53,22 @@ token not cached; its prompt's blocks are cached after that prefill and its outp
 finishes. With ``--kv-events-config`` every change is published on vLLM's KV-event wire
 (``kv_events``, ``kv_publisher``); a restarted engine has a cold cache and restarts its
 sequence numbers without a word (vLLM publishes ``AllBlocksCleared`` only on a cache reset).
+
+Pause, resume and weight versions (vLLM 0.34.0's ``EngineCoreProc.pause_generation``, its
+scheduler's pause states and ``output_processor.track_weight_version``) are served on the
+admin HTTP port (``testkit.vllm_admin``), as vLLM serves them only over HTTP:
+
+* ``abort``: every request, running or queued, ends as an Abort RPC ends it (``abort``
+  finish); ``wait``: running requests finish, queued ones stay queued; both refuse new
+  requests until resume with vLLM's retryable error, which smg's servicer ends INTERNAL with
+  its text (``PAUSED_MESSAGE``), and clear the prefix cache once drained unless
+  ``clear_cache`` is false. ``keep``: nothing is scheduled (a running request stops between
+  steps), new requests are accepted and queued, and all go on at resume. The pause call
+  returns once its mode's drain is done. ``GetServerInfo.is_paused`` says whether a pause is
+  in force (smg-grpc-servicer 0.14.1 leaves it false; the testkit fills the field).
+* Weight versions: each step labels the tokens it made with the engine's version (initially
+  "default"), and a request's spans (``weight_versions_of``) are kept when it ends. vLLM's
+  gRPC wire has no field for them (nor for routed experts): nothing here is sent.
 """
 
 from __future__ import annotations
@@ -67,6 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from smg_grpc_proto.generated import common_pb2
@@ -80,6 +97,7 @@ from testkit.faults import KV_EVENT_FAULTS, FaultBook, FaultKind, FaultPlan
 from testkit.generator import Generator, prompt_logprobs
 from testkit.kv_publisher import EngineKvCache
 from testkit.pacing import decode_step_secs
+from testkit.vllm_admin import VLLM_PAUSE_MODES, admin_app
 
 # Plain data apart (no grpc there, for the command line); re-exported here.
 from testkit.vllm_config import VllmEngineConfig
@@ -96,10 +114,12 @@ from testkit.vllm_wire import (
     step,
     stopped,
 )
+from testkit.weight_versions import DEFAULT_WEIGHT_VERSION, WeightVersionSpan, vllm_spans, vllm_track
 
 __all__ = [
     "ENGINE_DEAD_MESSAGE",
     "MAX_QUEUED_TOKENS_MESSAGE",
+    "PAUSED_MESSAGE",
     "QUEUE_OVERFLOW_MESSAGE",
     "SERVICE_NAME",
     "VllmEngineConfig",
@@ -117,6 +137,8 @@ QUEUE_OVERFLOW_MESSAGE = (
     "The engine is currently busy and cannot accept new requests. "
     "Please try again later or on a different instance."
 )
+# vLLM's RequestError for a request added while a pause (abort or wait) refuses new ones.
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 MAX_QUEUED_TOKENS_MESSAGE = (
     "The engine has reached its prefill token backlog limit. "
     "Please try again later or on a different instance."
@@ -168,6 +190,21 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         # makes one worker of a fleet busy without filling it).
         self.max_num_queued_reqs = self.config.max_num_queued_reqs
         self.max_num_queued_tokens = self.config.max_num_queued_tokens
+        self.admin_port = self.config.admin_port
+        self._admin: web.AppRunner | None = None
+        self._released = asyncio.Event()  # pulsed when a request ends
+        # Each ended request's weight-version spans, per choice (vLLM's final output has them).
+        self.weight_spans: dict[str, list[list[WeightVersionSpan] | None]] = {}
+        self._reset_control()
+
+    def _reset_control(self) -> None:
+        """A (re)started engine: unpaused, at vLLM's initial version."""
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self._pause_mode: str | None = None
+        self._reject_new = False
+        self._unfrozen = asyncio.Event()  # cleared by a keep pause: no step runs
+        self._unfrozen.set()
+        self.book.admission_paused = False
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> int:
@@ -180,7 +217,10 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 self.port = int(s.getsockname()[1])
         self._stopping.clear()
         self._core_dead = asyncio.Event()  # a (re)started server has a live engine core
+        self._reset_control()
         await self.kv_cache.start()  # a (re)started engine has a cold cache
+        if self.admin_port is not None:
+            await self._start_admin(self.admin_port)
         if self.config.startup_delay_secs > 0 and not self._ready.is_set():
             self._bind_task = asyncio.create_task(self._bind_later(self.config.startup_delay_secs))
         else:
@@ -228,8 +268,69 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace)
+        if self._admin is not None:
+            admin, self._admin = self._admin, None
+            await admin.cleanup()
         await self.kv_cache.stop()
         self._ready.clear()
+
+    async def _start_admin(self, port: int) -> None:
+        runner = web.AppRunner(admin_app(self), access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.config.admin_host, port, reuse_address=True).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._admin = runner
+        self.admin_port = int(runner.addresses[0][1])  # a port 0 bind keeps its port for a restart
+
+    # -- pause, resume, weight versions (see the module doc) ------------------------------
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self._pause_mode
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's ``/pause``; ValueError for a mode it does not have."""
+        if mode not in VLLM_PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")
+        self._pause_mode = mode
+        self._reject_new = mode != "keep"
+        self.book.pause_admission()
+        if mode == "keep":
+            self._unfrozen.clear()
+            return
+        self._unfrozen.set()
+        if mode == "abort":
+            for rid, live in list(self._live.items()):
+                if not self.book.abort_waiting(rid):
+                    live.aborted.set()
+        # Drained: nothing runs (abort: nothing is queued either).
+        while self.book.running_count or (mode == "abort" and self.book.waiting_count):
+            self._released.clear()
+            await self._released.wait()
+        if clear_cache:
+            self.kv_cache.flush()
+
+    def resume_generation(self) -> None:
+        """vLLM's ``/resume``: queued requests run, new ones are accepted."""
+        self._pause_mode = None
+        self._reject_new = False
+        self._unfrozen.set()
+        self.book.resume_admission()
+
+    def update_weight_version(self, new_version: str) -> None:
+        """vLLM's ``/update_weight_version`` (and ``/finish_weight_update`` with a version):
+        the steps from now on label their tokens with it."""
+        self.weight_version = new_version
+
+    def weight_versions_of(self, request_id: str) -> list[list[WeightVersionSpan] | None] | None:
+        """An ended request's spans, per choice (None: no such request ended)."""
+        return self.weight_spans.get(request_id)
 
     async def die(self) -> None:
         """Engine-wide fault: the server goes away now, mid-stream (streams end without status)."""
@@ -299,6 +400,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             last_receive_timestamp=self._last_receive,
             uptime_seconds=time.monotonic() - self._started_at,
             server_type="vllm-grpc",
+            is_paused=self.is_paused,
             kv_connector="NixlConnector" if c.kv_role else "",
             kv_role=c.kv_role,
             kv_engine_id=c.kv_engine_id if c.kv_role else "",
@@ -420,6 +522,12 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             self.book.refused(rid, Outcome.ERROR, refusal)
             await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
             return
+        if self._reject_new:
+            # vLLM's engine core refuses it with a retryable RequestError; smg's servicer ends
+            # the stream INTERNAL with its text.
+            self.book.refused(rid, Outcome.ERROR, PAUSED_MESSAGE)
+            await context.abort(grpc.StatusCode.INTERNAL, PAUSED_MESSAGE)
+            return
         plan = self.faults.plan_for(rid)
         if plan is not None and plan.kind is FaultKind.FAIL_OPEN:
             self.book.refused(rid, Outcome.FAULTED, plan.kind.value)
@@ -447,6 +555,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             self.kv_cache.end(rid)
             self._live.pop(rid, None)
             self.book.release(rid, outcome, detail)
+            self._released.set()
 
     @staticmethod
     def _rank(request: pb.GenerateRequest) -> int:
@@ -498,6 +607,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
         choices = [Choice(Generator(c.model, prompt, sampling, i)) for i in range(sampling.n)]
         if not await self.book.admit(rid, len(prompt)):
             live.aborted.set()
+            self._keep_spans(rid, choices)
             for ch in choices:
                 for msg in from_abort(ch, len(prompt), 0, stream=request.stream):
                     yield msg
@@ -522,12 +632,16 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             if stall is not None:
                 await stall.stall(live.aborted, stall.stall_secs)
                 stall = None
+            await self._unfreeze(live)
             # Every request in the batch waits the whole step, whose time grows with the batch.
             step_secs = decode_step_secs(
                 c.token_latency_ms, c.token_latency_slope_ms, self.book.running_count
             )
             await self._pause(live, step_secs * c.chunk_tokens)
+            if not self._unfrozen.is_set() and not live.aborted.is_set():
+                continue  # a keep pause came meanwhile: this step does not run
             if live.aborted.is_set():
+                self._keep_spans(rid, choices)
                 for msg in stopped(
                     choices,
                     stream=request.stream,
@@ -540,6 +654,7 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 ):
                     yield msg
                 return
+            made_before = [len(ch.all_ids) for ch in choices]
             messages, made = step(
                 choices,
                 stream=request.stream,
@@ -553,11 +668,29 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
             )
             produced += made
             self.book.set_tokens(rid, produced)
+            for ch, before in zip(choices, made_before, strict=True):
+                if len(ch.all_ids) > before:
+                    ch.version_starts = vllm_track(ch.version_starts, self.weight_version, before)
             if all(ch.gen.done for ch in choices):
                 # The output's KV is cached too (all but the last token's, never computed).
                 self.kv_cache.store(rid, prompt + tuple(choices[0].all_ids[:-1]))
+                self._keep_spans(rid, choices)
             for msg in messages:
                 yield msg
+
+    async def _unfreeze(self, live: _Live) -> None:
+        """Wait out a keep pause (an abort still ends the request at once)."""
+        if self._unfrozen.is_set():
+            return
+        waits = [asyncio.ensure_future(self._unfrozen.wait()), asyncio.ensure_future(live.aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    def _keep_spans(self, rid: str, choices: list[Choice]) -> None:
+        self.weight_spans[rid] = [vllm_spans(ch.version_starts, len(ch.all_ids)) for ch in choices]
 
     async def _faulted(
         self, source: AsyncGenerator[pb.GenerateResponse, None], plan: FaultPlan | None, live: _Live

@@ -51,6 +51,8 @@ class Choice:
         self.all_lps: list[PositionLogprobs | None] = []
         self.first_sent = False
         self.finish: Finish | None = None
+        # Where each weight version's tokens start (testkit.weight_versions.vllm_track).
+        self.version_starts: tuple[tuple[str, int], ...] = ()
 
 
 def _validation_error(message: str, parameter: str | None = None, value: object = None) -> str:
