@@ -8,16 +8,19 @@ Served on the frontend's HTTP port (:meth:`AdminApi.routes`), or on ``--admin-li
 (:meth:`AdminApi.app`). Every call first passes :func:`~sidecar_frontend.membership.admin_access`
 (401 without the configured bearer token, 403 from off-host without one configured).
 
-With ``--processes`` above 1 each process holds its own worker set and a call reaches one of
-them: every admin call is refused (501, saying so) rather than registering a worker with some
-processes only.
+Where a change is applied is a :class:`MembershipControl`: :class:`LocalControl` for one
+process; with ``--processes`` above 1, :class:`RelayedControl`, which hands the change to the
+parent, and the parent to every process (sidecar_frontend/membership_relay.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final
+from dataclasses import dataclass
+from typing import Final, Protocol
 from urllib.parse import unquote
 
 import anyio
@@ -34,10 +37,21 @@ from sidecar_frontend.membership import (
     worker_list,
     worker_row,
 )
+from sidecar_frontend.membership_relay import Apply, Op, Refused, RelayRequest, parse_control, request_line
 from sidecar_frontend.registry import WorkerState
 from sidecar_frontend.workers import WorkerSet
 
-__all__ = ["ADMIN_PATHS", "LEGACY_ADD_WAIT", "AdminApi"]
+__all__ = [
+    "ADMIN_PATHS",
+    "LEGACY_ADD_WAIT",
+    "PARENT_ANSWER_WAIT",
+    "AdminApi",
+    "LocalControl",
+    "MembershipControl",
+    "ParentLink",
+    "RelayedControl",
+    "keep_registered",
+]
 
 log = structlog.get_logger("sidecar_frontend.admin")
 
@@ -46,6 +60,9 @@ log = structlog.get_logger("sidecar_frontend.admin")
 # most, then the worker is removed again and the call fails.
 LEGACY_ADD_WAIT: Final = 300.0
 ADMIN_PATHS: Final = ("/workers", "/workers/{worker_id}", "/add_worker", "/remove_worker", "/list_workers")
+# How long a process of --processes N waits for its parent to relay a change (the parent
+# answers at once; only a wedged parent is slower).
+PARENT_ANSWER_WAIT: Final = 30.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -67,6 +84,125 @@ def _text(status: int, text: str) -> web.Response:
     return web.Response(status=status, text=text)
 
 
+class MembershipControl(Protocol):
+    """Where the API's changes are applied."""
+
+    async def register(self, registration: Registration) -> AdminError | None:
+        """None once the worker is registered (here: it serves once ready), or why not."""
+
+    async def unregister(self, address: str) -> AdminError | str:
+        """What happens to the worker (it drains, or stays), or why not."""
+
+
+class LocalControl:
+    """One frontend process: the changes apply to its own :class:`Membership`."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    async def register(self, registration: Registration) -> AdminError | None:
+        return self.membership.register(registration)
+
+    async def unregister(self, address: str) -> AdminError | str:
+        return self.membership.unregister(address)
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    """One process of ``--processes N`` and its parent (sidecar_frontend/processes/child.py)."""
+
+    index: int  # this process's number
+    send: Callable[[bytes], None]  # one line to the parent (the status pipe)
+    # Called once, on the event loop: the parent's lines are handed to this from then on (in
+    # order, those that came before first).
+    attach: Callable[[Callable[[bytes], None]], None]
+    registrations: tuple[Registration, ...]  # the parent's list when this process started
+
+
+class RelayedControl:
+    """One process of ``--processes N``: a change goes to the parent, which applies it to every
+    process (this one included) in one order; the call is answered once this process's own
+    copy arrived (sidecar_frontend/membership_relay.py). Every change the parent sends is
+    applied here through :meth:`deliver`, whoever asked for it."""
+
+    def __init__(
+        self, membership: Membership, link: ParentLink, answer_wait: float = PARENT_ANSWER_WAIT
+    ) -> None:
+        self.membership = membership
+        self._link = link
+        self._answer_wait = answer_wait
+        self._numbers = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[AdminError | str | None]] = {}
+
+    async def register(self, registration: Registration) -> AdminError | None:
+        refusal = self.membership.refusal_to_register(registration)  # this process's view
+        if refusal is not None:
+            return refusal
+        answer = await self._ask("register", registration.address, registration)
+        return answer if isinstance(answer, AdminError) else None
+
+    async def unregister(self, address: str) -> AdminError | str:
+        refusal = self.membership.refusal_to_unregister(address)
+        if refusal is not None:
+            return refusal
+        answer = await self._ask("unregister", address)
+        return answer if answer is not None else f"worker {address} is no longer registered"
+
+    async def _ask(
+        self, op: Op, address: str, registration: Registration | None = None
+    ) -> AdminError | str | None:
+        number = next(self._numbers)
+        answer: asyncio.Future[AdminError | str | None] = asyncio.get_running_loop().create_future()
+        self._waiting[number] = answer
+        try:
+            self._link.send(request_line(RelayRequest(number, op, address, registration)))
+            return await asyncio.wait_for(answer, self._answer_wait)
+        except (TimeoutError, OSError) as err:
+            log.error("the parent did not relay an admin change", op=op, worker=address, error=repr(err))
+            return AdminError(
+                503, "UNAVAILABLE", f"the frontend's supervising process did not relay the change: {err!r}"
+            )
+        finally:
+            self._waiting.pop(number, None)
+
+    def deliver(self, line: bytes) -> None:
+        """One line from the parent: a change to apply here, or the refusal of one asked here."""
+        message = parse_control(line)
+        if message is None:
+            log.warning("ignoring a line from the parent that is not a membership change", line=line[:200])
+            return
+        if isinstance(message, Refused):
+            self._answer(message.id, message.error)
+            return
+        outcome = self._apply(message)
+        if message.origin == self._link.index:
+            self._answer(message.id, outcome)
+
+    def _apply(self, change: Apply) -> str | None:
+        if change.op == "register" and change.registration is not None:
+            self.membership.adopt(change.registration)
+            log.info("worker registered", worker=change.address, url=change.registration.url, relayed=True)
+            return None
+        outcome = self.membership.release(change.address)
+        log.info("worker unregistered", worker=change.address, outcome=outcome, relayed=True)
+        return outcome
+
+    def _answer(self, number: int, answer: AdminError | str | None) -> None:
+        waiting = self._waiting.get(number)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(answer)
+
+
+async def keep_registered(workers: WorkerSet, membership: Membership) -> None:
+    """At each change of the worker set, add again a registered worker it does not hold (it
+    ignored the add while it still drained that address). Runs until cancelled."""
+    while True:
+        changed = workers.next_change()
+        for registration in membership.missing():
+            workers.add_worker(registration.address, registration.role)
+        await changed.wait()
+
+
 class AdminApi:
     """The admin endpoints over one worker set and its :class:`Membership`."""
 
@@ -76,13 +212,13 @@ class AdminApi:
         membership: Membership,
         *,
         token: str | None,
-        processes: int = 1,
+        control: MembershipControl | None = None,
         add_wait: float = LEGACY_ADD_WAIT,
     ) -> None:
         self.workers = workers
         self.membership = membership
+        self.control: MembershipControl = control if control is not None else LocalControl(membership)
         self._token = token
-        self._processes = processes
         self._add_wait = add_wait
 
     # ---------------------------------------------------------------- routes
@@ -129,15 +265,6 @@ class AdminApi:
                 response = _error(wrong)
                 response.headers["Allow"] = allowed
                 return response
-            if self._processes > 1:
-                return _error(
-                    AdminError(
-                        501,
-                        "NOT_IMPLEMENTED",
-                        f"the membership API needs --processes 1: this frontend runs {self._processes} "
-                        "processes, each with its own workers, and a call would reach only one of them",
-                    )
-                )
             return await handler(request)
 
         return handle
@@ -148,7 +275,7 @@ class AdminApi:
         parsed = parse_registration(await request.read())
         if isinstance(parsed, AdminError):
             return _error(parsed)
-        refusal = self._register(parsed)
+        refusal = await self._register(parsed)
         if refusal is not None:
             return _error(refusal)
         location = f"/workers/{parsed.id}"
@@ -183,7 +310,7 @@ class AdminApi:
             return _error(AdminError(404, "WORKER_NOT_FOUND", f"Worker {key} not found"))
         worker_id = self.membership.id_of(address)
         url = self.membership.url_of(address)
-        outcome = self._unregister(address)
+        outcome = await self._unregister(address)
         if isinstance(outcome, AdminError):
             return _error(outcome)
         return _json(202, {"status": "accepted", "worker_id": worker_id, "url": url, "message": outcome})
@@ -197,12 +324,12 @@ class AdminApi:
         parsed = registration_from({"url": url})
         if isinstance(parsed, AdminError):
             return _text(parsed.status, parsed.message)
-        refusal = self._register(parsed)
+        refusal = await self._register(parsed)
         if refusal is not None:
             return _text(400 if refusal.status == 409 else refusal.status, refusal.message)
         problem = await self._until_serving(parsed)
         if problem is not None:
-            self._unregister(parsed.address)
+            await self._unregister(parsed.address)
             return _text(400, problem)
         return _text(200, f"Successfully added worker: {parsed.url}")
 
@@ -214,7 +341,7 @@ class AdminApi:
         if address is None:
             # The legacy routers answer 200 for an unknown worker too (removing is idempotent).
             return _text(200, f"worker {url} was not registered: nothing to remove")
-        outcome = self._unregister(address)
+        outcome = await self._unregister(address)
         if isinstance(outcome, AdminError):
             # Removing a worker that is already leaving changes nothing: 200, as the legacy
             # routers answer a removal of a worker they no longer hold.
@@ -244,8 +371,8 @@ class AdminApi:
 
     # ---------------------------------------------------------------- changes, logged
 
-    def _register(self, registration: Registration) -> AdminError | None:
-        refusal = self.membership.register(registration)
+    async def _register(self, registration: Registration) -> AdminError | None:
+        refusal = await self.control.register(registration)
         if refusal is None:
             log.info(
                 "worker registered",
@@ -256,8 +383,8 @@ class AdminApi:
             )
         return refusal
 
-    def _unregister(self, address: str) -> AdminError | str:
-        outcome = self.membership.unregister(address)
+    async def _unregister(self, address: str) -> AdminError | str:
+        outcome = await self.control.unregister(address)
         if not isinstance(outcome, AdminError):
             log.info("worker unregistered", worker=address, outcome=outcome)
         return outcome

@@ -49,6 +49,7 @@ __all__ = [
     "Registration",
     "WorkerSink",
     "admin_access",
+    "already_registered",
     "canonical_url",
     "is_loopback",
     "parse_registration",
@@ -367,12 +368,7 @@ class Membership:
         address = registration.address
         held = self._registered.get(address)
         if held is not None:
-            return AdminError(
-                409,
-                "WORKER_ALREADY_EXISTS",
-                f"worker {held.url} is already registered with id {held.id}; "
-                f"DELETE /workers/{held.id} first to register it again",
-            )
+            return already_registered(held)
         worker = self.workers.get(address)
         if worker is not None and worker.state is WorkerState.DRAINING:
             return AdminError(
@@ -395,10 +391,22 @@ class Membership:
         refusal = self.refusal_to_register(registration)
         if refusal is not None:
             return refusal
+        self.adopt(registration)
+        return None
+
+    def adopt(self, registration: Registration) -> None:
+        """Hold ``registration`` whatever this process's view (``--processes N``: the parent
+        decided it for every process; a worker still draining here is added once it left,
+        by :meth:`missing`'s reconcile)."""
         self._registered[registration.address] = registration
         self._leaving.pop(registration.address, None)
         self.workers.add_worker(registration.address, registration.role)
-        return None
+
+    def missing(self) -> list[Registration]:
+        """Registrations whose worker the set does not hold (it ignored the add while it
+        still drained the address); the caller adds them again."""
+        held = self.workers.addresses()
+        return [r for r in self._registered.values() if r.address not in held]
 
     def refusal_to_unregister(self, address: str) -> AdminError | None:
         """Why the worker at ``address`` cannot be removed through the API (404, 409), or None."""
@@ -428,7 +436,14 @@ class Membership:
         refusal = self.refusal_to_unregister(address)
         if refusal is not None:
             return refusal
-        registration = self._registered.pop(address)
+        return self.release(address)
+
+    def release(self, address: str) -> str:
+        """Let go of the registration at ``address`` (``--processes N``: decided by the parent
+        for every process): what happens to the worker here."""
+        registration = self._registered.pop(address, None)
+        if registration is None:
+            return f"worker {address} is not registered here"
         if address in self._discovered:
             return (
                 f"worker {registration.url} is no longer registered through the API; it stays, "
@@ -463,6 +478,15 @@ class Membership:
         if registration is not None:
             return registration.id
         return worker_id(canonical_url("grpc", address))
+
+
+def already_registered(registration: Registration) -> AdminError:
+    return AdminError(
+        409,
+        "WORKER_ALREADY_EXISTS",
+        f"worker {registration.url} is already registered with id {registration.id}; "
+        f"DELETE /workers/{registration.id} first to register it again",
+    )
 
 
 # ------------------------------------------------------------------------------ GET /workers

@@ -47,7 +47,7 @@ from sidecar_common.ports import bind_problem
 from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED, run_event_loop
 from sidecar_common.tracing import Tracing
 from sidecar_common.version import package_version
-from sidecar_frontend.admin import AdminApi
+from sidecar_frontend.admin import AdminApi, MembershipControl, ParentLink, RelayedControl, keep_registered
 from sidecar_frontend.admission.gate import Gate, WakeOnWorkerEvents
 from sidecar_frontend.admission.metrics import AdmissionMetrics
 from sidecar_frontend.admission.rate_file import follow_rate_file, load_rate_file
@@ -96,6 +96,8 @@ class Inherited:
     listeners: tuple[socket.socket, ...]
     # Told the port of this process's own metrics endpoint (loopback) once it serves.
     serving: Callable[[int], None]
+    # The membership API's changes go through the parent, which applies them to every process.
+    parent: ParentLink | None = None
 
 
 def load_formats(names: Sequence[str], *, sglang_incremental_streaming_output: bool = False) -> list[Format]:
@@ -250,11 +252,20 @@ async def _serve(
                 return EXIT_STARTUP_FAILED
             # Discovery and the membership API each list workers; each lets go only of its own.
             membership = Membership(workers, config.discovery.mode)
+            control: MembershipControl | None = None
+            if inherited is not None and inherited.parent is not None:
+                # One of --processes N: the parent's registrations so far, then its changes.
+                for registration in inherited.parent.registrations:
+                    membership.adopt(registration)
+                relayed = RelayedControl(membership, inherited.parent)
+                inherited.parent.attach(relayed.deliver)
+                control = relayed
+            supervisor.start("keep_registered", lambda: keep_registered(workers, membership))
             # Serving starts once discovery applied its first view (or its first attempt failed).
             await _start_discovery(supervisor, config, membership)
             if config.discovery.mode == "static" and not config.discovery.static_workers:
                 log.warning("no worker yet: they come through the membership API (POST /workers, docs/rl.md)")
-            admin = AdminApi(workers, membership, token=config.admin.token, processes=config.processes)
+            admin = AdminApi(workers, membership, token=config.admin.token, control=control)
             code = await _serve_http(
                 config, formats, workers, choice, metrics, signals, gate, inherited, admin, routing
             )

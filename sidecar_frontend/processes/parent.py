@@ -14,6 +14,11 @@ Start-up, in the parent (plain asyncio; it does no request work):
    sockets and its spec (sidecar_frontend/processes/spec.py); the merged ``/metrics`` on
    ``--metrics-port``; one ``serving`` line once every process has served.
 
+The membership API (sidecar_frontend/membership_relay.py): the parent holds the one list of
+registrations; a change a process asks for on its status pipe is recorded and sent to every
+process on its stdin, in one order (or refused to the asking process alone); a process started
+or restarted gets the list in its spec.
+
 While serving: a process that ends is logged and restarted on the same sockets (connections
 that arrive meanwhile wait in its backlog for the new process) after a pause, within bounds
 (sidecar_frontend/processes/policy.py); one whose metrics endpoint stops answering is killed,
@@ -61,6 +66,14 @@ from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED
 from sidecar_common.version import package_version
 from sidecar_frontend.cli import FrontendConfig
 from sidecar_frontend.host_limits import connection_limits
+from sidecar_frontend.membership_relay import (
+    Apply,
+    RelayBook,
+    RelayRequest,
+    apply_line,
+    parse_request,
+    refused_line,
+)
 from sidecar_frontend.processes.exposition import PROCESS_LABEL, merge_expositions
 from sidecar_frontend.processes.policy import (
     Liveness,
@@ -116,6 +129,8 @@ class _Parent:
         self.signals = 0
         self.gave_up = False
         self.slots: list[_Slot] = []
+        # The membership API's registrations, the one list every process follows.
+        self.book = RelayBook()
         self.all_served = False
         self.port = 0
         disable_created_metrics()  # type: ignore[no-untyped-call]  # as the processes' own (metrics.py)
@@ -252,7 +267,7 @@ class _Parent:
         watch = asyncio.create_task(self._watch_liveness(slot, proc))
         try:
             assert proc.stdin is not None
-            spec = ChildSpec(self.config, slot.index, fds, write_end)
+            spec = ChildSpec(self.config, slot.index, fds, write_end, self.book.registrations())
             with contextlib.suppress(ConnectionError):
                 proc.stdin.write(spec_bytes(spec))
                 await proc.stdin.drain()
@@ -280,8 +295,31 @@ class _Parent:
                 if port is not None:
                     slot.metrics_port, slot.served = port, True
                     self._served()
+                    continue
+                request = parse_request(line)
+                if request is not None:
+                    self._relay(slot, request)
         finally:
             transport.close()
+
+    def _relay(self, asking: _Slot, request: RelayRequest) -> None:
+        """A membership change ``asking`` was asked for: to every process in one order (each
+        write is synchronous, so no other change comes between), or refused to it alone. A
+        process being restarted gets the list in its spec instead."""
+        decision = self.book.decide(asking.index, request)
+        if isinstance(decision, Apply):
+            log.info(
+                "membership change relayed",
+                op=decision.op,
+                worker=decision.address,
+                asked_by=asking.index,
+                registered=len(self.book.registrations()),
+            )
+            line = apply_line(decision)
+            for slot in self.slots:
+                _write(slot, line)
+        else:
+            _write(asking, refused_line(decision))
 
     def _served(self) -> None:
         if self.all_served or not all(slot.served for slot in self.slots):
@@ -389,6 +427,16 @@ class _Parent:
             raise
         log.info("metrics endpoint up", host=host, port=self.config.metrics_port, merged=len(self.slots))
         return runner
+
+
+def _write(slot: _Slot, line: bytes) -> None:
+    """One line on ``slot``'s process's stdin (nothing when it is not running: a process
+    started later gets the parent's list in its spec)."""
+    proc = slot.proc
+    if proc is None or proc.stdin is None or proc.stdin.is_closing():
+        return
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        proc.stdin.write(line)
 
 
 async def _scrape(http: aiohttp.ClientSession, port: int, timeout: float) -> str | None:

@@ -1,13 +1,18 @@
 """The membership API as a trainer uses it: ``sidecar-frontend`` started with no worker, a
 testkit vLLM engine and its ``sidecar-vllm`` as real processes, the sidecar registered with
 curl (``POST /workers``, bearer token from the variable) and with urllib (the legacy
-``/add_worker``), generations through it, its removal; ``--admin-listen``; ``--processes 2``
-refusing admin calls by name."""
+``/add_worker``), generations through it, its removal; ``--admin-listen``; with
+``--processes 2`` a registration taken by either process reaches both, and a process killed
+and restarted by the parent still holds it."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +23,7 @@ import pytest
 
 from tests.e2e_helpers import WAIT, free_port, log_lines, process, script, serving_port
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.slow(10)]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow(30)]
 
 PROMPT = [101, 202, 303, 404]
 TOKEN = "process-test-token"
@@ -49,17 +54,21 @@ def sidecar(stack: ExitStack) -> int:
 
 
 @contextmanager
-def frontend(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
-    """``sidecar-frontend`` with no worker: (its URL, its admin URL)."""
+def frontend(
+    *flags: str, env: dict[str, str] | None = None, seen: list[dict[str, Any]] | None = None
+) -> Iterator[tuple[str, str]]:
+    """``sidecar-frontend`` with no worker, once it serves (with ``--processes``: every
+    process): (its URL, its admin URL). ``seen``: gets the log lines read until then."""
     argv = [script("sidecar-frontend"), "--listen", "127.0.0.1:0", "--log-format", "json", *flags]
+    seen = seen if seen is not None else []
     with process(argv, env) as proc:
         admin_port: int | None = None
-        seen: list[dict[str, Any]] = []
         for entry in log_lines(proc):
             seen.append(entry)
             if entry.get("event") == "admin endpoint up":
                 admin_port = int(entry["port"])
-            if entry.get("event") == "serving":
+            # The parent's line, or the one process's (a process of --processes N names itself).
+            if entry.get("event") == "serving" and "process" not in entry:
                 url = f"http://127.0.0.1:{entry['port']}"
                 yield url, f"http://127.0.0.1:{admin_port}" if admin_port is not None else url
                 return
@@ -85,8 +94,6 @@ def call(method: str, url: str, body: object = None, token: str | None = None) -
 
 def until_serving(admin: str, worker_url: str, token: str | None = None) -> dict[str, Any]:
     """GET /workers until the worker serves (bounded); its row."""
-    import time
-
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         _, listed = call("GET", admin + "/workers", token=token)
@@ -152,8 +159,71 @@ def test_the_legacy_add_on_an_admin_port_of_its_own() -> None:
         assert (status, text) == (200, f"Successfully removed worker: {worker_url}")
 
 
-def test_with_two_processes_admin_calls_are_refused_by_name() -> None:
-    with frontend("--processes", "2") as (url, _):
-        status, body = call("GET", url + "/workers")
-        assert (status, body["code"]) == (501, "NOT_IMPLEMENTED")
-        assert "needs --processes 1" in body["error"]
+def serving_by_process(metrics_url: str) -> dict[str, float]:
+    """Each process's serving workers, from the parent's merged scrape."""
+    with urllib.request.urlopen(metrics_url, timeout=WAIT) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for process_label, value in re.findall(
+        r'^frontend_workers\{process="(\d+)",role="agg",state="serving"\} (\S+)$', text, re.M
+    ):
+        found[process_label] = float(value)
+    return found
+
+
+def until_metrics(metrics_url: str, expected: dict[str, float]) -> None:
+    """Until both processes report ``expected`` serving workers (bounded)."""
+    deadline = time.monotonic() + WAIT
+    found: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        found = serving_by_process(metrics_url)
+        if all(found.get(p, 0.0) == n for p, n in expected.items()):
+            return
+        time.sleep(0.1)  # polling a real process: there is no event to wait on
+    raise AssertionError(f"serving workers by process: {found}, expected {expected}")
+
+
+def test_with_two_processes_a_registration_reaches_both_and_survives_a_restart() -> None:
+    with ExitStack() as stack:
+        port = sidecar(stack)
+        metrics_port = free_port()
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        seen: list[dict[str, Any]] = []
+        url, _ = stack.enter_context(
+            frontend(
+                "--processes",
+                "2",
+                "--metrics-port",
+                str(metrics_port),
+                env={"SIDECAR_TEST_PROCESS_LIVENESS": "0.5,4"},
+                seen=seen,
+            )
+        )
+        pids = {e["process"]: e["pid"] for e in seen if e.get("event") == "process started"}
+        assert sorted(pids) == [0, 1]
+        worker_url = f"grpc://127.0.0.1:{port}"
+        status, accepted = call("POST", url + "/workers", {"url": worker_url})
+        assert status == 202
+        until_metrics(metrics, {"0": 1.0, "1": 1.0})
+        vllm_body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+        # Each call a new connection, spread by the kernel over both processes: all served.
+        for _ in range(12):
+            assert call("POST", url + "/inference/v1/generate", vllm_body)[0] == 200
+        status, again = call("POST", url + "/workers", {"url": worker_url})
+        assert (status, again["code"]) == (409, "WORKER_ALREADY_EXISTS")
+
+        # A process killed outright is restarted by the parent, with the registration.
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(metrics, timeout=WAIT) as response:
+                if 'frontend_process_restarts_total{process="0"} 1.0' in response.read().decode():
+                    break
+            time.sleep(0.1)  # polling a real process: there is no event to wait on
+        until_metrics(metrics, {"0": 1.0, "1": 1.0})
+
+        status, deleted = call("DELETE", url + f"/workers/{accepted['worker_id']}")
+        assert status == 202, deleted
+        until_metrics(metrics, {"0": 0.0, "1": 0.0})
+        for _ in range(6):
+            assert call("POST", url + "/inference/v1/generate", vllm_body)[0] == 503

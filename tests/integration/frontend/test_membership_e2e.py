@@ -1,7 +1,8 @@
 """The membership API through the frontend's HTTP port, with aiohttp as the trainer: a testkit
 vLLM sidecar registered by ``POST /workers`` serves, is listed with its state, model and load,
 and drains on ``DELETE`` (a stream in flight finishes); the legacy ``/add_worker``,
-``/remove_worker``, ``/list_workers``; the bearer token and loopback rules; the refusals."""
+``/remove_worker``, ``/list_workers``; the bearer token and loopback rules; the refusals. (Several processes:
+tests/unit/frontend/test_membership_relay.py and tests/process/test_membership_process.py.)"""
 
 from __future__ import annotations
 
@@ -80,7 +81,6 @@ def _from_peer(peer: str) -> Middleware:
 async def admin_frontend(
     *,
     token: str | None = None,
-    processes: int = 1,
     discovered: tuple[str, ...] = (),
     peer: str | None = None,
     alone: bool = False,
@@ -91,7 +91,7 @@ async def admin_frontend(
         membership = Membership(workers, "static")
         for address in discovered:
             membership.add_worker(address)
-        api = AdminApi(workers, membership, token=token, processes=processes, add_wait=add_wait)
+        api = AdminApi(workers, membership, token=token, add_wait=add_wait)
         frontend = Frontend((VLLM, SGLANG), workers, HandlerConfig())
         app = api.app() if alone else frontend.build_app(api.routes())
         if peer is not None:
@@ -314,14 +314,6 @@ async def test_refusals() -> None:
             assert (status, body["code"]) == (409, "WORKER_FROM_DISCOVERY")
             _, listed, _ = await fe.call("GET", "/workers")
             assert [row["source"] for row in listed["workers"]] == ["static"]
-
-
-async def test_with_several_processes_every_admin_call_is_refused() -> None:
-    async with admin_frontend(processes=2) as fe:
-        for method, path in (("GET", "/workers"), ("POST", "/workers"), ("GET", "/list_workers")):
-            status, body, _ = await fe.call(method, path)
-            assert (status, body["code"]) == (501, "NOT_IMPLEMENTED"), path
-            assert "needs --processes 1" in body["error"]
 
 
 async def test_the_admin_endpoints_alone_on_their_port() -> None:
