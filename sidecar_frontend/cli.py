@@ -232,7 +232,7 @@ def _refuse_inapplicable(ns: argparse.Namespace) -> None:
         ns,
         "admin_listen",
         applies=ns.processes == 1,
-        rule="is used only with --processes 1 (the membership API needs one process for now)",
+        rule="is used only with --processes 1 (several processes share --listen only)",
     )
     refuse_metrics_host_without_port(ns)
 
