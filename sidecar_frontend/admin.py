@@ -42,7 +42,6 @@ from sidecar_frontend.registry import WorkerState
 from sidecar_frontend.workers import WorkerSet
 
 __all__ = [
-    "ADMIN_PATHS",
     "LEGACY_ADD_WAIT",
     "PARENT_ANSWER_WAIT",
     "AdminApi",
@@ -59,7 +58,6 @@ log = structlog.get_logger("sidecar_frontend.admin")
 # sglang-router do (they wait for its health up to --worker-startup-timeout-secs); this long at
 # most, then the worker is removed again and the call fails.
 LEGACY_ADD_WAIT: Final = 300.0
-ADMIN_PATHS: Final = ("/workers", "/workers/{worker_id}", "/add_worker", "/remove_worker", "/list_workers")
 # How long a process of --processes N waits for its parent to relay a change (the parent
 # answers at once; only a wedged parent is slower).
 PARENT_ANSWER_WAIT: Final = 30.0
