@@ -28,6 +28,11 @@ def test_static_is_the_default_and_takes_the_worker_list() -> None:
     assert got.static_workers == (("10.0.0.1:50061", "agg"), ("10.0.0.2:50061", "prefill"))
 
 
+def test_static_may_start_with_no_worker() -> None:
+    # Workers then come through the membership API (sidecar_frontend/admin.py).
+    assert config([]).static_workers == ()
+
+
 def test_dns() -> None:
     got = config(
         [
@@ -55,7 +60,6 @@ def test_etcd() -> None:
 @pytest.mark.parametrize(
     ("argv", "workers", "mentions"),
     [
-        ([], (), "--worker"),
         (["--discovery", "dns"], (), "--dns-name"),
         (["--discovery", "etcd"], (), "--etcd-endpoints"),
         (["--discovery", "etcd", "--etcd-endpoints", "e:1"], ("10.0.0.1:1",), "--worker"),

@@ -51,7 +51,12 @@ def test_every_flag_has_its_variable_and_the_flag_wins() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "named"),
     [
-        ([], {}, "--worker"),
+        (["--admin-token", "a b"], {}, "--admin-token"),
+        (
+            ["--processes", "2", "--admin-listen", "127.0.0.1:9"],
+            {},
+            "--admin-listen is used only with --processes 1",
+        ),
         (["--worker", "a:port"], {}, "--worker"),
         (["--worker", "a:1", "--discovery", "etcd", "--etcd-endpoints", "e:2379"], {}, "--worker"),
         (["--worker", "a:1", "--format", "sglang,openai"], {}, "--format"),
