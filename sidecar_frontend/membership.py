@@ -54,6 +54,7 @@ __all__ = [
     "is_loopback",
     "parse_registration",
     "parse_worker_url",
+    "registration_from",
     "worker_id",
     "worker_list",
     "worker_row",
