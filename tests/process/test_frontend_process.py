@@ -206,14 +206,21 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_zero() -> None:
         assert (lines[0]["outcome"], lines[0]["status"], lines[0]["completion_tokens"]) == ("ok", 200, 40)
 
 
-def test_no_worker_is_a_usage_error_and_the_variable_mirrors_the_flag() -> None:
+def test_usage_errors_name_the_flag_and_the_variable_mirrors_the_flag() -> None:
+    # No --worker is no error: workers may come through the membership API (docs/rl.md).
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     env["PYTHONPATH"] = str(ROOT)
-    missing = subprocess.run(
-        [script("sidecar-frontend")], capture_output=True, text=True, timeout=WAIT, env=env, check=False
+    spaced = subprocess.run(
+        [script("sidecar-frontend"), "--admin-token", "two words"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        env=env,
+        check=False,
     )
-    assert missing.returncode == 2
-    assert "--worker" in missing.stderr
+    assert spaced.returncode == 2
+    assert "--admin-token" in spaced.stderr
+    assert "two words" not in spaced.stderr, "a refused token is not echoed"
     env["SIDECAR_FRONTEND_REQUEST_TIMEOUT_SECS"] = "soon"
     bad = subprocess.run(
         [script("sidecar-frontend"), "--worker", "127.0.0.1:1"],
