@@ -77,7 +77,7 @@ USAGE_ERRORS = [
     ["sidecar", "vllm"],
     ["sidecar-sglang", "--transport", "http"],
     ["sidecar", "sglang", "--grpc-endpoint", "127.0.0.1:1", "--http-endpoint", "127.0.0.1:2"],
-    ["sidecar-frontend"],
+    ["sidecar-frontend", "--processes", "2", "--admin-listen", "127.0.0.1:9"],
     ["sidecar-frontend", "--worker", "127.0.0.1:1", "--migration-limit", "-1"],
     ["testkit-engine", "vllm", "--listen", "nowhere"],
     ["testkit-engine", "vllm", "--listen", "127.0.0.1:0", "--chunk-tokens", "0"],
