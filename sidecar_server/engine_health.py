@@ -54,8 +54,12 @@ class EngineHealthMonitor:
         internal_error: Callable[[str, BaseException], SidecarError],
         owner: str = "sidecar server",
         clock: Callable[[], float] = time.monotonic,
+        activity: Callable[[], int] | None = None,
     ) -> None:
         self._engine = engine
+        # How many engine messages the sidecar has relayed so far (None: not known): a probe
+        # that came late while this grew found a busy engine, not a dead one.
+        self._activity = activity
         self._watch_interval = watch_interval
         self._probe_timeout = probe_timeout
         self._fault_window = fault_window
@@ -101,6 +105,8 @@ class EngineHealthMonitor:
     async def probe(self) -> tuple[Probe, str]:
         """One bounded probe of the engine, and why it did not find it healthy."""
         timeout = self._probe_timeout
+        activity = self._activity
+        relayed = activity() if activity is not None else 0
         try:
             # asyncio's own timeout, not an anyio scope: these probes run in plain asyncio
             # tasks, where an anyio scope's repeated cancel delivery could outlive the scope
@@ -108,6 +114,13 @@ class EngineHealthMonitor:
             async with asyncio.timeout(timeout):
                 answer = await self._engine.health()
         except TimeoutError as exc:
+            if activity is not None and activity() > relayed:
+                # The engine kept streaming while its health check waited: it is busy (a
+                # grpc.aio server takes up one new call per loop turn, and a turn is long under
+                # thousands of streams), not gone. Counting this as a failure took a busy
+                # engine out of service: every new request then got 503 at once.
+                _log.debug("engine health probe late while the engine streams", timeout=timeout)
+                return Probe.HEALTHY, ""
             return Probe.LATE, str(exc) or f"no health check answer within {timeout:g}s"
         except SidecarError as err:
             return Probe.UNHEALTHY, f"health check failed: {err.message}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import structlog
@@ -28,11 +28,19 @@ from sidecar_server.coalesce import coalesce
 from sidecar_server.dispatch import ChoiceTracker, Generation, run_to_completion
 from sidecar_server.metrics import Metrics
 
-__all__ = ["RelayConfig", "Write", "relay"]
+__all__ = ["EngineActivity", "RelayConfig", "Write", "relay"]
 
 _log = structlog.get_logger(__name__)
 
 Write = Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[None]]
+
+
+@dataclass
+class EngineActivity:
+    """Engine messages relayed since the sidecar started: the health watch's evidence that an
+    engine whose health check is late is busy, not gone (sidecar_server.engine_health)."""
+
+    messages: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,8 @@ class RelayConfig:
     busy_turns: int = 3
     max_busy_turns: int = 8
     patience: int = 2
+    # Counts every engine message relayed (one counter per sidecar, shared by its calls).
+    activity: EngineActivity = field(default_factory=EngineActivity)
 
 
 class _Buffer:
@@ -134,12 +144,19 @@ class _Buffer:
                 space.set_result(None)
 
 
-async def _pump(gen: Generation, buffer: _Buffer, scope: anyio.CancelScope, metrics: Metrics | None) -> None:
+async def _pump(
+    gen: Generation,
+    buffer: _Buffer,
+    scope: anyio.CancelScope,
+    metrics: Metrics | None,
+    activity: EngineActivity,
+) -> None:
     with scope:
         try:
             tracker = gen.tracker
             put = buffer.put
             async for out in gen.stream():
+                activity.messages += 1
                 tracker.observe(out)
                 if not await put(out) and tracker.saw_token_or_terminal:
                     return
@@ -298,7 +315,7 @@ async def relay(
     writer = _Writer()
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_pump, gen, buffer, pump_scope, metrics)
+            tg.start_soon(_pump, gen, buffer, pump_scope, metrics, config.activity)
             tg.start_soon(
                 _run_writer,
                 gen,

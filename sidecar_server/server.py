@@ -257,6 +257,7 @@ class SidecarServer:
             fault_window=config.engine_fault_window,
             on_change=self._engine_health_changed,
             internal_error=self._internal_error,
+            activity=lambda: self._relay_config.activity.messages,
         )
         # The WatchLoad streams and the one loop that reads the load for them; stop() ends it.
         self.load_watch = LoadWatch(self._read_load, PushTiming(interval=config.load_push_interval))

@@ -318,3 +318,40 @@ async def test_once_closed_a_fault_stands_and_nothing_starts() -> None:
     w.monitor.start()
     assert w.engine.probes == 0
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("sidecar server")]
+
+
+def _hanging_monitor(activity: list[int], *, streams: bool) -> EngineHealthMonitor:
+    """A monitor over an engine whose health check never answers; while it waits, the engine
+    relays a message (``streams``) or nothing."""
+
+    class Hangs(Scripted):
+        async def health(self) -> EngineHealth:
+            if streams:
+                activity[0] += 1  # an engine message relayed while the probe waits
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+    return EngineHealthMonitor(
+        Hangs(),
+        watch_interval=3600.0,
+        probe_timeout=0.01,
+        failure_threshold=1,
+        fault_window=1.0,
+        on_change=lambda ok, why: None,
+        internal_error=lambda where, exc: SidecarError(FailureReason.UNKNOWN, where),
+        activity=lambda: activity[0],
+    )
+
+
+async def test_a_late_probe_while_the_engine_streams_finds_it_busy_not_gone() -> None:
+    monitor = _hanging_monitor([0], streams=True)
+    assert await monitor.probe() == (Probe.HEALTHY, "")
+    await monitor.check()
+    assert monitor.healthy  # threshold 1: one counted failure would have taken it out
+
+
+async def test_a_late_probe_while_nothing_streams_still_counts() -> None:
+    monitor = _hanging_monitor([0], streams=False)
+    assert await monitor.probe() == (Probe.LATE, "no health check answer within 0.01s")
+    await monitor.check()
+    assert not monitor.healthy
