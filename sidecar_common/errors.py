@@ -33,7 +33,6 @@ from grpc_status import rpc_status as grpc_rpc_status
 from sidecar_common.reasons import FailureReason, RefusalReason
 
 __all__ = [
-    "CALL_STARTED",
     "ENGINE_NOT_FOUND",
     "ENGINE_STATUS_TO_REASON",
     "ERROR_DOMAIN",
@@ -72,9 +71,6 @@ NOT_SENT: Final = "not sent"
 # The reason stays INVALID_ARGUMENT (the request is the problem, on any worker); a frontend
 # whose server answers such a refusal with its own status (vLLM: 404) reads it from here.
 ENGINE_NOT_FOUND: Final = frozenset({grpc.StatusCode.NOT_FOUND.name, "404"})
-# The initial metadata a sidecar sends as soon as its Generate handler runs: a call whose
-# status came without it was never taken by the sidecar (see never_started).
-CALL_STARTED: Final = ("x-sidecar-call-started", "1")
 # gRPC's own words when a message is over a receiver's limit (RESOURCE_EXHAUSTED, bare): the
 # request itself is the problem, not the server's backlog.
 _MESSAGE_TOO_LARGE: Final = "larger than max"
@@ -283,9 +279,10 @@ def from_rpc_error(rpc: str, error: grpc.RpcError) -> SidecarError:
 
 
 def never_started(code: grpc.StatusCode, details: str, *, error_info: bool, started: bool) -> bool:
-    """Whether a Generate call that failed with ``code`` was never taken by the sidecar: its
-    status carries no sidecar ErrorInfo (``error_info``), no start marker came before it
-    (``started``, :data:`CALL_STARTED`), and it is one of the two ways gRPC's server core ends
+    """Whether a Generate call that failed with ``code`` was never taken by a sidecar that
+    types every failure of the calls it takes (``ModelInfo.generate_failures_typed``): its
+    status carries no sidecar ErrorInfo (``error_info``), no output came before it
+    (``started``), and it is one of the two ways gRPC's server core ends
     a call the application has not picked up: RESOURCE_EXHAUSTED when too many calls wait
     (gRPC's pending-request limits, 1,000 soft and 3,000 hard by default), CANCELLED when one
     waited too long (30 s by default). Such a call reached no engine: it can run again
@@ -311,9 +308,10 @@ def decode_rpc_error(
     sidecars type an engine's; except CANCELLED: a caller's own cancels never come back as a
     status, so a bare CANCELLED is the worker's server ending its calls as it stops.
 
-    ``started`` says whether the call's initial metadata carried the sidecar's start marker
-    (None: unknown, a caller that did not look). A call known not to have started whose
-    status is gRPC core's refusal (:func:`never_started`) is NOT_STARTED.
+    ``started`` says whether an output came before the status, for a sidecar that types every
+    failure of the calls it takes (None: not such a sidecar, or a caller that did not look).
+    A call with no output whose status is gRPC core's refusal (:func:`never_started`) is
+    NOT_STARTED.
     """
     code, details = rpc_status(error)
     if engine_call is not None:

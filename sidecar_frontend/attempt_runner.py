@@ -64,7 +64,7 @@ import structlog
 from anyio.abc import TaskGroup
 
 from sidecar_common.api import sidecar_pb2
-from sidecar_common.errors import CALL_STARTED, FAILURE_RULES, FailureReason
+from sidecar_common.errors import FAILURE_RULES, FailureReason
 from sidecar_common.rpc import cancel_is_ours
 from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
 from sidecar_frontend import disagg
@@ -673,17 +673,12 @@ class _Run:
                 if gate is not None:
                     await gate.acquire()
                 call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
-                started: bool | None = None
                 try:
-                    # Until its sidecar says it took the call, the call holds one of the
-                    # worker's start slots: what waits beyond them waits here, not in the
-                    # worker's gRPC server (which refuses calls past its limits and drops
-                    # one that waited 30 s). The marker also types a call that fails
-                    # without it (NOT_STARTED: no engine saw it, it may run again).
-                    started = _marked_started(await call.initial_metadata())
-                    if gate is not None:
-                        gate.release()
-                        gate = None
+                    # Until its first output, the call holds one of the worker's start slots:
+                    # what waits beyond them waits here, not in the worker's gRPC server (which
+                    # refuses calls past its limits and drops one that waited 30 s). A call
+                    # that fails bare before any output was never taken by the sidecar
+                    # (NOT_STARTED: no engine saw it, it may run again).
                     outputs = aiter(call)
                     async for output in outputs:
                         if output is None:
@@ -699,6 +694,9 @@ class _Run:
                         observe(output)
                         if first:
                             first = False
+                            if gate is not None:
+                                gate.release()
+                                gate = None
                             if metrics is not None:
                                 metrics.worker_first_output(worker.address, runner.clock() - began)
                         failure = await consume(output)
@@ -708,9 +706,9 @@ class _Run:
                             await self._after_final(worker, outputs)
                             return None
                 except grpc.RpcError as err:
-                    # Only a sidecar that marks its calls says anything by leaving the marker
-                    # out: an older one is read as before.
-                    known = bool(started) or not first if worker.marks_start else None
+                    # Only a sidecar that types every failure of the calls it took says anything
+                    # with a bare status: an older one is read as before.
+                    known = not first if worker.failures_typed else None
                     read = read_rpc_error(err, started=known)
                     failure = read if isinstance(read, WorkerFailure) else runner.misbehaved(worker, read)
                     return failure
@@ -772,12 +770,6 @@ class _Run:
                 request_id=self.sub.attempts.request.request_id,
                 waited_secs=runner.end_grace,
             )
-
-
-def _marked_started(metadata: grpc.aio.Metadata | None) -> bool:
-    """Whether a Generate call's initial metadata carries the sidecar's start marker."""
-    key, value = CALL_STARTED
-    return metadata is not None and metadata.get(key) == value
 
 
 def _ignore(output: sidecar_pb2.LLMEngineOutput) -> None:

@@ -182,8 +182,9 @@ class Attempts:
 
 def read_rpc_error(error: grpc.RpcError, started: bool | None = None) -> WorkerFailure | Fault:
     """A failed Generate call as the sidecar typed it (see
-    :func:`~sidecar_common.errors.decode_rpc_error`; ``started``: whether the sidecar's start
-    marker came, None when unknown), or the worker's fault when its status details (a
+    :func:`~sidecar_common.errors.decode_rpc_error`; ``started``: whether an output came, for
+    a sidecar that types every failure of its calls, else None), or the worker's fault when its
+    status details (a
     ``google.rpc.Status``, its ``ErrorInfo``) do not decode: such a status says nothing the
     frontend can act on, so it is refused rather than read."""
     try:

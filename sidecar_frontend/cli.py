@@ -338,8 +338,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=positive_int_arg,
         default=HandlerConfig.start_slots,
         metavar="N",
-        help="Generate calls this frontend leaves waiting at one sidecar for it to take them up; "
-        "more wait here (gRPC's server refuses calls past ~1,000 waiting and drops one after 30 s)",
+        help="Generate calls this frontend has at one sidecar without their first output; more wait "
+        "here (gRPC's server refuses calls past ~1,000 waiting and drops one after 30 s)",
     )
     serve.add_argument(
         "--max-body-bytes",

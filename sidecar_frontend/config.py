@@ -47,8 +47,8 @@ class HandlerConfig:
     # How long a retry or a migration waits for a worker to serve when none does (workers
     # restarting or being replaced): the gap an SRE expects a fleet to bridge.
     worker_wait: float = 5.0
-    # Generate calls left waiting at one sidecar for its server to take them up (sent, its start
-    # marker not yet back): more wait in the frontend, where a wait costs nothing and a client
+    # Generate calls at one sidecar without their first output yet (taken up or still waiting
+    # in its gRPC server): more wait in the frontend, where a wait costs nothing and a client
     # that leaves is simply gone (--max-starting-calls-per-worker).
     start_slots: int = 64
     # Retries across workers as a fraction of recent successes (sidecar_frontend/retry_budget.py).

@@ -158,16 +158,16 @@ class Worker:
                 self.idle.set()
 
     @property
-    def marks_start(self) -> bool:
-        """Its sidecar marks each Generate call as started in its initial metadata
-        (``ModelInfo.generate_start_marker``, sidecar_common.errors.CALL_STARTED)."""
-        return self.model is not None and self.model.generate_start_marker
+    def failures_typed(self) -> bool:
+        """Its sidecar types every failure of the Generate calls it takes up
+        (``ModelInfo.generate_failures_typed``): a bare status before any output is gRPC
+        core's, for a call the sidecar never took (sidecar_common.errors.never_started)."""
+        return self.model is not None and self.model.generate_failures_typed
 
     def start_gate(self, slots: int) -> anyio.Semaphore | None:
-        """What a Generate call holds from its sending until its sidecar marks it started:
-        ``slots`` such calls at most (FIFO beyond). None for a sidecar that does not mark its
-        calls (an older one: a slot would be held until the first output, bounding prefills)."""
-        if not self.marks_start:
+        """What a Generate call holds from its sending until its first output (or its end):
+        ``slots`` such calls at most (FIFO beyond). None for an older sidecar, read as before."""
+        if not self.failures_typed:
             return None
         if self._start_slots is None:
             self._start_slots = anyio.Semaphore(slots)

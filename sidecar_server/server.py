@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
 from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
-from sidecar_common.errors import CALL_STARTED, FailureReason, SidecarError, to_rpc_status
+from sidecar_common.errors import FailureReason, SidecarError, to_rpc_status
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.tls import TlsFiles, TlsSettingsError, server_credentials
 from sidecar_common.tracing import SpanKind, Tracing, from_metadata
@@ -181,10 +181,6 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def Generate(  # type: ignore[override]
         self, request: sidecar_pb2.PreprocessedRequest, context: _Context
     ) -> None:
-        # Said before anything else: a frontend whose call fails without it knows no engine
-        # saw the request (gRPC's core refused or dropped it before this handler ran) and
-        # may run it again here (sidecar_common.errors.never_started).
-        await context.send_initial_metadata((CALL_STARTED,))
         owner = self._owner
         with owner._tracing.span(
             "sidecar.v1.Worker/Generate",
@@ -611,7 +607,9 @@ class SidecarServer:
             await _fail(context, err)
         except Exception as exc:
             await _fail(context, self._internal_error("model_info", exc))
-        info.generate_start_marker = True  # the Generate handler's first act (CALL_STARTED)
+        # Every failure of a call taken up is typed (_end_failed, _fail): a bare status before
+        # any output is gRPC core's (sidecar_common.errors.never_started).
+        info.generate_failures_typed = True
         return info
 
     async def _load(self, context: _Context) -> sidecar_pb2.LoadReport:

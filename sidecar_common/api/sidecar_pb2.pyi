@@ -829,7 +829,7 @@ class ModelInfo(_message.Message):
     DISAGGREGATION_MODE_FIELD_NUMBER: _builtins.int
     SUPPORTS_VISION_FIELD_NUMBER: _builtins.int
     ENGINE_VERSION_FIELD_NUMBER: _builtins.int
-    GENERATE_START_MARKER_FIELD_NUMBER: _builtins.int
+    GENERATE_FAILURES_TYPED_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     served_model_name: _builtins.str
     model_path: _builtins.str
@@ -843,9 +843,9 @@ class ModelInfo(_message.Message):
     disaggregation_mode: _builtins.str
     supports_vision: _builtins.bool
     engine_version: _builtins.str
-    generate_start_marker: _builtins.bool
-    """Every Generate call of this sidecar sends the initial metadata `x-sidecar-call-started: 1`
-    as soon as the sidecar takes it: a call that fails without it never reached the sidecar
+    generate_failures_typed: _builtins.bool
+    """Every Generate call this sidecar takes up and fails ends with its ErrorInfo: a call that
+    fails with a bare RESOURCE_EXHAUSTED or CANCELLED before any output never reached it
     (gRPC's server refused or dropped it) and may be sent again. False from older sidecars.
     """
     @_builtins.property
@@ -867,11 +867,11 @@ class ModelInfo(_message.Message):
         disaggregation_mode: _builtins.str = ...,
         supports_vision: _builtins.bool = ...,
         engine_version: _builtins.str = ...,
-        generate_start_marker: _builtins.bool = ...,
+        generate_failures_typed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_parallel_size", b"data_parallel_size", "disaggregation_mode", b"disaggregation_mode", "engine", b"engine", "engine_version", b"engine_version", "eos_token_ids", b"eos_token_ids", "generate_start_marker", b"generate_start_marker", "kv_block_size", b"kv_block_size", "max_context_length", b"max_context_length", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "served_model_name", b"served_model_name", "supports_vision", b"supports_vision", "tokenizer_path", b"tokenizer_path", "total_kv_blocks", b"total_kv_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_parallel_size", b"data_parallel_size", "disaggregation_mode", b"disaggregation_mode", "engine", b"engine", "engine_version", b"engine_version", "eos_token_ids", b"eos_token_ids", "generate_failures_typed", b"generate_failures_typed", "kv_block_size", b"kv_block_size", "max_context_length", b"max_context_length", "max_num_seqs", b"max_num_seqs", "model_path", b"model_path", "served_model_name", b"served_model_name", "supports_vision", b"supports_vision", "tokenizer_path", b"tokenizer_path", "total_kv_blocks", b"total_kv_blocks", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

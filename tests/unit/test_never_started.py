@@ -33,7 +33,7 @@ TOO_LARGE = "Received message larger than max (5000000 vs. 4194304)"
         # The two ways core ends a call nobody picked up.
         (C.RESOURCE_EXHAUSTED, TOO_MANY_PENDING, False, False, True),
         (C.CANCELLED, "", False, False, True),
-        # The sidecar took the call: whatever came after is its own answer.
+        # Outputs came: the sidecar took the call, whatever came after is its own answer.
         (C.RESOURCE_EXHAUSTED, TOO_MANY_PENDING, False, True, False),
         (C.CANCELLED, "", False, True, False),
         # A sidecar's own status always carries its ErrorInfo.
@@ -78,16 +78,16 @@ def test_the_decoder_types_an_unstarted_call_as_not_started(code: grpc.StatusCod
 @pytest.mark.parametrize(
     ("code", "reason"), [(C.RESOURCE_EXHAUSTED, R.OVERLOADED), (C.CANCELLED, R.ENGINE_SHUTDOWN)]
 )
-def test_without_the_marker_known_the_decoder_reads_as_before(
+def test_from_an_older_sidecar_the_decoder_reads_as_before(
     code: grpc.StatusCode, reason: FailureReason
 ) -> None:
-    # A caller that did not look at the initial metadata (or an older one) gets the old types.
+    # An older sidecar (it may fail a call it took with a bare status) is read as before.
     assert decode_rpc_error(_bare(code, TOO_MANY_PENDING)).reason is reason
-    # So does a call that did start.
+    # So is a call that delivered outputs.
     assert decode_rpc_error(_bare(code, TOO_MANY_PENDING), started=True).reason is reason
 
 
-def test_a_sidecars_own_busy_answer_stays_overloaded_before_the_marker() -> None:
+def test_a_sidecars_own_busy_answer_stays_overloaded_before_any_output() -> None:
     status = to_rpc_status(SidecarError(R.OVERLOADED, "engine queue full"))
     trailing = Metadata(("grpc-status-details-bin", status.SerializeToString()))
     error = AioRpcError(C.RESOURCE_EXHAUSTED, Metadata(), trailing, "engine queue full", None)

@@ -67,7 +67,7 @@ async def test_calls_the_sidecars_server_refused_are_run_again_and_every_client_
     async with one_worker(start_slots=10_000) as fe:
         worker = fe.workers.get(fe.address(0))
         assert worker is not None
-        assert worker.marks_start  # its ModelInfo says so
+        assert worker.failures_typed  # its ModelInfo says so
         results = await burst(fe)
         assert [status for status, _ in results] == [200] * BURST
         assert all(len(body["choices"][0]["token_ids"]) == 4 for _, body in results)
