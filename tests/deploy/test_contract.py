@@ -68,7 +68,7 @@ def test_an_incompatible_change_fails_buf_breaking(workspace: Path, old: str, ne
 
 def test_a_compatible_addition_passes_buf_breaking(workspace: Path) -> None:
     _edit(
-        workspace, "  string engine_version = 14;\n", "  string engine_version = 14;\n  string region = 15;\n"
+        workspace, "  string engine_version = 14;\n", "  string engine_version = 14;\n  string region = 99;\n"
     )
     result = _buf("breaking", "--against", str(RELEASED), cwd=workspace)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -79,7 +79,7 @@ def test_lint_still_applies_to_the_public_proto(workspace: Path) -> None:
     _edit(
         workspace,
         "  string engine_version = 14;",
-        "  string engine_version = 14;\n  string engineRegion = 15;",
+        "  string engine_version = 14;\n  string engineRegion = 99;",
     )
     result = _buf("lint", "--error-format", "json", cwd=workspace)
     assert result.returncode != 0

@@ -163,10 +163,14 @@ async def test_a_probe_that_never_answers_is_late_after_the_probe_timeout() -> N
 
 async def test_a_flowing_stream_is_never_failed_by_the_probes() -> None:
     release = anyio.Event()
-    script: list[Step] = [tokens(1), tokens(2), Gate(release), tokens(3), terminal(4)]
+    script: list[Step] = [tokens(1), Gate(release), tokens(2), tokens(3), terminal(4)]
     # The probes are held until the stream has delivered its first chunk: with the 1 ms
     # watch interval they could otherwise reach their verdict before the request arrives.
-    async with watched(["late", "late", "late", "hang"], hold_probes=True) as w:
+    # The first probe, started before the request and held while its first chunk went out,
+    # finds the engine busy rather than gone (a late probe while the engine streams:
+    # test_engine_health); the stream then waits while the next three run, late, and this
+    # test is about that verdict of unhealthy.
+    async with watched(["late", "late", "late", "late", "hang"], hold_probes=True) as w:
         w.engine.scripts["flow"] = script
         call = w.stub.Generate(sidecar_pb2.PreprocessedRequest(request_id="flow", token_ids=[1]))
         first = await call.read()
