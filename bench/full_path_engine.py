@@ -22,14 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from bench.grpc_serve import serve_until_signal
 
 __all__ = ["main"]
 
@@ -210,18 +210,7 @@ _SERVER_OPTIONS = [
 async def _serve(listen: str, engine: _Engine) -> None:
     server = grpc.aio.server(options=_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((_handler(engine),))
-    checker = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    if server.add_insecure_port(listen) == 0:
-        raise SystemExit(f"full_path_engine: cannot listen on {listen}")
-    await server.start()
-    await checker.set("", health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0.5)
+    await serve_until_signal(server, listen, "full_path_engine")
 
 
 def main(argv: list[str] | None = None) -> None:

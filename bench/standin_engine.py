@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from bench.grpc_serve import serve_until_signal
 
 __all__ = ["main"]
 
@@ -70,18 +70,7 @@ class _Engine(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
 async def _serve(listen: str, chunk_tokens: int, token_latency_s: float) -> None:
     server = grpc.aio.server()
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(_Engine(chunk_tokens, token_latency_s), server)
-    checker = health.aio.HealthServicer()  # type: ignore[attr-defined]
-    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    if server.add_insecure_port(listen) == 0:
-        raise SystemExit(f"standin_engine: cannot listen on {listen}")
-    await server.start()
-    await checker.set("", health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0.5)
+    await serve_until_signal(server, listen, "standin_engine")
 
 
 def main(argv: list[str] | None = None) -> None:
