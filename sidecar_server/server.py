@@ -211,6 +211,11 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     ) -> None:
         await self._owner.kv_cache.watch(request, context.write)
 
+    async def FlushCache(
+        self, request: sidecar_pb2.FlushCacheRequest, context: _Context
+    ) -> sidecar_pb2.FlushCacheResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this sidecar cannot flush its engine's cache yet")
+
 
 class SidecarServer:
     """One sidecar's gRPC server: ``start`` (health NOT_SERVING), ``set_serving`` once the

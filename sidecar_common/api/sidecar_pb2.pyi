@@ -47,6 +47,31 @@ CANCELLED: FinishReason.ValueType  # 4
 CONTENT_FILTER: FinishReason.ValueType  # 5
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _EngineState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EngineStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENGINE_STATE_UNSPECIFIED: _EngineState.ValueType  # 0
+    """Not known: a sidecar older than this field, or an engine whose wire does not say."""
+    ENGINE_STATE_RUNNING: _EngineState.ValueType  # 1
+    ENGINE_STATE_PAUSED: _EngineState.ValueType  # 2
+    """Paused by its operator (e.g. a trainer updating the weights): requests wait at the engine
+    or are refused until it continues, and the engine is not down.
+    """
+
+class EngineState(_EngineState, metaclass=_EngineStateEnumTypeWrapper): ...
+
+ENGINE_STATE_UNSPECIFIED: EngineState.ValueType  # 0
+"""Not known: a sidecar older than this field, or an engine whose wire does not say."""
+ENGINE_STATE_RUNNING: EngineState.ValueType  # 1
+ENGINE_STATE_PAUSED: EngineState.ValueType  # 2
+"""Paused by its operator (e.g. a trainer updating the weights): requests wait at the engine
+or are refused until it continues, and the engine is not down.
+"""
+Global___EngineState: _TypeAlias = EngineState  # noqa: Y015
+
 @_typing.final
 class PreprocessedRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -381,6 +406,8 @@ class OutputOptions(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_LOGPROB_FIELD_NUMBER: _builtins.int
     UNARY_FIELD_NUMBER: _builtins.int
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_START_LEN_FIELD_NUMBER: _builtins.int
     logprobs: _builtins.int
     """Top-N alternatives per output token; 0 returns the sampled token's logprob only."""
     prompt_logprobs: _builtins.int
@@ -395,6 +422,13 @@ class OutputOptions(_message.Message):
     handoff and the decode's cancel hold need the stream), as does a sidecar older than this
     field: a client joins either the same way. False (the default): the stream.
     """
+    return_routed_experts: _builtins.bool
+    """SGLang's return_routed_experts and routed_experts_start_len: the experts each layer routed
+    every sequence position to, from that position on (LLMEngineOutput.routed_experts). Served
+    only where the engine's wire carries them (SGLang over HTTP); other workers refuse them.
+    The start is signed so that a negative one reaches the engine and is refused in its words.
+    """
+    routed_experts_start_len: _builtins.int
     @_builtins.property
     def token_ids_logprob(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The log-probabilities of these token ids (SGLang's token_ids_logprob), in this order, at
@@ -411,21 +445,31 @@ class OutputOptions(_message.Message):
         skip_special_tokens: _builtins.bool | None = ...,
         token_ids_logprob: _abc.Iterable[_builtins.int] | None = ...,
         unary: _builtins.bool = ...,
+        return_routed_experts: _builtins.bool | None = ...,
+        routed_experts_start_len: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_return_routed_experts", b"_return_routed_experts", "_routed_experts_start_len", b"_routed_experts_start_len", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "return_routed_experts", b"return_routed_experts", "routed_experts_start_len", b"routed_experts_start_len", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "skip_special_tokens", b"skip_special_tokens", "token_ids_logprob", b"token_ids_logprob", "unary", b"unary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_return_routed_experts", b"_return_routed_experts", "_routed_experts_start_len", b"_routed_experts_start_len", "_skip_special_tokens", b"_skip_special_tokens", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "return_routed_experts", b"return_routed_experts", "routed_experts_start_len", b"routed_experts_start_len", "skip_special_tokens", b"skip_special_tokens", "token_ids_logprob", b"token_ids_logprob", "unary", b"unary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__return_routed_experts: _TypeAlias = _typing.Literal["return_routed_experts"]  # noqa: Y015
+    _WhichOneofArgType__return_routed_experts: _TypeAlias = _typing.Literal["_return_routed_experts", b"_return_routed_experts"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts_start_len: _TypeAlias = _typing.Literal["routed_experts_start_len"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts_start_len: _TypeAlias = _typing.Literal["_routed_experts_start_len", b"_routed_experts_start_len"]  # noqa: Y015
     _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
     _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_routed_experts) -> _WhichOneofReturnType__return_routed_experts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts_start_len) -> _WhichOneofReturnType__routed_experts_start_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
 
@@ -675,6 +719,9 @@ class LLMEngineOutput(_message.Message):
     TOKEN_IDS_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     BOOTSTRAP_INFO_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """"" is kept: text held back during stop-string matching."""
     cum_log_probs: _builtins.float
@@ -682,6 +729,16 @@ class LLMEngineOutput(_message.Message):
     stop_token_id: _builtins.int
     stop_string: _builtins.str
     index: _builtins.int
+    weight_version: _builtins.str
+    """The version of the weights the engine labelled this output with (SGLang's
+    meta_info.weight_version); absent where the engine's wire does not say.
+    """
+    routed_experts: _builtins.bytes
+    """On a terminal, with OutputOptions.return_routed_experts: the engine's routed experts, its
+    int32 array in little-endian bytes, shape (positions, layers, experts per token), over the
+    sequence positions from routed_experts_start_len to the last but one. Bytes rather than
+    the engine's base64, so that two legs of a generation join by concatenation.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new tokens of this chunk only."""
@@ -720,6 +777,12 @@ class LLMEngineOutput(_message.Message):
         disaggregated_params, still written and read through 0.2.x (docs/api.md).
         """
 
+    @_builtins.property
+    def weight_versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightVersionSpan]:
+        """On a terminal: which weights made which of this choice's output tokens, as the engine
+        reports them (SGLang's meta_info.weight_versions); empty where the wire does not say.
+        """
+
     def __init__(
         self,
         *,
@@ -738,25 +801,65 @@ class LLMEngineOutput(_message.Message):
         token_ids_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
         bootstrap_info: Global___BootstrapInfo | None = ...,
+        weight_version: _builtins.str | None = ...,
+        weight_versions: _abc.Iterable[Global___WeightVersionSpan] | None = ...,
+        routed_experts: _builtins.bytes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "bootstrap_info", b"bootstrap_info", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_routed_experts", b"_routed_experts", "_text", b"_text", "_weight_version", b"_weight_version", "bootstrap_info", b"bootstrap_info", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "routed_experts", b"routed_experts", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_text", b"_text", "bootstrap_info", b"bootstrap_info", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "finish_reason", b"finish_reason", "index", b"index", "log_probs", b"log_probs", "prompt_logprobs", b"prompt_logprobs", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "token_ids_logprobs", b"token_ids_logprobs", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs", "_routed_experts", b"_routed_experts", "_text", b"_text", "_weight_version", b"_weight_version", "bootstrap_info", b"bootstrap_info", "completion_usage", b"completion_usage", "cum_log_probs", b"cum_log_probs", "disaggregated_params", b"disaggregated_params", "engine_data", b"engine_data", "finish_reason", b"finish_reason", "index", b"index", "log_probs", b"log_probs", "prompt_logprobs", b"prompt_logprobs", "routed_experts", b"routed_experts", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "token_ids", b"token_ids", "token_ids_logprobs", b"token_ids_logprobs", "top_logprobs", b"top_logprobs", "weight_version", b"weight_version", "weight_versions", b"weight_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cum_log_probs: _TypeAlias = _typing.Literal["cum_log_probs"]  # noqa: Y015
     _WhichOneofArgType__cum_log_probs: _TypeAlias = _typing.Literal["_cum_log_probs", b"_cum_log_probs"]  # noqa: Y015
+    _WhichOneofReturnType__routed_experts: _TypeAlias = _typing.Literal["routed_experts"]  # noqa: Y015
+    _WhichOneofArgType__routed_experts: _TypeAlias = _typing.Literal["_routed_experts", b"_routed_experts"]  # noqa: Y015
     _WhichOneofReturnType__text: _TypeAlias = _typing.Literal["text"]  # noqa: Y015
     _WhichOneofArgType__text: _TypeAlias = _typing.Literal["_text", b"_text"]  # noqa: Y015
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
     _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_token_id", "stop_string"]  # noqa: Y015
     _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cum_log_probs) -> _WhichOneofReturnType__cum_log_probs | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__routed_experts) -> _WhichOneofReturnType__routed_experts | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__text) -> _WhichOneofReturnType__text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_stop_reason) -> _WhichOneofReturnType_stop_reason | None: ...
 
 Global___LLMEngineOutput: _TypeAlias = LLMEngineOutput  # noqa: Y015
+
+@_typing.final
+class WeightVersionSpan(_message.Message):
+    """Output tokens [start, end) of one choice, counted from its first output token, made by the
+    weights of this version.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    start: _builtins.int
+    end: _builtins.int
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "start", b"start", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightVersionSpan: _TypeAlias = WeightVersionSpan  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):
@@ -938,7 +1041,17 @@ class LoadReport(_message.Message):
     INFLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
+    ENGINE_STATE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     inflight_requests: _builtins.int
+    engine_state: Global___EngineState.ValueType
+    """Whether the engine is generating or paused by its operator, as the engine itself reports
+    it; a pause is not a fault (docs/api.md, "Engine state").
+    """
+    weight_version: _builtins.str
+    """The version of the weights the engine serves now (SGLang's weight_version; vLLM's where
+    its wire reports one); absent when the engine's wire does not say.
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankLoad]: ...
     @_builtins.property
@@ -951,12 +1064,16 @@ class LoadReport(_message.Message):
         inflight_requests: _builtins.int = ...,
         ranks: _abc.Iterable[Global___RankLoad] | None = ...,
         kv_cache: Global___KvCacheStatus | None = ...,
+        engine_state: Global___EngineState.ValueType = ...,
+        weight_version: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "kv_cache", b"kv_cache", "weight_version", b"weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inflight_requests", b"inflight_requests", "kv_cache", b"kv_cache", "ranks", b"ranks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version", "engine_state", b"engine_state", "inflight_requests", b"inflight_requests", "kv_cache", b"kv_cache", "ranks", b"ranks", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__weight_version: _TypeAlias = _typing.Literal["weight_version"]  # noqa: Y015
+    _WhichOneofArgType__weight_version: _TypeAlias = _typing.Literal["_weight_version", b"_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weight_version) -> _WhichOneofReturnType__weight_version | None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
 
@@ -1190,3 +1307,38 @@ class KvCacheUpdate(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_update) -> _WhichOneofReturnType_update | None: ...
 
 Global___KvCacheUpdate: _TypeAlias = KvCacheUpdate  # noqa: Y015
+
+@_typing.final
+class FlushCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushCacheRequest: _TypeAlias = FlushCacheRequest  # noqa: Y015
+
+@_typing.final
+class FlushCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    """The engine's own message, when it sends one."""
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlushCacheResponse: _TypeAlias = FlushCacheResponse  # noqa: Y015

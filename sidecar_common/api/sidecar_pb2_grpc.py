@@ -65,6 +65,11 @@ class WorkerStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.KvCacheUpdate.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/sidecar.v1.Worker/FlushCache',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -122,6 +127,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """Empties the engine's prefix cache (vLLM's FlushCache RPC; SGLang's /flush_cache or its
+        FlushCache RPC). An engine's refusal (requests still hold blocks) is FAILED_PRECONDITION
+        in the engine's words; UNIMPLEMENTED where the engine's wire has no such call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +168,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.WatchKvCache,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.KvCacheUpdate.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FlushCacheRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.FlushCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +337,33 @@ class Worker:
             '/sidecar.v1.Worker/WatchKvCache',
             sidecar_dot_v1_dot_sidecar__pb2.WatchKvCacheRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.KvCacheUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Worker/FlushCache',
+            sidecar_dot_v1_dot_sidecar__pb2.FlushCacheRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

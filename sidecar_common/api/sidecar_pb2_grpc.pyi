@@ -61,6 +61,11 @@ class WorkerStub:
     sequence) it applied resumes after it when the sidecar still has those deltas, else it
     gets a fresh snapshot (docs/api.md, "WatchKvCache").
     """
+    FlushCache: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.FlushCacheRequest, _sidecar_pb2.FlushCacheResponse]
+    """Empties the engine's prefix cache (vLLM's FlushCache RPC; SGLang's /flush_cache or its
+    FlushCache RPC). An engine's refusal (requests still hold blocks) is FAILED_PRECONDITION
+    in the engine's words; UNIMPLEMENTED where the engine's wire has no such call.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -90,6 +95,11 @@ class WorkerAsyncStub(WorkerStub):
     deltas for as long as the client stays. A client that reconnects with the last (epoch,
     sequence) it applied resumes after it when the sidecar still has those deltas, else it
     gets a fresh snapshot (docs/api.md, "WatchKvCache").
+    """
+    FlushCache: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.FlushCacheRequest, _sidecar_pb2.FlushCacheResponse]  # type: ignore[assignment]
+    """Empties the engine's prefix cache (vLLM's FlushCache RPC; SGLang's /flush_cache or its
+    FlushCache RPC). An engine's refusal (requests still hold blocks) is FAILED_PRECONDITION
+    in the engine's words; UNIMPLEMENTED where the engine's wire has no such call.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -153,6 +163,17 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         deltas for as long as the client stays. A client that reconnects with the last (epoch,
         sequence) it applied resumes after it when the sidecar still has those deltas, else it
         gets a fresh snapshot (docs/api.md, "WatchKvCache").
+        """
+
+    @_abc_1.abstractmethod
+    def FlushCache(
+        self,
+        request: _sidecar_pb2.FlushCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.FlushCacheResponse, _abc.Awaitable[_sidecar_pb2.FlushCacheResponse]]:
+        """Empties the engine's prefix cache (vLLM's FlushCache RPC; SGLang's /flush_cache or its
+        FlushCache RPC). An engine's refusal (requests still hold blocks) is FAILED_PRECONDITION
+        in the engine's words; UNIMPLEMENTED where the engine's wire has no such call.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -74,6 +74,7 @@ def test_the_proto_loads_from_the_wheel_through_importlib_resources(
         "GetLoad",
         "WatchLoad",
         "WatchKvCache",
+        "FlushCache",
     ]
 
 
