@@ -54,6 +54,9 @@ class Command:
     proxy_pids: dict[str, int] = field(default_factory=dict)  # name -> pid (its whole tree counts)
     engine_pid: int | None = None
     prompt_len: int = 16
+    # Each client sends this header with its own value (``rollout-<client>``), as a trainer
+    # marks the turns of one rollout session (bench.rollout); None: no such header.
+    session_header: str | None = None
 
 
 @dataclass
@@ -174,6 +177,8 @@ async def _client(
 ) -> None:
     clock = time.perf_counter
     headers = {"Content-Type": "application/json"}
+    if cmd.session_header:
+        headers[cmd.session_header] = f"rollout-{client}"
     url = cmd.url + "/generate"
     seq = 0
     while not stop.is_set():

@@ -26,6 +26,7 @@ __all__ = [
     "ensure_installed",
     "smg_argv",
     "smg_executable",
+    "smg_fleet_argv",
     "smg_version",
     "write_tokenizer",
 ]
@@ -102,11 +103,24 @@ def smg_argv(
     start it: the worker's ``grpc://`` URL and a model path for the tokenizer. Everything else
     is SMG's default (routing policy, concurrency limit, timeouts) except the addresses: the
     router and its metrics listener on loopback (the metrics one has a fixed default port)."""
+    return smg_fleet_argv(executable, port, [engine], tokenizer, metrics_port, log_level)
+
+
+def smg_fleet_argv(
+    executable: Path,
+    port: int,
+    engines: list[str],
+    tokenizer: Path,
+    metrics_port: int,
+    log_level: str = "warn",
+) -> list[str]:
+    """``smg launch`` in front of several vLLM gRPC workers (``--worker-urls`` takes a list),
+    otherwise as :func:`smg_argv`."""
     return [
         str(executable), "launch",
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--worker-urls", f"grpc://{engine}",
+        "--worker-urls", *(f"grpc://{engine}" for engine in engines),
         "--model-path", str(tokenizer),
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
