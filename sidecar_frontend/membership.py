@@ -146,17 +146,35 @@ def worker_id(url: str) -> str:
 
 @dataclass(frozen=True)
 class Registration:
-    """A worker registered through the API."""
+    """A worker registered through the API: a sidecar (``engine`` ``sidecar``), or a bare engine
+    (``sglang``, ``vllm``) whose sidecar the frontend runs (sidecar_frontend/bare_children.py)."""
 
     url: str  # as the caller gave it (listed back as given: callers find their worker by it)
-    address: str  # host:port
+    address: str  # host:port of the URL: the sidecar's, or the bare engine's
     role: Role
     engine: Engine
     bootstrap_port: int | None = None
+    # A bare engine's: where the sidecar the frontend runs for it listens (host:port), once
+    # chosen; the worker set dials this.
+    sidecar_address: str | None = None
 
     @property
     def scheme(self) -> str:
-        return "grpc" if self.engine == "sidecar" else "http"
+        return "http" if urlsplit(self.url.strip()).scheme.lower() == "http" else "grpc"
+
+    @property
+    def bare(self) -> bool:
+        """A bare engine: the frontend runs its sidecar."""
+        return self.engine != "sidecar"
+
+    @property
+    def worker_address(self) -> str:
+        """The address the worker set dials: the sidecar's (a bare engine's: the managed one)."""
+        if not self.bare:
+            return self.address
+        if self.sidecar_address is None:
+            raise ValueError(f"the bare engine {self.url!r} has no sidecar address yet")
+        return self.sidecar_address
 
     @property
     def id(self) -> str:
@@ -182,9 +200,9 @@ def _json_type(value: object) -> str:
 
 
 def parse_registration(body: bytes) -> Registration | AdminError:
-    """A ``POST /workers`` body -> the registration, or why it is refused (400; 501 for a bare
-    engine, which this version cannot run a sidecar for). Every field is checked before the
-    501, so a body that is wrong anyway says so first."""
+    """A ``POST /workers`` body -> the registration, or why it is refused (400). A bare
+    engine's registration has no ``sidecar_address`` yet: the frontend picks it when it starts
+    the engine's sidecar."""
     try:
         data = json.loads(body) if body.strip() else None
     except (ValueError, RecursionError) as err:
@@ -220,13 +238,16 @@ def registration_from(data: Mapping[str, Any]) -> Registration | AdminError:
     if engine is not None and (not isinstance(engine, str) or engine not in ENGINES):
         shown = engine if isinstance(engine, str) else _json_type(engine)
         return _bad(f"engine must be one of {', '.join(ENGINES)}, got {shown!r}")
-    if parsed.scheme == "grpc" and engine not in (None, "sidecar"):
-        return _bad(
-            f"engine {engine} names a bare engine's HTTP server (http://HOST:PORT); "
-            "a grpc:// URL is a sidecar (engine sidecar, or none)"
-        )
     if parsed.scheme == "http" and engine == "sidecar":
         return _bad(f"url {url!r}: a sidecar is reached over gRPC, as grpc://HOST:PORT")
+    if parsed.scheme == "http" and engine == "vllm":
+        return _bad(
+            f"url {url!r} is vLLM's HTTP server, which no sidecar here speaks: start vLLM's gRPC "
+            "server (vllm serve MODEL --grpc) and register grpc://HOST:PORT with engine vllm, "
+            "or run sidecar-vllm beside it and register the sidecar"
+        )
+    # Without engine: a grpc:// URL is a sidecar, an http:// one a bare SGLang server.
+    kind: Engine = engine if engine is not None else ("sglang" if parsed.scheme == "http" else "sidecar")
     bootstrap_port = data.get("bootstrap_port")
     if bootstrap_port is not None:
         if isinstance(bootstrap_port, bool) or not isinstance(bootstrap_port, int):
@@ -235,20 +256,14 @@ def registration_from(data: Mapping[str, Any]) -> Registration | AdminError:
             return _bad(f"bootstrap_port must be between 1 and 65535, got {bootstrap_port}")
         if worker_type != "prefill":
             return _bad("bootstrap_port is a prefill server's: only with worker_type prefill")
-        if parsed.scheme == "grpc":
+        if kind == "sidecar":
             return _bad(
                 "bootstrap_port: a sidecar learns its engine's bootstrap port from the engine "
                 "itself; leave it out for a grpc:// URL"
             )
-    if parsed.scheme == "http":
-        kind = engine or "sglang"
-        return AdminError(
-            501,
-            "NOT_IMPLEMENTED",
-            f"url {url!r} is a bare {kind} engine: this frontend cannot yet run a sidecar for a "
-            f"bare engine; start sidecar-{kind} next to it and register the sidecar as grpc://HOST:PORT",
-        )
-    return Registration(url.strip(), parsed.address, WORKER_TYPES[worker_type], "sidecar", None)
+        if kind == "vllm":
+            return _bad("bootstrap_port is an SGLang prefill server's; leave it out for engine vllm")
+    return Registration(url.strip(), parsed.address, WORKER_TYPES[worker_type], kind, bootstrap_port)
 
 
 # ------------------------------------------------------------------------------ who may call
@@ -364,9 +379,29 @@ class Membership:
         else the discovery mode that listed it."""
         return "api" if self._registration_of(address) is not None else self.source
 
+    def registration_at(self, address: str) -> Registration | None:
+        """The registration of the worker at ``address`` (the worker set's), one the API
+        removed that still drains included; None for a worker discovery listed."""
+        return self._registration_of(address)
+
     def refusal_to_register(self, registration: Registration) -> AdminError | None:
-        """Why ``registration`` cannot be added now (409), or None."""
-        address = registration.address
+        """Why ``registration`` cannot be added now (409), or None. A bare engine is known by
+        its URL's id (its sidecar's address is picked once this says yes)."""
+        for other in self._registered.values():
+            if other.id == registration.id:
+                return already_registered(other)
+        for address, leaving in list(self._leaving.items()):
+            # (A sidecar's address is its id: the check below says it, in its words.)
+            if leaving.bare and leaving.id == registration.id and self._registration_of(address) is not None:
+                return AdminError(
+                    409,
+                    "WORKER_DRAINING",
+                    f"worker {leaving.url} is still draining after its removal; register it again "
+                    "once GET /workers no longer lists it",
+                )
+        if registration.bare and registration.sidecar_address is None:
+            return None
+        address = registration.worker_address
         held = self._registered.get(address)
         if held is not None:
             return already_registered(held)
@@ -399,15 +434,16 @@ class Membership:
         """Hold ``registration`` whatever this process's view (``--processes N``: the parent
         decided it for every process; a worker still draining here is added once it left,
         by :meth:`missing`'s reconcile)."""
-        self._registered[registration.address] = registration
-        self._leaving.pop(registration.address, None)
-        self.workers.add_worker(registration.address, registration.role)
+        address = registration.worker_address
+        self._registered[address] = registration
+        self._leaving.pop(address, None)
+        self.workers.add_worker(address, registration.role)
 
     def missing(self) -> list[Registration]:
         """Registrations whose worker the set does not hold (it ignored the add while it
         still drained the address); the caller adds them again."""
         held = self.workers.addresses()
-        return [r for r in self._registered.values() if r.address not in held]
+        return [r for r in self._registered.values() if r.worker_address not in held]
 
     def refusal_to_unregister(self, address: str) -> AdminError | None:
         """Why the worker at ``address`` cannot be removed through the API (404, 409), or None."""
@@ -456,18 +492,26 @@ class Membership:
 
     def find(self, key: str) -> str | None:
         """The address of the worker ``key`` names: its id, its URL (as registered, or
-        ``grpc://HOST:PORT``) or its ``HOST:PORT``; None when no worker is known by it."""
-        known = {address: canonical_url("grpc", address) for address in self.workers.addresses()}
-        for address, registration in self._registered.items():
-            known[address] = canonical_url(registration.scheme, address)
-        text = key.strip()
-        for address, url in known.items():
+        ``grpc://HOST:PORT``) or its ``HOST:PORT`` (a bare engine's: the engine's); None when
+        no worker is known by it."""
+        # The worker set's address -> the URL its id is made from, and the HOST:PORT it goes by.
+        known: dict[str, tuple[str, str]] = {}
+        for address in {*self.workers.addresses(), *self._registered}:
             given = self._registration_of(address)
-            if text in (worker_id(url), url, address) or (given is not None and text == given.url):
+            if given is None:
+                known[address] = (canonical_url("grpc", address), address)
+            else:
+                known[address] = (canonical_url(given.scheme, given.address), given.address)
+        text = key.strip()
+        for address, (url, named) in known.items():
+            given = self._registration_of(address)
+            if text in (worker_id(url), url, named, address) or (given is not None and text == given.url):
                 return address
         parsed = parse_worker_url(text)
-        if not isinstance(parsed, AdminError) and parsed.address in known:
-            return parsed.address
+        if not isinstance(parsed, AdminError):
+            for address, (_, named) in known.items():
+                if parsed.address == named:
+                    return address
         return None
 
     def url_of(self, address: str) -> str:
@@ -498,6 +542,7 @@ def worker_row(worker: Worker, membership: Membership) -> dict[str, object]:
     ``model_id``, ``is_healthy``, ``load``) and the frontend's (``state``, ``model``,
     ``weight_version``, ``source``, the engine's load figures)."""
     address = worker.address
+    registration = membership.registration_at(address)
     row: dict[str, object] = {
         "id": membership.id_of(address),
         "url": membership.url_of(address),
@@ -507,7 +552,7 @@ def worker_row(worker: Worker, membership: Membership) -> dict[str, object]:
         "ejected": worker.ejected_until is not None,
         "model": worker.served_model or None,
         "model_id": worker.served_model or None,
-        "engine": worker.model.engine if worker.model is not None and worker.model.engine else None,
+        "engine": _engine_of(worker, registration),
         # No sidecar reports its engine's weight version yet (sidecar.v1 has no such field).
         "weight_version": None,
         "load": worker.score(),
@@ -516,9 +561,22 @@ def worker_row(worker: Worker, membership: Membership) -> dict[str, object]:
         "kv_usage": worker.kv_usage,
         "source": membership.source_of(address),
     }
+    if registration is not None and registration.bare:
+        # The sidecar the frontend runs for this bare engine (docs/rl.md).
+        row["sidecar"] = canonical_url("grpc", registration.worker_address)
     if worker.refusal is not None:
         row["refusal"] = worker.refusal_message
     return row
+
+
+def _engine_of(worker: Worker, registration: Registration | None) -> str | None:
+    """The engine kind the sidecar reports, else (a bare engine whose sidecar did not answer
+    yet) the registration's."""
+    if worker.model is not None and worker.model.engine:
+        return worker.model.engine
+    if registration is not None and registration.bare:
+        return registration.engine
+    return None
 
 
 def worker_list(

@@ -94,18 +94,22 @@ ACCEPTED = [
         _body(url="grpc://h:1", worker_type=None, engine=None, bootstrap_port=None),
         Registration("grpc://h:1", "h:1", "agg", "sidecar"),
     ),
+    # Bare engines: the frontend runs their sidecar (its address is picked later).
+    (_body(url="http://h:1"), Registration("http://h:1", "h:1", "agg", "sglang")),
+    (_body(url="http://h:1", engine="sglang"), Registration("http://h:1", "h:1", "agg", "sglang")),
+    (_body(url="grpc://h:1", engine="sglang"), Registration("grpc://h:1", "h:1", "agg", "sglang")),
+    (_body(url="grpc://h:1", engine="vllm"), Registration("grpc://h:1", "h:1", "agg", "vllm")),
+    (
+        _body(url="http://h:1", worker_type="prefill", bootstrap_port=8998),
+        Registration("http://h:1", "h:1", "prefill", "sglang", 8998),
+    ),
 ]
 
 
 @pytest.mark.parametrize(("body", "expected"), ACCEPTED)
-def test_a_sidecar_body_is_a_registration(body: bytes, expected: Registration) -> None:
+def test_a_body_is_a_registration(body: bytes, expected: Registration) -> None:
     assert parse_registration(body) == expected
 
-
-BARE = (
-    "this frontend cannot yet run a sidecar for a bare engine; start sidecar-{kind} next to it and "
-    "register the sidecar as grpc://HOST:PORT"
-)
 
 REFUSED = [
     (b"", 400, "the body must be a JSON object with at least url, got null"),
@@ -130,17 +134,14 @@ REFUSED = [
     (_body(url="grpc://h:1", worker_type="encode"), 400, "worker_type must be one of regular, prefill, decode, got 'encode'"),
     (_body(url="grpc://h:1", worker_type=1), 400, "worker_type must be one of regular, prefill, decode, got 'a number'"),
     (_body(url="grpc://h:1", engine="trtllm"), 400, "engine must be one of sidecar, sglang, vllm, got 'trtllm'"),
-    (_body(url="grpc://h:1", engine="vllm"), 400, "engine vllm names a bare engine's HTTP server (http://HOST:PORT); a grpc:// URL is a sidecar (engine sidecar, or none)"),
     (_body(url="http://h:1", engine="sidecar"), 400, "url 'http://h:1': a sidecar is reached over gRPC, as grpc://HOST:PORT"),
     (_body(url="grpc://h:1", worker_type="prefill", bootstrap_port="8998"), 400, "bootstrap_port must be a whole number, got a string"),
     (_body(url="grpc://h:1", worker_type="prefill", bootstrap_port=True), 400, "bootstrap_port must be a whole number, got a boolean"),
     (_body(url="grpc://h:1", worker_type="prefill", bootstrap_port=70000), 400, "bootstrap_port must be between 1 and 65535, got 70000"),
     (_body(url="http://h:1", bootstrap_port=8998), 400, "bootstrap_port is a prefill server's: only with worker_type prefill"),
     (_body(url="grpc://h:1", worker_type="prefill", bootstrap_port=8998), 400, "bootstrap_port: a sidecar learns its engine's bootstrap port from the engine itself; leave it out for a grpc:// URL"),
-    # A bare engine: the body is checked first, then refused as not built yet.
-    (_body(url="http://h:1"), 501, "url 'http://h:1' is a bare sglang engine: " + BARE.format(kind="sglang")),
-    (_body(url="http://h:1", engine="vllm"), 501, "url 'http://h:1' is a bare vllm engine: " + BARE.format(kind="vllm")),
-    (_body(url="http://h:1", worker_type="prefill", bootstrap_port=8998), 501, "url 'http://h:1' is a bare sglang engine: " + BARE.format(kind="sglang")),
+    (_body(url="http://h:1", engine="vllm"), 400, "url 'http://h:1' is vLLM's HTTP server, which no sidecar here speaks: start vLLM's gRPC server (vllm serve MODEL --grpc) and register grpc://HOST:PORT with engine vllm, or run sidecar-vllm beside it and register the sidecar"),
+    (_body(url="grpc://h:1", engine="vllm", worker_type="prefill", bootstrap_port=8998), 400, "bootstrap_port is an SGLang prefill server's; leave it out for engine vllm"),
 ]  # fmt: skip
 
 
@@ -149,7 +150,7 @@ def test_a_refused_body_says_why(body: bytes, status: int, message: str) -> None
     refusal = parse_registration(body)
     assert isinstance(refusal, AdminError)
     assert (refusal.status, refusal.message) == (status, message)
-    assert refusal.code == ("BAD_REQUEST" if status == 400 else "NOT_IMPLEMENTED")
+    assert refusal.code == "BAD_REQUEST"
     assert json.loads(refusal.json_body()) == {"error": message, "code": refusal.code}
 
 
@@ -162,10 +163,11 @@ def test_a_refused_body_says_why(body: bytes, status: int, message: str) -> None
 def test_any_object_is_a_registration_or_a_refusal(data: dict[str, object]) -> None:
     got = parse_registration(json.dumps(data).encode())
     if isinstance(got, Registration):
-        assert got.engine == "sidecar"
+        assert got.engine == ("sidecar" if got.scheme == "grpc" and data.get("engine") in (None, "sidecar") else data.get("engine", "sglang"))
+        assert got.sidecar_address is None
         assert set(data) <= {"url", "worker_type", "bootstrap_port", "engine"}
     else:
-        assert got.status in (400, 501)
+        assert got.status == 400
 
 
 # ------------------------------------------------------------------------------ ids
