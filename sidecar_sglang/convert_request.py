@@ -136,6 +136,10 @@ class NativeRequest:
     token_ids_logprob: tuple[int, ...] = ()
     # False: one answer (``stream`` false on either wire), see :func:`asks_one_answer`.
     stream: bool = True
+    # SGLang's return_routed_experts and routed_experts_start_len (HTTP only; None: not sent,
+    # SGLang's default 0).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int | None = None
 
 
 def _int32(value: int, name: str, *, minimum: int = INT32_MIN) -> int:
@@ -229,6 +233,17 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
         if not out.HasField("logprobs") and not out.HasField("prompt_logprobs"):
             # SGLang returns them only with the other logprobs (return_logprob).
             raise invalid_argument("output_options.token_ids_logprob", "needs logprobs or prompt_logprobs")
+    if settings.transport == "grpc":
+        # SGLang's gRPC GenerateRequest has no routed-experts fields (its HTTP /generate has);
+        # a start of 0 is the default, and asks nothing.
+        if out.HasField("return_routed_experts") and out.return_routed_experts:
+            raise invalid_argument(
+                "output_options.return_routed_experts", "SGLang's gRPC wire cannot carry it (HTTP can)"
+            )
+        if out.HasField("routed_experts_start_len") and out.routed_experts_start_len != 0:
+            raise invalid_argument(
+                "output_options.routed_experts_start_len", "SGLang's gRPC wire cannot carry it (HTTP can)"
+            )
     bad_bias = next((b for b in s.logit_bias.values() if not math.isfinite(b)), None)
     if bad_bias is not None:
         # JSON has no NaN or infinity.
@@ -433,6 +448,10 @@ def build_native(
         prefill=prefill,
         token_ids_logprob=tuple(out.token_ids_logprob),
         stream=not asks_one_answer(request, settings.mode),
+        return_routed_experts=out.return_routed_experts,
+        routed_experts_start_len=(
+            out.routed_experts_start_len if out.HasField("routed_experts_start_len") else None
+        ),
     )
 
 
@@ -510,6 +529,11 @@ def to_http_json(native: NativeRequest) -> dict[str, object]:
         "priority": native.priority,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
+    if native.return_routed_experts:
+        body["return_routed_experts"] = True
+    if native.routed_experts_start_len is not None:
+        # Sent as asked, also without the flag: SGLang checks it either way, in its words.
+        body["routed_experts_start_len"] = native.routed_experts_start_len
     if native.bootstrap is not None:
         body["bootstrap_host"] = native.bootstrap.host
         body["bootstrap_port"] = native.bootstrap.port

@@ -15,10 +15,18 @@ Choices the spec leaves open:
   else the prompt's own token first, then up to N alternatives (SGLang sends no ranks).
   Through 0.2.x also as ``engine_data.prompt_logprobs`` (``sidecar_common.prompt_logprobs``).
 * A terminal whose ``completion_tokens`` disagrees with the tokens streamed is malformed.
+* Weights and experts (docs/metadata.md): every output carries ``meta_info.weight_version``
+  as ``weight_version``; a terminal its ``weight_versions`` spans (checked: they tile the
+  output from 0, as SGLang's ``add_weight_versions_to_meta_info`` writes them) and, when
+  asked, ``routed_experts`` decoded from base64 to its little-endian int32 bytes, at most
+  :data:`MAX_ROUTED_EXPERTS_BYTES`. Nothing the engine sends is trusted: a malformed value
+  is a PROTOCOL_ERROR, not dropped.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +40,8 @@ from sidecar_sglang.convert_request import NativeRequest, handoff_info
 from sidecar_sglang.refusals import abort_reason
 
 __all__ = [
+    "MAX_ROUTED_EXPERTS_BYTES",
+    "MAX_WEIGHT_VERSION_CHARS",
     "NativeEvent",
     "ResponseState",
     "abort_reason",
@@ -42,6 +52,11 @@ __all__ = [
 
 _ENGINE: Final = "sglang"
 _UINT32_MAX: Final = 2**32 - 1
+# The routed experts of one output: half a gRPC message (sidecar_common.message_size), the
+# rest left for the tokens and their logprobs.
+MAX_ROUTED_EXPERTS_BYTES: Final = 32 * 1024 * 1024
+# A weight version is a label (a step number, a checkpoint name): longer is not one.
+MAX_WEIGHT_VERSION_CHARS: Final = 1024
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,66 @@ def _chosen_rows(meta: Mapping[str, object], key: str, start: int, count: int | 
     return out
 
 
+def _weight_version(meta: Mapping[str, object]) -> str | None:
+    """``meta_info.weight_version``: None when the engine does not say."""
+    value = meta.get("weight_version")
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_WEIGHT_VERSION_CHARS:
+        raise protocol_error(_ENGINE, f"weight_version {str(value)[:200]!r} is not a version label")
+    return value
+
+
+def _weight_versions(meta: Mapping[str, object], completion: int) -> list[sidecar_pb2.WeightVersionSpan]:
+    """``meta_info.weight_versions`` of a terminal: spans that tile the ``completion`` output
+    tokens from 0 (one empty span when there are none); [] when the engine does not say."""
+    value = meta.get("weight_versions")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not value or len(value) > completion + 1:
+        raise protocol_error(_ENGINE, f"weight_versions {str(value)[:200]} is not a list of spans")
+    spans: list[sidecar_pb2.WeightVersionSpan] = []
+    at = 0
+    for item in value:
+        version = item.get("version") if isinstance(item, dict) else None
+        start = exact_integer(item.get("start")) if isinstance(item, dict) else None
+        end = exact_integer(item.get("end")) if isinstance(item, dict) else None
+        if (
+            not isinstance(version, str)
+            or len(version) > MAX_WEIGHT_VERSION_CHARS
+            or start != at
+            or end is None
+            or not start <= end <= completion
+            or (end == start and completion > 0)
+        ):
+            raise protocol_error(
+                _ENGINE, f"weight_versions entry {str(item)[:200]} does not continue the spans at {at}"
+            )
+        spans.append(sidecar_pb2.WeightVersionSpan(version=version, start=start, end=end))
+        at = end
+    if at != completion:
+        raise protocol_error(_ENGINE, f"weight_versions end at {at}, the output has {completion} tokens")
+    return spans
+
+
+def _routed_experts(meta: Mapping[str, object]) -> bytes | None:
+    """``meta_info.routed_experts`` (base64 of little-endian int32s) as its bytes; None when
+    absent (an engine started without --enable-return-routed-experts sends none)."""
+    value = meta.get("routed_experts")
+    if value is None:
+        return None
+    # Base64 is 4 characters per 3 bytes: a longer text would decode past the bound.
+    if not isinstance(value, str) or len(value) > (MAX_ROUTED_EXPERTS_BYTES + 2) // 3 * 4:
+        raise protocol_error(_ENGINE, "routed_experts is not base64 text within the size bound")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise protocol_error(_ENGINE, "routed_experts is not base64") from None
+    if len(raw) % 4:
+        raise protocol_error(_ENGINE, f"routed_experts has {len(raw)} bytes, not whole int32s")
+    return raw
+
+
 _FINISH_KINDS: Final = {"stop", "length", "abort"}
 
 
@@ -274,6 +349,7 @@ class ResponseState:
             out = self._delta(event)
             if out is None:
                 return []
+            self._attach_weight_version(out, event.meta)
             self._attach_chosen_ids(out, event.meta, start, len(out.token_ids))
             if self._input_meta.get("input_token_logprobs"):
                 # SGLang sends the prompt's logprobs with the first event after prefill:
@@ -296,6 +372,8 @@ class ResponseState:
             # position after the prompt, with no token.
             self._attach_chosen_ids(terminal, event.meta, start, None)
         self._terminal(terminal, finish, event.meta)
+        if not self.request.prefill:
+            self._attach_weights_and_experts(terminal, event.meta)
         self.done = True
         return [terminal]
 
@@ -382,6 +460,22 @@ class ResponseState:
         if self.request.prefill and self.request.bootstrap is not None:
             bootstrap_handoff.attach(out, handoff_info(self.request.bootstrap))
         self._attach_prompt_logprobs(out)
+
+    def _attach_weight_version(self, out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object]) -> None:
+        version = _weight_version(meta)
+        if version is not None:
+            out.weight_version = version
+
+    def _attach_weights_and_experts(
+        self, out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object]
+    ) -> None:
+        """The terminal's label, spans over the whole output and (when asked) routed experts."""
+        self._attach_weight_version(out, meta)
+        out.weight_versions.extend(_weight_versions(meta, self.completion_tokens))
+        if self.request.return_routed_experts:
+            experts = _routed_experts(meta)
+            if experts is not None:
+                out.routed_experts = experts
 
     def _attach_prompt_logprobs(self, out: sidecar_pb2.LLMEngineOutput) -> None:
         """``engine_data.prompt_logprobs`` once, on the first output that can carry them."""

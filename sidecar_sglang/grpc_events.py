@@ -41,8 +41,8 @@ _KEY: Final = (1 << 3) | _LEN
 _VALUE: Final = (2 << 3) | _LEN
 
 # What every message may need; the usage counts matter only on the terminal.
-_ALWAYS: Final = (b"finish_reason",)
-_ON_TERMINAL: Final = (b"completion_tokens", b"prompt_tokens", b"cached_tokens")
+_ALWAYS: Final = (b"finish_reason", b"weight_version")
+_ON_TERMINAL: Final = (b"completion_tokens", b"prompt_tokens", b"cached_tokens", b"weight_versions")
 _OUTPUT_LOGPROBS: Final = (b"output_token_logprobs", b"output_top_logprobs")
 _INPUT_LOGPROBS: Final = (b"input_token_logprobs", b"input_top_logprobs")
 

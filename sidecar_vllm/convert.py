@@ -125,6 +125,13 @@ def _refuse_uncarried(request: sidecar_pb2.PreprocessedRequest, mode: Disaggrega
         raise invalid_argument("sampling_options.length_penalty", "only applies to beam search")
     if request.output_options.token_ids_logprob:
         raise invalid_argument("output_options.token_ids_logprob", "the vLLM wire cannot carry it")
+    out = request.output_options
+    # vLLM's generate gRPC wire has no routed-experts field (smg-grpc-proto vllm_engine.proto);
+    # a start of 0 is the default, and asks nothing.
+    if out.HasField("return_routed_experts") and out.return_routed_experts:
+        raise invalid_argument("output_options.return_routed_experts", "the vLLM wire cannot carry it")
+    if out.HasField("routed_experts_start_len") and out.routed_experts_start_len != 0:
+        raise invalid_argument("output_options.routed_experts_start_len", "the vLLM wire cannot carry it")
     r = request.routing
     # This version of vLLM's wire has no LoRA, priority or cache-salt field: refuse rather
     # than serve the request as if the hint had not been given.
