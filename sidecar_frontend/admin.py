@@ -27,6 +27,7 @@ import anyio
 import structlog
 from aiohttp import web
 
+from sidecar_frontend.bare_children import BareSidecars
 from sidecar_frontend.membership import (
     AdminError,
     Membership,
@@ -136,7 +137,7 @@ class RelayedControl:
         refusal = self.membership.refusal_to_register(registration)  # this process's view
         if refusal is not None:
             return refusal
-        answer = await self._ask("register", registration.address, registration)
+        answer = await self._ask("register", registration.worker_address, registration)
         return answer if isinstance(answer, AdminError) else None
 
     async def unregister(self, address: str) -> AdminError | str:
@@ -212,8 +213,11 @@ class AdminApi:
         token: str | None,
         control: MembershipControl | None = None,
         add_wait: float = LEGACY_ADD_WAIT,
+        bare: BareSidecars | None = None,
     ) -> None:
         self.workers = workers
+        # The sidecars run for bare engines (None: a bare engine is refused, 501).
+        self.bare = bare
         self.membership = membership
         self.control: MembershipControl = control if control is not None else LocalControl(membership)
         self._token = token
@@ -273,10 +277,16 @@ class AdminApi:
         parsed = parse_registration(await request.read())
         if isinstance(parsed, AdminError):
             return _error(parsed)
-        refusal = await self._register(parsed)
-        if refusal is not None:
-            return _error(refusal)
+        registered = await self._register(parsed)
+        if isinstance(registered, AdminError):
+            return _error(registered)
         location = f"/workers/{parsed.id}"
+        ready = (
+            f"the frontend starts its sidecar (grpc://{registered.worker_address}); it serves once that "
+            "sidecar reached the engine"
+            if registered.bare
+            else "it serves once its sidecar is ready"
+        )
         return _json(
             202,
             {
@@ -284,7 +294,7 @@ class AdminApi:
                 "worker_id": parsed.id,
                 "url": parsed.url,
                 "location": location,
-                "message": "worker added: it serves once its sidecar is ready (GET /workers shows its state)",
+                "message": f"worker added: {ready} (GET /workers shows its state)",
             },
             {"Location": location},
         )
@@ -322,12 +332,12 @@ class AdminApi:
         parsed = registration_from({"url": url})
         if isinstance(parsed, AdminError):
             return _text(parsed.status, parsed.message)
-        refusal = await self._register(parsed)
-        if refusal is not None:
-            return _text(400 if refusal.status == 409 else refusal.status, refusal.message)
-        problem = await self._until_serving(parsed)
+        registered = await self._register(parsed)
+        if isinstance(registered, AdminError):
+            return _text(400 if registered.status == 409 else registered.status, registered.message)
+        problem = await self._until_serving(registered)
         if problem is not None:
-            await self._unregister(parsed.address)
+            await self._unregister(registered.worker_address)
             return _text(400, problem)
         return _text(200, f"Successfully added worker: {parsed.url}")
 
@@ -356,7 +366,7 @@ class AdminApi:
         with anyio.move_on_after(self._add_wait):
             while True:
                 changed = self.workers.next_change()
-                worker = self.workers.get(registration.address)
+                worker = self.workers.get(registration.worker_address)
                 if worker is None:
                     return f"worker {registration.url} was removed before it served"
                 if worker.state is WorkerState.SERVING:
@@ -369,20 +379,48 @@ class AdminApi:
 
     # ---------------------------------------------------------------- changes, logged
 
-    async def _register(self, registration: Registration) -> AdminError | None:
+    async def _register(self, registration: Registration) -> Registration | AdminError:
+        """The registration as held (a bare engine's: with its sidecar's address, that sidecar
+        started), or why it is refused."""
+        if registration.bare:
+            refusal = self._bare_refusal(registration) or self.membership.refusal_to_register(registration)
+            if refusal is not None:
+                return refusal
+            assert self.bare is not None  # _bare_refusal said so
+            # No await between the check above and the registration below: a second call for
+            # the same engine finds this one registered.
+            registration = self.bare.start(registration)
         refusal = await self.control.register(registration)
-        if refusal is None:
-            log.info(
-                "worker registered",
-                worker=registration.address,
-                url=registration.url,
-                worker_id=registration.id,
-                role=registration.role,
+        if refusal is not None:
+            if self.bare is not None and registration.bare:
+                await self.bare.stop(registration.worker_address)
+            return refusal
+        log.info(
+            "worker registered",
+            worker=registration.worker_address,
+            url=registration.url,
+            worker_id=registration.id,
+            role=registration.role,
+            engine=registration.engine,
+        )
+        return registration
+
+    def _bare_refusal(self, registration: Registration) -> AdminError | None:
+        if self.bare is None:
+            return AdminError(
+                501,
+                "NOT_IMPLEMENTED",
+                f"url {registration.url!r} is a bare {registration.engine} engine: this frontend runs "
+                f"no sidecar for bare engines here; start sidecar-{registration.engine} next to it and "
+                "register the sidecar as grpc://HOST:PORT",
             )
-        return refusal
+        return self.bare.refusal(registration)
 
     async def _unregister(self, address: str) -> AdminError | str:
         outcome = await self.control.unregister(address)
         if not isinstance(outcome, AdminError):
             log.info("worker unregistered", worker=address, outcome=outcome)
+            if self.bare is not None:
+                # A bare engine's sidecar stops once its worker drained (no-op for any other).
+                self.bare.stop_after_leaving(address)
         return outcome

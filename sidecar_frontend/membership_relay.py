@@ -76,6 +76,7 @@ def _registration_dict(registration: Registration) -> dict[str, object]:
         "role": registration.role,
         "engine": registration.engine,
         "bootstrap_port": registration.bootstrap_port,
+        "sidecar_address": registration.sidecar_address,
     }
 
 
@@ -84,11 +85,17 @@ def _registration(data: object) -> Registration | None:
         return None
     url, address, role, engine = (data.get(k) for k in ("url", "address", "role", "engine"))
     port = data.get("bootstrap_port")
+    sidecar = data.get("sidecar_address")
+    if not (sidecar is None or isinstance(sidecar, str)):
+        return None
     if not (isinstance(url, str) and isinstance(address, str) and isinstance(role, str) and is_role(role)):
         return None
     if engine not in ENGINES or not (port is None or (isinstance(port, int) and not isinstance(port, bool))):
         return None
-    return Registration(url, address, role, engine, port)
+    registration = Registration(url, address, role, engine, port, sidecar)
+    if registration.bare and sidecar is None:
+        return None  # a bare engine is dialled at its sidecar's address: it must have one
+    return registration
 
 
 def _line(payload: Mapping[str, object]) -> bytes:
@@ -110,7 +117,7 @@ def _change(data: Mapping[str, Any]) -> tuple[Op, str, Registration | None] | No
     if op == "unregister":
         return "unregister", address, None
     registration = _registration(data.get("registration"))
-    if registration is None or registration.address != address:
+    if registration is None or registration.worker_address != address:
         return None
     return "register", address, registration
 
