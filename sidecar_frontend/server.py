@@ -29,6 +29,7 @@ import importlib
 import os
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -52,6 +53,8 @@ from sidecar_frontend.admission.gate import Gate, WakeOnWorkerEvents
 from sidecar_frontend.admission.metrics import AdmissionMetrics
 from sidecar_frontend.admission.rate_file import follow_rate_file, load_rate_file
 from sidecar_frontend.admission.rates import RateConfigError, RateLimiter
+from sidecar_frontend.bare_children import BareSidecars
+from sidecar_frontend.bare_sidecars import ChildSettings
 from sidecar_frontend.cli import FORMATS, FrontendConfig
 from sidecar_frontend.discovery import DiscoverySink, run_discovery
 from sidecar_frontend.formats.base import Format, WorkerFailure
@@ -265,10 +268,19 @@ async def _serve(
             await _start_discovery(supervisor, config, membership)
             if config.discovery.mode == "static" and not config.discovery.static_workers:
                 log.warning("no worker yet: they come through the membership API (POST /workers, docs/rl.md)")
-            admin = AdminApi(workers, membership, token=config.admin.token, control=control)
-            code = await _serve_http(
-                config, formats, workers, choice, metrics, signals, gate, inherited, admin, routing
-            )
+            # The sidecars of bare engines registered through the API: stopped when this block
+            # ends, after the HTTP side's drain (sidecar_frontend/bare_children.py).
+            async with BareSidecars(
+                workers,
+                ChildSettings(sys.executable, config.log_format, config.log_level),
+                processes=config.processes,
+                worker_tls=config.worker_set.tls is not None,
+                registry=metrics.registry,
+            ) as bare:
+                admin = AdminApi(workers, membership, token=config.admin.token, control=control, bare=bare)
+                code = await _serve_http(
+                    config, formats, workers, choice, metrics, signals, gate, inherited, admin, routing
+                )
         finally:
             await workers.aclose()
     log.info("stopped")
