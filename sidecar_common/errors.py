@@ -104,6 +104,9 @@ FAILURE_RULES: Final[Mapping[FailureReason, FailureRule]] = {
     _R.OVERLOADED: FailureRule(_C.RESOURCE_EXHAUSTED, migratable=False, retried=True, busy=True),
     _R.PROTOCOL_ERROR: FailureRule(_C.INTERNAL, migratable=False, retried=False),
     _R.UNKNOWN: FailureRule(_C.UNKNOWN, migratable=False, retried=False),
+    # Refused before any token: retried, and not busy (the engine goes on at continue, so a
+    # later attempt may wait for it).
+    _R.ENGINE_PAUSED: FailureRule(_C.UNAVAILABLE, migratable=False, retried=True),
     _R.NO_WORKER: FailureRule(None, migratable=False, retried=False),
     _R.DEADLINE: FailureRule(None, migratable=False, retried=False),
     _R.NOT_STARTED: FailureRule(None, migratable=False, retried=True),

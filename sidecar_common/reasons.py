@@ -22,6 +22,11 @@ class FailureReason(enum.Enum):
     OVERLOADED = "OVERLOADED"
     PROTOCOL_ERROR = "PROTOCOL_ERROR"
     UNKNOWN = "UNKNOWN"
+    # The engine refused a new request because its trainer paused generation (vLLM's
+    # retryable "Generation is paused. Please retry after it resumes."): nothing was
+    # delivered, the engine is not down, and the request may run once it (or another
+    # worker) generates again.
+    ENGINE_PAUSED = "ENGINE_PAUSED"
     # The frontend's own: no worker serves the request's model.
     NO_WORKER = "NO_WORKER"
     # The frontend's own: its --request-timeout-secs ran out.

@@ -48,6 +48,7 @@ OWN_FAULT: Final[Mapping[FailureReason, bool]] = {
     _R.OVERLOADED: False,  # busy is not a fault: admission and the retry budget handle it
     _R.PROTOCOL_ERROR: True,  # misbehaviour included
     _R.UNKNOWN: True,
+    _R.ENGINE_PAUSED: False,  # its trainer paused it: paused is not down (issue 28)
     _R.NO_WORKER: False,  # the frontend's own: no call was made
     _R.DEADLINE: False,  # the frontend's own --request-timeout-secs
     _R.NOT_STARTED: False,  # a busy server's backlog, like OVERLOADED

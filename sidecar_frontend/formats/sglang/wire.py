@@ -54,6 +54,8 @@ FAILURE_STATUS: Final[Mapping[FailureReason, int | None]] = {
     FailureReason.OVERLOADED: 503,
     FailureReason.PROTOCOL_ERROR: 500,
     FailureReason.UNKNOWN: 500,
+    # A paused engine's refusal: unavailable for now, as SGLang's /ready says while paused.
+    FailureReason.ENGINE_PAUSED: 503,
     FailureReason.NO_WORKER: 503,
     FailureReason.DEADLINE: 503,
     # No engine saw it, and its worker's server had no room to take it: SGLang's busy answer.

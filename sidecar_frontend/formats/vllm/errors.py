@@ -72,6 +72,8 @@ FAILURE_ANSWERS: Final[Mapping[FailureReason, FailureAnswer]] = {
     FailureReason.OVERLOADED: FailureAnswer.BUSY,
     FailureReason.PROTOCOL_ERROR: FailureAnswer.ENGINE_FAILED,
     FailureReason.UNKNOWN: FailureAnswer.ENGINE_FAILED,
+    # vLLM's paused refusal is a RetryableRequestError: 503 in the engine's words.
+    FailureReason.ENGINE_PAUSED: FailureAnswer.BUSY,
     FailureReason.NO_WORKER: FailureAnswer.ENGINE_FAILED,
     # Our request deadline ends the request as vLLM's abort does.
     FailureReason.DEADLINE: FailureAnswer.ABORT,

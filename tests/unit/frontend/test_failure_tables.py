@@ -38,6 +38,8 @@ RULES: Mapping[FailureReason, tuple[grpc.StatusCode | None, bool, bool, bool]] =
     R.OVERLOADED: (C.RESOURCE_EXHAUSTED, False, True, True),  # another worker may have room
     R.PROTOCOL_ERROR: (C.INTERNAL, False, False, False),
     R.UNKNOWN: (C.UNKNOWN, False, False, False),
+    # vLLM refused it while paused: nothing delivered, retried; not busy (it goes on at continue).
+    R.ENGINE_PAUSED: (C.UNAVAILABLE, False, True, False),
     R.NO_WORKER: (None, False, False, False),  # the frontend's own: never on the wire
     R.DEADLINE: (None, False, False, False),
     # gRPC's server core refused the call before the sidecar took it: no engine saw it, so it
@@ -55,6 +57,7 @@ VLLM_UNARY_STATUS: Mapping[FailureReason, int] = {
     R.OVERLOADED: 503,
     R.PROTOCOL_ERROR: 500,
     R.UNKNOWN: 500,
+    R.ENGINE_PAUSED: 503,  # vLLM's RetryableRequestError
     R.NO_WORKER: 500,
     R.DEADLINE: 200,
     R.NOT_STARTED: 503,  # vLLM's admission refusal
@@ -68,6 +71,7 @@ SGLANG_UNARY_STATUS: Mapping[FailureReason, int] = {
     R.OVERLOADED: 503,
     R.PROTOCOL_ERROR: 500,
     R.UNKNOWN: 500,
+    R.ENGINE_PAUSED: 503,
     R.NO_WORKER: 503,
     R.DEADLINE: 503,
     R.NOT_STARTED: 503,
@@ -106,7 +110,7 @@ def test_the_sidecars_send_their_reasons_only() -> None:
 
 
 def test_only_a_busy_engine_is_answered_before_a_vllm_stream_starts() -> None:
-    assert {R.OVERLOADED, R.NOT_STARTED} == REFUSED_BEFORE_STREAM
+    assert {R.OVERLOADED, R.NOT_STARTED, R.ENGINE_PAUSED} == REFUSED_BEFORE_STREAM
 
 
 @pytest.mark.parametrize("reason", list(FailureReason), ids=lambda r: r.value)

@@ -50,6 +50,7 @@ _R = FailureReason
         (_R.NO_WORKER, False),
         (_R.DEADLINE, False),
         (_R.NOT_STARTED, False),
+        (_R.ENGINE_PAUSED, False),
     ],
 )
 def test_which_failures_are_the_workers_own_fault(reason: FailureReason, counts: bool) -> None:
