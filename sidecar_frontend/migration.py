@@ -6,7 +6,14 @@ prompt is the original prompt followed by every token already delivered, and the
 shrink by what was delivered. The client must see one uninterrupted stream, so the outputs of the
 continuation are rewritten as if they came from the first worker: usage counts the original prompt
 and the whole completion, prompt logprobs cover the original prompt only, the cumulative logprob
-goes on from where it stopped.
+goes on from where it stopped, and the terminal's ``weight_versions`` cover the whole output: the
+tokens delivered before by their outputs' labels, the last leg's by its own spans shifted after
+them (``weight_spans``; none when any delivered output had no label), its ``weight_version`` the
+last span's. Routed experts need no joining: an attempt returns them on its terminal only, so a
+continued attempt delivered none, and the continuation keeps the original
+``routed_experts_start_len``: its prompt holds every token delivered, so its rows cover the
+original start to the end of the whole output, exactly what one attempt would have answered.
+A generation that never moved is given exactly what its worker sent.
 
 :class:`Migration` is the whole state of one sub-request across its attempts, fed every output the
 client was given (``delivered``) and asked, when an attempt fails, what to run next
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 
 from sidecar_common import prompt_logprobs
 from sidecar_common.api import sidecar_pb2
+from sidecar_frontend.weight_spans import Span, SpanJoiner, spans_of
 
 __all__ = ["DEFAULT_MIGRATION_LIMIT", "Finish", "Migration", "Refusal", "RefusalReason", "resume_refusal"]
 
@@ -87,6 +95,9 @@ class Migration:
         self._base_tokens = 0
         self._base_cum_logprob = 0.0
         self._last_cum_logprob: float | None = None
+        # Which weights made the delivered tokens, and those before the current attempt.
+        self._spans = SpanJoiner()
+        self._spans_before: tuple[Span, ...] = ()
 
     @property
     def migrations(self) -> int:
@@ -107,6 +118,7 @@ class Migration:
         if self._continuations:
             out = self._rewrite(output)
         self._delivered.extend(out.token_ids)
+        self._spans.add(out)
         if out.HasField("cum_log_probs"):
             self._last_cum_logprob = out.cum_log_probs
         if out.finish_reason != sidecar_pb2.UNSPECIFIED:
@@ -160,6 +172,7 @@ class Migration:
         nxt.ClearField("bootstrap_info")
         self._continuations += 1
         self._base_tokens = done
+        self._spans_before = tuple(self._spans.labels())
         self._base_cum_logprob = self._last_cum_logprob or 0.0
         return nxt
 
@@ -179,6 +192,14 @@ class Migration:
         # The continuation's prompt is the original one plus the delivered tokens; the client
         # asked about the original prompt only.
         prompt_logprobs.truncate(out, prompt)
+        if out.weight_versions:
+            joined = self._spans.join(self._spans_before, spans_of(out), self._base_tokens)
+            del out.weight_versions[:]
+            if joined is not None:
+                out.weight_versions.extend(
+                    sidecar_pb2.WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in joined
+                )
+                out.weight_version = joined[-1].version
         return out
 
     def _length_terminal(self) -> sidecar_pb2.LLMEngineOutput:

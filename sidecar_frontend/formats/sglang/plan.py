@@ -3,7 +3,9 @@
 The last stage of :func:`~sidecar_frontend.formats.sglang.validate.validate`: it refuses
 nothing (every check ran before it), it only builds. A batch of P prompts with n samples
 gives P*n sub-requests, prompt-major, each with the id the client sees. A non-streaming
-request asks each worker for one answer (``OutputOptions.unary``).
+request asks each worker for one answer (``OutputOptions.unary``). ``return_routed_experts``
+and a non-zero ``routed_experts_start_len`` go to every sub-request (a worker whose wire
+cannot carry them refuses them by name: docs/metadata.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class ItemPlan:
     stream_interval: int = 1
     # SGLang's token_ids_logprob was asked (with return_logprob): its two meta lists are shown.
     token_ids_logprob: bool = False
+    # return_routed_experts was asked: the final output shows what the worker returned.
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,12 @@ def plan(
             ids = batch.chosen[i]
             if isinstance(ids, list):
                 template.output_options.token_ids_logprob.extend(ids)
+        if data.get("return_routed_experts") is True:
+            template.output_options.return_routed_experts = True
+        start = data.get("routed_experts_start_len")
+        if isinstance(start, int) and start != 0:
+            # SGLang checks the start with or without the flag: it goes to the worker as asked.
+            template.output_options.routed_experts_start_len = start
         lora = batch.loras[i]
         if lora is not None:
             template.routing.lora_name = lora
@@ -186,6 +196,7 @@ def plan(
                     return_prompt_token_ids=data.get("return_prompt_token_ids") is True,
                     token_ids_logprob=checked.return_logprob and bool(batch.chosen[i]),
                     stream_interval=_stream_interval(params),
+                    return_routed_experts=data.get("return_routed_experts") is True,
                 )
             )
     options = SglangOptions(

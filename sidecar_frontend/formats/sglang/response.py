@@ -7,10 +7,17 @@ Outputs are deltas; an item keeps everything it has produced and renders either 
 (cumulative streams, unary) or what is new since its last event (incremental streams). While
 the client reads slower than the stream comes, outputs are only added to their item
 (``hold``) and ``flush`` writes one event per item for all of them (``base.HoldingEncoder``).
+
+Weights and experts (docs/metadata.md): every event's ``meta_info.weight_version`` is the
+label of the item's latest output (``"default"``, SGLang's launch default, where the worker's
+wire does not say); the final event adds the terminal's ``weight_versions`` spans and, when
+asked, ``routed_experts`` (base64 of the worker's bytes), where SGLang's tokenizer manager
+puts them.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +133,11 @@ class _Item:
     finished_at: float | None = None
     first_at: float | None = None
     input_logprobs_known: bool = False
+    # The version the worker labelled its latest output with (None: its wire does not say).
+    weight_version: str | None = None
+    # The terminal's spans over the whole output ([]: the worker's wire does not say).
+    weight_versions: list[dict[str, object]] = field(default_factory=list)
+    routed_experts: bytes | None = None
 
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.plan.prompt)
@@ -138,6 +150,8 @@ class _Item:
         plan = self.plan
         new = list(output.token_ids)
         self.output_ids.extend(new)
+        if output.HasField("weight_version"):
+            self.weight_version = output.weight_version
         if plan.return_logprob and not self.input_logprobs_known and prompt_logprobs.carried(output):
             # SGLang shows the prompt's logprobs from its first event after prefill on: render
             # them from the first output that carries them.
@@ -165,6 +179,11 @@ class _Item:
             # the final event has them, with null logprobs where the worker gave none.
             self._input_logprobs(output)
         self.finish = self._finish(output)
+        self.weight_versions = [
+            {"version": span.version, "start": span.start, "end": span.end} for span in output.weight_versions
+        ]
+        if self.plan.return_routed_experts and output.HasField("routed_experts"):
+            self.routed_experts = output.routed_experts
 
     def _finish(self, output: sidecar_pb2.LLMEngineOutput) -> Mapping[str, object]:
         reason = output.finish_reason
@@ -218,7 +237,8 @@ class _Item:
             "id": plan.rid,
             "finish_reason": dict(self.finish) if self.finish is not None else None,
             "prompt_tokens": self.prompt_tokens,
-            "weight_version": "default",
+            # SGLang's launch default stands in where the worker's wire does not say.
+            "weight_version": self.weight_version if self.weight_version is not None else "default",
             "num_retractions": 0,
         }
         if plan.return_logprob:
@@ -234,9 +254,14 @@ class _Item:
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.output_ids)
         meta["cached_tokens"] = self.cached_tokens
+        if self.finish is not None and self.weight_versions:
+            # Where SGLang's tokenizer manager adds them (its weight_version keeps its place).
+            meta["weight_versions"] = self.weight_versions
         meta["cached_tokens_details"] = (
             {"device": self.cached_tokens, "host": 0} if self.cached_tokens else None
         )
+        if self.finish is not None and self.routed_experts is not None:
+            meta["routed_experts"] = base64.b64encode(self.routed_experts).decode("ascii")
         meta["dp_rank"] = None
         if self.finished_at is not None:
             meta["e2e_latency"] = self.finished_at - started_at

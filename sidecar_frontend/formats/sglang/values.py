@@ -111,6 +111,10 @@ _REFUSED: Final[Mapping[str, str]] = {
 
 
 def request_refusals(data: Mapping[str, object]) -> None:
+    start = data.get("routed_experts_start_len")
+    if isinstance(start, int) and not _INT32_MIN <= start <= INT32_MAX:
+        # sidecar.v1 carries it as an int32; SGLang refuses any start past the prompt anyway.
+        raise refuse("routed_experts_start_len", f"{start} does not fit in 32 bits")
     if data.get("max_thinking_tokens") is not None:
         raise ValueRefusal(
             "max_thinking_tokens requires the server to be launched with --enable-strict-thinking"

@@ -147,6 +147,17 @@ class _Choice:
     logprobs: list[str] = field(default_factory=list)  # each output's entries as JSON text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The terminal's weight_versions as JSON (``null``: the worker's wire does not say).
+    weight_versions: bytes = b"null"
+
+
+def _weight_versions(output: sidecar_pb2.LLMEngineOutput) -> bytes:
+    """vLLM's ``weight_versions`` (``[{"version", "start", "end"}]``) of a terminal, or null."""
+    if not output.weight_versions:
+        return b"null"
+    return compact_json(
+        [{"version": s.version, "start": s.start, "end": s.end} for s in output.weight_versions]
+    )
 
 
 class VllmEncoder:
@@ -212,6 +223,7 @@ class VllmEncoder:
             elif finish == "stop" and kind == "stop_string":
                 stop_reason = output.stop_string
             choice.finish_reason, choice.stop_reason = finish, stop_reason
+            choice.weight_versions = _weight_versions(output)
             self._observe_terminal(output)
         if not self._o.stream:
             return b""
@@ -353,7 +365,14 @@ class VllmEncoder:
                 usage,
                 prompt_ids,
                 b',"output_mode":"tokens","choices":[',
-                _choice_json(choice.index, finish, stop_reason, ids, logprobs),
+                _choice_json(
+                    choice.index,
+                    finish,
+                    stop_reason,
+                    ids,
+                    logprobs,
+                    choice.weight_versions if finish is not None else b"null",
+                ),
                 b"]}\n\n",
             )
         )
@@ -362,15 +381,26 @@ class VllmEncoder:
         # vLLM's default finish reason when a choice ends without one is "stop".
         logprobs = ",".join(choice.logprobs) if self._o.logprobs else None
         return _choice_json(
-            choice.index, choice.finish_reason or "stop", choice.stop_reason, choice.token_ids, logprobs
+            choice.index,
+            choice.finish_reason or "stop",
+            choice.stop_reason,
+            choice.token_ids,
+            logprobs,
+            choice.weight_versions,
         )
 
 
 def _choice_json(
-    index: int, finish: str | None, stop_reason: int | str | None, ids: Sequence[int], logprobs: str | None
+    index: int,
+    finish: str | None,
+    stop_reason: int | str | None,
+    ids: Sequence[int],
+    logprobs: str | None,
+    weight_versions: bytes = b"null",
 ) -> bytes:
     """One choice as vLLM writes it, in a stream chunk or a unary reply alike (keys in vLLM's
-    order); ``logprobs`` are its entries as JSON text, None when not asked for."""
+    order); ``logprobs`` are its entries as JSON text, None when not asked for;
+    ``weight_versions`` the final chunk's spans as JSON (vLLM sets them there only)."""
     return b"".join(
         (
             b'{"index":',
@@ -381,7 +411,9 @@ def _choice_json(
             b"null" if stop_reason is None else compact_json(stop_reason),
             b',"token_ids":[',
             _ints(ids),
-            b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":',
+            b'],"routed_experts":null,"sampling_mask":null,"weight_versions":',
+            weight_versions,
+            b',"logprobs":',
             b"null" if logprobs is None else b'{"content":[' + logprobs.encode() + b"]}",
             b"}",
         )

@@ -212,6 +212,11 @@ class SamplingParams:
             raise uncarried("extra_args", "free-form engine arguments are not carried to the engine")
         if self.raw("watermarking"):
             raise uncarried("watermarking", "watermarking is not carried to the engine")
+        start = self.raw("routed_experts_prompt_start")
+        if start is not None and start != 0:
+            # vLLM's routed experts are a server option answered as .npy bytes, whose shape
+            # the workers' wires do not carry (docs/metadata.md): 0, its default, asks nothing.
+            raise uncarried("routed_experts_prompt_start", "routed experts are not carried to this format")
 
     def fill(self, request: sidecar_pb2.PreprocessedRequest, prompt_len: int, context: int) -> None:
         """Only the keys the caller sent are set: the engine applies its own defaults to the rest."""

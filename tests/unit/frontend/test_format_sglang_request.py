@@ -199,7 +199,13 @@ TOP_LEVEL_CASES: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ({"priority": -(2**31)}, {"routing": {"priority": -(2**31)}}),
     ({"text": "ignored when input_ids are given"}, {}),
     ({"input_embeds": [[0.5]]}, {}),
-    ({"return_text_in_logprobs": True, "log_metrics": False, "return_routed_experts": True}, {}),
+    ({"return_text_in_logprobs": True, "log_metrics": False}, {}),
+    ({"return_routed_experts": True}, {"output_options": {"return_routed_experts": True}}),
+    (
+        {"return_routed_experts": True, "routed_experts_start_len": 2},
+        {"output_options": {"return_routed_experts": True, "routed_experts_start_len": 2}},
+    ),
+    ({"routed_experts_start_len": 0}, {}),
     ({"routed_dp_rank": 0, "bootstrap_port": 0, "session_params": None, "custom_logit_processor": None}, {}),
     ({"unknown_top_level_key": {"any": "thing"}}, {}),
 ]
