@@ -12,6 +12,7 @@ from sidecar_common.tls_settings import ClientTlsFiles
 from sidecar_frontend.admission.capacity import CapacitySettings
 from sidecar_frontend.admission.state import AdmissionSettings
 from sidecar_frontend.admission.who import WhoRules
+from sidecar_frontend.fleet import FleetSettings
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.outliers import OutlierSettings
 from sidecar_frontend.retry_budget import RetryBudgetSettings
@@ -90,6 +91,8 @@ class WorkerSetConfig:
     kv_max_update_keys: int = 262_144
     # A worker failing calls of its own fault this many times in a row is ejected (outliers.py).
     outliers: OutlierSettings = field(default_factory=OutlierSettings)
+    # Pauses and weight versions (fleet.py): --route-latest-weights, --paused-hold-secs.
+    fleet: FleetSettings = field(default_factory=FleetSettings)
 
 
 @dataclass(frozen=True)
