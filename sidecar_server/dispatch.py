@@ -16,7 +16,7 @@ import itertools
 import re
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,17 +217,34 @@ class CancelCause(enum.Enum):
 
 @dataclass(eq=False)
 class Inflight:
-    """One registered generation. ``scope`` wraps its relay; cancelling it stops the relay."""
+    """One registered generation. ``scope`` wraps its relay; cancelling it stops the relay.
+
+    ``answer_on_abort`` (set for a generation whose caller wants one answer): an Abort RPC asks
+    the engine to end it rather than cancelling the relay, so the engine's answer, with the
+    tokens made so far, still reaches the caller (as the real servers answer an aborted
+    non-streaming request); the relay is cancelled if that answer has not come by a deadline."""
 
     public_id: str
     private_id: str
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     cause: CancelCause | None = None
+    answer_on_abort: Callable[[], Awaitable[None]] | None = None
 
     def cancel(self, cause: CancelCause) -> None:
         if self.cause is None:
             self.cause = cause
         self.scope.cancel()
+
+    async def end_with_answer(self, grace: float) -> None:
+        """Abort on the engine and let its answer through; the relay is cancelled ``grace``
+        seconds from now if it is still running (the engine did not answer its abort)."""
+        if self.answer_on_abort is None:
+            self.cancel(CancelCause.ABORT_RPC)
+            return
+        if self.cause is None:
+            self.cause = CancelCause.ABORT_RPC
+        self.scope.deadline = min(self.scope.deadline, anyio.current_time() + grace)
+        await self.answer_on_abort()
 
 
 class Registry:
@@ -254,11 +271,12 @@ class Registry:
             self._idle.set()
             self._idle = None
 
-    def abort_public(self, public_id: str) -> int:
-        """Cancel every in-flight generation with that public id; how many there were."""
+    async def abort_public(self, public_id: str, grace: float) -> int:
+        """End every in-flight generation with that public id (:meth:`Inflight.end_with_answer`:
+        cancelled, or aborted on the engine with ``grace`` for its answer); how many there were."""
         hits = [e for e in self._entries if e.public_id == public_id]
         for entry in hits:
-            entry.cancel(CancelCause.ABORT_RPC)
+            await entry.end_with_answer(grace)
         return len(hits)
 
     def cancel_all(self) -> int:

@@ -191,7 +191,7 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
             await owner._generate(request, context)
 
     async def Abort(self, request: sidecar_pb2.AbortRequest, context: _Context) -> sidecar_pb2.AbortResponse:
-        return self._owner._abort(request)
+        return await self._owner._abort(request)
 
     async def GetModelInfo(
         self, request: sidecar_pb2.GetModelInfoRequest, context: _Context
@@ -502,6 +502,9 @@ class SidecarServer:
         log = _log.bind(public_id=entry.public_id, private_id=entry.private_id)
         call = GenerateCall(request, entry.private_id, self._config.hold_decode_cancels, native)
         gen = Generation(self._engine, call, abort_timeout=self._config.abort_timeout)
+        if request.output_options.unary:
+            # Its caller waits for one answer: an Abort RPC lets the engine's answer through.
+            entry.answer_on_abort = gen.abort_once
         if metrics is not None:
             metrics.started()
         log.debug("generate started", choices=gen.tracker.n, prompt_tokens=len(request.token_ids))
@@ -526,19 +529,27 @@ class SidecarServer:
         """Relay the engine's stream to the client; raises the typed error the call ends with
         when it did not end with every terminal delivered."""
         entry, tracker, metrics = run.entry, run.gen.tracker, self._metrics
+        ended_by_abort = False
         with entry.scope:
-            await relay(
-                run.gen,
-                context.write,
-                self._relay_config,
-                metrics=metrics,
-                started_at=run.started_at,
-                under_load=self._under_load,
-            )
+            try:
+                await relay(
+                    run.gen,
+                    context.write,
+                    self._relay_config,
+                    metrics=metrics,
+                    started_at=run.started_at,
+                    under_load=self._under_load,
+                )
+            except SidecarError:
+                if entry.cause is not CancelCause.ABORT_RPC:
+                    raise
+                # Asked to end it with the engine's answer, the engine ended it its own way
+                # (a failed stream): still an abort, never a fault to run elsewhere.
+                ended_by_abort = True
         # Once every terminal was delivered the call is a success, whatever stopped it
         # while the engine stream was still closing: a migratable error after a complete
         # answer would have the frontend run the request twice.
-        stopped = entry.scope.cancelled_caught and not tracker.delivered_all
+        stopped = (entry.scope.cancelled_caught or ended_by_abort) and not tracker.delivered_all
         if stopped and entry.cause is CancelCause.DRAIN:
             raise SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is draining: generation cancelled")
         if stopped:
@@ -552,6 +563,8 @@ class SidecarServer:
             for terminal in tracker.cancelled_terminals(len(run.request.token_ids)):
                 tracker.delivered(terminal)
                 await context.write(terminal)
+        elif entry.cause is CancelCause.ABORT_RPC:
+            run.outcome["cancelled_by"] = "abort_rpc"  # the engine answered its abort
         run.outcome["finish_reason"] = tracker.last_finish_reason()
         if metrics is not None:
             metrics.finished(run.outcome["finish_reason"])
@@ -597,8 +610,8 @@ class SidecarServer:
             FailureReason.UNKNOWN, f"{self._engine.name} {where}: {type(exc).__name__}: {exc}"
         )
 
-    def _abort(self, request: sidecar_pb2.AbortRequest) -> sidecar_pb2.AbortResponse:
-        count = self._registry.abort_public(request.request_id)
+    async def _abort(self, request: sidecar_pb2.AbortRequest) -> sidecar_pb2.AbortResponse:
+        count = await self._registry.abort_public(request.request_id, self._config.abort_timeout)
         _log.info("abort requested", public_id=request.request_id, aborted=count)
         return sidecar_pb2.AbortResponse(aborted=count)
 

@@ -143,8 +143,8 @@ async def test_registry_abort_public_cancels_only_that_id() -> None:
     reg = Registry()
     a1, a2, b = reg.register("a"), reg.register("a"), reg.register("b")
     assert reg.inflight == 3
-    assert reg.abort_public("a") == 2
-    assert reg.abort_public("nobody") == 0
+    assert await reg.abort_public("a", grace=5.0) == 2
+    assert await reg.abort_public("nobody", grace=5.0) == 0
     assert a1.scope.cancel_called
     assert a2.scope.cancel_called
     assert a1.cause is CancelCause.ABORT_RPC
@@ -153,6 +153,27 @@ async def test_registry_abort_public_cancels_only_that_id() -> None:
     # The first cause wins: an aborted request stays "aborted" during a drain.
     assert a1.cause is CancelCause.ABORT_RPC
     assert b.cause is CancelCause.DRAIN
+
+
+async def test_an_abort_of_a_generation_that_wants_one_answer_asks_the_engine_and_sets_a_deadline() -> None:
+    """The engine's answer to its abort carries the tokens made so far; the relay is left to
+    deliver it, and is cancelled only if it has not ended by the grace."""
+    reg = Registry()
+    answering, streaming = reg.register("a"), reg.register("a")
+    engine_aborts: list[str] = []
+
+    async def abort_on_engine() -> None:
+        engine_aborts.append(answering.private_id)
+
+    answering.answer_on_abort = abort_on_engine
+    before = anyio.current_time()
+    assert await reg.abort_public("a", grace=5.0) == 2
+    assert engine_aborts == [answering.private_id]
+    assert not answering.scope.cancel_called
+    assert answering.cause is CancelCause.ABORT_RPC
+    assert before + 5.0 <= answering.scope.deadline <= anyio.current_time() + 5.0
+    assert streaming.scope.cancel_called
+    assert streaming.scope.deadline == float("inf")
 
 
 async def test_registry_wait_idle() -> None:
