@@ -45,6 +45,7 @@ from sidecar_frontend.config import (
 )
 from sidecar_frontend.discovery import DiscoveryConfig, add_discovery_arguments, discovery_config_from_args
 from sidecar_frontend.discovery_records import parse_worker
+from sidecar_frontend.fleet import FleetSettings
 from sidecar_frontend.migration import DEFAULT_MIGRATION_LIMIT
 from sidecar_frontend.outliers import OutlierSettings
 from sidecar_frontend.retry_budget import RetryBudgetSettings
@@ -508,6 +509,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     _add_admission_arguments(parser)
     add_discovery_arguments(parser)
     _add_admin_arguments(parser)
+    _add_fleet_arguments(parser)
     add_operations_arguments(
         parser, metrics_host_help="address the metrics endpoint binds (default: the host of --listen)"
     )
@@ -635,6 +637,27 @@ def _add_admin_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    fleet = parser.add_argument_group(
+        'pauses and weight versions (docs/frontend.md, "Pauses and weight versions")'
+    )
+    fleet.add_argument(
+        "--route-latest-weights",
+        action="store_true",
+        help="new requests go only to the workers whose engine reports the fleet's newest weight "
+        "version (the one most recently reported as new, or the one POST /weight_version set); the "
+        "others are listed pending until they report it (default: off: any version takes requests)",
+    )
+    fleet.add_argument(
+        "--paused-hold-secs",
+        type=seconds_arg(allow_zero=True),
+        default=FleetSettings.paused_hold,
+        metavar="SECS",
+        help="while every worker of a model is paused (or, with --route-latest-weights, none is at "
+        "the newest version), a new request waits this long for one to take it, then is answered 503",
+    )
+
+
 def _admission_config(ns: argparse.Namespace) -> AdmissionConfig:
     if ns.no_admission:
         return AdmissionConfig(enabled=False)
@@ -726,6 +749,9 @@ def parse_config(
             kv_max_snapshot_keys=ns.routing_max_snapshot_keys,
             kv_max_update_keys=ns.routing_max_update_keys,
             outliers=_outliers(parser, ns),
+            fleet=FleetSettings(
+                route_latest_weights=ns.route_latest_weights, paused_hold=ns.paused_hold_secs
+            ),
         ),
         routing=RouterConfig(
             routing=Routing(ns.routing) if ns.routing is not None else None,
