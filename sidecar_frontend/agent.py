@@ -14,7 +14,9 @@ failure and cancelled when the worker leaves the set:
   that doubles up to ``load_poll_interval`` while it keeps breaking). A sidecar older than
   WatchLoad (UNIMPLEMENTED) is polled with ``GetLoad`` every ``load_poll_interval`` instead,
   until it restarts (the frontend then holds another ModelInfo for it), when WatchLoad is
-  asked again. Each report sets the worker's figures and ``load_reported_at``.
+  asked again. Each report sets the worker's figures and ``load_reported_at``, and its
+  engine's state (running, paused) and weight version (``fleet.py``: a paused worker takes no
+  new request; with ``--route-latest-weights`` nor does one behind the newest version).
 
 Every reply is checked before it is believed (:mod:`sidecar_frontend.worker_replies`); a
 reply that does not decode or holds absurd values (pushed or polled), and a GetLoad left
@@ -55,7 +57,13 @@ from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.misbehaviour import Misbehaviour, Reporter
 from sidecar_frontend.registry import Refusal, Registry, Worker, WorkerState
 from sidecar_frontend.supervisor import Supervisor
-from sidecar_frontend.worker_replies import UNDECODABLE, engine_load, load_problem, model_info_problem
+from sidecar_frontend.worker_replies import (
+    UNDECODABLE,
+    engine_load,
+    engine_state,
+    load_problem,
+    model_info_problem,
+)
 
 __all__ = [
     "HEALTH_SERVICE",
@@ -447,6 +455,8 @@ class WorkerAgent:
         worker.waiting_requests = figures.waiting_requests
         worker.kv_usage = figures.kv_usage
         worker.load_reported_at = self._clock()
+        state, version = engine_state(report)
+        self._registry.report_engine(worker, state, version)
         return True
 
     # ---------------------------------------------------------------- TLS rotation

@@ -38,6 +38,7 @@ from typing import Final
 __all__ = [
     "DEFAULT_PAUSED_HOLD_SECS",
     "MAX_WEIGHT_VERSION_BYTES",
+    "PAUSED_REFUSALS_LIMIT",
     "PENDING",
     "SEEN_VERSIONS_KEPT",
     "EngineState",
@@ -60,6 +61,10 @@ MAX_WEIGHT_VERSION_BYTES: Final = 1_024
 # The versions remembered as reported before (a worker's first report of one of them is not
 # news); the oldest are forgotten past this many.
 SEEN_VERSIONS_KEPT: Final = 4_096
+# A sub-request refused this many times by paused engines (ENGINE_PAUSED, before any output)
+# ends with that refusal: each refusal marks its worker paused, so only a worker whose sidecar
+# keeps reporting it running while its engine refuses for a pause gets there.
+PAUSED_REFUSALS_LIMIT: Final = 30
 # How GET /workers lists a serving worker not at the newest version.
 PENDING: Final = "pending"
 

@@ -18,7 +18,8 @@ Which failures are the worker's own fault is :data:`OWN_FAULT`, one row per
 :class:`~sidecar_common.errors.FailureReason`. A busy answer (OVERLOADED) is not a fault (the
 worker is there and says so; the retry budget and admission deal with load), nor is a request
 the client got wrong (INVALID_ARGUMENT), a cancel (CANCELLED: the client's), or the frontend's
-own reasons (DEADLINE, NO_WORKER).
+own reasons (DEADLINE, NO_WORKER), nor is anything a paused engine's calls meet
+(:func:`counts_against`: ENGINE_PAUSED, or any failure while its sidecar reports it paused).
 
 The caller owns the rest (``workers.py``): it never ejects the last eligible worker of a
 model (it then calls :meth:`Outliers.spared`), takes the worker out of routing until
@@ -35,7 +36,7 @@ from typing import Final
 from sidecar_common.reasons import FailureReason
 from sidecar_common.retry import Backoff
 
-__all__ = ["OWN_FAULT", "Ejection", "OutlierSettings", "Outliers", "Verdict", "own_fault"]
+__all__ = ["OWN_FAULT", "Ejection", "OutlierSettings", "Outliers", "Verdict", "counts_against", "own_fault"]
 
 _R = FailureReason
 # Whether a call's failure for this reason is its worker's own fault (counts toward ejection).
@@ -58,6 +59,13 @@ OWN_FAULT: Final[Mapping[FailureReason, bool]] = {
 def own_fault(reason: FailureReason) -> bool:
     """Whether a failure for ``reason`` counts against its worker (:data:`OWN_FAULT`)."""
     return OWN_FAULT[reason]
+
+
+def counts_against(reason: FailureReason, *, paused: bool) -> bool:
+    """Whether a failure for ``reason`` of a worker whose engine is ``paused`` (or not) counts
+    toward its ejection: its own fault, and never while its engine is paused (a paused engine
+    is not down: whatever its calls meet then is the pause's doing)."""
+    return own_fault(reason) and not paused
 
 
 @dataclass(frozen=True)

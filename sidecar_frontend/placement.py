@@ -5,7 +5,8 @@ it answers from the serving workers it is offered (the default, :func:`least_loa
 worker set's power of two choices; ``sidecar_frontend/routing/`` is the KV-cache-aware one). A
 policy may also follow the calls it chose the workers of (:class:`CallWatch`). :func:`place` is
 what the attempt runner calls: it asks the choice for the roles the fleet serves, prefers a
-worker the sub-request has not tried, and waits (bounded) for one to serve when none does.
+worker the sub-request has not tried, and waits (bounded) for one to serve when none does, or
+for one to take new requests while the model's workers are all paused (``fleet.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import anyio
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import Role
+from sidecar_frontend.fleet import placement_wait
 from sidecar_frontend.workers import Worker, WorkerSet
 
 __all__ = ["CallWatch", "Observe", "Placement", "WorkerChoice", "least_loaded", "place"]
@@ -75,9 +77,11 @@ async def place(
     wait: float,
 ) -> Placement | None:
     """A prefill and a decode worker while both roles serve ``model``, else an aggregated one;
-    None when none serves within ``wait`` seconds (0: only what serves now). A worker in
-    ``tried`` is taken only when no other serves and ``patient`` (any but the last one that
-    failed: a restarted worker comes back under its old address)."""
+    None when none serves within ``wait`` seconds (0: only what serves now), or, while the
+    model's fleet is held (its workers paused, or none at the newest weight version:
+    ``fleet.py``), within the worker set's ``paused_hold``. A worker in ``tried`` is taken only
+    when no other serves and ``patient`` (any but the last one that failed: a restarted worker
+    comes back under its old address)."""
 
     def pick(role: Role) -> Worker | None:
         worker = choice(role, model, request, frozenset(tried))
@@ -85,7 +89,8 @@ async def place(
             worker = choice(role, model, request, frozenset(tried[-1:]))
         return worker
 
-    with anyio.move_on_after(wait):
+    started = anyio.current_time()
+    with anyio.CancelScope() as bounded:
         while True:
             changed = workers.next_change()
             if workers.has_serving("prefill", model) and workers.has_serving("decode", model):
@@ -96,5 +101,10 @@ async def place(
             worker = pick("agg")
             if worker is not None:
                 return (worker,)
+            # The bound is looked at anew at each change: a fleet that becomes held (or stops
+            # being held) while this waits changes how long it may wait.
+            bounded.deadline = started + placement_wait(
+                wait, workers.paused_hold, fleet_held=workers.held(model)
+            )
             await changed.wait()
     return None

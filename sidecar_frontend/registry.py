@@ -6,9 +6,14 @@ A worker is eligible while its health says SERVING, it is not refused (its role 
 cannot be used) and not ejected (it misbehaved, or failed too often: out of routing until a
 time the caller set). Back from an ejection for failures it is on probation: one call at a
 time until one succeeds (:attr:`Worker.available`).
-Choice is the power of two choices over a load score (:meth:`Worker.score`) among the eligible
-workers of one role and one model, O(1) whatever the size of the fleet: the eligible lists are
-rebuilt at each change (rare), not at each choice.
+An eligible worker takes new requests unless its engine is paused or, with the fleet routing
+by weight version, it is not at the newest one (:mod:`sidecar_frontend.fleet`): such a worker
+still serves its model (the model stays listed, admission counts its room, it is never ejected
+for it), and while no worker of a model takes new requests its fleet is *held*
+(:meth:`Registry.held`): new requests wait for one.
+Choice is the power of two choices over a load score (:meth:`Worker.score`) among the workers
+of one role and one model that take new requests, O(1) whatever the size of the fleet: the
+lists are rebuilt at each change (rare), not at each choice.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ from sidecar_common.api import sidecar_pb2, sidecar_pb2_grpc
 from sidecar_common.disaggregation import Role
 from sidecar_common.pool import ChannelPool
 from sidecar_common.rpc import StubCache
+from sidecar_frontend.fleet import (
+    EngineState,
+    FleetSettings,
+    VersionNews,
+    WeightVersions,
+    held,
+    held_reason,
+    listed_state,
+    takes_new,
+)
 from sidecar_frontend.worker_events import WorkerEvents
 
 __all__ = ["Refusal", "Registry", "Worker", "WorkerState", "available_first", "role_mismatch"]
@@ -107,6 +122,13 @@ class Worker:
     # Its sidecar subscribes to its engine's KV events and serves them on WatchKvCache (the
     # last GetLoad's kv_cache.subscribed).
     publishes_cache: bool = False
+    # Its engine's state and weight version as its sidecar last reported them (unknown and None
+    # until it reports, and again once it stops serving: a recovered engine reports anew).
+    engine_state: EngineState = EngineState.UNKNOWN
+    weight_version: str | None = None
+    # At the fleet's newest weight version, as far as routing goes (the registry's to set:
+    # always True unless the fleet routes by version).
+    current: bool = True
     idle: anyio.Event = field(default_factory=anyio.Event)
     # The calls this frontend left waiting at its server to be taken up (start_gate).
     _start_slots: anyio.Semaphore | None = None
@@ -121,9 +143,24 @@ class Worker:
         return self.state is WorkerState.SERVING and self.ejected_until is None
 
     @property
+    def paused(self) -> bool:
+        return self.engine_state is EngineState.PAUSED
+
+    @property
+    def takes_new(self) -> bool:
+        """Eligible, its engine not paused, and at the fleet's newest version when that matters."""
+        return takes_new(eligible=self.eligible, paused=self.paused, current=self.current)
+
+    @property
     def available(self) -> bool:
-        """Eligible, and not on probation with its probe call in flight."""
-        return self.eligible and not (self.probation and self.inflight > 0)
+        """Takes new requests, and not on probation with its probe call in flight."""
+        return self.takes_new and not (self.probation and self.inflight > 0)
+
+    @property
+    def listed_state(self) -> str:
+        """Its state as GET /workers lists it: ``paused`` or ``pending`` for a serving worker
+        whose engine is paused or behind the newest version, else its state."""
+        return listed_state(self.state.value, paused=self.paused, current=self.current)
 
     @property
     def served_model(self) -> str:
@@ -205,15 +242,23 @@ class Registry:
         *,
         allowed_models: frozenset[str] = frozenset(),
         rand: random.Random | None = None,
+        fleet: FleetSettings | None = None,
     ) -> None:
         self.events = events
         self._allowed = allowed_models
         self._rand = rand if rand is not None else random.Random()
+        self.fleet = fleet if fleet is not None else FleetSettings()
+        self.versions = WeightVersions(route_latest_weights=self.fleet.route_latest_weights)
         self._workers: dict[str, Worker] = {}
-        self._eligible: dict[str, list[Worker]] = {}
+        # Eligible workers (serving, not ejected), by role and model: they serve the model.
         self._eligible_by_model: dict[tuple[str, str], list[Worker]] = {}
+        # Those of them that take new requests now: choice picks among these.
+        self._open: dict[str, list[Worker]] = {}
+        self._open_by_model: dict[tuple[str, str], list[Worker]] = {}
         # Models that can take a generation now, each with the ModelInfo the formats read.
         self._models: dict[str, sidecar_pb2.ModelInfo] = {}
+        # Models whose workers take new requests now (the others of _models are held).
+        self._open_models: frozenset[str] = frozenset()
         # When each model was first seen serving (a tie-break: the newer model wins).
         self._first_seen: dict[str, int] = {}
         self._seen = 0
@@ -225,11 +270,17 @@ class Registry:
         self.rebuild()
         self.events.joined(worker)
 
-    def remove(self, worker: Worker) -> None:
+    def remove(self, worker: Worker) -> VersionNews:
+        """Forget ``worker``; what that did to the fleet's versions."""
+        news = VersionNews()
         if self._workers.get(worker.address) is worker:
             del self._workers[worker.address]
+            news = self.versions.forget(worker.address)
         self.rebuild()
         self.events.left(worker)
+        if news.newest_changed:
+            self._changed_all()
+        return news
 
     def get(self, address: str) -> Worker | None:
         return self._workers.get(address)
@@ -246,15 +297,68 @@ class Registry:
     # ---------------------------------------------------------------- changes
 
     def set_state(self, worker: Worker, state: WorkerState) -> bool:
-        """Whether the state changed (a draining worker stays draining)."""
+        """Whether the state changed (a draining worker stays draining). A worker that stops
+        serving forgets its engine's state and version: back, it reports them anew."""
         if worker.state is WorkerState.DRAINING or worker.state is state:
             return False
+        if worker.state is WorkerState.SERVING:
+            self._forget_engine(worker)
         worker.state = state
         if state is not WorkerState.REFUSED:
             worker.refusal = None
             worker.refusal_message = ""
+        if (
+            state is WorkerState.SERVING
+            and self.versions.report(worker.address, worker.weight_version).newest_changed
+        ):
+            self._changed_all()
+        else:
+            self.changed(worker)
+        return True
+
+    def report_engine(self, worker: Worker, state: EngineState, version: str | None) -> VersionNews:
+        """``worker``'s sidecar reported its engine's ``state`` and weight ``version``: what that
+        did to the fleet's versions. Told as a change only when something changed."""
+        if not self.holds(worker) or (worker.engine_state is state and worker.weight_version == version):
+            return VersionNews()
+        worker.engine_state = state
+        worker.weight_version = version
+        if worker.state is not WorkerState.SERVING:
+            return VersionNews()  # its version counts once it serves
+        news = self.versions.report(worker.address, version)
+        if news.newest_changed:
+            self._changed_all()
+        else:
+            self.changed(worker)
+        return news
+
+    def note_paused(self, worker: Worker) -> bool:
+        """A call on ``worker`` was refused because its engine is paused: it is taken as paused
+        until its sidecar's next report says otherwise. Whether that changed anything."""
+        if not self.holds(worker) or worker.paused:
+            return False
+        worker.engine_state = EngineState.PAUSED
         self.changed(worker)
         return True
+
+    def set_weight_version(self, version: str | None) -> VersionNews:
+        """An admin call set the fleet's newest version (None: back to the reported one)."""
+        news = self.versions.set_admin(version)
+        if news.newest_changed:
+            self._changed_all()
+        return news
+
+    def _forget_engine(self, worker: Worker) -> None:
+        worker.engine_state = EngineState.UNKNOWN
+        worker.weight_version = None
+        self.versions.forget(worker.address)
+
+    def _changed_all(self) -> None:
+        """Something every worker's choice reads changed (the newest version): rebuild once,
+        then tell each worker's change."""
+        self.rebuild()
+        for worker in list(self._workers.values()):
+            self.events.changed(worker)
 
     def drain(self, worker: Worker) -> bool:
         if worker.state is WorkerState.DRAINING:
@@ -366,34 +470,47 @@ class Registry:
     # ---------------------------------------------------------------- choice
 
     def serving(self, role: str = "agg", model: str | None = None) -> list[Worker]:
+        """The workers of ``role`` (serving ``model``, when given) that take new requests."""
         return [
             w
             for w in self._workers.values()
-            if w.eligible and w.role == role and (model is None or w.served_model == model)
+            if w.takes_new and w.role == role and (model is None or w.served_model == model)
         ]
 
     def has_serving(self, role: str, model: str) -> bool:
-        """Whether a worker of ``role`` serves ``model`` now: O(1), from the kept lists."""
+        """Whether a worker of ``role`` serves ``model`` now (paused or pending ones included:
+        they are not down): O(1), from the kept lists."""
         return any(w.eligible for w in self._eligible_by_model.get((role, model), ()))
 
     def routable(self, model: str | None = None) -> bool:
         """A generation (of ``model``, or of any model) can be placed: an aggregated worker,
-        or a prefill and a decode one."""
+        or a prefill and a decode one (their fleet may be held: the request then waits)."""
         if model is None:
             return bool(self._models)
         return model in self._models
 
+    def held(self, model: str) -> bool:
+        """Whether ``model``'s workers serve but none takes new requests (every one paused, or
+        none at the newest version): its new requests wait."""
+        return held(eligible=int(model in self._models), taking_new=int(model in self._open_models))
+
+    def held_reason(self, model: str) -> str:
+        """Why ``model``'s requests wait (for the log line and the 503 past the hold)."""
+        placing = [
+            w for role in ("agg", "prefill", "decode") for w in self._eligible_by_model.get((role, model), ())
+        ]
+        paused = sum(1 for w in placing if w.paused)
+        pending = sum(1 for w in placing if not w.paused and not w.current)
+        return held_reason(model, paused=paused, pending=pending, newest=self.versions.newest)
+
     def pick(
         self, role: str = "agg", exclude: frozenset[str] = frozenset(), model: str | None = None
     ) -> Worker | None:
-        """The less loaded of two eligible workers drawn at random (power of two choices);
-        never one that is not eligible, never one in ``exclude``, only one serving ``model``
+        """The less loaded of two workers that take new requests drawn at random (power of two
+        choices); never one that does not, never one in ``exclude``, only one serving ``model``
         when it is given. O(1) without exclusions (the first attempt of every request); a
         retry's exclusions may cost a scan of the role."""
-        if model is None:
-            pool = self._eligible.get(role, [])
-        else:
-            pool = self._eligible_by_model.get((role, model), [])
+        pool = self._open.get(role, []) if model is None else self._open_by_model.get((role, model), [])
         if not exclude and len(pool) >= 2:
             size = len(pool)
             first_at = self._rand.randrange(size)
@@ -415,16 +532,24 @@ class Registry:
     # ---------------------------------------------------------------- the kept lists
 
     def rebuild(self) -> None:
-        """The eligible lists and the models, anew from every worker's state."""
-        eligible: dict[str, list[Worker]] = {}
+        """The lists and the models, anew from every worker's state and the fleet's newest
+        version."""
+        versions = self.versions
         by_model: dict[tuple[str, str], list[Worker]] = {}
+        open_: dict[str, list[Worker]] = {}
+        open_by_model: dict[tuple[str, str], list[Worker]] = {}
         for worker in self._workers.values():
+            worker.current = versions.current(worker.weight_version)
             if worker.eligible:
-                eligible.setdefault(worker.role, []).append(worker)
                 by_model.setdefault((worker.role, worker.served_model), []).append(worker)
-        self._eligible = eligible
+                if worker.takes_new:
+                    open_.setdefault(worker.role, []).append(worker)
+                    open_by_model.setdefault((worker.role, worker.served_model), []).append(worker)
         self._eligible_by_model = by_model
+        self._open = open_
+        self._open_by_model = open_by_model
         self._models = _placeable(by_model)
+        self._open_models = frozenset(_placeable(open_by_model))
         for name in self._models:
             if name not in self._first_seen:
                 self._seen += 1

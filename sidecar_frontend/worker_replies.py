@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_frontend.fleet import MAX_WEIGHT_VERSION_BYTES, EngineState
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -28,6 +29,7 @@ __all__ = [
     "UNDECODABLE",
     "EngineLoad",
     "engine_load",
+    "engine_state",
     "load_problem",
     "model_info_problem",
 ]
@@ -70,7 +72,23 @@ def load_problem(report: sidecar_pb2.LoadReport | None) -> str | None:
             return f"rank {rank.dp_rank} reports a KV usage of {rank.kv_usage}, not within [0, 1]"
     if report.kv_cache.block_size > MAX_BLOCK_SIZE:
         return f"its KV block size {report.kv_cache.block_size} is above {MAX_BLOCK_SIZE}"
+    if len(report.weight_version.encode()) > MAX_WEIGHT_VERSION_BYTES:
+        return f"its weight version is longer than {MAX_WEIGHT_VERSION_BYTES} bytes"
     return None
+
+
+_ENGINE_STATES: Final = {
+    sidecar_pb2.ENGINE_STATE_UNSPECIFIED: EngineState.UNKNOWN,
+    sidecar_pb2.ENGINE_STATE_RUNNING: EngineState.RUNNING,
+    sidecar_pb2.ENGINE_STATE_PAUSED: EngineState.PAUSED,
+}
+
+
+def engine_state(report: sidecar_pb2.LoadReport) -> tuple[EngineState, str | None]:
+    """The engine's state and weight version in a report :func:`load_problem` passed (None: the
+    report carries no version). A state a newer sidecar.v1 may add reads as unknown."""
+    version = report.weight_version if report.HasField("weight_version") else None
+    return _ENGINE_STATES.get(report.engine_state, EngineState.UNKNOWN), version
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from sidecar_common.tls import ClientCredentials
 from sidecar_frontend.agent import HEALTH_SERVICE, WorkerAgent, new_pool, worker_stub
 from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.misbehaviour import Misbehaviour, MisbehaviourReporter
-from sidecar_frontend.outliers import Outliers, OutlierSettings, Verdict, own_fault
+from sidecar_frontend.outliers import Outliers, OutlierSettings, Verdict, counts_against
 from sidecar_frontend.registry import Refusal, Registry, Worker, WorkerState, role_mismatch
 from sidecar_frontend.supervisor import Supervisor
 from sidecar_frontend.worker_events import WorkerEvents, WorkerListener
@@ -97,7 +97,9 @@ class WorkerSet:
         self._config = config if config is not None else WorkerSetConfig()
         self._clock = clock
         self.events: WorkerEvents[Worker] = WorkerEvents()
-        self.registry = Registry(self.events, allowed_models=self._config.models, rand=rand)
+        self.registry = Registry(
+            self.events, allowed_models=self._config.models, rand=rand, fleet=self._config.fleet
+        )
         self._supervisor = supervisor
         self._own_supervisor = supervisor is None
         self._agents: dict[str, WorkerAgent] = {}
@@ -286,8 +288,15 @@ class WorkerSet:
         """A Generate call on ``worker`` failed for ``reason``. Whether that ejected it: the
         failures of its own fault (``outliers.OWN_FAULT``) in a row reached the setting, or its
         probe failed; out of routing for a pause that doubles with each ejection in a row
-        (logged). The last eligible worker of its role and model is not ejected (logged)."""
-        if not own_fault(reason) or not self.registry.holds(worker) or worker.state is WorkerState.DRAINING:
+        (logged). The last eligible worker of its role and model is not ejected (logged). A
+        paused worker's failures never count (paused is not down), and an ENGINE_PAUSED one
+        marks it paused at once."""
+        if reason is FailureReason.ENGINE_PAUSED and self.registry.note_paused(worker):
+            # News of the pause before its sidecar's next report: no new request goes there.
+            log.info("worker paused: its engine refused a request for its pause", worker=worker.address)
+        if not counts_against(reason, paused=worker.paused):
+            return False
+        if not self.registry.holds(worker) or worker.state is WorkerState.DRAINING:
             return False
         now = self._clock()
         ejection = self.outliers.failed(worker.address, now)
@@ -402,6 +411,49 @@ class WorkerSet:
         """Set at the next change of any worker (taken before looking, so no change between
         the look and the wait is missed)."""
         return self.events.next_change()
+
+    # ---------------------------------------------------------------- pauses and weight versions
+
+    @property
+    def paused_hold(self) -> float:
+        """How long a request waits while its model's fleet is held (--paused-hold-secs)."""
+        return self._config.fleet.paused_hold
+
+    def held(self, model: str) -> bool:
+        """Whether ``model``'s workers serve but none takes new requests (fleet.py)."""
+        return self.registry.held(model)
+
+    async def hold(self, model: str) -> str | None:
+        """While ``model``'s fleet is held, wait (woken by the worker set's changes) until a
+        worker takes its new requests; None then, or at once when it is not held. Past
+        ``paused_hold`` seconds, why it is still held. Cancelling it (the client left) ends
+        the wait at once."""
+        if not self.registry.held(model):
+            return None
+        with anyio.move_on_after(self.paused_hold):
+            while True:
+                changed = self.events.next_change()
+                if not self.registry.held(model):
+                    return None
+                await changed.wait()
+        return f"{self.registry.held_reason(model)}, for {self.paused_hold:g}s (--paused-hold-secs)"
+
+    def no_worker_message(self, model: str) -> str:
+        """Why an attempt found no worker for ``model``: its fleet is held, or none serves it."""
+        if self.registry.held(model):
+            return f"{self.registry.held_reason(model)}, for {self.paused_hold:g}s (--paused-hold-secs)"
+        return f"no worker is serving {model}"
+
+    def set_weight_version(self, version: str | None) -> None:
+        """The fleet's newest weight version, as an admin call set it (None: back to the newest
+        reported); logged."""
+        news = self.registry.set_weight_version(version)
+        log.info(
+            "fleet weight version set",
+            weight_version=self.registry.versions.newest,
+            set_by_admin=version is not None,
+            changed=news.newest_changed,
+        )
 
     async def wait_serving(self, count: int = 1, role: str = "agg", model: str | None = None) -> None:
         """Until at least ``count`` workers of ``role`` are eligible (callers bound it)."""
