@@ -40,6 +40,7 @@ from sidecar_frontend.membership import (
 )
 from sidecar_frontend.membership_relay import Apply, Op, Refused, RelayRequest, parse_control, request_line
 from sidecar_frontend.registry import WorkerState
+from sidecar_frontend.weight_version_api import WEIGHT_VERSION_PATH, weight_version_handlers
 from sidecar_frontend.workers import WorkerSet
 
 __all__ = [
@@ -233,6 +234,10 @@ class AdminApi:
             "/add_worker": {"POST": self._legacy_add},
             "/remove_worker": {"POST": self._legacy_remove},
             "/list_workers": {"GET": self._legacy_list},
+            # The fleet's newest weight version (weight_version_api.py; issue 28).
+            WEIGHT_VERSION_PATH: weight_version_handlers(
+                self.workers, relayed=isinstance(self.control, RelayedControl)
+            ),
         }
         return [web.route("*", path, self._guarded(by_method)) for path, by_method in methods.items()]
 

@@ -547,14 +547,14 @@ def worker_row(worker: Worker, membership: Membership) -> dict[str, object]:
         "id": membership.id_of(address),
         "url": membership.url_of(address),
         "worker_type": _WORKER_TYPE_OF_ROLE[worker.role],
-        "state": worker.state.value,
+        # "paused" or "pending" for a serving worker paused or behind the newest weight version.
+        "state": worker.listed_state,
         "is_healthy": worker.eligible,
         "ejected": worker.ejected_until is not None,
         "model": worker.served_model or None,
         "model_id": worker.served_model or None,
         "engine": _engine_of(worker, registration),
-        # No sidecar reports its engine's weight version yet (sidecar.v1 has no such field).
-        "weight_version": None,
+        "weight_version": worker.weight_version,
         "load": worker.score(),
         "running_requests": worker.running_requests,
         "waiting_requests": worker.waiting_requests,
