@@ -57,6 +57,7 @@ from sidecar_frontend.bare_children import BareSidecars
 from sidecar_frontend.bare_sidecars import ChildSettings
 from sidecar_frontend.cli import FORMATS, FrontendConfig
 from sidecar_frontend.discovery import DiscoverySink, run_discovery
+from sidecar_frontend.fleet_watch import FleetWatch
 from sidecar_frontend.formats.base import Format, WorkerFailure
 from sidecar_frontend.handler import Frontend
 from sidecar_frontend.host_limits import connection_limits
@@ -246,6 +247,7 @@ async def _serve(
         )
         try:
             workers.events.subscribe(WorkerMetrics(metrics))
+            workers.events.subscribe(FleetWatch(metrics.registry, workers.registry))
             metrics.watch_fleet(lambda: _rows(workers))
             choice = routing.choice(workers)
             try:
