@@ -27,9 +27,11 @@ from sidecar_common.bootstrap_handoff import PORT_MAX, ROOM_MAX
 from sidecar_common.disaggregation import DisaggregationMode
 from sidecar_common.errors import NOT_SENT, FailureReason, engine_words, invalid_argument
 from sidecar_common.limits import check_media, check_sampling_limits
+from sidecar_common.structs import JSON, StructError, json_from_struct
 from sidecar_sglang.refusals import out_of_vocabulary
 
 __all__ = [
+    "CUSTOM_PARAMS",
     "INT32_MAX",
     "ROOM_MAX",
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
@@ -57,8 +59,10 @@ _MEDIA_FIELDS: Final = {
     sidecar_pb2.MultimodalItem.VIDEO: "video_data",
     sidecar_pb2.MultimodalItem.AUDIO: "audio_data",
 }
-# No SGLang-specific extension is defined yet; any key is refused by name (never dropped).
-_KNOWN_EXTRA_ARGS: Final[frozenset[str]] = frozenset()
+# SGLang's sampling_params.custom_params (HTTP only: its gRPC SamplingParams has no such
+# field); any other key is refused by name (never dropped).
+CUSTOM_PARAMS: Final = "custom_params"
+_KNOWN_EXTRA_ARGS: Final[frozenset[str]] = frozenset({CUSTOM_PARAMS})
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class NativeRequest:
     # SGLang's default 0).
     return_routed_experts: bool = False
     routed_experts_start_len: int | None = None
+    # SGLang's sampling_params.custom_params (HTTP only), as the caller gave them.
+    custom_params: Mapping[str, JSON] | None = None
 
 
 def _int32(value: int, name: str, *, minimum: int = INT32_MIN) -> int:
@@ -263,6 +269,8 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
     unknown = sorted(set(request.extra_args.fields) - _KNOWN_EXTRA_ARGS)
     if unknown:
         raise invalid_argument(f"extra_args.{unknown[0]}", "unknown key for SGLang")
+    if CUSTOM_PARAMS in request.extra_args.fields and settings.transport == "grpc":
+        raise invalid_argument(f"extra_args.{CUSTOM_PARAMS}", "SGLang's gRPC wire cannot carry it (HTTP can)")
     bad = next((t for t in request.token_ids if t > INT32_MAX), None)
     if bad is not None:
         raise invalid_argument("token_ids", f"token ids must fit in int32 (got {bad})")
@@ -396,6 +404,19 @@ def _priority(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
     return value
 
 
+def _custom_params(extra: struct_pb2.Struct) -> Mapping[str, JSON] | None:
+    """``extra_args.custom_params``: an object, numbers exact (``sidecar_common.structs``)."""
+    if CUSTOM_PARAMS not in extra.fields:
+        return None
+    value = extra.fields[CUSTOM_PARAMS]
+    if value.WhichOneof("kind") != "struct_value":
+        raise invalid_argument(f"extra_args.{CUSTOM_PARAMS}", "must be an object")
+    try:
+        return json_from_struct(value.struct_value)
+    except StructError as err:
+        raise invalid_argument(f"extra_args.{CUSTOM_PARAMS}", str(err)) from None
+
+
 def asks_one_answer(request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> bool:
     """Whether the engine is asked for one answer (``stream`` false) rather than a stream: when
     the caller wants one (``OutputOptions.unary``) on an aggregated worker. A prefill streams
@@ -449,6 +470,7 @@ def build_native(
         token_ids_logprob=tuple(out.token_ids_logprob),
         stream=not asks_one_answer(request, settings.mode),
         return_routed_experts=out.return_routed_experts,
+        custom_params=_custom_params(request.extra_args),
         routed_experts_start_len=(
             out.routed_experts_start_len if out.HasField("routed_experts_start_len") else None
         ),
@@ -511,9 +533,12 @@ def to_grpc(native: NativeRequest) -> sglang_pb2.GenerateRequest:
 
 def to_http_json(native: NativeRequest) -> dict[str, object]:
     """The ``POST /generate`` body, absent fields omitted."""
+    sampling = _http_sampling(native.sampling)
+    if native.custom_params is not None:
+        sampling[CUSTOM_PARAMS] = dict(native.custom_params)
     body: dict[str, object] = {
         "input_ids": list(native.input_ids),
-        "sampling_params": _http_sampling(native.sampling),
+        "sampling_params": sampling,
         "stream": native.stream,
         "rid": native.rid,
     }

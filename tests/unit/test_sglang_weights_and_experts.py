@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.errors import FailureReason, SidecarError
+from sidecar_common.structs import value_from_json
 from sidecar_sglang.convert_request import (
     NativeRequest,
     NativeSampling,
@@ -267,3 +268,33 @@ def test_any_tiling_the_engine_sends_arrives_unchanged(runs: list[tuple[str, int
     state = ResponseState(native(), cumulative=True)
     outs = run(state, [ev(list(range(at)), STOP, weight_versions=spans(*triples))])
     assert as_tuples(outs[-1]) == triples
+
+
+# ------------------------------------------------------------------ custom_params (extra_args)
+
+
+def with_custom(params: object) -> sidecar_pb2.PreprocessedRequest:
+    message = request()
+    message.extra_args.fields["custom_params"].CopyFrom(value_from_json(params))  # type: ignore[arg-type]
+    return message
+
+
+def test_custom_params_reach_sglang_http_sampling_params_with_exact_numbers() -> None:
+    params = {"__sglang_reasoning_end_token_ids": [151668, 7], "scale": 0.5, "on": True}
+    body = to_http_json(build_native(with_custom(params), "p", HTTP, 0))
+    sampling = body["sampling_params"]
+    assert isinstance(sampling, dict)
+    assert sampling["custom_params"] == params
+    assert all(type(t) is int for t in sampling["custom_params"]["__sglang_reasoning_end_token_ids"])
+
+
+def test_custom_params_are_refused_by_name_where_they_cannot_go() -> None:
+    for call in (
+        lambda: build_native(with_custom({"k": 1}), "p", GRPC, 0),
+        lambda: to_generate_request(with_custom({"k": 1}), "p", mode="agg", supports_vision=False),
+        lambda: build_native(with_custom([1, 2]), "p", HTTP, 0),
+    ):
+        with pytest.raises(SidecarError) as err:
+            call()
+        assert err.value.reason is FailureReason.INVALID_ARGUMENT
+        assert "extra_args.custom_params" in err.value.message

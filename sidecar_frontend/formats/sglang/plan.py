@@ -5,7 +5,8 @@ nothing (every check ran before it), it only builds. A batch of P prompts with n
 gives P*n sub-requests, prompt-major, each with the id the client sees. A non-streaming
 request asks each worker for one answer (``OutputOptions.unary``). ``return_routed_experts``
 and a non-zero ``routed_experts_start_len`` go to every sub-request (a worker whose wire
-cannot carry them refuses them by name: docs/metadata.md).
+cannot carry them refuses them by name: docs/metadata.md), and so does
+``sampling_params.custom_params``, as ``extra_args.custom_params``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_common.structs import struct_from_json
 from sidecar_frontend.formats.base import FormatContext, GenerateCall
 from sidecar_frontend.formats.sglang.values import INT32_MAX, SAMPLING_EPS
 
@@ -166,6 +168,10 @@ def plan(
             ids = batch.chosen[i]
             if isinstance(ids, list):
                 template.output_options.token_ids_logprob.extend(ids)
+        custom = params.get("custom_params")
+        if isinstance(custom, dict):
+            # SGLang's own parameters for its sampling (values checked them).
+            template.extra_args.fields["custom_params"].struct_value.CopyFrom(struct_from_json(custom))
         if data.get("return_routed_experts") is True:
             template.output_options.return_routed_experts = True
         start = data.get("routed_experts_start_len")

@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from sidecar_common.structs import StructError, struct_from_json
 from sidecar_frontend.formats.sglang.wire import ValueRefusal
 
 __all__ = [
@@ -271,8 +272,16 @@ def _int_orrefuse(key: str) -> int:
 
 
 def cannot_carry(params: Mapping[str, object]) -> None:
-    if params.get("custom_params") is not None:
-        raise refuse("sampling_params.custom_params", "no worker accepts custom logit-processor parameters")
+    custom = params.get("custom_params")
+    if custom is not None:
+        # Carried to the worker as extra_args.custom_params (a worker whose wire has no such
+        # field refuses it by name): an object whose numbers a Struct holds exactly.
+        if not isinstance(custom, dict):
+            raise refuse("sampling_params.custom_params", "must be an object")
+        try:
+            struct_from_json(custom)
+        except StructError as err:
+            raise refuse("sampling_params.custom_params", str(err)) from None
     if params.get("watermark") is not None:
         raise refuse("sampling_params.watermark", "watermarking is not carried by this frontend")
     if params.get("choice"):

@@ -207,3 +207,16 @@ async def test_vllm_format_answers_the_spans_of_an_sglang_worker() -> None:
             assert response.status == 200
             choice = (await response.json())["choices"][0]
         assert choice["weight_versions"] == [{"version": "run-3", "start": 0, "end": 4}]
+
+
+@pytest.mark.parametrize(("transport", "status"), [("http", 200), ("grpc", 400)])
+async def test_custom_params_reach_an_http_worker_and_are_refused_by_name_over_grpc(
+    transport: str, status: int
+) -> None:
+    async with fleet(transport, "default") as fe:
+        body = generate_body("c1", 2, stream=False)
+        body["sampling_params"]["custom_params"] = {"__sglang_reasoning_end_token_ids": [7]}
+        async with fe.http.post(fe.url + "/generate", json=body) as response:
+            assert response.status == status
+            if status == 400:
+                assert "custom_params" in await response.text()

@@ -483,7 +483,11 @@ OUR_REFUSALS: list[tuple[dict[str, Any], str]] = [
     (request(priority=2**31), "priority is not supported by this server"),
     (request(return_logprob=True, logprob_start_len=-2), "logprob_start_len is not supported by this server"),
     (request(return_logprob=True, top_logprobs_num=-1), "top_logprobs_num is not supported by this server"),
-    (request(sampling_params={"custom_params": {"k": 1}}), "sampling_params.custom_params is not supported"),
+    (request(sampling_params={"custom_params": [1]}), "sampling_params.custom_params is not supported"),
+    (
+        request(sampling_params={"custom_params": {"k": 2**60}}),
+        "sampling_params.custom_params is not supported",
+    ),
     (request(sampling_params={"watermark": {"enabled": True}}), "sampling_params.watermark is not supported"),
     (request(sampling_params={"choice": ["a", "b"]}), "sampling_params.choice is not supported"),
     (request(sampling_params={"beam_width": 2}), "sampling_params.beam_width is not supported"),

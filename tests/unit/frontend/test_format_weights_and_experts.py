@@ -13,6 +13,7 @@ import pytest
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason
+from sidecar_common.structs import json_from_struct
 from sidecar_frontend.formats.base import HttpReply, WorkerFailure
 from sidecar_frontend.formats.vllm import FORMAT as VLLM
 from tests.unit.frontend.test_format_sglang_support import (
@@ -160,13 +161,22 @@ def error_message(reply: HttpReply) -> str:
     [
         ({"routed_experts_start_len": 2**31}, "routed_experts_start_len"),
         ({"return_sampling_mask": True}, "return_sampling_mask"),
-        ({"sampling_params": {"custom_params": {"a": 1}}}, "sampling_params.custom_params"),
+        ({"sampling_params": {"custom_params": ["not", "an", "object"]}}, "sampling_params.custom_params"),
     ],
 )
 def test_sglang_fields_no_wire_carries_are_refused_by_name(fields: dict[str, Any], named: str) -> None:
     reply = refused({"input_ids": PROMPT, **fields})
     assert reply.status == 400
     assert named in error_message(reply)
+
+
+def test_sglang_custom_params_go_to_the_worker_as_extra_args() -> None:
+    params = {"__sglang_reasoning_end_token_ids": [151668], "scale": 0.5, "tag": "x"}
+    call = accepted({"input_ids": PROMPT, "sampling_params": {"custom_params": params}})
+    (sub,) = call.requests
+    assert json_from_struct(sub.extra_args)["custom_params"] == params
+    plain = accepted({"input_ids": PROMPT})
+    assert not plain.requests[0].HasField("extra_args")
 
 
 # ------------------------------------------------------------------ vLLM
