@@ -15,8 +15,18 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol, runtime_checkable
 
 from sidecar_common.api import sidecar_pb2
+from sidecar_server.engine_state import EngineStatus
 
-__all__ = ["HEALTHY", "Engine", "EngineHealth", "EngineLoad", "GenerateCall"]
+__all__ = [
+    "HEALTHY",
+    "Engine",
+    "EngineHealth",
+    "EngineLoad",
+    "EngineStatus",
+    "FlushOutcome",
+    "GenerateCall",
+    "StatefulEngine",
+]
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,14 @@ class EngineHealth:
 
 
 HEALTHY: Final = EngineHealth(True)
+
+
+@dataclass(frozen=True)
+class FlushOutcome:
+    """The engine's answer to a cache flush: done or refused, and its own words."""
+
+    flushed: bool
+    message: str
 
 
 @dataclass(frozen=True)
@@ -115,4 +133,21 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release every channel/session. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class StatefulEngine(Protocol):
+    """An engine adapter that also reads the engine's own state and flushes its cache (both
+    engine clients; a test double may do neither: the server then reports no state and
+    answers FlushCache UNIMPLEMENTED)."""
+
+    async def status(self) -> EngineStatus:
+        """One bounded reading of the engine's pause state and weight version (raises
+        SidecarError when the engine does not answer, in time or at all)."""
+        ...
+
+    async def flush_cache(self) -> FlushOutcome:
+        """Ask the engine to empty its prefix cache, bounded in time: flushed, or refused in
+        the engine's words (raises SidecarError when the call itself fails)."""
         ...

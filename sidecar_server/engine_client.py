@@ -20,7 +20,8 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason, SidecarError
 from sidecar_common.pool import Clock, Deadline, is_transient, retry_until_deadline
 from sidecar_server.config import SidecarConfig
-from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
+from sidecar_server.engine import EngineHealth, EngineLoad, FlushOutcome, GenerateCall
+from sidecar_server.engine_state import EngineStatus
 
 __all__ = ["Discovery", "EngineClient", "EngineTimeouts"]
 
@@ -33,12 +34,15 @@ class EngineTimeouts:
 
     ``health`` bounds one probe of the background health watch (the server's own bound,
     ``health_probe_timeout``, sits above it); ``abort`` one abort (the dispatcher's
-    ``abort_timeout`` sits above it); ``load`` one load report.
+    ``abort_timeout`` sits above it); ``load`` one load report; ``status`` one reading of the
+    engine's pause state and weight version; ``flush`` one cache flush.
     """
 
     abort: float = 2.0
     health: float = 1.5
     load: float = 2.0
+    status: float = 2.0
+    flush: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,12 @@ class EngineClient(ABC):
     async def health(self) -> EngineHealth:
         return await self._probe_health(self.timeouts.health)
 
+    async def status(self) -> EngineStatus:
+        return await self._status(self.timeouts.status)
+
+    async def flush_cache(self) -> FlushOutcome:
+        return await self._flush_cache(self.timeouts.flush)
+
     @abstractmethod
     async def close(self) -> None:
         """Release every channel or session. Idempotent."""
@@ -156,3 +166,11 @@ class EngineClient(ABC):
     @abstractmethod
     async def _load(self, timeout: float) -> EngineLoad:
         """The engine's load figures, bounded by ``timeout``."""
+
+    @abstractmethod
+    async def _status(self, timeout: float) -> EngineStatus:
+        """The engine's pause state and weight version, bounded by ``timeout``."""
+
+    @abstractmethod
+    async def _flush_cache(self, timeout: float) -> FlushOutcome:
+        """The engine's answer to a cache flush, bounded by ``timeout``."""

@@ -55,8 +55,12 @@ class EngineHealthMonitor:
         owner: str = "sidecar server",
         clock: Callable[[], float] = time.monotonic,
         activity: Callable[[], int] | None = None,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
         self._engine = engine
+        # Whether the engine says it is paused: a paused engine is not down, and its health
+        # probe (SGLang's is a generation, held by the pause) is not run meanwhile.
+        self._paused = paused
         # How many engine messages the sidecar has relayed so far (None: not known): a probe
         # that came late while this grew found a busy engine, not a dead one.
         self._activity = activity
@@ -96,7 +100,10 @@ class EngineHealthMonitor:
         self._watch = self._fault_check = None
 
     async def check(self) -> None:
-        """One probe of the watch, and what its outcome is worth saying or doing."""
+        """One probe of the watch, and what its outcome is worth saying or doing (none while
+        the engine says it is paused: the verdict stands as it was)."""
+        if self._paused():
+            return
         probe, why = await self.probe()
         note = self._verdict.observe(probe, why, self._clock())
         if note is not None:
@@ -137,6 +144,8 @@ class EngineHealthMonitor:
         calling task itself is cancelled."""
         if not is_engine_fault(error):
             return error
+        if self._paused():
+            return error  # a paused engine is not going away: its failure stands as it is
         if not self._verdict.healthy:
             return engine_went_away(error, self._verdict.problem)
         check = self._fault_check

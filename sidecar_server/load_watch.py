@@ -13,11 +13,15 @@ A read that fails (the engine is down, its answer late, a bug) clears the sample
 sends anything until a read succeeds again, so every client's view goes stale. The loop keeps
 reading at its interval and says so at a doubling interval (at once, then after 2 s, up to
 every 5 minutes), then once when the load can be read again.
+
+:meth:`LoadWatch.refresh` reads at once rather than at the next interval: the engine's state
+changed (paused, continued, new weights), and every client should hear it now.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -66,6 +70,8 @@ class LoadWatch:
         self._sampled = anyio.Event()
         self._failures = ReportSchedule(_FIRST_REPORT_SECS, _MAX_REPORT_SECS)
         self._failing = False
+        # Set by refresh(): the loop reads again now instead of at its interval.
+        self._wake = asyncio.Event()
 
     @property
     def watchers(self) -> int:
@@ -95,6 +101,11 @@ class LoadWatch:
                 with anyio.move_on_after(math.inf if wait is None else wait):
                     await sampled.wait()
 
+    def refresh(self) -> None:
+        """Read the load now (if any stream watches): what changed reaches every stream
+        without waiting for the next interval."""
+        self._wake.set()
+
     async def close(self, timeout: float) -> None:
         """Stop reading, at most ``timeout`` seconds; nothing starts the loop again."""
         await self._background.close(timeout)
@@ -119,8 +130,12 @@ class LoadWatch:
         interval = self._timing.interval
         while True:
             began = self._clock()
+            # Cleared before the read: a refresh during it is read again at once.
+            self._wake.clear()
             self._sample(await self._read_once())
-            await asyncio.sleep(max(0.0, interval - (self._clock() - began)))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, interval - (self._clock() - began))):
+                    await self._wake.wait()
 
     async def _read_once(self) -> sidecar_pb2.LoadReport | None:
         try:

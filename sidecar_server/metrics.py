@@ -125,6 +125,20 @@ class Metrics:
             [*labels, "outcome"],
             registry=reg,
         )
+        self.engine_paused = Gauge(
+            "sidecar_engine_paused",
+            "1 while the engine says it is paused, 0 while it says it runs; absent while its "
+            "wire does not say",
+            labels,
+            registry=reg,
+        )
+        self.engine_weight_version = Gauge(
+            "sidecar_engine_weight_version",
+            "Always 1, for the weight version the engine reports now (its label); absent while "
+            "it reports none",
+            [*labels, "version"],
+            registry=reg,
+        )
 
         self.internal_errors = Counter(
             "sidecar_internal_errors",
@@ -150,6 +164,9 @@ class Metrics:
         self._failed: dict[str, Counter] = {}
         self._refused: dict[str, Counter] = {}
         self._internal: dict[str, Counter] = {}
+        # What set_engine_status last exported.
+        self._paused_known = False
+        self._weight_version: str | None = None
 
     def arrived(self) -> None:
         """A Generate call arrived (before any check)."""
@@ -197,6 +214,22 @@ class Metrics:
 
     def set_engine_connected(self, connected: bool) -> None:
         self._connected.set(1 if connected else 0)
+
+    def set_engine_status(self, paused: bool | None, weight_version: str | None) -> None:
+        """The engine's own state as it last said it (None: not said)."""
+        if paused is None:
+            if self._paused_known:
+                self.engine_paused.remove(self.engine)
+            self._paused_known = False
+        else:
+            self.engine_paused.labels(self.engine).set(1 if paused else 0)
+            self._paused_known = True
+        if weight_version != self._weight_version:
+            if self._weight_version is not None:
+                self.engine_weight_version.remove(self.engine, self._weight_version)
+            if weight_version is not None:
+                self.engine_weight_version.labels(self.engine, weight_version).set(1)
+            self._weight_version = weight_version
 
     def _child(self, cache: dict[str, Counter], family: Counter, reason: str) -> Counter:
         child = cache.get(reason)

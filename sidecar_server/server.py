@@ -33,8 +33,10 @@ from sidecar_server.dispatch import (
     Registry,
     new_public_id,
 )
-from sidecar_server.engine import Engine, EngineLoad, GenerateCall
+from sidecar_server.engine import Engine, EngineLoad, GenerateCall, StatefulEngine
 from sidecar_server.engine_health import EngineHealthMonitor
+from sidecar_server.engine_state import Change, EngineStatus, proto_state
+from sidecar_server.engine_state_watch import EngineStateWatch
 from sidecar_server.health import FAILURE_THRESHOLD
 from sidecar_server.kv_hub import KvCacheHub
 from sidecar_server.load_push import DEFAULT_PUSH_INTERVAL_SECS, PushTiming
@@ -214,7 +216,7 @@ class _Worker(sidecar_pb2_grpc.WorkerServicer):
     async def FlushCache(
         self, request: sidecar_pb2.FlushCacheRequest, context: _Context
     ) -> sidecar_pb2.FlushCacheResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this sidecar cannot flush its engine's cache yet")
+        return await self._owner._flush_cache(context)
 
 
 class SidecarServer:
@@ -259,7 +261,18 @@ class SidecarServer:
             on_change=self._engine_health_changed,
             internal_error=self._internal_error,
             activity=lambda: self._relay_config.activity.messages,
+            paused=lambda: self._engine_state is not None and self._engine_state.paused,
         )
+        # The engine's own pause state and weight version, read at the health watch's cadence
+        # (engine_state.py says what each wire reports); None: the engine cannot say them.
+        self._engine_state: EngineStateWatch | None = None
+        if isinstance(engine, StatefulEngine):
+            self._engine_state = EngineStateWatch(
+                engine.status,
+                interval=config.health_watch_interval,
+                timeout=config.health_probe_timeout,
+                on_change=self._engine_state_changed,
+            )
         # The WatchLoad streams and the one loop that reads the load for them; stop() ends it.
         self.load_watch = LoadWatch(self._read_load, PushTiming(interval=config.load_push_interval))
         self._draining = False
@@ -347,6 +360,8 @@ class SidecarServer:
         """The engine is connected and discovered: accept requests and watch its health."""
         self._serving = True
         self._engine_health.start()
+        if self._engine_state is not None:
+            self._engine_state.start()
         if self._metrics is not None:
             self._metrics.set_engine_connected(True)
         self._update_health()
@@ -393,6 +408,8 @@ class SidecarServer:
         self._stopped = True
         self.cancel_inflight()
         await self._engine_health.close()
+        if self._engine_state is not None:
+            await self._engine_state.close(self._config.health_probe_timeout)
         await self.load_watch.close(self._config.health_probe_timeout)
         if self._server is not None:
             # Each cancelled generation ends with its own ENGINE_SHUTDOWN status after its
@@ -436,6 +453,17 @@ class SidecarServer:
             ("grpc.server.max_pending_requests", soft),
             ("grpc.server.max_pending_requests_hard_limit", hard),
         ]
+
+    @property
+    def engine_status(self) -> EngineStatus:
+        """The engine's pause state and weight version as it last said them."""
+        return self._engine_state.status if self._engine_state is not None else EngineStatus()
+
+    def _engine_state_changed(self, status: EngineStatus, changes: tuple[Change, ...]) -> None:
+        del changes  # said by the watch; every client hears the new state in its next report
+        if self._metrics is not None:
+            self._metrics.set_engine_status(status.paused, status.weight_version)
+        self.load_watch.refresh()
 
     def _engine_health_changed(self, ok: bool, why: str) -> None:
         if self._metrics is not None:
@@ -662,7 +690,40 @@ class SidecarServer:
         return self._load_report(load)
 
     def _load_report(self, load: EngineLoad) -> sidecar_pb2.LoadReport:
-        report = sidecar_pb2.LoadReport(inflight_requests=self._registry.inflight, ranks=list(load.ranks))
+        status = self.engine_status
+        report = sidecar_pb2.LoadReport(
+            inflight_requests=self._registry.inflight,
+            ranks=list(load.ranks),
+            engine_state=proto_state(status.paused),
+        )
+        if status.weight_version is not None:
+            report.weight_version = status.weight_version
         if self.kv_cache.subscribed:  # absent: this worker publishes no cache state
             report.kv_cache.CopyFrom(self.kv_cache.status())
         return report
+
+    async def _flush_cache(self, context: _Context) -> sidecar_pb2.FlushCacheResponse:
+        """The engine's cache flush: its message when done; its refusal FAILED_PRECONDITION in
+        its words; a failed call as its typed error (no answer in time: CONNECTION_TIMEOUT)."""
+        engine = self._engine
+        if not isinstance(engine, StatefulEngine):
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"this {engine.name} engine cannot flush its cache"
+            )
+            raise AssertionError("context.abort returned")  # pragma: no cover
+        if not self._serving:
+            await _fail(context, SidecarError(FailureReason.ENGINE_SHUTDOWN, "sidecar is not serving"))
+        # The engine client bounds the call (EngineTimeouts.flush); the caller's deadline, when
+        # sooner, ends it with the call.
+        try:
+            outcome = await engine.flush_cache()
+        except SidecarError as err:
+            await _fail(context, err)
+        except Exception as exc:
+            await _fail(context, self._internal_error("flush_cache", exc))
+        if not outcome.flushed:
+            words = outcome.message or f"the {engine.name} engine refused to flush its cache"
+            _log.info("engine cache flush refused", message=words)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, words)
+        _log.info("engine cache flushed", message=outcome.message)
+        return sidecar_pb2.FlushCacheResponse(message=outcome.message)

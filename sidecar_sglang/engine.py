@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.pool import Deadline
 from sidecar_server.config import SidecarConfig
-from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
+from sidecar_server.engine import EngineHealth, EngineLoad, FlushOutcome, GenerateCall
 from sidecar_server.engine_client import Discovery, EngineClient, EngineTimeouts
+from sidecar_server.engine_state import EngineStatus
 from sidecar_sglang.convert_request import NativeRequest, RequestSettings, build_native
 from sidecar_sglang.convert_response import ResponseState
 from sidecar_sglang.discovery import discover, loads_from_json
@@ -158,6 +159,12 @@ class SglangEngine(EngineClient):
 
     async def _probe_health(self, timeout: float) -> EngineHealth:
         return await self._transport.probe_health(timeout)
+
+    async def _status(self, timeout: float) -> EngineStatus:
+        return await self._transport.engine_status(timeout)
+
+    async def _flush_cache(self, timeout: float) -> FlushOutcome:
+        return await self._transport.flush_cache(timeout)
 
     async def close(self) -> None:
         await self._transport.close()

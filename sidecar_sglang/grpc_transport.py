@@ -20,9 +20,10 @@ from sidecar_common.pool import Clock, Connector, Deadline, is_transient
 from sidecar_common.rpc import NotHealthy
 from sidecar_common.tracing import outgoing_headers
 from sidecar_server.config import SidecarConfig
-from sidecar_server.engine import EngineHealth
+from sidecar_server.engine import EngineHealth, FlushOutcome
 from sidecar_server.engine_client import EngineTimeouts
 from sidecar_server.engine_grpc import EngineChannels
+from sidecar_server.engine_state import EngineStatus, weight_version_of
 from sidecar_sglang.convert_request import NativeRequest, Transport, to_grpc
 from sidecar_sglang.convert_response import NativeEvent
 from sidecar_sglang.engine import SglangEngine, random_room
@@ -178,6 +179,27 @@ class GrpcTransport:
             "GetLoad", timeout, lambda s, t: s.GetLoad(sglang_pb2.GetLoadRequest(), timeout=t)
         )
         return _json("GetLoad", reply.json_info)
+
+    async def engine_status(self, timeout: float) -> EngineStatus:
+        """``GetModelInfo``'s weight version. The pause state is on SGLang's WatchEngineState
+        stream only, which our mirror of the service does not carry: not known here."""
+        reply = await self._channels.call(
+            "GetModelInfo", timeout, lambda s, t: s.GetModelInfo(sglang_pb2.GetModelInfoRequest(), timeout=t)
+        )
+        info = _object("GetModelInfo", _json("GetModelInfo", reply.json_info or "{}"))
+        return EngineStatus(paused=None, weight_version=weight_version_of(info))
+
+    async def flush_cache(self, timeout: float) -> FlushOutcome:
+        """``FlushCache``: SGLang's bridge answers ``success`` with the message "Cache
+        flushed." whether or not it flushed, so a refusal says so in words of its own."""
+        reply = await self._channels.call(
+            "FlushCache", timeout, lambda s, t: s.FlushCache(sglang_pb2.FlushCacheRequest(), timeout=t)
+        )
+        if reply.success:
+            return FlushOutcome(True, reply.message)
+        return FlushOutcome(
+            False, f"the engine did not flush its cache (FlushCache success=false: {reply.message!r})"
+        )
 
     async def close(self) -> None:
         await self._channels.close()

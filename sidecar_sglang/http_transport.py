@@ -26,8 +26,9 @@ from sidecar_common.errors import FailureReason, SidecarError, protocol_error
 from sidecar_common.pool import Clock, Deadline, NotReady, RetryPolicy, SystemClock, is_transient
 from sidecar_common.tracing import outgoing_headers
 from sidecar_server.config import SidecarConfig
-from sidecar_server.engine import HEALTHY, EngineHealth
+from sidecar_server.engine import HEALTHY, EngineHealth, FlushOutcome
 from sidecar_server.engine_client import EngineTimeouts
+from sidecar_server.engine_state import EngineStatus, sglang_http_paused, weight_version_of
 from sidecar_sglang.convert_request import NativeRequest, Transport, to_http_json
 from sidecar_sglang.convert_response import NativeEvent, answer_error, error_from_http_status, event_from_http
 from sidecar_sglang.engine import SglangEngine, random_room
@@ -355,6 +356,32 @@ class HttpTransport:
 
     async def load(self, timeout: float) -> object:
         return await self._get_json(("/v1/loads",), None, timeout)
+
+    async def engine_status(self, timeout: float) -> EngineStatus:
+        """``/ready`` (then, when not ready, ``/ping``) and ``/model_info``'s weight version:
+        SGLang's flag checks, which a pause leaves answering at once (never ``/health``, whose
+        generation a pause holds)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        _, ready, _ = await self._control_call("GET", ("/ready",), timeout)
+        ping = 0
+        if ready != 200:
+            _, ping, _ = await self._control_call("GET", ("/ping",), max(0.0, deadline - loop.time()))
+        info = await self._get_json(
+            ("/model_info", "/get_model_info"), None, max(0.0, deadline - loop.time())
+        )
+        version = weight_version_of(info) if isinstance(info, dict) else None
+        return EngineStatus(paused=sglang_http_paused(ready, ping), weight_version=version)
+
+    async def flush_cache(self, timeout: float) -> FlushOutcome:
+        """``POST /flush_cache``: 200 flushed, 400 refused, each with SGLang's text."""
+        path, status, answer = await self._control_call("POST", ("/flush_cache",), timeout)
+        words = answer[:_ERROR_BODY_LIMIT].decode("utf-8", errors="replace").strip()
+        if status == 200:
+            return FlushOutcome(True, words)
+        if status == 400:
+            return FlushOutcome(False, words or "Flush cache failed.")
+        raise error_from_http_status(status, _error_words(answer), rpc=f"POST {path}")
 
     async def close(self) -> None:
         sessions = (self._session, self._control_session)

@@ -16,7 +16,8 @@ from typing import Protocol
 
 from sidecar_common.errors import SidecarError
 from sidecar_common.pool import Clock, Deadline
-from sidecar_server.engine import EngineHealth
+from sidecar_server.engine import EngineHealth, FlushOutcome
+from sidecar_server.engine_state import EngineStatus
 from sidecar_sglang.convert_request import NativeRequest, Transport
 from sidecar_sglang.convert_response import NativeEvent
 
@@ -86,6 +87,14 @@ class SglangTransport(Protocol):
 
     async def load(self, timeout: float) -> object:
         """The engine's load report as JSON (see ``discovery.loads_from_json``)."""
+        ...
+
+    async def engine_status(self, timeout: float) -> EngineStatus:
+        """The engine's pause state and weight version, as far as this wire says them."""
+        ...
+
+    async def flush_cache(self, timeout: float) -> FlushOutcome:
+        """Ask the engine to flush its cache: flushed or refused, in the engine's words."""
         ...
 
     async def close(self) -> None: ...

@@ -13,7 +13,7 @@ from typing import Final, Protocol, cast
 
 import grpc
 import structlog
-from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import DisaggregationMode
@@ -22,9 +22,10 @@ from sidecar_common.pool import Clock, Connector, Deadline
 from sidecar_common.rpc import NotHealthy
 from sidecar_common.tracing import outgoing_metadata
 from sidecar_server.config import SidecarConfig
-from sidecar_server.engine import EngineHealth, EngineLoad, GenerateCall
+from sidecar_server.engine import EngineHealth, EngineLoad, FlushOutcome, GenerateCall
 from sidecar_server.engine_client import Discovery, EngineClient, EngineTimeouts
 from sidecar_server.engine_grpc import EngineChannels
+from sidecar_server.engine_state import EngineStatus, vllm_paused
 from sidecar_vllm.convert import ResponseState, to_generate_request
 from sidecar_vllm.refusals import generate_error
 
@@ -68,6 +69,10 @@ class _Stub(Protocol):
         self, request: vllm_engine_pb2.AbortRequest, *, timeout: float
     ) -> Awaitable[vllm_engine_pb2.AbortResponse]: ...
 
+    def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, *, timeout: float
+    ) -> Awaitable[common_pb2.FlushCacheResponse]: ...
+
     def Generate(
         self, request: vllm_engine_pb2.GenerateRequest, *, metadata: tuple[tuple[str, str], ...] | None = None
     ) -> _GenerateCall: ...
@@ -92,6 +97,9 @@ class VllmEngine(EngineClient):
         )
         super().__init__(config, clock=self._channels.clock, timeouts=timeouts or EngineTimeouts())
         self._mode: DisaggregationMode = config.disaggregation_mode
+        # The engine has answered is_paused true once: its servicer fills the field, so a
+        # false from it means running (engine_state.vllm_paused).
+        self._seen_paused = False
 
     @property
     def name(self) -> str:
@@ -236,6 +244,26 @@ class VllmEngine(EngineClient):
 
     async def _probe_health(self, timeout: float) -> EngineHealth:
         return await self._channels.probe(self._check_health, timeout)
+
+    async def _status(self, timeout: float) -> EngineStatus:
+        # vLLM's gRPC wire reports no weight version (only its HTTP dev-mode routes do).
+        reply = await self._channels.call(
+            "GetServerInfo",
+            timeout,
+            lambda stub, t: stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=t),
+        )
+        paused = vllm_paused(reply.is_paused, seen_paused=self._seen_paused)
+        self._seen_paused = self._seen_paused or reply.is_paused
+        return EngineStatus(paused=paused)
+
+    async def _flush_cache(self, timeout: float) -> FlushOutcome:
+        # timeout_s 0: one attempt now, refused while requests hold blocks (smg's admin.py).
+        reply = await self._channels.call(
+            "FlushCache",
+            timeout,
+            lambda stub, t: stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0.0), timeout=t),
+        )
+        return FlushOutcome(reply.success, reply.message)
 
     async def close(self) -> None:
         await self._channels.close()

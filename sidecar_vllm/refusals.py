@@ -9,6 +9,11 @@ shutting down: ``Cancelling all calls``), and grpc.aio gives both the same shape
 or trailing metadata, a debug string that only repeats the code and the details. So the text
 is what tells them apart, and only vLLM's own refusal sentences are read as "busy": an
 UNAVAILABLE with any other text stays a connection failure (CANNOT_CONNECT), as before.
+
+A paused vLLM (``/pause`` in mode abort or wait) refuses each new request with a retryable
+``RequestError`` (``vllm/v1/engine/core.py``, ``_reject_add_while_paused``), which the engine
+client raises as ``RetryableRequestError`` and smg's servicer, not knowing it, ends INTERNAL
+with its text. That exact text is ENGINE_PAUSED in vLLM's words: the engine is not failing.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import grpc
 
 from sidecar_common.errors import FailureReason, SidecarError, engine_words, from_engine_status
 
-__all__ = ["BUSY_REFUSALS", "generate_error"]
+__all__ = ["BUSY_REFUSALS", "PAUSED_REFUSAL", "generate_error"]
 
 _CALL: Final = "Generate"
 
@@ -34,10 +39,16 @@ BUSY_REFUSALS: Final = frozenset(
     }
 )
 
+# vLLM 0.34's refusal of a new request while generation is paused.
+PAUSED_REFUSAL: Final = "Generation is paused. Please retry after it resumes."
+
 
 def generate_error(code: grpc.StatusCode, details: str | None) -> SidecarError:
     """The typed error of a failed ``Generate``: vLLM's busy refusal is OVERLOADED in vLLM's
-    words (another worker may take the request); anything else as every engine status reads."""
+    words (another worker may take the request); its paused refusal is ENGINE_PAUSED in its
+    words; anything else as every engine status reads."""
+    if details == PAUSED_REFUSAL and code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+        return engine_words(FailureReason.ENGINE_PAUSED, details, _CALL, code.name)
     if code is grpc.StatusCode.UNAVAILABLE and details in BUSY_REFUSALS:
         return engine_words(FailureReason.OVERLOADED, details, _CALL, code.name)
     return from_engine_status(_CALL, code, details)

@@ -269,6 +269,7 @@ class SglangHttpServer:
         r.add_get("/v1/loads", self._loads)
         r.add_route("*", "/flush_cache", self._flush_cache)
         r.add_get("/ready", self._ready)
+        r.add_get("/ping", self._ping)
         r.add_post("/pause_generation", self._pause)
         r.add_post("/continue_generation", self._continue)
         r.add_post("/update_weights_from_disk", self._update_weights)
@@ -459,6 +460,10 @@ class SglangHttpServer:
         # SGLang's /ready: whether the server takes new requests (not while paused).
         engine = self._engine
         return web.Response(status=200 if engine.ready and engine.pause_mode is None else 503)
+
+    async def _ping(self, request: web.Request) -> web.StreamResponse:
+        # SGLang's /ping (the SageMaker check): is_healthy(), a flag, so 200 while paused too.
+        return web.Response(status=200 if self._engine.ready else 503)
 
     # -- pause, continue, weights (SGLang's admin endpoints; no admin key configured) -------
     async def _pause(self, request: web.Request) -> web.StreamResponse:
