@@ -133,11 +133,26 @@ class SubCall:
     preempted: Preemption | None = None
     # An output is being written to the client: a preemption waits for it (_Run._give).
     delivering: bool = False
+    # The call in flight that asked its worker for one answer: (worker, the call's request id).
+    unary_call: tuple[Worker, str] | None = None
 
     def abort(self) -> None:
         self.aborted = True
         if self.scope is not None:
             self.scope.cancel()
+
+    def abort_for_answer(self, now: float, grace: float) -> tuple[Worker, str] | None:
+        """Abort by id, keeping the answer of a call that asked for one answer: its sidecar is
+        to abort it on the engine (the caller sends the Abort), and the engine's answer, with
+        the tokens made so far, reaches the client as the real servers answer an aborted
+        non-streaming request. The attempt is cancelled at ``now + grace`` (anyio's clock)
+        if that answer has not come. Any other call is cancelled at once (None)."""
+        if self.unary_call is None or self.scope is None:
+            self.abort()
+            return None
+        self.aborted = True
+        self.scope.deadline = min(self.scope.deadline, now + grace)
+        return self.unary_call
 
     def preempt(self, cause: Preemption) -> None:
         """Stop the current attempt (its engine request is aborted); the sub-request waits to be
@@ -673,6 +688,8 @@ class _Run:
                 if gate is not None:
                     await gate.acquire()
                 call = worker.stub().Generate(request, timeout=grpc_timeout, metadata=outgoing_metadata())
+                if request.output_options.unary:
+                    self.sub.unary_call = (worker, request.request_id)
                 try:
                     # Until its first output, the call holds one of the worker's start slots:
                     # what waits beyond them waits here, not in the worker's gRPC server (which
@@ -723,6 +740,7 @@ class _Run:
                     )
                     return failure
                 finally:
+                    self.sub.unary_call = None
                     if gate is not None:
                         gate.release()
                     # A no-op once the stream ended; otherwise the sidecar aborts the engine request.

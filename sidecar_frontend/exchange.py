@@ -13,7 +13,10 @@ Cancellation, owned here:
   sub-request still running;
 - abort by id (:class:`AbortRegistry`): every sub-request in flight under that public id
   (whichever client and worker) has its call cancelled, then ``encoder.on_failure(CANCELLED)``.
-  Cancelling the call is enough: the sidecar aborts on cancel, so no ``Abort`` RPC is sent.
+  Cancelling the call is enough: the sidecar aborts on cancel. A call that asked its worker
+  for one answer (a non-streaming request) is not cancelled: its sidecar gets an ``Abort``
+  and the engine's answer, with the tokens made so far, reaches the client (the handler sends
+  those, :class:`AnsweredAbort`); it is cancelled after a grace if no answer came.
 - preemption (admission took the request's slots back for a more urgent one, ``preempt``):
   every sub-request's current attempt is cancelled the same way, and each waits for the
   request's readmission (its ``admission``), then goes on from what it delivered: the client
@@ -66,11 +69,13 @@ from sidecar_frontend.formats.base import (
     WorkerFailure,
 )
 from sidecar_frontend.metrics import Metrics
+from sidecar_frontend.workers import Worker
 
 __all__ = [
     "HOLD_TOKENS",
     "STREAM_WRITE_BUFFER",
     "AbortRegistry",
+    "AnsweredAbort",
     "Exchange",
     "Readmission",
     "http_response",
@@ -105,15 +110,30 @@ class AbortRegistry:
     def ids(self) -> frozenset[str]:
         return frozenset(self._by_id)
 
-    def abort(self, call: AbortCall) -> int:
-        """Cancel every sub-request in flight under the ids ``call`` names; how many."""
+    def abort(self, call: AbortCall, now: float, grace: float) -> tuple[int, list[AnsweredAbort]]:
+        """Abort every sub-request in flight under the ids ``call`` names
+        (:meth:`SubCall.abort_for_answer`): how many, and the aborts to send to sidecars so
+        that calls asking for one answer still get it."""
         if call.all_requests:
             targets = [sub for subs in self._by_id.values() for sub in subs]
         else:
             targets = [sub for rid in call.request_ids for sub in self._by_id.get(rid, ())]
+        answered = []
         for sub in targets:
-            sub.abort()
-        return len(targets)
+            unary = sub.abort_for_answer(now, grace)
+            if unary is not None:
+                answered.append(AnsweredAbort(sub, *unary))
+        return len(targets), answered
+
+
+@dataclass(frozen=True)
+class AnsweredAbort:
+    """An Abort to send to ``worker`` for the call ``request_id`` of ``sub``; if it cannot be
+    sent, ``sub`` is cancelled instead (:meth:`SubCall.abort`)."""
+
+    sub: SubCall
+    worker: Worker
+    request_id: str
 
 
 class Readmission(Protocol):

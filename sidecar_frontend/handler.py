@@ -18,22 +18,23 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
+import anyio
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason, RefusalReason
-from sidecar_common.tracing import SpanKind, Tracing, from_headers
+from sidecar_common.tracing import SpanKind, Tracing, from_headers, outgoing_metadata
 from sidecar_frontend import disagg
 from sidecar_frontend.admission.gate import REFUSAL_STATUS, Gate, Pass, refusal_headers
 from sidecar_frontend.admission.state import Refused
 from sidecar_frontend.admission.who import Who, estimated_tokens, read_who, sequences
 from sidecar_frontend.attempt_runner import AttemptRunner
 from sidecar_frontend.config import DEFAULT_MAX_BODY_BYTES, HandlerConfig
-from sidecar_frontend.exchange import AbortRegistry, Exchange, http_response, ms
+from sidecar_frontend.exchange import AbortRegistry, AnsweredAbort, Exchange, http_response, ms
 from sidecar_frontend.formats.base import (
     AbortCall,
     Format,
@@ -54,6 +55,10 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "Frontend", "HandlerConfig"]
 
 
 log = structlog.get_logger("sidecar_frontend.handler")
+
+# How long an aborted non-streaming call waits for its engine's answer (the tokens made so far)
+# before it is cancelled without it: the sidecar's own abort deadline (5 s) and some slack.
+ABORT_ANSWER_GRACE: Final = 10.0
 
 
 def _new_id() -> str:
@@ -170,9 +175,33 @@ class Frontend:
         for exchange in list(self._exchanges):
             exchange.stop(failure, "shutdown")
 
-    def abort(self, call: AbortCall) -> int:
-        """Cancel every sub-request in flight under the ids ``call`` names; how many."""
-        return self.registry.abort(call)
+    async def abort(self, call: AbortCall) -> int:
+        """Abort every sub-request in flight under the ids ``call`` names; how many. A call that
+        asked its worker for one answer keeps it: its sidecar gets an Abort (all such sent at
+        once, each bounded by :data:`ABORT_ANSWER_GRACE`), and one that cannot be delivered is
+        cancelled instead (exchange.AbortRegistry)."""
+        count, answered = self.registry.abort(call, anyio.current_time(), ABORT_ANSWER_GRACE)
+        if answered:
+            async with anyio.create_task_group() as group:
+                for item in answered:
+                    group.start_soon(self._send_abort, item)
+        return count
+
+    async def _send_abort(self, item: AnsweredAbort) -> None:
+        request = sidecar_pb2.AbortRequest(request_id=item.request_id)
+        try:
+            with anyio.fail_after(ABORT_ANSWER_GRACE):
+                await item.worker.stub().Abort(
+                    request, timeout=ABORT_ANSWER_GRACE, metadata=outgoing_metadata()
+                )
+        except Exception as err:  # any failure: the call is cancelled, as without an answer
+            log.warning(
+                "abort not delivered to the worker: its call is cancelled",
+                worker=item.worker.address,
+                request_id=item.request_id,
+                error=repr(err),
+            )
+            item.sub.abort()
 
     def context(self, model: sidecar_pb2.ModelInfo | None = None) -> FormatContext:
         """What a format may consult; ``model`` is the one the request runs on (default: the
@@ -211,7 +240,7 @@ class Frontend:
                         )
                     return http_response(reply)
                 if route.kind is RouteKind.ABORT:
-                    return self._abort(fmt, route, body, request.headers)
+                    return await self._abort(fmt, route, body, request.headers)
                 with self.tracing.span(
                     f"POST {route.path}",
                     from_headers(request.headers),
@@ -258,11 +287,13 @@ class Frontend:
             return http_response(fmt.error_reply(503, self.unavailable()[1]))
         return http_response(fmt.info(route, self.context()))
 
-    def _abort(self, fmt: Format, route: Route, body: bytes, headers: Mapping[str, str]) -> web.Response:
+    async def _abort(
+        self, fmt: Format, route: Route, body: bytes, headers: Mapping[str, str]
+    ) -> web.Response:
         parsed = fmt.parse_abort(route, body, headers)
         if isinstance(parsed, HttpReply):
             return http_response(parsed)
-        count = self.abort(parsed)
+        count = await self.abort(parsed)
         log.info(
             "abort", format=fmt.name, ids=list(parsed.request_ids), all=parsed.all_requests, aborted=count
         )
