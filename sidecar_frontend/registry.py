@@ -342,10 +342,10 @@ class Registry:
         return True
 
     def set_weight_version(self, version: str | None) -> VersionNews:
-        """An admin call set the fleet's newest version (None: back to the reported one)."""
+        """An admin call set the fleet's newest version (None: back to the reported one). Every
+        worker is looked at again: routing by version starts or stops with it."""
         news = self.versions.set_admin(version)
-        if news.newest_changed:
-            self._changed_all()
+        self._changed_all()
         return news
 
     def _forget_engine(self, worker: Worker) -> None:
