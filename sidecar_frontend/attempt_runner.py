@@ -23,6 +23,11 @@ every terminal, :meth:`~sidecar_frontend.workers.WorkerSet.call_failed` when it 
 ejects a worker whose calls keep failing of its own fault (``outliers.py``) and counts nothing
 itself: the ejections and restorations it reports are counted here.
 
+A call its engine refused because it is paused (ENGINE_PAUSED, before any output) is no move
+and spends no budget: the worker set takes that worker as paused, and the same request goes to
+a worker that takes new requests, or waits while every worker of the model is paused
+(``placement.py``, ``fleet.py``).
+
 Cancellation: each attempt runs in the sub-request's own cancel scope (:class:`SubCall`), so
 an abort by id ends it; leaving a call cancels it, and the sidecar aborts the engine request.
 
@@ -70,6 +75,7 @@ from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
 from sidecar_frontend import disagg
 from sidecar_frontend.admission.state import Preemption
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, misbehaved, read_rpc_error
+from sidecar_frontend.fleet import PAUSED_REFUSALS_LIMIT
 from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.misbehaviour import NO_REPORTS, Fault, Misbehaviour, OutputCheck, Reporter
@@ -291,6 +297,8 @@ class _Run:
     placed: tuple[str, ...] = ()
     # When the sub-request was last paused by a preemption (None: it is not paused).
     paused_at: float | None = None
+    # Calls refused because their engine was paused (ENGINE_PAUSED), none counted as a move.
+    paused_refusals: int = 0
     # The checks of every output the client is given, across attempts.
     check: OutputCheck = field(init=False)
 
@@ -337,6 +345,16 @@ class _Run:
                 if not await self._after_unstarted(failure):
                     return failure
                 continue  # the same request (or continuation) again, on any worker
+            if failure.reason is FailureReason.ENGINE_PAUSED and not attempts.progress.delivered:
+                # Paused is not down (fleet.py): no move, no budget; the worker set took the
+                # worker as paused, so the same request goes to one that takes new requests,
+                # or waits while every worker is paused.
+                self.paused_refusals += 1
+                if self.paused_refusals > PAUSED_REFUSALS_LIMIT:
+                    return failure
+                if self.placed:
+                    del self.tried[-len(self.placed) :]
+                continue
             delivered = attempts.progress.delivered
             following = attempts.after_failure(failure)
             if isinstance(following, Finish):
@@ -520,7 +538,7 @@ class _Run:
             wait=runner.config.worker_wait if self.tried and patient else 0.0,
         )
         if chosen is None:
-            return WorkerFailure.of(FailureReason.NO_WORKER, f"no worker is serving {self.to.model}")
+            return WorkerFailure.of(FailureReason.NO_WORKER, runner.workers.no_worker_message(self.to.model))
         self.placed = tuple(w.address for w in chosen)
         self._placed(chosen)
         self.to.tally.workers.extend(w.address for w in chosen)
