@@ -342,8 +342,9 @@ class Frontend:
     async def _admit_and_serve(
         self, fmt: Format, parsed: GenerateCall, model: str, started_at: float, request: web.Request
     ) -> web.StreamResponse:
-        """Admission (when on), then the exchange: a stream's status is sent only once it was
-        admitted, so a refusal is a real 429 or 503, never an error inside a 200 stream."""
+        """Admission (when on), the hold while the model's workers are all paused, then the
+        exchange: a stream's status is sent only once it was admitted and a worker takes it, so
+        a refusal is a real 429 or 503, never an error inside a 200 stream."""
         passed: Pass | None = None
         if self.gate is not None:
             who = read_who(fmt.name, request.headers, list(parsed.requests), self.gate.config.who)
@@ -362,6 +363,10 @@ class Frontend:
                 return self._admission_refused(fmt, parsed, started_at, request.headers, who, entered)
             passed = entered
             _consume_priority(parsed, self.workers.models().get(model))
+        if self.workers.held(model):
+            held = await self._hold(fmt, parsed, model, started_at, request.headers, passed)
+            if held is not None:
+                return held
         exchange = Exchange(
             self.runner,
             self.registry,
@@ -385,6 +390,39 @@ class Frontend:
             self._exchanges.discard(exchange)
             if passed is not None:
                 passed.release(exchange.used_tokens())
+
+    async def _hold(
+        self,
+        fmt: Format,
+        parsed: GenerateCall,
+        model: str,
+        started_at: float,
+        headers: Mapping[str, str],
+        passed: Pass | None,
+    ) -> web.Response | None:
+        """Every worker of ``model`` is paused (or none is at the newest weight version): the
+        request waits here, a stream's status too, until one takes new requests (None: it goes
+        on), or is answered 503 with the reason past --paused-hold-secs (``WorkerSet.hold``). A
+        client that leaves meanwhile takes it away at once; its admission is given back."""
+        ids = sorted({r.request_id for r in parsed.requests})
+        try:
+            why = await self.workers.hold(model)
+        except asyncio.CancelledError:
+            if passed is not None:
+                passed.release(0)
+            self._refused(
+                fmt, "disconnected", "CLIENT_GONE", started_at, None, {}, request_ids=ids, held=True
+            )
+            raise
+        if why is None:
+            return None
+        if passed is not None:
+            passed.release(0)
+        reply = fmt.error_reply(503, why)
+        self._refused(
+            fmt, "unavailable", FailureReason.NO_WORKER, started_at, reply, headers, request_ids=ids
+        )
+        return http_response(reply, (("Retry-After", "1"),))
 
     def _preemptible(self, parsed: GenerateCall, model: str) -> bool:
         """Whether admission may preempt this request (when preemption is on): every
