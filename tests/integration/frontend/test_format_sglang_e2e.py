@@ -109,6 +109,8 @@ async def test_max_new_tokens_0_scores_the_prompt(worker: str, stream: bool) -> 
             "reasoning_tokens": 0,
             "completion_tokens": 0,
             "cached_tokens": 0,
+            # SGLang's finished output: one empty span of the version in force.
+            "weight_versions": [{"version": "default", "start": 0, "end": 0}],
             "cached_tokens_details": None,
             "dp_rank": None,
         }
