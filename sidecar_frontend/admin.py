@@ -28,6 +28,7 @@ import structlog
 from aiohttp import web
 
 from sidecar_frontend.bare_children import BareSidecars
+from sidecar_frontend.fanout import fanout_handlers
 from sidecar_frontend.membership import (
     AdminError,
     Membership,
@@ -238,6 +239,8 @@ class AdminApi:
             WEIGHT_VERSION_PATH: weight_version_handlers(
                 self.workers, relayed=isinstance(self.control, RelayedControl)
             ),
+            # /flush_cache and /get_loads over every worker (fanout.py).
+            **fanout_handlers(self.workers, self.membership),
         }
         return [web.route("*", path, self._guarded(by_method)) for path, by_method in methods.items()]
 
