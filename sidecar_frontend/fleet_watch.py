@@ -10,7 +10,7 @@ Metrics:
 - ``frontend_workers_paused``, ``frontend_workers_pending``: serving workers whose engine is
   paused, and those not at the newest version while new requests go by version;
 - ``frontend_models_held``: models whose workers serve but none takes new requests (their
-  requests wait).
+  requests wait); ``frontend_requests_held``: the requests waiting so before their exchange.
 
 Log lines, each at a change only: ``worker paused`` / ``worker continued``, ``worker pending``
 / ``worker at the newest weight version``, ``fleet newest weight version``, ``fleet weight
@@ -80,6 +80,12 @@ class FleetWatch:
             registry=metrics,
         )
         held.set_function(lambda: len(self._held))
+        holding = Gauge(
+            "frontend_requests_held",
+            "Requests waiting for a worker of their model to take new requests (its fleet held)",
+            registry=metrics,
+        )
+        holding.set_function(lambda: workers.holding)
 
     def joined(self, worker: Worker) -> None:
         self._seen[worker.address] = _Seen()

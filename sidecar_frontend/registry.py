@@ -259,6 +259,9 @@ class Registry:
         self._models: dict[str, sidecar_pb2.ModelInfo] = {}
         # Models whose workers take new requests now (the others of _models are held).
         self._open_models: frozenset[str] = frozenset()
+        # Requests waiting now for a worker of their held model to take new requests (kept by
+        # WorkerSet.hold; read by the metrics).
+        self.holding = 0
         # When each model was first seen serving (a tie-break: the newer model wins).
         self._first_seen: dict[str, int] = {}
         self._seen = 0

@@ -428,14 +428,19 @@ class WorkerSet:
         worker takes its new requests; None then, or at once when it is not held. Past
         ``paused_hold`` seconds, why it is still held. Cancelling it (the client left) ends
         the wait at once."""
-        if not self.registry.held(model):
+        registry = self.registry
+        if not registry.held(model):
             return None
-        with anyio.move_on_after(self.paused_hold):
-            while True:
-                changed = self.events.next_change()
-                if not self.registry.held(model):
-                    return None
-                await changed.wait()
+        registry.holding += 1
+        try:
+            with anyio.move_on_after(self.paused_hold):
+                while True:
+                    changed = self.events.next_change()
+                    if not registry.held(model):
+                        return None
+                    await changed.wait()
+        finally:
+            registry.holding -= 1
         return f"{self.registry.held_reason(model)}, for {self.paused_hold:g}s (--paused-hold-secs)"
 
     def no_worker_message(self, model: str) -> str:
