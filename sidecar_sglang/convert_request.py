@@ -33,7 +33,9 @@ from sidecar_sglang.refusals import out_of_vocabulary
 __all__ = [
     "CUSTOM_PARAMS",
     "INT32_MAX",
+    "RETURN_SAMPLING_MASK",
     "ROOM_MAX",
+    "SAMPLING_LOGPROBS_MODE",
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
     "Bootstrap",
     "NativeRequest",
@@ -59,10 +61,16 @@ _MEDIA_FIELDS: Final = {
     sidecar_pb2.MultimodalItem.VIDEO: "video_data",
     sidecar_pb2.MultimodalItem.AUDIO: "audio_data",
 }
-# SGLang's sampling_params.custom_params (HTTP only: its gRPC SamplingParams has no such
-# field); any other key is refused by name (never dropped).
+# SGLang's sampling_params.custom_params, and its return_sampling_mask and
+# sampling_logprobs_mode (HTTP only: its gRPC messages have no such fields); any other key is
+# refused by name (never dropped).
 CUSTOM_PARAMS: Final = "custom_params"
-_KNOWN_EXTRA_ARGS: Final[frozenset[str]] = frozenset({CUSTOM_PARAMS})
+RETURN_SAMPLING_MASK: Final = "return_sampling_mask"
+SAMPLING_LOGPROBS_MODE: Final = "sampling_logprobs_mode"
+_SAMPLING_LOGPROBS_MODES: Final = ("selected", "support")
+_KNOWN_EXTRA_ARGS: Final[frozenset[str]] = frozenset(
+    {CUSTOM_PARAMS, RETURN_SAMPLING_MASK, SAMPLING_LOGPROBS_MODE}
+)
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,9 @@ class NativeRequest:
     routed_experts_start_len: int | None = None
     # SGLang's sampling_params.custom_params (HTTP only), as the caller gave them.
     custom_params: Mapping[str, JSON] | None = None
+    # SGLang's return_sampling_mask and sampling_logprobs_mode (HTTP only).
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: str | None = None
 
 
 def _int32(value: int, name: str, *, minimum: int = INT32_MIN) -> int:
@@ -269,8 +280,12 @@ def _refusals(request: sidecar_pb2.PreprocessedRequest, settings: RequestSetting
     unknown = sorted(set(request.extra_args.fields) - _KNOWN_EXTRA_ARGS)
     if unknown:
         raise invalid_argument(f"extra_args.{unknown[0]}", "unknown key for SGLang")
-    if CUSTOM_PARAMS in request.extra_args.fields and settings.transport == "grpc":
-        raise invalid_argument(f"extra_args.{CUSTOM_PARAMS}", "SGLang's gRPC wire cannot carry it (HTTP can)")
+    if settings.transport == "grpc":
+        carried = sorted(set(request.extra_args.fields) & _KNOWN_EXTRA_ARGS)
+        if carried:
+            raise invalid_argument(
+                f"extra_args.{carried[0]}", "SGLang's gRPC wire cannot carry it (HTTP can)"
+            )
     bad = next((t for t in request.token_ids if t > INT32_MAX), None)
     if bad is not None:
         raise invalid_argument("token_ids", f"token ids must fit in int32 (got {bad})")
@@ -417,6 +432,25 @@ def _custom_params(extra: struct_pb2.Struct) -> Mapping[str, JSON] | None:
         raise invalid_argument(f"extra_args.{CUSTOM_PARAMS}", str(err)) from None
 
 
+def _sampling_mask(extra: struct_pb2.Struct) -> tuple[bool, str | None]:
+    """``extra_args.return_sampling_mask`` (a bool) and ``sampling_logprobs_mode`` (one of
+    SGLang's modes); SGLang refuses a mode without the mask, in its words."""
+    fields = extra.fields
+    asked = False
+    if RETURN_SAMPLING_MASK in fields:
+        value = fields[RETURN_SAMPLING_MASK]
+        if value.WhichOneof("kind") != "bool_value":
+            raise invalid_argument(f"extra_args.{RETURN_SAMPLING_MASK}", "must be a boolean")
+        asked = value.bool_value
+    mode: str | None = None
+    if SAMPLING_LOGPROBS_MODE in fields:
+        value = fields[SAMPLING_LOGPROBS_MODE]
+        if value.WhichOneof("kind") != "string_value" or value.string_value not in _SAMPLING_LOGPROBS_MODES:
+            raise invalid_argument(f"extra_args.{SAMPLING_LOGPROBS_MODE}", "must be 'selected' or 'support'")
+        mode = value.string_value
+    return asked, mode
+
+
 def asks_one_answer(request: sidecar_pb2.PreprocessedRequest, mode: DisaggregationMode) -> bool:
     """Whether the engine is asked for one answer (``stream`` false) rather than a stream: when
     the caller wants one (``OutputOptions.unary``) on an aggregated worker. A prefill streams
@@ -451,6 +485,7 @@ def build_native(
     top = max(logprobs or 0, prompt_logprobs or 0)
     sampling = _sampling(request, prefill)
     _check_context(len(request.token_ids), sampling.max_new_tokens, settings.context_length)
+    mask, mode = _sampling_mask(request.extra_args)
     return NativeRequest(
         rid=private_id,
         input_ids=tuple(request.token_ids),
@@ -471,6 +506,8 @@ def build_native(
         stream=not asks_one_answer(request, settings.mode),
         return_routed_experts=out.return_routed_experts,
         custom_params=_custom_params(request.extra_args),
+        return_sampling_mask=mask,
+        sampling_logprobs_mode=mode,
         routed_experts_start_len=(
             out.routed_experts_start_len if out.HasField("routed_experts_start_len") else None
         ),
@@ -556,6 +593,10 @@ def to_http_json(native: NativeRequest) -> dict[str, object]:
     body.update({k: v for k, v in optional.items() if v is not None})
     if native.return_routed_experts:
         body["return_routed_experts"] = True
+    if native.return_sampling_mask:
+        body[RETURN_SAMPLING_MASK] = True
+    if native.sampling_logprobs_mode is not None:
+        body[SAMPLING_LOGPROBS_MODE] = native.sampling_logprobs_mode
     if native.routed_experts_start_len is not None:
         # Sent as asked, also without the flag: SGLang checks it either way, in its words.
         body["routed_experts_start_len"] = native.routed_experts_start_len

@@ -19,8 +19,9 @@ Choices the spec leaves open:
   as ``weight_version``; a terminal its ``weight_versions`` spans (checked: they tile the
   output from 0, as SGLang's ``add_weight_versions_to_meta_info`` writes them) and, when
   asked, ``routed_experts`` decoded from base64 to its little-endian int32 bytes, at most
-  :data:`MAX_ROUTED_EXPERTS_BYTES`. Nothing the engine sends is trusted: a malformed value
-  is a PROTOCOL_ERROR, not dropped.
+  :data:`MAX_ROUTED_EXPERTS_BYTES`. With ``return_sampling_mask`` each output carries its
+  tokens' sampling masks in ``engine_data``. Nothing the engine sends is trusted: a
+  malformed value is a PROTOCOL_ERROR, not dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -41,6 +43,7 @@ from sidecar_sglang.refusals import abort_reason
 
 __all__ = [
     "MAX_ROUTED_EXPERTS_BYTES",
+    "MAX_SAMPLING_MASK_ENTRIES",
     "MAX_WEIGHT_VERSION_CHARS",
     "NativeEvent",
     "ResponseState",
@@ -55,6 +58,9 @@ _UINT32_MAX: Final = 2**32 - 1
 # The routed experts of one output: half a gRPC message (sidecar_common.message_size), the
 # rest left for the tokens and their logprobs.
 MAX_ROUTED_EXPERTS_BYTES: Final = 32 * 1024 * 1024
+# The ids and logprobs of one output's sampling masks: a Struct number costs about 9 bytes,
+# so this keeps them within half a gRPC message.
+MAX_SAMPLING_MASK_ENTRIES: Final = 1 << 21
 # A weight version is a label (a step number, a checkpoint name): longer is not one.
 MAX_WEIGHT_VERSION_CHARS: Final = 1024
 
@@ -292,6 +298,37 @@ def _routed_experts(meta: Mapping[str, object]) -> bytes | None:
     return raw
 
 
+def _attach_sampling_mask(
+    out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object], start: int, count: int
+) -> None:
+    """SGLang's ``output_token_sampling_mask`` and ``output_token_sampling_logprobs`` rows of
+    this output's ``count`` tokens from ``start``, as ``engine_data.sampling_mask`` (per token
+    the ids sampling could choose) and ``engine_data.sampling_logprobs`` (per token a logprob,
+    or one per id in ``support`` mode). Absent when the engine sent none."""
+    masks = _list(meta, "output_token_sampling_mask")
+    if masks is None:
+        return
+    logprobs = _list(meta, "output_token_sampling_logprobs") or []
+    mask_rows, logprob_rows = masks[start : start + count], logprobs[start : start + count]
+    if len(mask_rows) != count or len(logprob_rows) != count:
+        raise protocol_error(_ENGINE, f"the sampling mask has {len(mask_rows)} rows for {count} tokens")
+    entries = 0
+    for row, values in zip(mask_rows, logprob_rows, strict=True):
+        if not isinstance(row, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _UINT32_MAX for t in row
+        ):
+            raise protocol_error(_ENGINE, f"a sampling mask row {str(row)[:200]} is not token ids")
+        numbers = values if isinstance(values, list) else [values]
+        if not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in numbers
+        ):
+            raise protocol_error(_ENGINE, f"a sampling logprob {str(values)[:200]} is not a number")
+        entries += len(row) + len(numbers)
+    if entries > MAX_SAMPLING_MASK_ENTRIES:
+        raise protocol_error(_ENGINE, f"the sampling mask of one output has {entries} entries")
+    out.engine_data.update({"sampling_mask": mask_rows, "sampling_logprobs": logprob_rows})  # type: ignore[dict-item]
+
+
 _FINISH_KINDS: Final = {"stop", "length", "abort"}
 
 
@@ -404,6 +441,8 @@ class ResponseState:
             out.text = text
         if self.request.logprobs is not None and new:
             self._logprobs(out, event.meta, start, len(new))
+        if self.request.return_sampling_mask and new:
+            _attach_sampling_mask(out, event.meta, start, len(new))
         self.completion_tokens += len(new)
         return out
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from sidecar_common.api import sglang_pb2, sidecar_pb2
 from sidecar_common.errors import FailureReason, SidecarError
-from sidecar_common.structs import value_from_json
+from sidecar_common.structs import json_from_struct, value_from_json
 from sidecar_sglang.convert_request import (
     NativeRequest,
     NativeSampling,
@@ -298,3 +298,83 @@ def test_custom_params_are_refused_by_name_where_they_cannot_go() -> None:
             call()
         assert err.value.reason is FailureReason.INVALID_ARGUMENT
         assert "extra_args.custom_params" in err.value.message
+
+
+# ------------------------------------------------------------------ sampling masks (extra_args)
+
+
+def with_extra(**fields: object) -> sidecar_pb2.PreprocessedRequest:
+    message = request()
+    for key, value in fields.items():
+        message.extra_args.fields[key].CopyFrom(value_from_json(value))  # type: ignore[arg-type]
+    return message
+
+
+def test_sampling_mask_fields_reach_sglang_http_as_top_level_fields() -> None:
+    body = to_http_json(
+        build_native(with_extra(return_sampling_mask=True, sampling_logprobs_mode="support"), "p", HTTP, 0)
+    )
+    assert (body["return_sampling_mask"], body["sampling_logprobs_mode"]) == (True, "support")
+    plain = to_http_json(build_native(request(), "p", HTTP, 0))
+    assert "return_sampling_mask" not in plain
+    assert "sampling_logprobs_mode" not in plain
+
+
+@pytest.mark.parametrize(
+    ("fields", "named", "settings"),
+    [
+        ({"return_sampling_mask": True}, "extra_args.return_sampling_mask", GRPC),
+        ({"sampling_logprobs_mode": "selected"}, "extra_args.sampling_logprobs_mode", GRPC),
+        ({"return_sampling_mask": "yes"}, "extra_args.return_sampling_mask", HTTP),
+        ({"sampling_logprobs_mode": "all"}, "extra_args.sampling_logprobs_mode", HTTP),
+    ],
+)
+def test_sampling_mask_fields_refused_by_name(
+    fields: dict[str, Any], named: str, settings: RequestSettings
+) -> None:
+    with pytest.raises(SidecarError) as err:
+        build_native(with_extra(**fields), "p", settings, 0)
+    assert err.value.reason is FailureReason.INVALID_ARGUMENT
+    assert named in err.value.message
+    with pytest.raises(SidecarError) as vllm:
+        to_generate_request(with_extra(**fields), "p", mode="agg", supports_vision=False)
+    assert named in vllm.value.message
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_sampling_masks_are_split_per_output(cumulative: bool) -> None:
+    state = ResponseState(native(return_sampling_mask=True), cumulative=cumulative)
+    all_masks, all_lps = [[5, 9], [6], [7, 8]], [-0.5, -0.25, -1.0]
+    first = ev([5], output_token_sampling_mask=all_masks[:1], output_token_sampling_logprobs=all_lps[:1])
+    rest = ev(
+        [5, 6, 7] if cumulative else [6, 7],
+        STOP,
+        output_token_sampling_mask=all_masks if cumulative else all_masks[1:],
+        output_token_sampling_logprobs=all_lps if cumulative else all_lps[1:],
+    )
+    outs = run(state, [first, rest])
+    got = [json_from_struct(o.engine_data) for o in outs]
+    assert got == [
+        {"sampling_mask": [[5, 9]], "sampling_logprobs": [-0.5]},
+        {"sampling_mask": [[6], [7, 8]], "sampling_logprobs": [-0.25, -1.0]},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("masks", "logprobs"),
+    [
+        ([[5]], [-0.5, -1.0]),  # rows disagree
+        ([[5], [6]], [-0.5]),
+        ([["x"], [6]], [-0.5, -1.0]),
+        ([[5], [-1]], [-0.5, -1.0]),
+        ([[5], [6]], [-0.5, "y"]),
+    ],
+)
+def test_malformed_sampling_masks_are_a_protocol_error(masks: object, logprobs: object) -> None:
+    state = ResponseState(native(return_sampling_mask=True), cumulative=True)
+    with pytest.raises(SidecarError) as err:
+        run(
+            state,
+            [ev([5, 6], STOP, output_token_sampling_mask=masks, output_token_sampling_logprobs=logprobs)],
+        )
+    assert err.value.reason is FailureReason.PROTOCOL_ERROR

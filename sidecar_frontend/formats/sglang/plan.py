@@ -6,7 +6,8 @@ gives P*n sub-requests, prompt-major, each with the id the client sees. A non-st
 request asks each worker for one answer (``OutputOptions.unary``). ``return_routed_experts``
 and a non-zero ``routed_experts_start_len`` go to every sub-request (a worker whose wire
 cannot carry them refuses them by name: docs/metadata.md), and so does
-``sampling_params.custom_params``, as ``extra_args.custom_params``.
+``sampling_params.custom_params``, as ``extra_args.custom_params``, and ``return_sampling_mask``
+/ ``sampling_logprobs_mode``, as ``extra_args`` of those names.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class ItemPlan:
     token_ids_logprob: bool = False
     # return_routed_experts was asked: the final output shows what the worker returned.
     return_routed_experts: bool = False
+    # return_sampling_mask was asked: the events show the masks the worker returned.
+    return_sampling_mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class Batch:
     top_logprobs_num: Sequence[object]
     # Each prompt's token_ids_logprob (None: not asked).
     chosen: Sequence[object]
+    # Each prompt's return_sampling_mask and sampling_logprobs_mode (empty: none asked).
+    sampling_mask: Sequence[object] = ()
+    sampling_logprobs_mode: Sequence[object] = ()
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,12 @@ def plan(
         if isinstance(custom, dict):
             # SGLang's own parameters for its sampling (values checked them).
             template.extra_args.fields["custom_params"].struct_value.CopyFrom(struct_from_json(custom))
+        asks_mask = i < len(batch.sampling_mask) and batch.sampling_mask[i] is True
+        if asks_mask:
+            template.extra_args.fields["return_sampling_mask"].bool_value = True
+        mode = batch.sampling_logprobs_mode[i] if i < len(batch.sampling_logprobs_mode) else None
+        if isinstance(mode, str):
+            template.extra_args.fields["sampling_logprobs_mode"].string_value = mode
         if data.get("return_routed_experts") is True:
             template.output_options.return_routed_experts = True
         start = data.get("routed_experts_start_len")
@@ -203,6 +215,7 @@ def plan(
                     token_ids_logprob=checked.return_logprob and bool(batch.chosen[i]),
                     stream_interval=_stream_interval(params),
                     return_routed_experts=data.get("return_routed_experts") is True,
+                    return_sampling_mask=asks_mask,
                 )
             )
     options = SglangOptions(

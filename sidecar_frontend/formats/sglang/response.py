@@ -112,6 +112,17 @@ def _chosen_rows(output: sidecar_pb2.LLMEngineOutput, key: str) -> list[list[Tri
     return out
 
 
+def _engine_rows(output: sidecar_pb2.LLMEngineOutput, key: str) -> list[object] | None:
+    """``engine_data[key]`` when it is a list (None: absent)."""
+    if not output.HasField("engine_data") or key not in output.engine_data.fields:
+        return None
+    try:
+        rows = json_from_struct(output.engine_data).get(key)
+    except StructError:
+        return None
+    return list(rows) if isinstance(rows, list) else None
+
+
 @dataclass
 class _Item:
     plan: ItemPlan
@@ -138,6 +149,10 @@ class _Item:
     # The terminal's spans over the whole output ([]: the worker's wire does not say).
     weight_versions: list[dict[str, object]] = field(default_factory=list)
     routed_experts: bytes | None = None
+    # return_sampling_mask: per output token the ids sampling could choose, and their logprobs
+    # (None: the worker sent none, and SGLang then writes no such keys).
+    sampling_mask: list[object] | None = None
+    sampling_logprobs: list[object] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_tokens = len(self.plan.prompt)
@@ -152,6 +167,8 @@ class _Item:
         self.output_ids.extend(new)
         if output.HasField("weight_version"):
             self.weight_version = output.weight_version
+        if plan.return_sampling_mask and new:
+            self._sampling_mask(output)
         if plan.return_logprob and not self.input_logprobs_known and prompt_logprobs.carried(output):
             # SGLang shows the prompt's logprobs from its first event after prefill on: render
             # them from the first output that carries them.
@@ -203,6 +220,15 @@ class _Item:
             return {"type": "abort", "message": "Content filtered", "status_code": None, "err_type": None}
         return _ABORTED
 
+    def _sampling_mask(self, output: sidecar_pb2.LLMEngineOutput) -> None:
+        rows = _engine_rows(output, "sampling_mask")
+        if rows is None:
+            return
+        if self.sampling_mask is None:
+            self.sampling_mask = []
+        self.sampling_mask.extend(rows)
+        self.sampling_logprobs.extend(_engine_rows(output, "sampling_logprobs") or ())
+
     def _input_logprobs(self, output: sidecar_pb2.LLMEngineOutput) -> None:
         plan = self.plan
         start, prompt = plan.logprob_start_len, plan.prompt
@@ -251,6 +277,11 @@ class _Item:
             if plan.token_ids_logprob:
                 meta["input_token_ids_logprobs"] = self.input_chosen
                 meta["output_token_ids_logprobs"] = self.output_chosen[offset:]
+        if plan.return_sampling_mask and self.sampling_mask is not None:
+            # Where SGLang's tokenizer manager writes them: after the logprobs.
+            meta["output_token_sampling_mask"] = self.sampling_mask[offset:]
+            meta["output_token_sampling_logprobs"] = self.sampling_logprobs[offset:]
+            meta["output_token_sampling_mask_length"] = len(self.sampling_mask)
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = len(self.output_ids)
         meta["cached_tokens"] = self.cached_tokens

@@ -252,6 +252,11 @@ def check_batch(data: Mapping[str, object], ctx: FormatContext) -> Batch:
     start = _per_item(data, "logprob_start_len", -1, count, n, single)
     top = _per_item(data, "top_logprobs_num", 0, count, n, single)
     chosen = _chosen_ids(data, count, n, single)
+    mask = _per_item(data, "return_sampling_mask", False, count, n, single)
+    mode = _per_item(data, "sampling_logprobs_mode", None, count, n, single)
+    if any(m is not None and not asked for asked, m in zip(mask, mode, strict=True)):
+        # SGLang's tokenizer manager's sentence.
+        raise ValueRefusal("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
     request_refusals(data)
     for rid in rids:
         if rid in ctx.inflight_ids:
@@ -267,6 +272,8 @@ def check_batch(data: Mapping[str, object], ctx: FormatContext) -> Batch:
         logprob_start_len=start,
         top_logprobs_num=top,
         chosen=chosen,
+        sampling_mask=mask,
+        sampling_logprobs_mode=mode,
     )
 
 

@@ -102,7 +102,6 @@ _REFUSED: Final[Mapping[str, str]] = {
     "session_id": "sessions are not carried by this frontend",
     "extra_key": "cache keys are not carried by this frontend",
     "cache_salt": "cache namespaces are not carried by this frontend",
-    "return_sampling_mask": "sampling masks are not carried by this frontend",
     "return_flat_raw_top_logprobs": "flat logprob arrays are not produced by this frontend",
     "return_flat_raw_output_top_logprobs": "flat logprob arrays are not produced by this frontend",
     "return_flat_raw_top_logprobs_b64": "flat logprob arrays are not produced by this frontend",

@@ -220,3 +220,18 @@ async def test_custom_params_reach_an_http_worker_and_are_refused_by_name_over_g
             assert response.status == status
             if status == 400:
                 assert "custom_params" in await response.text()
+
+
+@pytest.mark.parametrize(("transport", "status"), [("http", 200), ("grpc", 400)])
+async def test_a_sampling_mask_request_reaches_an_http_worker_and_is_refused_by_name_over_grpc(
+    transport: str, status: int
+) -> None:
+    async with fleet(transport, "default") as fe:
+        body = generate_body("m1", 2, stream=False, return_sampling_mask=True)
+        async with fe.http.post(fe.url + "/generate", json=body) as response:
+            assert response.status == status
+            if status == 400:
+                assert "return_sampling_mask" in await response.text()
+            else:
+                # The testkit engine makes no masks: as SGLang, no mask keys without them.
+                assert "output_token_sampling_mask" not in (await response.json())["meta_info"]

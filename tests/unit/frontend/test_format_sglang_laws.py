@@ -315,12 +315,10 @@ UNCARRIED: dict[str, st.SearchStrategy[Any]] = {
     "session_id": st.text(min_size=1),
     "extra_key": st.text(min_size=1),
     "cache_salt": st.text(min_size=1),
-    "return_sampling_mask": st.just(True),
     "require_reasoning": st.just(True),
     "input_embeds": st.just([[0.5, 0.25]]),
 }
 UNCARRIED_SAMPLING: dict[str, st.SearchStrategy[Any]] = {
-    "custom_params": st.dictionaries(st.text(min_size=1), st.integers(), min_size=1),
     "choice": st.lists(st.text(min_size=1), min_size=1),
     "beam_width": st.integers(2, 16),
     "watermark": st.just({"enabled": True}),

@@ -511,7 +511,6 @@ OUR_REFUSALS: list[tuple[dict[str, Any], str]] = [
     (request(session_id="s"), "session_id is not supported by this server"),
     (request(extra_key="k"), "extra_key is not supported by this server"),
     (request(cache_salt="salt"), "cache_salt is not supported by this server"),
-    (request(return_sampling_mask=True), "return_sampling_mask is not supported by this server"),
     (request(return_flat_raw_top_logprobs=True), "return_flat_raw_top_logprobs is not supported"),
     (request(require_reasoning=True), "require_reasoning is not supported by this server"),
 ]

@@ -160,7 +160,6 @@ def error_message(reply: HttpReply) -> str:
     ("fields", "named"),
     [
         ({"routed_experts_start_len": 2**31}, "routed_experts_start_len"),
-        ({"return_sampling_mask": True}, "return_sampling_mask"),
         ({"sampling_params": {"custom_params": ["not", "an", "object"]}}, "sampling_params.custom_params"),
     ],
 )
@@ -177,6 +176,78 @@ def test_sglang_custom_params_go_to_the_worker_as_extra_args() -> None:
     assert json_from_struct(sub.extra_args)["custom_params"] == params
     plain = accepted({"input_ids": PROMPT})
     assert not plain.requests[0].HasField("extra_args")
+
+
+# ------------------------------------------------------------------ SGLang: sampling masks
+
+
+def masked(
+    ids: list[int], rows: list[list[int]], logprobs: list[object], **terminal: Any
+) -> sidecar_pb2.LLMEngineOutput:
+    message = out(ids, "v", **terminal)
+    message.engine_data.update({"sampling_mask": rows, "sampling_logprobs": logprobs})  # type: ignore[dict-item]
+    return message
+
+
+MASKED = [
+    masked([5], [[5, 9]], [-0.5]),
+    masked([6, 7], [[6], [7, 8, 9]], [-0.25, -1.0], spans=[("v", 0, 3)]),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "extra"),
+    [
+        ({"return_sampling_mask": True}, {"return_sampling_mask": True}),
+        (
+            {"return_sampling_mask": True, "sampling_logprobs_mode": "support"},
+            {"return_sampling_mask": True, "sampling_logprobs_mode": "support"},
+        ),
+        ({"return_sampling_mask": False}, None),
+    ],
+)
+def test_sglang_sampling_mask_request_goes_as_extra_args(
+    fields: dict[str, Any], extra: dict[str, Any] | None
+) -> None:
+    (sub,) = accepted({"input_ids": PROMPT, **fields}).requests
+    got = json_from_struct(sub.extra_args) if sub.HasField("extra_args") else None
+    assert got == extra
+
+
+def test_sglang_per_prompt_sampling_masks() -> None:
+    call = accepted({"input_ids": [PROMPT, PROMPT], "return_sampling_mask": [True, False]})
+    assert [json_from_struct(r.extra_args).get("return_sampling_mask") for r in call.requests] == [True, None]
+
+
+def test_sglang_a_mode_without_the_mask_is_sglangs_refusal() -> None:
+    reply = refused({"input_ids": PROMPT, "sampling_logprobs_mode": "selected"})
+    assert reply.status == 400
+    assert "sampling_logprobs_mode can only be set when return_sampling_mask=true." in error_message(reply)
+
+
+def test_sglang_sampling_masks_are_answered_as_sglang_writes_them() -> None:
+    meta = sglang_unary({"return_sampling_mask": True}, MASKED)
+    assert meta["output_token_sampling_mask"] == [[5, 9], [6], [7, 8, 9]]
+    assert meta["output_token_sampling_logprobs"] == [-0.5, -0.25, -1.0]
+    assert meta["output_token_sampling_mask_length"] == 3
+    keys = list(meta)
+    assert keys.index("output_token_sampling_mask_length") == keys.index("reasoning_tokens") - 1
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_sglang_sampling_masks_stream_like_the_logprobs(incremental: bool) -> None:
+    metas = sglang_stream({"return_sampling_mask": True}, MASKED, incremental)
+    first, last = metas
+    assert first["output_token_sampling_mask"] == [[5, 9]]
+    assert last["output_token_sampling_mask"] == (
+        [[6], [7, 8, 9]] if incremental else [[5, 9], [6], [7, 8, 9]]
+    )
+    assert last["output_token_sampling_mask_length"] == 3
+
+
+def test_sglang_no_mask_keys_when_the_worker_sent_none_or_none_was_asked() -> None:
+    assert "output_token_sampling_mask" not in sglang_unary({"return_sampling_mask": True}, outputs())
+    assert "output_token_sampling_mask" not in sglang_unary({}, MASKED)
 
 
 # ------------------------------------------------------------------ vLLM
