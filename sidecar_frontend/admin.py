@@ -16,6 +16,7 @@ parent, and the parent to every process (sidecar_frontend/membership_relay.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,7 +40,16 @@ from sidecar_frontend.membership import (
     worker_list,
     worker_row,
 )
-from sidecar_frontend.membership_relay import Apply, Op, Refused, RelayRequest, parse_control, request_line
+from sidecar_frontend.membership_relay import (
+    Apply,
+    Op,
+    Refused,
+    RelayRequest,
+    left_line,
+    parse_control,
+    request_address,
+    request_line,
+)
 from sidecar_frontend.registry import WorkerState
 from sidecar_frontend.weight_version_api import WEIGHT_VERSION_PATH, weight_version_handlers
 from sidecar_frontend.workers import WorkerSet
@@ -134,12 +144,14 @@ class RelayedControl:
         self._answer_wait = answer_wait
         self._numbers = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[AdminError | str | None]] = {}
+        self._reporting: set[asyncio.Task[None]] = set()
 
     async def register(self, registration: Registration) -> AdminError | None:
         refusal = self.membership.refusal_to_register(registration)  # this process's view
         if refusal is not None:
             return refusal
-        answer = await self._ask("register", registration.worker_address, registration)
+        # A bare engine goes without its sidecar's address: the parent runs that sidecar.
+        answer = await self._ask("register", request_address(registration), registration)
         return answer if isinstance(answer, AdminError) else None
 
     async def unregister(self, address: str) -> AdminError | str:
@@ -184,9 +196,25 @@ class RelayedControl:
             self.membership.adopt(change.registration)
             log.info("worker registered", worker=change.address, url=change.registration.url, relayed=True)
             return None
+        registration = self.membership.registration_at(change.address)
         outcome = self.membership.release(change.address)
         log.info("worker unregistered", worker=change.address, outcome=outcome, relayed=True)
+        if registration is not None and registration.bare:
+            # The parent stops this engine's sidecar once every process let go of it.
+            task = asyncio.get_running_loop().create_task(self._report_left(change.address))
+            self._reporting.add(task)
+            task.add_done_callback(self._reporting.discard)
         return outcome
+
+    async def _report_left(self, address: str) -> None:
+        workers = self.membership.workers
+        while True:
+            changed = workers.next_change()
+            if workers.get(address) is None:
+                break
+            await changed.wait()
+        with contextlib.suppress(OSError):
+            self._link.send(left_line(address))
 
     def _answer(self, number: int, answer: AdminError | str | None) -> None:
         waiting = self._waiting.get(number)
@@ -390,7 +418,8 @@ class AdminApi:
     async def _register(self, registration: Registration) -> Registration | AdminError:
         """The registration as held (a bare engine's: with its sidecar's address, that sidecar
         started), or why it is refused."""
-        if registration.bare:
+        started_here = False
+        if registration.bare and not isinstance(self.control, RelayedControl):
             refusal = self._bare_refusal(registration) or self.membership.refusal_to_register(registration)
             if refusal is not None:
                 return refusal
@@ -398,11 +427,18 @@ class AdminApi:
             # No await between the check above and the registration below: a second call for
             # the same engine finds this one registered.
             registration = self.bare.start(registration)
+            started_here = True
+        # (--processes N: the parent checks a bare engine and runs its sidecar.)
         refusal = await self.control.register(registration)
         if refusal is not None:
-            if self.bare is not None and registration.bare:
+            if self.bare is not None and started_here:
                 await self.bare.stop(registration.worker_address)
             return refusal
+        if registration.bare and registration.sidecar_address is None:
+            held = [r for r in self.membership.registered().values() if r.id == registration.id]
+            if not held:
+                return AdminError(503, "UNAVAILABLE", f"worker {registration.url} left again at once")
+            registration = held[0]
         log.info(
             "worker registered",
             worker=registration.worker_address,

@@ -40,6 +40,7 @@ import structlog
 from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry, Counter
 
+from sidecar_common.endpoint import parse_host_port
 from sidecar_common.ports import bind_problem
 from sidecar_frontend.bare_sidecars import (
     ChildSettings,
@@ -63,9 +64,12 @@ _PR_SET_PDEATHSIG: Final = 1
 
 
 def _die_with(parent: int) -> Callable[[], None]:
-    """Run in the child between fork and exec: SIGTERM when the frontend dies (Linux)."""
+    """Run in the child between fork and exec: its own process group (a terminal's Ctrl-C
+    reaches the frontend, which stops the child after its drain, not the child at once), and
+    SIGTERM when the frontend dies (Linux)."""
 
     def preexec() -> None:
+        os.setpgid(0, 0)
         if not sys.platform.startswith("linux"):
             return
         libc = ctypes.CDLL(None, use_errno=True)
@@ -207,19 +211,17 @@ class BareSidecars:
 
     def __init__(
         self,
-        workers: WorkerSet,
+        workers: WorkerSet | None,
         settings: ChildSettings,
         *,
-        processes: int = 1,
         worker_tls: bool = False,
         policy: RestartPolicy | None = None,
         stop_grace: float = STOP_GRACE,
         registry: CollectorRegistry | None = None,
         environ: dict[str, str] | None = None,
     ) -> None:
-        self.workers = workers
+        self.workers = workers  # None: the parent of --processes N, told when workers left
         self.settings = settings
-        self._processes = processes
         self._worker_tls = worker_tls
         self._policy = policy if policy is not None else RestartPolicy()
         self._stop_grace = stop_grace
@@ -261,18 +263,25 @@ class BareSidecars:
 
     def refusal(self, registration: Registration) -> AdminError | None:
         """Why this frontend cannot run a sidecar for ``registration`` (501), or None."""
-        return bare_refusal(registration, processes=self._processes, worker_tls=self._worker_tls)
+        return bare_refusal(registration, worker_tls=self._worker_tls)
+
+    def pick_address(self) -> str:
+        """A free loopback address for a new sidecar (``host:port``)."""
+        host = self.settings.host
+        port = _loopback_port(host)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def start(self, registration: Registration) -> Registration:
-        """Pick the sidecar's port and start it (in the background; the worker connects once
-        it serves): ``registration`` with its ``sidecar_address``."""
+        """Start the sidecar of ``registration`` (in the background; the worker connects once
+        it serves) at its ``sidecar_address``, picked here when it has none: the registration
+        with it."""
         group = self._group
         if group is None:
             raise RuntimeError("BareSidecars.start outside its async with block")
-        host = self.settings.host
-        port = _loopback_port(host)
-        shown = f"[{host}]" if ":" in host else host
-        started = replace(registration, sidecar_address=f"{shown}:{port}")
+        if registration.sidecar_address is None:
+            registration = replace(registration, sidecar_address=self.pick_address())
+        started = registration
+        port = parse_host_port(started.worker_address, port_zero_allowed=False).port
         child = ManagedSidecar(
             started,
             sidecar_argv(started, port, self.settings),
@@ -300,7 +309,14 @@ class BareSidecars:
             return
         group.start_soon(self._stop_when_gone, address)
 
+    def stop_soon(self, address: str) -> None:
+        """Stop the sidecar at ``address`` in the background."""
+        group = self._group
+        if group is not None and address in self._children:
+            group.start_soon(self.stop, address)
+
     async def _stop_when_gone(self, address: str) -> None:
+        assert self.workers is not None
         while True:
             changed = self.workers.next_change()
             if self.workers.get(address) is None:

@@ -51,18 +51,11 @@ class ChildSettings:
     host: str = "127.0.0.1"  # the child listens on loopback only: only this frontend dials it
 
 
-def bare_refusal(registration: Registration, *, processes: int, worker_tls: bool) -> AdminError | None:
+def bare_refusal(registration: Registration, *, worker_tls: bool) -> AdminError | None:
     """Why this frontend cannot run a sidecar for the bare engine of ``registration`` (501),
     or None."""
     kind = registration.engine
     instead = f"start sidecar-{kind} next to the engine and register the sidecar as grpc://HOST:PORT"
-    if processes > 1:
-        return AdminError(
-            501,
-            "NOT_IMPLEMENTED",
-            f"url {registration.url!r} is a bare {kind} engine: with --processes above 1 this "
-            f"frontend does not run sidecars for bare engines; {instead}",
-        )
     if worker_tls:
         return AdminError(
             501,

@@ -12,6 +12,12 @@ must reach them all, including a process restarted later. So:
    that took the call answers it once its own copy arrives (``origin`` and ``id`` say whose).
 4. A process the parent starts (or restarts) gets the list in its spec.
 
+A bare engine (its sidecar run by the frontend): the asking process sends the registration
+without a sidecar address; the parent, which runs one sidecar per engine for all the
+processes, picks that address (:meth:`RelayBook.decide`'s ``sidecar_address``) and sends the
+registration with it. After its removal each process tells the parent once its worker set let
+go of the worker (:func:`left_line`); the parent stops that sidecar once every process did.
+
 Lines are JSON, one message each; a line that does not parse is not a message (None).
 """
 
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from sidecar_common.disaggregation import is_role
@@ -31,9 +37,12 @@ __all__ = [
     "RelayBook",
     "RelayRequest",
     "apply_line",
+    "left_line",
     "parse_control",
+    "parse_left",
     "parse_request",
     "refused_line",
+    "request_address",
     "request_line",
 ]
 
@@ -80,7 +89,7 @@ def _registration_dict(registration: Registration) -> dict[str, object]:
     }
 
 
-def _registration(data: object) -> Registration | None:
+def _registration(data: object, *, sidecar_needed: bool = True) -> Registration | None:
     if not isinstance(data, Mapping):
         return None
     url, address, role, engine = (data.get(k) for k in ("url", "address", "role", "engine"))
@@ -93,7 +102,7 @@ def _registration(data: object) -> Registration | None:
     if engine not in ENGINES or not (port is None or (isinstance(port, int) and not isinstance(port, bool))):
         return None
     registration = Registration(url, address, role, engine, port, sidecar)
-    if registration.bare and sidecar is None:
+    if registration.bare and sidecar is None and sidecar_needed:
         return None  # a bare engine is dialled at its sidecar's address: it must have one
     return registration
 
@@ -110,16 +119,25 @@ def _object(line: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _change(data: Mapping[str, Any]) -> tuple[Op, str, Registration | None] | None:
+def _change(data: Mapping[str, Any], *, request: bool) -> tuple[Op, str, Registration | None] | None:
     op, address = data.get("op"), data.get("address")
     if op not in ("register", "unregister") or not isinstance(address, str):
         return None
     if op == "unregister":
         return "unregister", address, None
-    registration = _registration(data.get("registration"))
-    if registration is None or registration.worker_address != address:
+    # A request may hold a bare engine without its sidecar's address (the parent picks it).
+    registration = _registration(data.get("registration"), sidecar_needed=not request)
+    if registration is None or request_address(registration) != address:
         return None
     return "register", address, registration
+
+
+def request_address(registration: Registration) -> str:
+    """The address a change names: the worker set's, or a bare engine's own until its sidecar
+    has one."""
+    if registration.bare and registration.sidecar_address is None:
+        return registration.address
+    return registration.worker_address
 
 
 def _whole(value: object) -> int | None:
@@ -143,7 +161,7 @@ def parse_request(line: bytes) -> RelayRequest | None:
     data = _object(line)
     if data is None or data.get("event") != "admin":
         return None
-    change, number = _change(data), _whole(data.get("id"))
+    change, number = _change(data, request=True), _whole(data.get("id"))
     if change is None or number is None:
         return None
     op, address, registration = change
@@ -175,6 +193,21 @@ def refused_line(refused: Refused) -> bytes:
     )
 
 
+def left_line(address: str) -> bytes:
+    """A process to the parent: its worker set no longer holds the worker at ``address``
+    (removed through the API, drained)."""
+    return _line({"event": "left", "address": address})
+
+
+def parse_left(line: bytes) -> str | None:
+    """The address a process's ``left`` line names (None for any other line)."""
+    data = _object(line)
+    if data is None or data.get("event") != "left":
+        return None
+    address = data.get("address")
+    return address if isinstance(address, str) else None
+
+
 def parse_control(line: bytes) -> Apply | Refused | None:
     """A line the parent wrote to a process (None for anything else)."""
     data = _object(line)
@@ -188,7 +221,7 @@ def parse_control(line: bytes) -> Apply | Refused | None:
         if status is None or not isinstance(code, str) or not isinstance(message, str):
             return None
         return Refused(number, AdminError(status, code, message))
-    change, origin = _change(data), _whole(data.get("origin"))
+    change, origin = _change(data, request=False), _whole(data.get("origin"))
     if change is None or origin is None:
         return None
     op, address, registration = change
@@ -205,18 +238,40 @@ class RelayBook:
         """In the order they were registered (a new process's spec)."""
         return tuple(self._registrations.values())
 
-    def decide(self, origin: int, request: RelayRequest) -> Apply | Refused:
-        """Record ``request`` from process ``origin`` and return the change for every process,
-        or refuse it (the list already holds the worker, or does not)."""
+    def refusal(self, request: RelayRequest) -> Refused | None:
+        """Why the list refuses ``request`` (the worker, or its engine, is held already; or
+        is not, for a removal), or None."""
         address = request.address
         if request.op == "register":
-            held = self._registrations.get(address)
-            if held is not None:
-                return Refused(request.id, already_registered(held))
             assert request.registration is not None  # parse_request guarantees it
-            self._registrations[address] = request.registration
-            return Apply("register", address, origin, request.id, request.registration)
+            wanted = request.registration.id
+            for held in self._registrations.values():
+                if held.id == wanted or held.worker_address == address:
+                    return Refused(request.id, already_registered(held))
+            return None
         if address not in self._registrations:
             return Refused(request.id, AdminError(404, "WORKER_NOT_FOUND", f"no worker {address}"))
+        return None
+
+    def decide(
+        self, origin: int, request: RelayRequest, sidecar_address: str | None = None
+    ) -> Apply | Refused:
+        """Record ``request`` from process ``origin`` and return the change for every process,
+        or refuse it (:meth:`refusal`). A bare engine's registration takes
+        ``sidecar_address``, the address of the sidecar the parent runs for it."""
+        refused = self.refusal(request)
+        if refused is not None:
+            return refused
+        address = request.address
+        if request.op == "register":
+            registration = request.registration
+            assert registration is not None
+            if registration.bare and registration.sidecar_address is None:
+                if sidecar_address is None:
+                    raise ValueError(f"the bare engine {registration.url!r} needs its sidecar's address")
+                registration = replace(registration, sidecar_address=sidecar_address)
+                address = sidecar_address
+            self._registrations[address] = registration
+            return Apply("register", address, origin, request.id, registration)
         del self._registrations[address]
         return Apply("unregister", address, origin, request.id)

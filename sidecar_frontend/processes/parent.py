@@ -17,7 +17,11 @@ Start-up, in the parent (plain asyncio; it does no request work):
 The membership API (sidecar_frontend/membership_relay.py): the parent holds the one list of
 registrations; a change a process asks for on its status pipe is recorded and sent to every
 process on its stdin, in one order (or refused to the asking process alone); a process started
-or restarted gets the list in its spec.
+or restarted gets the list in its spec. The parent also runs the sidecars of bare engines
+registered through the API, one per engine for all the processes
+(sidecar_frontend/bare_children.py): it picks each one's address when the registration comes,
+and stops it once every process that held the worker reported it gone after its removal (a
+process that ends meanwhile counts as gone: it is restarted with the list, without it).
 
 While serving: a process that ends is logged and restarted on the same sockets (connections
 that arrive meanwhile wait in its backlog for the new process) after a pause, within bounds
@@ -64,13 +68,18 @@ from sidecar_common.operations_flags import metrics_address_flags
 from sidecar_common.ports import bind_problem
 from sidecar_common.programs import EXIT_OK, EXIT_STARTUP_FAILED
 from sidecar_common.version import package_version
+from sidecar_frontend.bare_children import BareSidecars
+from sidecar_frontend.bare_sidecars import ChildSettings
 from sidecar_frontend.cli import FrontendConfig
 from sidecar_frontend.host_limits import connection_limits
+from sidecar_frontend.membership import AdminError
 from sidecar_frontend.membership_relay import (
     Apply,
+    Refused,
     RelayBook,
     RelayRequest,
     apply_line,
+    parse_left,
     parse_request,
     refused_line,
 )
@@ -131,6 +140,10 @@ class _Parent:
         self.slots: list[_Slot] = []
         # The membership API's registrations, the one list every process follows.
         self.book = RelayBook()
+        # The bare engines' sidecars (set by supervise), and for each one removed, the
+        # processes that still hold its worker (the sidecar stops once none does).
+        self.bare: BareSidecars | None = None
+        self.leaving: dict[str, set[int]] = {}
         self.all_served = False
         self.port = 0
         disable_created_metrics()  # type: ignore[no-untyped-call]  # as the processes' own (metrics.py)
@@ -213,6 +226,7 @@ class _Parent:
             began = loop.time()
             code = await self._run_once(slot)
             slot.last_exit = code
+            self._gone(slot.index)  # its next run starts from the list, without what left
             if self.stop.is_set():
                 return
             verdict = after_exit(
@@ -299,6 +313,10 @@ class _Parent:
                 request = parse_request(line)
                 if request is not None:
                     self._relay(slot, request)
+                    continue
+                left = parse_left(line)
+                if left is not None:
+                    self._left(left, slot.index)
         finally:
             transport.close()
 
@@ -306,7 +324,21 @@ class _Parent:
         """A membership change ``asking`` was asked for: to every process in one order (each
         write is synchronous, so no other change comes between), or refused to it alone. A
         process being restarted gets the list in its spec instead."""
-        decision = self.book.decide(asking.index, request)
+        sidecar_address: str | None = None
+        registration = request.registration
+        if request.op == "register" and registration is not None and registration.bare:
+            refusal = self._bare_refusal(request)
+            if refusal is not None:
+                _write(asking, refused_line(Refused(request.id, refusal)))
+                return
+            if self.bare is not None and self.book.refusal(request) is None:
+                sidecar_address = self.bare.pick_address()
+        decision = self.book.decide(asking.index, request, sidecar_address)
+        if isinstance(decision, Apply) and self.bare is not None:
+            if decision.registration is not None and decision.registration.bare:
+                self.bare.start(decision.registration)
+            elif decision.op == "unregister" and decision.address in self.bare.children():
+                self.leaving[decision.address] = {slot.index for slot in self.slots if slot.proc is not None}
         if isinstance(decision, Apply):
             log.info(
                 "membership change relayed",
@@ -318,8 +350,36 @@ class _Parent:
             line = apply_line(decision)
             for slot in self.slots:
                 _write(slot, line)
+            if decision.address in self.leaving:
+                self._left(decision.address, None)  # no process held it: stop it now
         else:
             _write(asking, refused_line(decision))
+
+    def _bare_refusal(self, request: RelayRequest) -> AdminError | None:
+        registration = request.registration
+        assert registration is not None
+        if self.bare is None:
+            return AdminError(501, "NOT_IMPLEMENTED", "this frontend runs no sidecar for bare engines here")
+        return self.bare.refusal(registration)
+
+    def _left(self, address: str, index: int | None) -> None:
+        """Process ``index`` no longer holds the removed worker at ``address``: its sidecar
+        stops once no process does."""
+        holding = self.leaving.get(address)
+        if holding is None:
+            return
+        if index is not None:
+            holding.discard(index)
+        if not holding:
+            del self.leaving[address]
+            if self.bare is not None:
+                log.info("a removed bare engine left every process: stopping its sidecar", sidecar=address)
+                self.bare.stop_soon(address)
+
+    def _gone(self, index: int) -> None:
+        """Process ``index`` ended: it holds no worker any more."""
+        for address in list(self.leaving):
+            self._left(address, index)
 
     def _served(self) -> None:
         if self.all_served or not all(slot.served for slot in self.slots):
@@ -486,8 +546,16 @@ async def supervise(config: FrontendConfig, settings: ParentSettings | None = No
         except OSError as err:
             log.error("start-up failed", error=f"cannot serve metrics: {err}")
             return EXIT_STARTUP_FAILED
-        keepers = [asyncio.create_task(parent.keep(slot)) for slot in parent.slots]
-        await parent.stop_all(keepers)
+        # The bare engines' sidecars outlive the processes' drain, and stop after it.
+        async with BareSidecars(
+            None,
+            ChildSettings(sys.executable, config.log_format, config.log_level),
+            worker_tls=config.worker_set.tls is not None,
+            registry=parent.registry,
+        ) as bare:
+            parent.bare = bare
+            keepers = [asyncio.create_task(parent.keep(slot)) for slot in parent.slots]
+            await parent.stop_all(keepers)
     finally:
         parent.close_sockets()
         if metrics is not None:

@@ -77,8 +77,8 @@ class Frontend:
 
 
 @contextmanager
-def frontend() -> Iterator[Frontend]:
-    """``sidecar-frontend`` with no worker, once it serves."""
+def frontend(*flags: str) -> Iterator[Frontend]:
+    """``sidecar-frontend`` with no worker, once it serves (with ``--processes``: every process)."""
     metrics_port = free_port()
     argv = [
         script("sidecar-frontend"),
@@ -90,6 +90,7 @@ def frontend() -> Iterator[Frontend]:
         str(metrics_port),
         "--metrics-host",
         "127.0.0.1",
+        *flags,
     ]
     proc = start(argv)
     log = Log()
@@ -98,7 +99,10 @@ def frontend() -> Iterator[Frontend]:
     try:
         try:
             serving = log.wait_for(
-                lambda e: e.get("event") == "serving" and "frontend" in e.get("logger", "")
+                # The parent's line, or the one process's (a process of --processes N names itself).
+                lambda e: (
+                    e.get("event") == "serving" and "frontend" in e.get("logger", "") and "process" not in e
+                )
             )
         except AssertionError as err:
             assert proc.stderr is not None
@@ -266,3 +270,54 @@ def test_the_legacy_dialect_and_the_frontends_exit_stop_the_children() -> None:
             fe.proc.kill()
             fe.proc.wait(timeout=WAIT)
             until_gone(child["pid"])
+
+
+def until_every_process_serves(fe: Frontend) -> None:
+    """Each process dials the sidecar on its own: until all did, a generation may find no
+    worker serving in the process that took it. Until 8 in a row were served (bounded)."""
+    deadline, in_a_row = time.monotonic() + WAIT, 0
+    while in_a_row < 8:
+        assert time.monotonic() < deadline, "the processes did not all serve"
+        status, _ = call("POST", fe.url + "/generate", SGLANG_HTTP.generate[1])
+        in_a_row = in_a_row + 1 if status == 200 else 0
+
+
+def test_under_processes_the_parent_runs_one_sidecar_per_engine() -> None:
+    with ExitStack() as stack:
+        port = free_port()
+        stack.enter_context(process(SGLANG_HTTP.argv(port)))
+        fe = stack.enter_context(frontend("--processes", "2"))
+        url = f"http://127.0.0.1:{port}"
+        status, accepted = call("POST", fe.url + "/workers", {"url": url})
+        assert status == 202, accepted
+        row = until_serving(fe.url, url)
+        first = fe.log.wait_for(lambda e: e.get("event") == STARTED)
+        assert row["sidecar"] == f"grpc://{first['sidecar']}"
+        until_every_process_serves(fe)
+        for _ in range(8):  # each reaches one of the processes: both route to the one sidecar
+            assert generated(fe, SGLANG_HTTP) == 4
+        status, again = call("POST", fe.url + "/workers", {"url": url})
+        assert (status, again["code"]) == (409, "WORKER_ALREADY_EXISTS")
+
+        # Killed, the parent starts it again; the worker serves again.
+        seen = len(fe.log.entries)
+        os.kill(first["pid"], signal.SIGKILL)
+        restarted = fe.log.wait_for(lambda e: e.get("event") == STARTED, after=seen)
+        assert restarted["sidecar"] == first["sidecar"]
+        assert restarts(fe, url) == 1.0
+        until_serving(fe.url, url)
+        until_every_process_serves(fe)
+        # One sidecar for the engine, not one per process.
+        assert [e["pid"] for e in fe.log.entries if e.get("event") == STARTED] == [
+            first["pid"],
+            restarted["pid"],
+        ]
+
+        # DELETE: every process drains it, then the parent stops the sidecar.
+        status, _ = call("DELETE", fe.url + f"/workers/{accepted['worker_id']}")
+        assert status == 202
+        fe.log.wait_for(lambda e: e.get("event") == "bare engine's sidecar stopped")
+        until_gone(restarted["pid"])
+        for _ in range(4):  # whichever process answers
+            _, listed = call("GET", fe.url + "/workers")
+            assert listed["workers"] == []

@@ -138,17 +138,14 @@ def test_no_delay_before_an_exit() -> None:
 # ------------------------------------------------------------------------------ refusals
 
 REFUSALS = [
-    (1, False, None),
-    (2, False, "url 'http://h:1' is a bare sglang engine: with --processes above 1 this frontend does not run sidecars for bare engines; start sidecar-sglang next to the engine and register the sidecar as grpc://HOST:PORT"),
-    (1, True, "url 'http://h:1' is a bare sglang engine: this frontend dials every worker over TLS (--worker-tls-ca) and the sidecars it runs serve plaintext on loopback; start sidecar-sglang next to the engine and register the sidecar as grpc://HOST:PORT"),
+    (False, None),
+    (True, "url 'http://h:1' is a bare sglang engine: this frontend dials every worker over TLS (--worker-tls-ca) and the sidecars it runs serve plaintext on loopback; start sidecar-sglang next to the engine and register the sidecar as grpc://HOST:PORT"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("processes", "tls", "message"), REFUSALS)
-def test_a_bare_engine_is_refused_where_no_child_can_serve_it(
-    processes: int, tls: bool, message: str | None
-) -> None:
-    refusal = bare_refusal(_bare("http://h:1"), processes=processes, worker_tls=tls)
+@pytest.mark.parametrize(("tls", "message"), REFUSALS)
+def test_a_bare_engine_is_refused_where_no_child_can_serve_it(tls: bool, message: str | None) -> None:
+    refusal = bare_refusal(_bare("http://h:1"), worker_tls=tls)
     if message is None:
         assert refusal is None
     else:
