@@ -271,15 +271,21 @@ async def _serve(
             if config.discovery.mode == "static" and not config.discovery.static_workers:
                 log.warning("no worker yet: they come through the membership API (POST /workers, docs/rl.md)")
             # The sidecars of bare engines registered through the API: stopped when this block
-            # ends, after the HTTP side's drain (sidecar_frontend/bare_children.py).
+            # ends, after the HTTP side's drain (sidecar_frontend/bare_children.py). With
+            # --processes N the parent runs them instead.
             async with BareSidecars(
                 workers,
                 ChildSettings(sys.executable, config.log_format, config.log_level),
-                processes=config.processes,
                 worker_tls=config.worker_set.tls is not None,
                 registry=metrics.registry,
             ) as bare:
-                admin = AdminApi(workers, membership, token=config.admin.token, control=control, bare=bare)
+                admin = AdminApi(
+                    workers,
+                    membership,
+                    token=config.admin.token,
+                    control=control,
+                    bare=bare if control is None else None,
+                )
                 code = await _serve_http(
                     config, formats, workers, choice, metrics, signals, gate, inherited, admin, routing
                 )
