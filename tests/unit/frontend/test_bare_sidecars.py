@@ -9,6 +9,7 @@ finds and lists a bare engine (by the URL it was registered by, dialled at its s
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any, cast
 
 import pytest
@@ -23,7 +24,19 @@ from sidecar_frontend.bare_sidecars import (
     sidecar_argv,
 )
 from sidecar_frontend.membership import Membership, Registration, parse_registration, worker_row
-from sidecar_frontend.membership_relay import Apply, apply_line, parse_control
+from sidecar_frontend.membership_relay import (
+    Apply,
+    Refused,
+    RelayBook,
+    RelayRequest,
+    apply_line,
+    left_line,
+    parse_control,
+    parse_left,
+    parse_request,
+    request_address,
+    request_line,
+)
 from sidecar_frontend.registry import WorkerState
 from tests.unit.frontend.test_membership import FakeSet
 
@@ -227,3 +240,42 @@ def test_the_relay_carries_a_bare_engines_sidecar_address() -> None:
         b'"sidecar_address":"127.0.0.1:5"', b'"sidecar_address":null'
     )
     assert parse_control(line) is None
+
+
+# ------------------------------------------------------------------------------ under --processes N
+
+
+def test_a_process_asks_for_a_bare_engine_without_its_sidecars_address() -> None:
+    registration = _bare("http://h:1")
+    request = RelayRequest(3, "register", request_address(registration), registration)
+    assert request.address == "h:1"
+    assert parse_request(request_line(request)) == request
+
+
+def test_the_parent_gives_a_bare_engine_its_sidecars_address_and_refuses_it_twice() -> None:
+    book = RelayBook()
+    registration = _bare("http://h:1")
+    request = RelayRequest(1, "register", "h:1", registration)
+    with pytest.raises(ValueError, match="needs its sidecar's address"):
+        book.decide(0, request)
+    assert book.registrations() == ()
+    decided = book.decide(0, request, "127.0.0.1:5")
+    held = replace(registration, sidecar_address="127.0.0.1:5")
+    assert decided == Apply("register", "127.0.0.1:5", 0, 1, held)
+    assert book.registrations() == (held,)
+    # The same engine again, from any process: refused before an address is picked for it.
+    again = RelayRequest(2, "register", "h:1", _bare("http://h:1"))
+    refused = book.refusal(again)
+    assert isinstance(refused, Refused)
+    assert (refused.id, refused.error.code) == (2, "WORKER_ALREADY_EXISTS")
+    assert book.decide(1, RelayRequest(4, "unregister", "127.0.0.1:5")) == Apply(
+        "unregister", "127.0.0.1:5", 1, 4
+    )
+    assert book.refusal(again) is None
+
+
+def test_a_process_tells_the_parent_a_removed_worker_left() -> None:
+    assert parse_left(left_line("127.0.0.1:5")) == "127.0.0.1:5"
+    assert parse_left(request_line(RelayRequest(1, "unregister", "127.0.0.1:5"))) is None
+    assert parse_left(b"not json") is None
+    assert parse_left(b'{"event": "left", "address": 5}') is None
