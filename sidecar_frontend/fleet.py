@@ -15,8 +15,12 @@ one an admin call set (``POST /weight_version``), else the one most recently rep
 - a worker whose version changes (it reported another one before) makes its new one the newest;
 - a worker's first version (it just joined, or came back after it stopped serving: its earlier
   version is forgotten then) makes it the newest only when no worker reported that version
-  before (or none reported any yet): a restarted engine back at its first weights waits, listed
-  ``pending``, and never pulls the fleet back to them.
+  before (or none reported any yet);
+- but never a version the fleet already moved past (one that was the newest and was replaced):
+  a restarted engine back at its launch weights waits, listed ``pending``, and never pulls the
+  fleet back to them, even when its sidecar went on reporting the version it had before the
+  restart (a change, then, from that one back to the old). A deliberate rollback is an admin
+  call's to make.
 
 With ``--route-latest-weights`` (or once an admin call set a version) only workers at the
 newest version take new requests; a worker at another version, or one that reports none yet,
@@ -59,7 +63,8 @@ DEFAULT_PAUSED_HOLD_SECS: Final = 600.0
 # step numbers.
 MAX_WEIGHT_VERSION_BYTES: Final = 1_024
 # The versions remembered as reported before (a worker's first report of one of them is not
-# news); the oldest are forgotten past this many.
+# news), and as the fleet's newest before it moved past them (never news again); the oldest of
+# each are forgotten past this many.
 SEEN_VERSIONS_KEPT: Final = 4_096
 # A sub-request refused this many times by paused engines (ENGINE_PAUSED, before any output)
 # ends with that refusal: each refusal marks its worker paused, so only a worker whose sidecar
@@ -151,11 +156,18 @@ class WeightVersions:
         self._reported: str | None = None
         self._admin: str | None = None
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # Versions that were the reported newest and were replaced (never news again).
+        self._superseded: OrderedDict[str, None] = OrderedDict()
 
     @property
     def newest(self) -> str | None:
         """The version set by an admin call, else the newest reported (None: none yet)."""
         return self._admin if self._admin is not None else self._reported
+
+    @property
+    def reported(self) -> str | None:
+        """The newest version by the workers' reports alone (what an admin call's version hides)."""
+        return self._reported
 
     @property
     def set_by_admin(self) -> bool:
@@ -194,12 +206,18 @@ class WeightVersions:
             self._of.pop(address, None)
             return self._news(was_mixed, was_newest)
         self._of[address] = version
-        if previous is None:
-            news = self._reported is None or version not in self._seen
+        if self._reported is None:
+            news = True
+        elif version == self._reported or version in self._superseded:
+            news = False
+        elif previous is None:
+            news = version not in self._seen
         else:
             news = version != previous
-        self._remember(version)
+        _remember(self._seen, version)
         if news:
+            if self._reported is not None:
+                _remember(self._superseded, self._reported)
             self._reported = version
         return self._news(was_mixed, was_newest)
 
@@ -216,15 +234,16 @@ class WeightVersions:
         self._admin = version
         return self._news(was_mixed, was_newest)
 
-    def _remember(self, version: str) -> None:
-        seen = self._seen
-        seen[version] = None
-        seen.move_to_end(version)
-        while len(seen) > SEEN_VERSIONS_KEPT:
-            seen.popitem(last=False)
-
     def _news(self, was_mixed: bool, was_newest: str | None) -> VersionNews:
         mixed = self.mixed
         return VersionNews(
             newest_changed=self.newest != was_newest, mixed=mixed if mixed != was_mixed else None
         )
+
+
+def _remember(versions: OrderedDict[str, None], version: str) -> None:
+    """Add ``version`` as the most recent of ``versions``; the oldest go past the bound."""
+    versions[version] = None
+    versions.move_to_end(version)
+    while len(versions) > SEEN_VERSIONS_KEPT:
+        versions.popitem(last=False)

@@ -2,9 +2,10 @@
 admin call (issue 28, "Weight versions"). Mounted among the admin routes (``admin.py``), so the
 same bearer token or loopback rule guards it.
 
-``GET`` answers ``{"weight_version", "set_by_admin", "route_latest_weights", "mixed",
-"versions"}``: the newest version (None while no worker reported one and none was set), whether
-an admin call set it, whether new requests go only to workers at it, whether the workers report
+``GET`` answers ``{"weight_version", "set_by_admin", "reported_weight_version",
+"route_latest_weights", "mixed", "versions"}``: the newest version (None while no worker
+reported one and none was set), whether an admin call set it, the newest by the workers'
+reports alone, whether new requests go only to workers at it, whether the workers report
 more than one version, and how many workers report each. ``POST`` takes
 ``{"weight_version": "..."}`` and answers the same: from then on the newest version is that one
 and new requests go only to the workers at it (``fleet.py``), whatever the workers report next;
@@ -58,6 +59,7 @@ def weight_version_body(workers: WorkerSet) -> dict[str, object]:
     return {
         "weight_version": versions.newest,
         "set_by_admin": versions.set_by_admin,
+        "reported_weight_version": versions.reported,
         "route_latest_weights": versions.routes_by_version,
         "mixed": versions.mixed,
         "versions": dict(sorted(versions.counts().items())),

@@ -224,3 +224,25 @@ async def test_with_route_latest_weights_an_update_moves_the_traffic_and_the_oth
         assert answer["weight_version"] == "v2"
         assert answer["mixed"] is True
         assert answer["versions"] == {"v1": 1, "v2": 2}
+
+
+async def test_a_recovered_engine_is_pending_until_it_reports_the_current_version() -> None:
+    async with fleet(["v1", "v1"], latest=True) as f:
+        for index in (0, 1):
+            await f.set_version(index, "v2")
+        await f.until(lambda: all(w.weight_version == "v2" for w in f.workers.workers()))
+        # Engine 0 dies and comes back at its launch weights (v1), as a restarted engine does.
+        restarted = f.engines[0].engine.restart(startup_delay_secs=1.0)
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: restarted)
+            await f.until(lambda: not f.worker(0).eligible)
+        await f.until(lambda: f.worker(0).eligible and f.worker(0).weight_version == "v1")
+        assert f.workers.registry.versions.newest == "v2", "a recovered engine does not pull the fleet back"
+        assert (await f.rows())[f.worker(0).address]["state"] == "pending"
+        for _ in range(6):
+            status, body = await f.generate()
+            assert status == 200, body
+            assert body["meta_info"]["weight_version"] == "v2"
+        await f.set_version(0, "v2")
+        await f.until(lambda: f.worker(0).takes_new)
+        assert (await f.rows())[f.worker(0).address]["state"] == "serving"

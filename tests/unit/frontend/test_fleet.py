@@ -105,8 +105,12 @@ def test_the_reason_names_the_pause_or_the_version() -> None:
         ([("a", "v1"), ("b", "v1"), ("a", "v2"), ("b", "v2"), ("b", "forget"), ("b", "v1")], "v2"),
         # every one moves on: the last change is the newest
         ([("a", "v1"), ("b", "v1"), ("a", "v2"), ("b", "v2"), ("a", "v3")], "v3"),
-        # a rollback while serving is a change too
+        # a change to a version nobody made the newest yet is news
         ([("a", "v2"), ("a", "v1")], "v1"),
+        # never back to a version the fleet moved past, even as a change: a restarted engine
+        # whose sidecar went on reporting its version from before the restart
+        ([("a", "v1"), ("b", "v1"), ("a", "v2"), ("b", "v2"), ("b", "v1")], "v2"),
+        ([("a", "v1"), ("a", "v2"), ("a", "v1")], "v2"),
         # reporting the same version again is no change
         ([("a", "v1"), ("b", "v1"), ("b", "v2"), ("a", "v1")], "v2"),
         # a worker that stops saying is left out; its next version is a first report
@@ -201,16 +205,22 @@ steps = st.lists(
 def test_laws_of_the_newest_version(history: list[Report | Forget | Admin]) -> None:
     versions = WeightVersions(route_latest_weights=True)
     reported: set[str] = set()
+    moved_past: set[str] = set()
     admin: str | None = None
     for step in history:
         before = versions.version_of(step.address) if not isinstance(step, Admin) else None
         if isinstance(step, Report):
+            was = versions.reported
             versions.report(step.address, step.version)
             if step.version is not None:
                 reported.add(step.version)
-                if admin is None and before is not None and before != step.version:
-                    # a version change seen from a worker makes it the newest
-                    assert versions.newest == step.version
+                if before is not None and before != step.version:
+                    # a version change seen from a worker makes it the newest, unless the fleet
+                    # moved past that version before
+                    assert (versions.reported == step.version) is (step.version not in moved_past)
+                if was is not None and versions.reported != was:
+                    moved_past.add(was)
+                assert versions.reported not in moved_past
         elif isinstance(step, Forget):
             versions.forget(step.address)
         else:
