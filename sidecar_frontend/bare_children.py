@@ -12,12 +12,16 @@ keeps one address for it). The child belongs to the frontend:
   set's health and connection checks see it gone);
 - :meth:`BareSidecars.stop_after_leaving` (``DELETE /workers/{id}``, ``/remove_worker``) waits
   until the worker set let go of the worker (its in-flight requests finished), then stops the
-  child: SIGTERM, then SIGKILL after ``stop_grace`` seconds;
+  child: SIGTERM, then SIGKILL after ``stop_grace`` seconds (with ``--processes N`` the parent
+  runs the children, with no worker set: it stops one with :meth:`BareSidecars.stop_soon` once
+  every process reported the worker gone, sidecar_frontend/processes/parent.py);
 - leaving the :class:`BareSidecars` block (the frontend's shutdown, after its drain) stops every
   child the same way;
 - if the frontend dies without stopping them (SIGKILL, a crash), Linux sends each child SIGTERM:
   the child asks for it at its start with ``prctl(PR_SET_PDEATHSIG)``, and exits at once if the
-  frontend was already gone by then. Elsewhere than Linux this guard is absent.
+  frontend was already gone by then. Elsewhere than Linux this guard is absent. Each child runs
+  in its own process group, so a terminal's Ctrl-C reaches the frontend, which stops the child
+  after its drain, and not the child at once.
 """
 
 from __future__ import annotations
