@@ -7,8 +7,12 @@ one terminal, or raises SidecarError.
 
 Choices the spec leaves open:
 
-* Tokens on an ``abort`` terminal are not forwarded: the stream ends with an error anyway, and
-  in incremental mode SGLang repeats the last token there.
+* An ``abort`` finish with no ``status_code`` (a pause's abort, an abort request's, a weight
+  update's) or one the sidecar asked for ends the generation as SGLang answers it: a CANCELLED
+  terminal with the tokens not forwarded yet, usage and weight-version spans (in incremental
+  mode, only ids its ``completion_tokens`` says are new: SGLang repeats the last id when it
+  aborts a queued request). An abort with a status is a refusal or a failure: an error in
+  SGLang's words. A prefill's abort is always an error (its handoff never came).
 * ``prompt_logprobs`` (when prompt logprobs were asked) come once, on the first output after
   the engine sent them (SGLang does with its first event after prefill), else on the
   terminal: one position per prompt token, no entries where the engine has none (the first),
@@ -332,6 +336,13 @@ def _attach_sampling_mask(
 _FINISH_KINDS: Final = {"stop", "length", "abort"}
 
 
+def _answered_abort(finish: Mapping[str, object]) -> bool:
+    """An abort SGLang made with no status of its own (a pause's, an abort request's, a weight
+    update's abort of everything): SGLang answers it with the output so far, and so does the
+    sidecar (a CANCELLED terminal). An abort with a status is a refusal or a failure (an error)."""
+    return finish.get("status_code") is None and finish.get("err_type") is None
+
+
 def _finish(meta: Mapping[str, object]) -> Mapping[str, object]:
     reason = meta.get("finish_reason")
     if isinstance(reason, str) and reason in _FINISH_KINDS:
@@ -396,7 +407,9 @@ class ResponseState:
         finish = _finish(event.meta)
         if finish["type"] == "abort":
             self.done = True
-            raise self._abort_error(finish, aborted_by_us)
+            if self.request.prefill or not (aborted_by_us or _answered_abort(finish)):
+                raise self._abort_error(finish, aborted_by_us)
+            return [self._aborted(event, finish)]
         out = self._delta(event) if not self.request.prefill else None
         reported = exact_integer(event.meta.get("completion_tokens"))
         if not self.request.prefill and reported is not None and reported != self.completion_tokens:
@@ -413,6 +426,24 @@ class ResponseState:
             self._attach_weights_and_experts(terminal, event.meta)
         self.done = True
         return [terminal]
+
+    def _aborted(self, event: NativeEvent, finish: Mapping[str, object]) -> sidecar_pb2.LLMEngineOutput:
+        """The CANCELLED terminal of an abort answered as SGLang answers it: the tokens it made
+        that were not forwarded yet, usage, weight-version spans and routed experts. In
+        incremental mode the abort of a queued or held request repeats the last id it sent
+        (SGLang's ``_handle_abort_req``), which its ``completion_tokens`` shows: only ids the
+        count says are new are forwarded."""
+        start = self.completion_tokens if self.cumulative else 0
+        out: sidecar_pb2.LLMEngineOutput | None = None
+        reported = exact_integer(event.meta.get("completion_tokens"))
+        if self.cumulative or reported is None or reported - self.completion_tokens == len(event.output_ids):
+            out = self._delta(event)
+        terminal = out if out is not None else sidecar_pb2.LLMEngineOutput()
+        if out is not None:
+            self._attach_chosen_ids(terminal, event.meta, start, len(terminal.token_ids))
+        self._terminal(terminal, finish, event.meta)
+        self._attach_weights_and_experts(terminal, event.meta)
+        return terminal
 
     def end_of_stream(self, *, aborted_by_us: bool) -> SidecarError:
         """The error for a stream that ended before its terminal."""
@@ -473,6 +504,8 @@ class ResponseState:
     ) -> None:
         if finish["type"] == "length":
             out.finish_reason = sidecar_pb2.LENGTH
+        elif finish["type"] == "abort":
+            out.finish_reason = sidecar_pb2.CANCELLED
         else:
             out.finish_reason = sidecar_pb2.STOP
             matched = finish.get("matched")

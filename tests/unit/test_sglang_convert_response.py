@@ -113,12 +113,60 @@ def test_finished_without_known_finish_reason_is_protocol_error(finish: object) 
     assert "missing finish_reason" in info.value.message
 
 
-def test_abort_we_asked_for_is_cancelled() -> None:
-    state = ResponseState(native(), cumulative=False)
+PAUSE_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+QUEUE_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def test_abort_we_asked_for_is_a_cancelled_terminal_with_the_tokens_so_far() -> None:
+    state = ResponseState(native(), cumulative=True)
     state.feed(ev([1]), aborted_by_us=False)
+    (terminal,) = state.feed(ev([1, 2, 3], {"type": "abort", "message": "Abort"}), aborted_by_us=True)
+    assert terminal.finish_reason == sidecar_pb2.CANCELLED
+    assert list(terminal.token_ids) == [2, 3]
+    assert terminal.completion_usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("finish", [PAUSE_ABORT, QUEUE_ABORT])
+def test_an_abort_without_a_status_is_answered_as_sglang_answers_it(finish: dict[str, object]) -> None:
+    """A pause's abort (or an abort request's): the output so far, its usage and spans, as a
+    CANCELLED terminal (a non-streaming answer: every id at once)."""
+    spans = [{"version": "v1", "start": 0, "end": 2}, {"version": "v2", "start": 2, "end": 3}]
+    event = ev(
+        [7, 8, 9], finish, prompt_tokens=4, completion_tokens=3, weight_version="v2", weight_versions=spans
+    )
+    (terminal,) = ResponseState(native(), cumulative=True).feed(event, aborted_by_us=False)
+    assert terminal.finish_reason == sidecar_pb2.CANCELLED
+    assert list(terminal.token_ids) == [7, 8, 9]
+    usage = terminal.completion_usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 3, 7)
+    assert terminal.weight_version == "v2"
+    assert [(s.version, s.start, s.end) for s in terminal.weight_versions] == [("v1", 0, 2), ("v2", 2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("ids", "reported", "forwarded"),
+    [
+        ([6], 2, []),  # a queued or held request's abort repeats the last id it sent
+        ([7], 3, [7]),  # the step in flight's token rides on a scheduler abort
+        ([], 2, []),
+    ],
+)
+def test_an_incremental_abort_forwards_only_new_ids(
+    ids: list[int], reported: int, forwarded: list[int]
+) -> None:
+    state = ResponseState(native(), cumulative=False)
+    run(state, [ev([5]), ev([6])])
+    (terminal,) = state.feed(ev(ids, PAUSE_ABORT, completion_tokens=reported), aborted_by_us=False)
+    assert terminal.finish_reason == sidecar_pb2.CANCELLED
+    assert list(terminal.token_ids) == forwarded
+    assert terminal.completion_usage.completion_tokens == 2 + len(forwarded)
+
+
+def test_a_prefill_abort_is_still_an_error() -> None:
+    state = ResponseState(native(prefill=True), cumulative=True)
     with pytest.raises(SidecarError) as info:
-        state.feed(ev([1], {"type": "abort", "message": "Abort"}), aborted_by_us=True)
-    assert info.value.reason is FailureReason.CANCELLED
+        state.feed(ev([], PAUSE_ABORT), aborted_by_us=False)
+    assert info.value.reason is FailureReason.UNKNOWN
 
 
 @pytest.mark.parametrize(

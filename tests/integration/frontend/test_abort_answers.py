@@ -2,7 +2,8 @@
 servers do (SGLang's ``/abort_request`` and vLLM's ``abort_requests`` end an aborted request's
 one answer with its output so far and an abort finish): a trainer that aborts its rollouts
 resubmits from those tokens. The frontend has the sidecar abort the engine request rather than
-cancelling the call, and the engine's answer comes through. The tokens are exactly the prefix
+cancelling the call, and the engine's answer comes through (vLLM's gRPC and SGLang's HTTP
+wires; SGLang's gRPC wire ends an aborted stream without an answer). The tokens are exactly the prefix
 of what the same request makes unaborted (the testkit's tokens depend on the prompt only)."""
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ async def _abort(fe: Any, fmt: str, rid: str) -> None:
         assert response.status == 200
 
 
+# Not SGLang's gRPC wire: its Abort closes the request's stream with no answer (the Rust
+# server's framing), so the tokens so far are not on that wire (docs/frontend.md).
+@pytest.mark.parametrize("worker", ["vllm", "sglang-http"])
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
-async def test_an_aborted_non_streaming_request_answers_with_its_tokens_so_far(fmt: str) -> None:
+async def test_an_aborted_non_streaming_request_answers_with_its_tokens_so_far(fmt: str, worker: str) -> None:
     build = _sglang if fmt == "sglang" else _vllm
-    async with over("vllm", token_latency_ms=20.0) as fe:
+    async with over(worker, token_latency_ms=20.0) as fe:
         book = fe.sidecars[0].engine.book
         path, body = build("job")
         pending = asyncio.ensure_future(fe.http.post(fe.url + path, json=body))
