@@ -163,7 +163,7 @@ def test_a_refused_body_says_why(body: bytes, status: int, message: str) -> None
 def test_any_object_is_a_registration_or_a_refusal(data: dict[str, object]) -> None:
     got = parse_registration(json.dumps(data).encode())
     if isinstance(got, Registration):
-        assert got.engine == ("sidecar" if got.scheme == "grpc" and data.get("engine") in (None, "sidecar") else data.get("engine", "sglang"))
+        assert got.engine == (data.get("engine") or ("sglang" if got.scheme == "http" else "sidecar"))
         assert got.sidecar_address is None
         assert set(data) <= {"url", "worker_type", "bootstrap_port", "engine"}
     else:
