@@ -17,6 +17,7 @@ import aiohttp
 import anyio
 import pytest
 from aiohttp import web
+from testkit.vllm_engine import VllmEngineConfig, VllmTestEngine
 
 from sidecar_frontend.admin import AdminApi
 from sidecar_frontend.fleet import FleetSettings
@@ -25,8 +26,12 @@ from sidecar_frontend.handler import Frontend, HandlerConfig
 from sidecar_frontend.membership import Membership
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.workers import Worker, WorkerSet
+from sidecar_server.server import ServerConfig, SidecarServer
+from sidecar_vllm.engine import VllmEngine
 from tests.integration.frontend.fixtures import FAST_WORKERS, sse_json_events
-from tests.sglang_fixtures import Stack, sglang_stack
+from tests.sglang_fixtures import sglang_stack
+from tests.vllm_fixtures import Stack as VllmStack
+from tests.vllm_fixtures import sidecar_config as vllm_sidecar_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,9 +42,10 @@ PROMPT = [1, 2, 3, 4, 5]
 @dataclass
 class Fleet:
     workers: WorkerSet
-    engines: list[Stack]
+    engines: list[Any]  # the sidecar stacks (sglang_fixtures.Stack, or a vLLM one)
     url: str
     http: aiohttp.ClientSession
+    metrics: Metrics
 
     def worker(self, index: int) -> Worker:
         worker = self.workers.get(f"127.0.0.1:{self.engines[index].server.port}")
@@ -96,18 +102,30 @@ async def fleet(
     versions: Sequence[str], *, latest: bool = False, hold: float = 600.0
 ) -> AsyncIterator[Fleet]:
     """One testkit SGLang HTTP engine per version (its launch version), each behind its sidecar,
-    and a frontend (the SGLang format and the admin routes) over them."""
+    and a frontend over them, once every worker serves and its version is known."""
     async with AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(sglang_stack("http", weight_version=v, token_latency_ms=5.0))
             for v in versions
         ]
+        running = await stack.enter_async_context(frontend(engines, latest=latest, hold=hold))
+        await running.until(lambda: all(w.weight_version is not None for w in running.workers.workers()))
+        yield running
+
+
+@asynccontextmanager
+async def frontend(
+    engines: Sequence[Any], *, latest: bool = False, hold: float = 600.0
+) -> AsyncIterator[Fleet]:
+    """A frontend (the SGLang format and the admin routes) over the sidecars of ``engines``,
+    once every worker serves."""
+    async with AsyncExitStack() as stack:
         config = replace(FAST_WORKERS, fleet=FleetSettings(route_latest_weights=latest, paused_hold=hold))
         workers = await stack.enter_async_context(WorkerSet(config, rand=random.Random(3)))
         for engine in engines:
             workers.add_worker(f"127.0.0.1:{engine.server.port}")
-        frontend = Frontend([SGLANG], workers, HandlerConfig(), metrics=Metrics())
-        app = frontend.build_app()
+        metrics = Metrics()
+        app = Frontend([SGLANG], workers, HandlerConfig(), metrics=metrics).build_app()
         app.add_routes(AdminApi(workers, Membership(workers, "static"), token=None).routes())
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -115,17 +133,9 @@ async def fleet(
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         http = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)))
-        running = Fleet(workers, engines, f"http://127.0.0.1:{runner.addresses[0][1]}", http)
-        # Every worker serving and its version known: the fleet as a trainer finds it.
-        await running.until(
-            lambda: (
-                all(
-                    w.takes_new or (latest and w.eligible and w.weight_version is not None)
-                    for w in workers.workers()
-                )
-                and all(w.weight_version is not None for w in workers.workers())
-            )
-        )
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        running = Fleet(workers, list(engines), url, http, metrics)
+        await running.until(lambda: all(w.eligible for w in workers.workers()))
         yield running
 
 
@@ -246,3 +256,42 @@ async def test_a_recovered_engine_is_pending_until_it_reports_the_current_versio
         await f.set_version(0, "v2")
         await f.until(lambda: f.worker(0).takes_new)
         assert (await f.rows())[f.worker(0).address]["state"] == "serving"
+
+
+@asynccontextmanager
+async def vllm_unwatched() -> AsyncIterator[VllmStack]:
+    """A testkit vLLM engine and its sidecar, which reads its engine's pause state only once a
+    minute: the frontend learns of a pause only from the engine's refusals."""
+    engine = VllmTestEngine(VllmEngineConfig(token_latency_ms=5.0))
+    port = await engine.start()
+    adapter = VllmEngine(vllm_sidecar_config(port))
+    server = SidecarServer(adapter, ServerConfig(listen="127.0.0.1:0", health_watch_interval=60.0))
+    try:
+        await adapter.start()
+        await server.start()
+        server.set_serving()
+        yield VllmStack(engine, adapter, server, None)
+    finally:
+        await server.stop()
+        await adapter.close()
+        await engine.stop(0)
+
+
+async def test_a_request_a_paused_engine_refuses_goes_on_elsewhere_and_counts_against_nothing() -> None:
+    async with AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(vllm_unwatched()) for _ in range(2)]
+        f = await stack.enter_async_context(frontend(engines))
+        await engines[0].engine.pause_generation("abort")  # vLLM refuses new requests meanwhile
+        # Until a request meets the pause (each is placed at random among the two workers).
+        for _ in range(60):
+            status, body = await f.generate()
+            assert status == 200, body
+            if f.worker(0).paused:
+                break
+        assert f.worker(0).paused, "the engine's refusal marked it paused"
+        assert f.worker(0).ejected_until is None
+        status, body = await f.generate()
+        assert status == 200, body
+        retried = f.metrics.registry.get_sample_value("frontend_retries_total", {"format": "sglang"})
+        assert retried in (None, 0.0), "a paused engine's refusal is no move"
+        engines[0].engine.resume_generation()
