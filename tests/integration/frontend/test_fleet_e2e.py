@@ -174,6 +174,26 @@ async def test_a_fully_paused_fleet_holds_new_requests_and_serves_them_on_contin
         await f.resume(0)
 
 
+async def test_a_held_request_whose_client_leaves_is_gone_at_once() -> None:
+    async with fleet(["v1"]) as f:
+        await f.pause(0)
+        await f.until(lambda: f.worker(0).paused)
+        async with anyio.create_task_group() as group:
+            group.start_soon(f.generate)
+            await f.until_holding(1)
+            group.cancel_scope.cancel()  # the client goes away
+        with anyio.fail_after(WAIT):
+            while f.workers.registry.holding:  # noqa: ASYNC110 - no event announces it
+                await anyio.sleep(0.01)
+        await f.resume(0)
+        await f.until(lambda: f.worker(0).takes_new)
+        book = f.engines[0].engine.book
+        assert book.requests() == [], "it never reached the engine"
+        status, _ = await f.generate()
+        assert status == 200
+        assert len(book.requests()) == 1
+
+
 async def test_past_the_hold_a_request_is_answered_503_with_the_reason() -> None:
     async with fleet(["v1"], hold=0.2) as f:
         await f.pause(0)
