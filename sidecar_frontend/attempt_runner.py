@@ -80,6 +80,7 @@ from sidecar_frontend.formats.base import WorkerFailure
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.misbehaviour import NO_REPORTS, Fault, Misbehaviour, OutputCheck, Reporter
 from sidecar_frontend.placement import CallWatch, WorkerChoice, least_loaded, place
+from sidecar_frontend.resume import RESUME_HEADER, RESUME_LIMIT, by_span
 from sidecar_frontend.retry_budget import RetryBudget
 from sidecar_frontend.workers import Worker, WorkerSet
 
@@ -141,6 +142,8 @@ class SubCall:
     delivering: bool = False
     # The call in flight that asked its worker for one answer: (worker, the call's request id).
     unary_call: tuple[Worker, str] | None = None
+    # The client asked that a generation its engine aborted on its own go on (resume.py).
+    resume_on_abort: bool = False
 
     def abort(self) -> None:
         self.aborted = True
@@ -299,6 +302,10 @@ class _Run:
     paused_at: float | None = None
     # Calls refused because their engine was paused (ENGINE_PAUSED), none counted as a move.
     paused_refusals: int = 0
+    # Times its engine aborted it on its own and it went on (resume.py), and whether the
+    # attempt that just ended was one.
+    resumes: int = 0
+    resuming: bool = False
     # The checks of every output the client is given, across attempts.
     check: OutputCheck = field(init=False)
 
@@ -331,6 +338,13 @@ class _Run:
                 if not isinstance(after, sidecar_pb2.PreprocessedRequest):
                     return after
                 current = after
+                continue
+            if self.resuming:
+                self.resuming = False
+                resumed = await self._resume(failure)
+                if not isinstance(resumed, sidecar_pb2.PreprocessedRequest):
+                    return resumed
+                current = resumed
                 continue
             if failure is None:
                 self.runner.retry_budget.succeeded(self.runner.clock())
@@ -424,6 +438,44 @@ class _Run:
             )
         self._paused(cause, worker)
         return following
+
+    async def _resume(
+        self, failure: WorkerFailure | None
+    ) -> sidecar_pb2.PreprocessedRequest | WorkerFailure | None:
+        """Its engine aborted it on its own and the client asked for it to go on: what runs
+        next (the same request while nothing was delivered, else the continuation, its budget
+        deducted), on any worker that takes new requests, the same one included, with no move
+        counted; or how it ends now (None: done)."""
+        runner, attempts = self.runner, self.sub.attempts
+        self.resumes += 1
+        worker = self.placed[-1] if self.placed else None
+        if self.placed:
+            del self.tried[-len(self.placed) :]
+        following = attempts.after_preemption()
+        if isinstance(following, Finish):
+            await self.to.deliver(self.sub.index, attempts.finish(following))
+            runner.retry_budget.succeeded(runner.clock())
+            return None
+        if isinstance(following, Refusal):
+            return WorkerFailure.of(
+                FailureReason.CANCELLED,
+                f"its engine aborted the generation, which cannot resume ({following.reason.value})",
+            )
+        log.info(
+            "request resumed after its engine aborted it",
+            request_id=attempts.request.request_id,
+            worker=worker,
+            delivered_tokens=attempts.progress.completion_tokens(),
+            resumes=self.resumes,
+            why=failure.message if failure is not None else None,
+        )
+        return following
+
+    def _may_resume(self) -> bool:
+        sub = self.sub
+        return (
+            sub.resume_on_abort and not sub.aborted and sub.preempted is None and self.resumes < RESUME_LIMIT
+        )
 
     def _paused(self, cause: Preemption, worker: str | None) -> None:
         self.paused_at = self.runner.clock()
@@ -555,11 +607,14 @@ class _Run:
         vocab_size = model.vocab_size if model is not None else 0
 
         async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
-            if output.finish_reason == sidecar_pb2.CANCELLED and not worker.eligible:
+            cancelled = output.finish_reason == sidecar_pb2.CANCELLED
+            resume = cancelled and worker.eligible and self._may_resume()
+            if cancelled and (not worker.eligible or resume):
                 # Nobody here aborted it: the worker is going away (drained, stopped) and its
-                # engine ended the request. That is the worker's failure, not the client's
-                # abort: what came with it is delivered (checked as the terminal-less output it
-                # becomes), the rest continues elsewhere.
+                # engine ended the request, or its engine aborted it on its own (a pause) and
+                # the client asked for it to go on. Not the client's abort: what came with it
+                # is delivered (checked as the terminal-less output it becomes), the rest
+                # continues (elsewhere, or once the fleet continues).
                 partial = sidecar_pb2.LLMEngineOutput()
                 partial.CopyFrom(output)
                 for name in ("finish_reason", "stop_reason", "completion_usage", "engine_data"):
@@ -567,10 +622,19 @@ class _Run:
                 fault = self.check.check(partial, vocab_size)
                 if fault is not None:
                     return self.runner.misbehaved(worker, fault)
-                if partial.token_ids:
-                    failure = await self._give(worker, attempts.delivered(partial))
+                for piece in by_span(partial) if partial.token_ids else ():
+                    failure = await self._give(worker, attempts.delivered(piece))
                     if failure is not None:
                         return failure
+                if resume:
+                    self.resuming = True
+                    # As a pause's refusal: no fault of the worker's, and it is taken as paused
+                    # until its next report says otherwise.
+                    return WorkerFailure.of(
+                        FailureReason.ENGINE_PAUSED,
+                        f"worker {worker.address}: its engine aborted the generation (resumed, "
+                        f"{RESUME_HEADER})",
+                    )
                 return WorkerFailure.of(
                     FailureReason.ENGINE_SHUTDOWN,
                     f"worker {worker.address} is going away: its engine aborted",

@@ -317,6 +317,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="how many times one generation may move to another worker after its worker failed "
         "(0: a failure after the first token is reported; one retry before it is always allowed)",
     )
+    serve.add_argument(
+        "--resume-on-abort",
+        action="store_true",
+        help="a generation its engine aborted on its own (a trainer pausing it in abort mode) "
+        "goes on from the tokens it delivered, budget deducted, once a worker takes new "
+        "requests, as if every request sent X-Resume-On-Abort: true (a request's header still "
+        "decides for it; docs/frontend.md, 'Resume on request')",
+    )
     budget = RetryBudgetSettings()
     serve.add_argument(
         "--retry-budget-ratio",
@@ -735,6 +743,7 @@ def parse_config(
             request_timeout=timeout if timeout > 0 else None,
             max_body_bytes=ns.max_body_bytes,
             migration_limit=ns.migration_limit,
+            resume_on_abort=ns.resume_on_abort,
             start_slots=ns.max_starting_calls_per_worker,
             retry_budget=RetryBudgetSettings(
                 ratio=ns.retry_budget_ratio, min_per_second=ns.retry_budget_min_per_sec

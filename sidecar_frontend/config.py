@@ -45,6 +45,9 @@ class HandlerConfig:
     request_timeout: float | None = 3600.0  # None: no deadline
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    # A generation its engine aborted on its own goes on, unless its request says otherwise
+    # (X-Resume-On-Abort; sidecar_frontend/resume.py).
+    resume_on_abort: bool = False
     # How long a retry or a migration waits for a worker to serve when none does (workers
     # restarting or being replaced): the gap an SRE expects a fleet to bridge.
     worker_wait: float = 5.0

@@ -158,6 +158,8 @@ class Exchange:
     encoder: Encoder
     started_at: float
     model: str = ""  # what every sub-request runs on (its workers serve it)
+    # Its sub-requests go on after their engine aborted them on their own (resume.py).
+    resume_on_abort: bool = False
     request_timeout: float | None = None
     metrics: Metrics | None = None
     clock: Callable[[], float] = time.monotonic
@@ -343,7 +345,7 @@ class Exchange:
                     await self._write_failure(index, failure)
 
     async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
-        sub = SubCall(request.request_id, index, self.attempts[index])
+        sub = SubCall(request.request_id, index, self.attempts[index], resume_on_abort=self.resume_on_abort)
         self.registry.add(sub)
         self._subs.add(sub)
         try:

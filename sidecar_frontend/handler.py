@@ -48,6 +48,7 @@ from sidecar_frontend.formats.base import (
 from sidecar_frontend.metrics import Metrics
 from sidecar_frontend.migration import resume_refusal
 from sidecar_frontend.placement import CallWatch, WorkerChoice
+from sidecar_frontend.resume import RESUME_HEADER, resume_wanted
 from sidecar_frontend.retry_budget import RetryBudget
 from sidecar_frontend.workers import WorkerSet
 
@@ -323,6 +324,11 @@ class Frontend:
             return self._invalid(fmt, started_at, reply, request.headers, body, read.data)
         if isinstance(parsed, HttpReply):
             return self._invalid(fmt, started_at, parsed, request.headers, body, read.data)
+        resume = resume_wanted(request.headers.get(RESUME_HEADER), self.config.resume_on_abort)
+        if isinstance(resume, str):
+            return self._invalid(
+                fmt, started_at, fmt.error_reply(400, resume), request.headers, body, read.data
+            )
         if model is None:
             why, message = self.unavailable()
             reply = fmt.error_reply(503, message)
@@ -333,14 +339,20 @@ class Frontend:
         self._active += 1
         self._idle.clear()
         try:
-            return await self._admit_and_serve(fmt, parsed, model, started_at, request)
+            return await self._admit_and_serve(fmt, parsed, model, started_at, request, resume)
         finally:
             self._active -= 1
             if not self._active:
                 self._idle.set()
 
     async def _admit_and_serve(
-        self, fmt: Format, parsed: GenerateCall, model: str, started_at: float, request: web.Request
+        self,
+        fmt: Format,
+        parsed: GenerateCall,
+        model: str,
+        started_at: float,
+        request: web.Request,
+        resume: bool = False,
     ) -> web.StreamResponse:
         """Admission (when on), the hold while the model's workers are all paused, then the
         exchange: a stream's status is sent only once it was admitted and a worker takes it, so
@@ -378,6 +390,7 @@ class Frontend:
             request_timeout=self.config.request_timeout,
             metrics=self.metrics,
             clock=self.clock,
+            resume_on_abort=resume,
         )
         if passed is not None:
             exchange.admission = passed
