@@ -305,7 +305,7 @@ def _start_admission(
         return None
     limiter = RateLimiter(load_rate_file(settings.rate_limits)) if settings.rate_limits else None
     observer = AdmissionMetrics(metrics.registry, max_wait=settings.settings.max_queue_wait)
-    gate = Gate(workers.registry, settings, limiter=limiter, observer=observer)
+    gate = Gate(workers.registry, settings, limiter=limiter, observer=observer, held=workers.held)
     observer.watch(gate.queued, gate.every_load)
     workers.events.subscribe(WakeOnWorkerEvents(gate))
     supervisor.start("admission", gate.run_ticker)

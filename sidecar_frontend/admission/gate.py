@@ -132,8 +132,14 @@ class Gate:
         limiter: RateLimiter | None = None,
         clock: Callable[[], float] = time.monotonic,
         observer: AdmissionObserver | None = None,
+        held: Callable[[str], bool] | None = None,
     ) -> None:
         self._workers = workers
+        # Whether a model's fleet is held (every worker paused: WorkerSet.held). Its queued
+        # requests' wait does not count meanwhile: a trainer's pause is no reason to refuse them
+        # (the hold bounds it, --paused-hold-secs); their deadlines move on by the held time.
+        self._held = held
+        self._held_since: dict[str, float] = {}
         self.config = config
         self.limiter = limiter
         self._clock = clock
@@ -373,8 +379,16 @@ class Gate:
 
     def _expire(self, model: str) -> None:
         admission = self._models.get(model)
-        if admission is not None:
-            self._refuse_waiting(model, admission.expire(self._clock()))
+        if admission is None:
+            return
+        now = self._clock()
+        if self._held is not None and self._held(model):
+            self._held_since.setdefault(model, now)
+            return
+        since = self._held_since.pop(model, None)
+        if since is not None:
+            admission.postpone(since, now)
+        self._refuse_waiting(model, admission.expire(now))
 
     def _refuse_waiting(self, model: str, refusals: list[tuple[Ticket, Refused]]) -> None:
         """Wake each waiting request of ``refusals`` with its refusal (the state already took

@@ -285,6 +285,15 @@ class AdmissionQueue:
                 gone.append(ticket)
         return gone
 
+    def postpone(self, since: float, until: float) -> None:
+        """Each queued ticket's deadline later by the part of ``[since, until)`` it spent
+        queued (a wait that does not count: its model's fleet was held by a pause)."""
+        live = [entry[2] for entry in self._deadlines if _in_lane(entry[2])]
+        for ticket in live:
+            ticket.deadline += max(0.0, until - max(since, ticket.enqueued_at))
+        self._deadlines = [(t.deadline, t._seq, t) for t in live]
+        heapq.heapify(self._deadlines)
+
     def next_deadline(self) -> float | None:
         """The earliest deadline of a queued ticket."""
         while self._deadlines and not _in_lane(self._deadlines[0][2]):

@@ -251,6 +251,11 @@ class ModelAdmission:
         self._count_out(ticket)
         return True
 
+    def postpone(self, since: float, until: float) -> None:
+        """The queued tickets' deadlines later by the part of ``[since, until)`` each spent
+        queued (their model's fleet was held)."""
+        self._queue.postpone(since, until)
+
     def expire(self, now: float) -> list[tuple[Ticket, Refused]]:
         """The queued tickets whose deadline is at or before ``now``, out of the queue, each with
         its ``QUEUE_TIMEOUT`` refusal."""

@@ -363,3 +363,16 @@ def test_every_pushed_ticket_comes_out_exactly_once(
     out.extend(iter(queue.pop, None))
     assert sorted(map(id, out)) == sorted(map(id, pushed))
     assert len(queue) == 0
+
+
+def test_a_held_fleets_wait_does_not_count_against_a_queued_tickets_deadline() -> None:
+    """Held from 10 to 100 s: a ticket queued at 0 gets those 90 s back, one queued at 40 the 60
+    it spent held, one queued after the release nothing."""
+    queue = AdmissionQueue(max_depth=10_000)
+    early, during, late = ticket(at=0.0, wait=30.0), ticket("b", at=40.0, wait=30.0), ticket("c", at=100.0)
+    push_all(queue, [early, during, late])
+    queue.postpone(10.0, 100.0)
+    assert (early.deadline, during.deadline, late.deadline) == (120.0, 130.0, 160.0)
+    assert queue.expired(119.0) == []
+    assert queue.expired(120.0) == [early]
+    assert queue.next_deadline() == 130.0
