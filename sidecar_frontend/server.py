@@ -262,7 +262,9 @@ async def _serve(
                 # One of --processes N: the parent's registrations so far, then its changes.
                 for registration in inherited.parent.registrations:
                     membership.adopt(registration)
-                relayed = RelayedControl(membership, inherited.parent)
+                relayed = RelayedControl(
+                    membership, inherited.parent, apply_weight_version=workers.set_weight_version
+                )
                 inherited.parent.attach(relayed.deliver)
                 control = relayed
             supervisor.start("keep_registered", lambda: keep_registered(workers, membership))
