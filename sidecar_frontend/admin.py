@@ -45,10 +45,13 @@ from sidecar_frontend.membership_relay import (
     Op,
     Refused,
     RelayRequest,
+    SetVersion,
+    VersionRequest,
     left_line,
     parse_control,
     request_address,
     request_line,
+    version_request_line,
 )
 from sidecar_frontend.registry import WorkerState
 from sidecar_frontend.weight_version_api import WEIGHT_VERSION_PATH, weight_version_handlers
@@ -134,13 +137,20 @@ class RelayedControl:
     """One process of ``--processes N``: a change goes to the parent, which applies it to every
     process (this one included) in one order; the call is answered once this process's own
     copy arrived (sidecar_frontend/membership_relay.py). Every change the parent sends is
-    applied here through :meth:`deliver`, whoever asked for it."""
+    applied here through :meth:`deliver`, whoever asked for it. The fleet's weight version an
+    admin call sets goes the same way (:meth:`set_weight_version`), applied here through
+    ``apply_weight_version`` (the worker set's ``set_weight_version``)."""
 
     def __init__(
-        self, membership: Membership, link: ParentLink, answer_wait: float = PARENT_ANSWER_WAIT
+        self,
+        membership: Membership,
+        link: ParentLink,
+        answer_wait: float = PARENT_ANSWER_WAIT,
+        apply_weight_version: Callable[[str | None], None] | None = None,
     ) -> None:
         self.membership = membership
         self._link = link
+        self._apply_weight_version = apply_weight_version
         self._answer_wait = answer_wait
         self._numbers = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[AdminError | str | None]] = {}
@@ -161,17 +171,40 @@ class RelayedControl:
         answer = await self._ask("unregister", address)
         return answer if answer is not None else f"worker {address} is no longer registered"
 
+    @property
+    def process(self) -> int:
+        """This process's number."""
+        return self._link.index
+
+    async def set_weight_version(self, version: str | None) -> AdminError | None:
+        """Set the fleet's weight version in every process (None: back to the workers'
+        reports); None once this process's own copy arrived, or why not."""
+        answer = await self._ask_parent(
+            lambda number: version_request_line(VersionRequest(number, version)), op="weight_version"
+        )
+        return answer if isinstance(answer, AdminError) else None
+
     async def _ask(
         self, op: Op, address: str, registration: Registration | None = None
     ) -> AdminError | str | None:
+        return await self._ask_parent(
+            lambda number: request_line(RelayRequest(number, op, address, registration)),
+            op=op,
+            worker=address,
+        )
+
+    async def _ask_parent(
+        self, line: Callable[[int], bytes], *, op: str, worker: str | None = None
+    ) -> AdminError | str | None:
+        """Send the parent ``line(number)``; its answer to that number."""
         number = next(self._numbers)
         answer: asyncio.Future[AdminError | str | None] = asyncio.get_running_loop().create_future()
         self._waiting[number] = answer
         try:
-            self._link.send(request_line(RelayRequest(number, op, address, registration)))
+            self._link.send(line(number))
             return await asyncio.wait_for(answer, self._answer_wait)
         except (TimeoutError, OSError) as err:
-            log.error("the parent did not relay an admin change", op=op, worker=address, error=repr(err))
+            log.error("the parent did not relay an admin change", op=op, worker=worker, error=repr(err))
             return AdminError(
                 503, "UNAVAILABLE", f"the frontend's supervising process did not relay the change: {err!r}"
             )
@@ -186,6 +219,12 @@ class RelayedControl:
             return
         if isinstance(message, Refused):
             self._answer(message.id, message.error)
+            return
+        if isinstance(message, SetVersion):
+            if self._apply_weight_version is not None:
+                self._apply_weight_version(message.weight_version)
+            if message.origin == self._link.index:
+                self._answer(message.id, None)
             return
         outcome = self._apply(message)
         if message.origin == self._link.index:
@@ -265,7 +304,7 @@ class AdminApi:
             "/list_workers": {"GET": self._legacy_list},
             # The fleet's newest weight version (weight_version_api.py; issue 28).
             WEIGHT_VERSION_PATH: weight_version_handlers(
-                self.workers, relayed=isinstance(self.control, RelayedControl)
+                self.workers, self.control if isinstance(self.control, RelayedControl) else None
             ),
             # /flush_cache and /get_loads over every worker (fanout.py).
             **fanout_handlers(self.workers, self.membership),

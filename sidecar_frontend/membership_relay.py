@@ -12,6 +12,11 @@ must reach them all, including a process restarted later. So:
    that took the call answers it once its own copy arrives (``origin`` and ``id`` say whose).
 4. A process the parent starts (or restarts) gets the list in its spec.
 
+The fleet's weight version an admin call sets (``POST /weight_version``) goes the same way: a
+:class:`VersionRequest` to the parent, which records it (:attr:`RelayBook.weight_version`) and
+sends a :class:`SetVersion` to every process (never refused); a process started later gets the
+recorded version in its spec.
+
 A bare engine (its sidecar run by the frontend): the asking process sends the registration
 without a sidecar address; the parent, which runs one sidecar per engine for all the
 processes, picks that address (:meth:`RelayBook.decide`'s ``sidecar_address``) and sends the
@@ -29,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from sidecar_common.disaggregation import is_role
+from sidecar_frontend.fleet import MAX_WEIGHT_VERSION_BYTES
 from sidecar_frontend.membership import ENGINES, AdminError, Registration, already_registered
 
 __all__ = [
@@ -36,14 +42,19 @@ __all__ = [
     "Refused",
     "RelayBook",
     "RelayRequest",
+    "SetVersion",
+    "VersionRequest",
     "apply_line",
     "left_line",
     "parse_control",
     "parse_left",
     "parse_request",
+    "parse_version_request",
     "refused_line",
     "request_address",
     "request_line",
+    "set_version_line",
+    "version_request_line",
 ]
 
 Op = Literal["register", "unregister"]
@@ -76,6 +87,25 @@ class Refused:
 
     id: int
     error: AdminError
+
+
+@dataclass(frozen=True)
+class VersionRequest:
+    """A process to the parent: an admin call sets the fleet's weight version (None: back to
+    the workers' reports)."""
+
+    id: int  # the asking process's own number for the call
+    weight_version: str | None
+
+
+@dataclass(frozen=True)
+class SetVersion:
+    """The parent to every process: the fleet's weight version an admin call set, in the
+    parent's order among the membership changes."""
+
+    weight_version: str | None
+    origin: int  # the process that took the call (-1: none, the version a process starts with)
+    id: int  # its number for the call
 
 
 def _registration_dict(registration: Registration) -> dict[str, object]:
@@ -208,7 +238,46 @@ def parse_left(line: bytes) -> str | None:
     return address if isinstance(address, str) else None
 
 
-def parse_control(line: bytes) -> Apply | Refused | None:
+def _version(data: Mapping[str, Any]) -> tuple[str | None] | None:
+    """The ``weight_version`` a line holds, in a 1-tuple (its absence or a version no admin
+    call could set: None)."""
+    if "weight_version" not in data:
+        return None
+    version = data["weight_version"]
+    if version is None:
+        return (None,)
+    if not isinstance(version, str) or not version or len(version.encode()) > MAX_WEIGHT_VERSION_BYTES:
+        return None
+    return (version,)
+
+
+def version_request_line(request: VersionRequest) -> bytes:
+    return _line({"event": "weight_version", "id": request.id, "weight_version": request.weight_version})
+
+
+def parse_version_request(line: bytes) -> VersionRequest | None:
+    """A process's status line as a weight-version request (None for any other line)."""
+    data = _object(line)
+    if data is None or data.get("event") != "weight_version":
+        return None
+    number, version = _whole(data.get("id")), _version(data)
+    if number is None or version is None:
+        return None
+    return VersionRequest(number, version[0])
+
+
+def set_version_line(change: SetVersion) -> bytes:
+    return _line(
+        {
+            "op": "weight_version",
+            "origin": change.origin,
+            "id": change.id,
+            "weight_version": change.weight_version,
+        }
+    )
+
+
+def parse_control(line: bytes) -> Apply | Refused | SetVersion | None:
     """A line the parent wrote to a process (None for anything else)."""
     data = _object(line)
     if data is None:
@@ -216,6 +285,11 @@ def parse_control(line: bytes) -> Apply | Refused | None:
     number = _whole(data.get("id"))
     if number is None:
         return None
+    if data.get("op") == "weight_version":
+        origin, version = _whole(data.get("origin")), _version(data)
+        if origin is None or version is None:
+            return None
+        return SetVersion(version[0], origin, number)
     if data.get("op") == "refused":
         status, code, message = _whole(data.get("status")), data.get("code"), data.get("message")
         if status is None or not isinstance(code, str) or not isinstance(message, str):
@@ -233,6 +307,19 @@ class RelayBook:
 
     def __init__(self) -> None:
         self._registrations: dict[str, Registration] = {}
+        self._weight_version: str | None = None
+
+    @property
+    def weight_version(self) -> str | None:
+        """The fleet's weight version the last admin call set (None: none, or given back to
+        the workers' reports): a new process's spec."""
+        return self._weight_version
+
+    def set_version(self, origin: int, request: VersionRequest) -> SetVersion:
+        """Record the version ``request`` from process ``origin`` sets; the change for every
+        process."""
+        self._weight_version = request.weight_version
+        return SetVersion(request.weight_version, origin, request.id)
 
     def registrations(self) -> tuple[Registration, ...]:
         """In the order they were registered (a new process's spec)."""

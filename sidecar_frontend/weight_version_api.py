@@ -11,14 +11,17 @@ more than one version, and how many workers report each. ``POST`` takes
 and new requests go only to the workers at it (``fleet.py``), whatever the workers report next;
 ``{"weight_version": null}`` gives the choice back to the workers' reports.
 
-With ``--processes`` above 1 a POST would reach one process only: it is refused (501).
+With ``--processes`` above 1 the process that takes a POST hands the version to the parent,
+which sends it to every process (and gives it to each process it starts or restarts), and
+answers once its own copy arrived (sidecar_frontend/membership_relay.py); every answer then also
+says which process gave it (``"process"``: each holds its own view of the workers).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Final, Protocol
 
 from aiohttp import web
 
@@ -26,11 +29,31 @@ from sidecar_frontend.fleet import MAX_WEIGHT_VERSION_BYTES
 from sidecar_frontend.membership import AdminError
 from sidecar_frontend.workers import WorkerSet
 
-__all__ = ["WEIGHT_VERSION_PATH", "parse_weight_version", "weight_version_body", "weight_version_handlers"]
+__all__ = [
+    "WEIGHT_VERSION_PATH",
+    "VersionRelay",
+    "parse_weight_version",
+    "weight_version_body",
+    "weight_version_handlers",
+]
 
 WEIGHT_VERSION_PATH: Final = "/weight_version"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class VersionRelay(Protocol):
+    """One process of ``--processes N``: where a version set here goes (admin.py's
+    ``RelayedControl``)."""
+
+    @property
+    def process(self) -> int:
+        """This process's number."""
+        ...
+
+    async def set_weight_version(self, version: str | None) -> AdminError | None:
+        """The version set in every process (None once this one holds it), or why not."""
+        ...
 
 
 def parse_weight_version(body: bytes) -> str | AdminError | None:
@@ -66,27 +89,31 @@ def weight_version_body(workers: WorkerSet) -> dict[str, object]:
     }
 
 
-def weight_version_handlers(workers: WorkerSet, *, relayed: bool) -> dict[str, Handler]:
-    """The path's handlers by method; ``relayed``: the frontend runs several processes."""
+def weight_version_handlers(workers: WorkerSet, relay: VersionRelay | None = None) -> dict[str, Handler]:
+    """The path's handlers by method; ``relay``: the frontend runs several processes, this one
+    among them."""
+
+    def body() -> dict[str, object]:
+        answer = weight_version_body(workers)
+        if relay is not None:
+            answer["process"] = relay.process
+        return answer
 
     async def read(request: web.Request) -> web.StreamResponse:
         del request
-        return _json(200, weight_version_body(workers))
+        return _json(200, body())
 
     async def set_version(request: web.Request) -> web.StreamResponse:
-        if relayed:
-            return _error(
-                AdminError(
-                    501,
-                    "NOT_IMPLEMENTED",
-                    "POST /weight_version is served with --processes 1 only: it would reach one process",
-                )
-            )
         parsed = parse_weight_version(await request.read())
         if isinstance(parsed, AdminError):
             return _error(parsed)
-        workers.set_weight_version(parsed)
-        return _json(200, weight_version_body(workers))
+        if relay is None:
+            workers.set_weight_version(parsed)
+        else:
+            refused = await relay.set_weight_version(parsed)
+            if refused is not None:
+                return _error(refused)
+        return _json(200, body())
 
     return {"GET": read, "POST": set_version}
 

@@ -7,6 +7,8 @@ its log lines carrying ``process`` (its index). It stops as one frontend does on
 (the parent forwards its own), and also when its stdin ends: the parent is gone. The lines the
 parent writes on stdin after the spec (the membership API's changes) are handed to the event
 loop in order (:class:`ControlInbox`); the changes this process asks for go on its status pipe.
+The fleet's weight version an admin call set before this process started (its spec's) is
+handed to the loop first, as the parent's own line would be, so the process serves with it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import structlog
 
 from sidecar_common.programs import EXIT_USAGE, run_event_loop
 from sidecar_frontend.admin import ParentLink
+from sidecar_frontend.membership_relay import SetVersion, set_version_line
 from sidecar_frontend.processes.spec import ChildSpec, read_spec, serving_line
 from sidecar_frontend.server import Inherited, serve
 
@@ -89,6 +92,9 @@ def run(spec: ChildSpec) -> int:
         status.write(line)
 
     inbox = ControlInbox()
+    if spec.weight_version is not None:
+        # Before the reader thread starts: ahead of every line the parent writes later.
+        inbox.put(set_version_line(SetVersion(spec.weight_version, origin=-1, id=0)))
     parent = ParentLink(spec.index, send, inbox.attach, spec.registrations)
     structlog.contextvars.bind_contextvars(process=spec.index)
     threading.Thread(target=_read_parent, args=(inbox,), name="parent-reader", daemon=True).start()

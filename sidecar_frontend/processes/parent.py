@@ -21,7 +21,9 @@ or restarted gets the list in its spec. The parent also runs the sidecars of bar
 registered through the API, one per engine for all the processes
 (sidecar_frontend/bare_children.py): it picks each one's address when the registration comes,
 and stops it once every process that held the worker reported it gone after its removal (a
-process that ends meanwhile counts as gone: it is restarted with the list, without it).
+process that ends meanwhile counts as gone: it is restarted with the list, without it). The
+fleet's weight version an admin call sets (``POST /weight_version``) is relayed the same way,
+never refused, and a process started or restarted gets the last one set in its spec.
 
 While serving: a process that ends is logged and restarted on the same sockets (connections
 that arrive meanwhile wait in its backlog for the new process) after a pause, within bounds
@@ -78,10 +80,13 @@ from sidecar_frontend.membership_relay import (
     Refused,
     RelayBook,
     RelayRequest,
+    VersionRequest,
     apply_line,
     parse_left,
     parse_request,
+    parse_version_request,
     refused_line,
+    set_version_line,
 )
 from sidecar_frontend.processes.exposition import PROCESS_LABEL, merge_expositions
 from sidecar_frontend.processes.policy import (
@@ -281,7 +286,9 @@ class _Parent:
         watch = asyncio.create_task(self._watch_liveness(slot, proc))
         try:
             assert proc.stdin is not None
-            spec = ChildSpec(self.config, slot.index, fds, write_end, self.book.registrations())
+            spec = ChildSpec(
+                self.config, slot.index, fds, write_end, self.book.registrations(), self.book.weight_version
+            )
             with contextlib.suppress(ConnectionError):
                 proc.stdin.write(spec_bytes(spec))
                 await proc.stdin.drain()
@@ -313,6 +320,10 @@ class _Parent:
                 request = parse_request(line)
                 if request is not None:
                     self._relay(slot, request)
+                    continue
+                version = parse_version_request(line)
+                if version is not None:
+                    self._relay_version(slot, version)
                     continue
                 left = parse_left(line)
                 if left is not None:
@@ -354,6 +365,15 @@ class _Parent:
                 self._left(decision.address, None)  # no process held it: stop it now
         else:
             _write(asking, refused_line(decision))
+
+    def _relay_version(self, asking: _Slot, request: VersionRequest) -> None:
+        """The fleet's weight version ``asking`` was asked to set: to every process, in the
+        same order as the membership changes (a process being restarted gets it in its spec)."""
+        change = self.book.set_version(asking.index, request)
+        log.info("fleet weight version relayed", weight_version=change.weight_version, asked_by=asking.index)
+        line = set_version_line(change)
+        for slot in self.slots:
+            _write(slot, line)
 
     def _bare_refusal(self, request: RelayRequest) -> AdminError | None:
         registration = request.registration

@@ -4,9 +4,9 @@ The parent writes a :class:`ChildSpec` on the process's stdin (an 8-byte length,
 pickled spec: both ends are this package, in one interpreter's version) and keeps stdin open
 for as long as the process runs: the process reads end-of-file there when the parent is gone
 (even killed outright) and stops as after SIGTERM. After the spec, the parent writes the
-membership API's changes there, one JSON line each; the process writes JSON lines on its
-status pipe (``status_fd``): :func:`serving_line` once it serves, and the admin changes it
-asks for (sidecar_frontend/membership_relay.py).
+membership API's changes there, and the weight versions admin calls set, one JSON line each;
+the process writes JSON lines on its status pipe (``status_fd``): :func:`serving_line` once it
+serves, and the admin changes it asks for (sidecar_frontend/membership_relay.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class ChildSpec:
     # The membership API's registrations when the process was started (later changes follow
     # on stdin).
     registrations: tuple[Registration, ...] = ()
+    # The fleet's weight version an admin call set (POST /weight_version) when the process
+    # was started; None: none was.
+    weight_version: str | None = None
 
 
 def spec_bytes(spec: ChildSpec) -> bytes:
