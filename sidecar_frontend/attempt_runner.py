@@ -72,7 +72,7 @@ from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FAILURE_RULES, FailureReason
 from sidecar_common.rpc import cancel_is_ours
 from sidecar_common.tracing import SpanKind, Tracing, outgoing_metadata
-from sidecar_frontend import disagg
+from sidecar_frontend import disagg, pd_experts
 from sidecar_frontend.admission.state import Preemption
 from sidecar_frontend.attempts import Attempts, Finish, Refusal, misbehaved, read_rpc_error
 from sidecar_frontend.fleet import PAUSED_REFUSALS_LIMIT
@@ -600,13 +600,24 @@ class _Run:
             return await self._disaggregated(prefill, decode, request)
         return await self._decode(chosen[0], request)
 
-    async def _decode(self, worker: Worker, request: sidecar_pb2.PreprocessedRequest) -> WorkerFailure | None:
-        """A call whose outputs go to the client; None when every choice's terminal arrived."""
+    async def _decode(
+        self,
+        worker: Worker,
+        request: sidecar_pb2.PreprocessedRequest,
+        join: Callable[[sidecar_pb2.LLMEngineOutput], Awaitable[Fault | None]] | None = None,
+    ) -> WorkerFailure | None:
+        """A call whose outputs go to the client; None when every choice's terminal arrived.
+        ``join``: what a disaggregated attempt adds to each output first (the prefill's part
+        of the routed experts)."""
         attempts = self.sub.attempts
         model = worker.model
         vocab_size = model.vocab_size if model is not None else 0
 
         async def deliver(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+            if join is not None:
+                fault = await join(output)
+                if fault is not None:
+                    return self.runner.misbehaved(worker, fault)
             cancelled = output.finish_reason == sidecar_pb2.CANCELLED
             resume = cancelled and worker.eligible and self._may_resume()
             if cancelled and (not worker.eligible or resume):
@@ -667,6 +678,9 @@ class _Run:
         prefill_failure: list[WorkerFailure] = []
         prefill_cancelled: list[sidecar_pb2.LLMEngineOutput] = []
         decode_failure: WorkerFailure | None = None
+        options = request.output_options
+        experts = pd_experts.LegExperts(len(request.token_ids), options.routed_experts_start_len)
+        prefill_ended = anyio.Event()
         step = disagg.prefill_request(request)
         known = runner.bootstraps.get(prefill.address) if style is disagg.Style.BOOTSTRAP else None
         if known is not None:
@@ -676,6 +690,7 @@ class _Run:
             ready.set()
 
         async def take(output: sidecar_pb2.LLMEngineOutput) -> WorkerFailure | None:
+            experts.from_prefill(output)
             given = disagg.handoff_of(output)
             if given is not None and not handoff:
                 handoff.append(given)
@@ -700,13 +715,27 @@ class _Run:
             if failure is not None:
                 prefill_failure.append(failure)
                 group.cancel_scope.cancel()
+            prefill_ended.set()
             ready.set()
+
+        async def join(output: sidecar_pb2.LLMEngineOutput) -> Fault | None:
+            # The prefill's rows come on its terminal, which may reach us after the decode's.
+            if experts.needs_prefill(output):
+                await prefill_ended.wait()
+            mismatch = experts.into_decode(output)
+            if mismatch is None:
+                return None
+            return Fault(Misbehaviour.UNENCODABLE_OUTPUT, f"{mismatch.detail} (prefill {prefill.address})")
 
         async with anyio.create_task_group() as group:
             group.start_soon(run_prefill, group)
             await ready.wait()
             if handoff:
-                decode_failure = await self._decode(decode, disagg.decode_request(request, handoff[0]))
+                decode_failure = await self._decode(
+                    decode,
+                    disagg.decode_request(request, handoff[0]),
+                    join if options.return_routed_experts else None,
+                )
                 if decode_failure is not None:
                     group.cancel_scope.cancel()
         if prefill_failure:

@@ -17,8 +17,9 @@ prefill worker's engine (``ModelInfo.engine``):
   ``bootstrap_info``; a 0.1 sidecar's Struct handoff goes back untouched in ``prefill_result``
   (``sidecar_common.bootstrap_handoff`` owns both shapes).
 
-The client sees only the decode's outputs; the prefill's are the frontend's business. No I/O
-here: the handler runs the calls.
+The client sees only the decode's outputs; the prefill's are the frontend's business, except
+its routed experts (the prompt's rows), which the decode's terminal gets joined in front of its
+own (``pd_experts``). No I/O here: the handler runs the calls.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from google.protobuf import struct_pb2
 
 from sidecar_common import bootstrap_handoff
 from sidecar_common.api import sidecar_pb2
+from sidecar_frontend import pd_experts
 
 __all__ = [
     "BootstrapAddress",
@@ -116,11 +118,18 @@ def decode_request(
     request: sidecar_pb2.PreprocessedRequest, handoff: Handoff
 ) -> sidecar_pb2.PreprocessedRequest:
     """The decode step: the request with the prefill's handoff (SGLang's triple as
-    ``bootstrap_info``, which 0.1 sidecars take too; a Struct in ``prefill_result``)."""
+    ``bootstrap_info``, which 0.1 sidecars take too; a Struct in ``prefill_result``). Asked for
+    routed experts, it asks them from the prompt's end: the decode never runs the prompt, the
+    prefill answers those rows (``pd_experts``)."""
     step = sidecar_pb2.PreprocessedRequest()
     step.CopyFrom(request)
     step.ClearField("bootstrap_info")
     step.ClearField("prefill_result")
+    options = step.output_options
+    if options.return_routed_experts:
+        options.routed_experts_start_len = pd_experts.decode_start(
+            len(step.token_ids), options.routed_experts_start_len
+        )
     if isinstance(handoff, sidecar_pb2.BootstrapInfo):
         step.bootstrap_info.CopyFrom(handoff)
     else:
