@@ -25,7 +25,8 @@ Choices the spec leaves open:
   asked, ``routed_experts`` decoded from base64 to its little-endian int32 bytes, at most
   :data:`MAX_ROUTED_EXPERTS_BYTES`. With ``return_sampling_mask`` each output carries its
   tokens' sampling masks in ``engine_data``. Nothing the engine sends is trusted: a
-  malformed value is a PROTOCOL_ERROR, not dropped.
+  malformed value is a PROTOCOL_ERROR, not dropped. A prefill's terminal carries its
+  ``routed_experts`` too (the prompt's rows), for the frontend to join with the decode's.
 """
 
 from __future__ import annotations
@@ -424,6 +425,11 @@ class ResponseState:
         self._terminal(terminal, finish, event.meta)
         if not self.request.prefill:
             self._attach_weights_and_experts(terminal, event.meta)
+        else:
+            # SGLang's prefill server answers the prompt's rows on its final output (collected
+            # once the KV transfer is done, disaggregation/prefill.py); its decode server never
+            # runs the prompt, so the frontend joins these with the decode's (docs/metadata.md).
+            self._attach_routed_experts(terminal, event.meta)
         self.done = True
         return [terminal]
 
@@ -544,6 +550,9 @@ class ResponseState:
         """The terminal's label, spans over the whole output and (when asked) routed experts."""
         self._attach_weight_version(out, meta)
         out.weight_versions.extend(_weight_versions(meta, self.completion_tokens))
+        self._attach_routed_experts(out, meta)
+
+    def _attach_routed_experts(self, out: sidecar_pb2.LLMEngineOutput, meta: Mapping[str, object]) -> None:
         if self.request.return_routed_experts:
             experts = _routed_experts(meta)
             if experts is not None:
