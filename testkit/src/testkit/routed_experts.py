@@ -72,12 +72,23 @@ def experts_at(position: int, token_id: int, layer: int, shape: ExpertsShape) ->
     return tuple(picked)
 
 
-def routed_experts(tokens: Sequence[int], start_len: int, shape: ExpertsShape) -> list[list[list[int]]]:
+def routed_experts(
+    tokens: Sequence[int], start_len: int, shape: ExpertsShape, run_from: int = 0
+) -> list[list[list[int]]]:
     """The rows SGLang reports for a sequence (prompt then output): one per position in
-    ``[start_len, len(tokens) - 1)``, each ``num_layers`` lists of ``top_k`` experts."""
+    ``[start_len, len(tokens) - 1)``, each ``num_layers`` lists of ``top_k`` experts.
+
+    ``run_from``: the first position this engine ran through the model. A decode server in
+    prefill/decode disaggregation receives the prompt's KV cache and never runs the prompt, so
+    its capture buffer holds nothing for those positions: SGLang reads them from a host buffer
+    it zeroes at start (``state_capturer/base.py`` ``BaseHostCache``), and so rows before
+    ``run_from`` are zeros here (on a real server that served before, stale rows)."""
     start = min(max(0, start_len), max(0, len(tokens) - 1))
+    unrun = [[0] * shape.top_k for _ in range(shape.num_layers)]
     return [
-        [list(experts_at(p, tokens[p], layer, shape)) for layer in range(shape.num_layers)]
+        [list(row) for row in unrun]
+        if p < run_from
+        else [list(experts_at(p, tokens[p], layer, shape)) for layer in range(shape.num_layers)]
         for p in range(start, len(tokens) - 1)
     ]
 

@@ -290,6 +290,9 @@ class RequestState:
     started: float  # monotonic
     versions: EngineVersions = field(default_factory=EngineVersions)
     experts: ExpertsShape | None = None
+    # False on a decode server (disaggregation): the prompt's KV cache came from its prefill
+    # server, so its prompt positions were never run here (testkit.routed_experts).
+    runs_prompt: bool = True
     changes: list[VersionChange] = field(default_factory=list)
     retractions: int = 0
     ids: list[int] = field(default_factory=list)
@@ -379,7 +382,10 @@ class RequestState:
             self._versions_into(meta)
             if self.experts is not None and req.return_routed_experts:
                 rows = routed_experts(
-                    req.input_ids + tuple(self.ids), req.routed_experts_start_len, self.experts
+                    req.input_ids + tuple(self.ids),
+                    req.routed_experts_start_len,
+                    self.experts,
+                    run_from=0 if self.runs_prompt else len(req.input_ids),
                 )
                 meta["routed_experts"] = encode_routed_experts(rows)
         if not self.stamped:

@@ -354,6 +354,7 @@ class SglangTestEngine:
             time.perf_counter(),
             versions=self.versions,
             experts=experts,
+            runs_prompt=self.config.disaggregation_mode != "decode",
         )
         live = _Live(state, stream, plan)
         self._live[req.rid] = live
