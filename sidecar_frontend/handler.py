@@ -215,6 +215,7 @@ class Frontend:
             new_id=self.new_id,
             inflight_ids=self.inflight_ids(),
             models=tuple(self.workers.models().values()),
+            weight_version=self.workers.registry.versions.newest,
         )
 
     def unavailable(self) -> tuple[FailureReason | RefusalReason, str]:

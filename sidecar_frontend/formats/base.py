@@ -111,6 +111,9 @@ class FormatContext:
     # Every model the fleet serves now, ``model_info`` among them (``/v1/models`` lists
     # them); empty: ``model_info`` alone.
     models: tuple[sidecar_pb2.ModelInfo, ...] = ()
+    # The fleet's newest weight version (an admin call's, else the newest a worker reported:
+    # sidecar_frontend/fleet.py); None: no worker reported one and none was set.
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True)
