@@ -51,14 +51,20 @@ _INFO_PATHS: Final = (
 _EMPTY: Final = HttpReply(200, b"", content_type="")
 
 
-def _model_info(info: sidecar_pb2.ModelInfo) -> dict[str, object]:
+# What SGLang reports as its weight version when none was given (its --weight-version default).
+DEFAULT_WEIGHT_VERSION: Final = "default"
+
+
+def _model_info(info: sidecar_pb2.ModelInfo, weight_version: str | None) -> dict[str, object]:
+    # SGLang answers its current version here (the tokenizer manager's, moved by
+    # /update_weight_version; http_server.py model_info): the fleet's newest stands for it.
     return {
         "model_path": info.model_path,
         "served_model_name": info.served_model_name,
         "tokenizer_path": info.tokenizer_path or None,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": weight_version or DEFAULT_WEIGHT_VERSION,
         "reasoning_parser": None,
         "tool_call_parser": None,
         # The frontend is one aggregated server to its clients, whatever the sidecars run.
@@ -83,7 +89,10 @@ def _server_info(info: sidecar_pb2.ModelInfo, incremental: bool) -> dict[str, ob
         "disaggregation_mode": "null",
         "max_req_input_len": context - 6 if context else None,
         "max_total_num_tokens": tokens or None,
-        "weight_version": "default",
+        # SGLang's /server_info is its launch configuration: the --weight-version it was started
+        # with, never moved by an update (http_server.py server_info; /model_info has the
+        # current one). The frontend is launched with none.
+        "weight_version": DEFAULT_WEIGHT_VERSION,
         "version": SGLANG_API_VERSION,
         "frontend": "sidecar",
     }
@@ -159,7 +168,7 @@ class SglangFormat:
             # Before any worker has served the model, SGLang's answer while starting: 503.
             return _EMPTY if info.served_model_name else HttpReply(503, b"", content_type="")
         if route.path in ("/model_info", "/get_model_info"):
-            return HttpReply(200, dumps(_model_info(info)))
+            return HttpReply(200, dumps(_model_info(info, ctx.weight_version)))
         if route.path in ("/server_info", "/get_server_info"):
             return HttpReply(200, dumps(_server_info(info, self.incremental_streaming_output)))
         if route.path == "/v1/models":
