@@ -620,6 +620,14 @@ class _Run:
                     return self.runner.misbehaved(worker, fault)
             cancelled = output.finish_reason == sidecar_pb2.CANCELLED
             resume = cancelled and worker.eligible and self._may_resume()
+            if resume and _fills_budget(attempts, output):
+                # Aborted once it had made its whole budget: nothing is left to resume, and the
+                # answer is the one a moment later would have given (a LENGTH terminal, with
+                # its spans and routed experts), not an empty continuation's.
+                ended = sidecar_pb2.LLMEngineOutput()
+                ended.CopyFrom(output)
+                ended.finish_reason = sidecar_pb2.LENGTH
+                output, cancelled, resume = ended, False, False
             if cancelled and (not worker.eligible or resume):
                 # Nobody here aborted it: the worker is going away (drained, stopped) and its
                 # engine ended the request, or its engine aborted it on its own (a pause) and
@@ -899,6 +907,14 @@ class _Run:
                 request_id=self.sub.attempts.request.request_id,
                 waited_secs=runner.end_grace,
             )
+
+
+def _fills_budget(attempts: Attempts, output: sidecar_pb2.LLMEngineOutput) -> bool:
+    """``output``'s tokens make up what is left of the request's ``max_tokens``."""
+    stop = attempts.request.stop_conditions
+    if not stop.HasField("max_tokens"):
+        return False
+    return attempts.progress.completion_tokens() + len(output.token_ids) >= stop.max_tokens
 
 
 def _ignore(output: sidecar_pb2.LLMEngineOutput) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import Protocol
 
 import anyio
@@ -66,6 +67,15 @@ def least_loaded(workers: WorkerSet) -> WorkerChoice:
     return choose
 
 
+# Set by a worker choice that declined a request because the one worker it should take (a
+# session's) is paused or behind the newest weight version, and should take new requests again
+# shortly: the anyio time until which placement waits for it (routing/sessions_choice.py).
+# None: no such wait. Per request (its task's context).
+WAIT_FOR_OWN_WORKER: ContextVar[float | None] = ContextVar(
+    "sidecar_frontend_wait_for_own_worker", default=None
+)
+
+
 async def place(
     workers: WorkerSet,
     choice: WorkerChoice,
@@ -103,6 +113,12 @@ async def place(
                 return (worker,)
             # The bound is looked at anew at each change: a fleet that becomes held (or stops
             # being held) while this waits changes how long it may wait.
+            own = WAIT_FOR_OWN_WORKER.get()
+            if own is not None and own > anyio.current_time():
+                # The choice waits for its own worker until then; past it, it chooses anew.
+                with anyio.CancelScope(deadline=own):
+                    await changed.wait()
+                continue
             bounded.deadline = started + placement_wait(
                 wait, workers.paused_hold, fleet_held=workers.held(model)
             )

@@ -87,6 +87,10 @@ class SessionSettings:
     worker_capacity: Mapping[str, int] = field(default_factory=dict)
     # The running limit of a worker that reports none.
     default_running_limit: int = 64
+    # A turn whose worker is paused by its trainer, or behind the fleet's newest weight
+    # version, waits this long for it to take new requests before moving (a fleet's engines
+    # continue, and report their new version, a moment apart).
+    pause_wait: float = 10.0
 
     def __post_init__(self) -> None:
         if self.idle is not None and not self.idle > 0:
@@ -95,6 +99,8 @@ class SessionSettings:
             raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
         if not self.saturation > 0:
             raise ValueError(f"saturation must be positive, got {self.saturation}")
+        if not self.pause_wait >= 0:
+            raise ValueError(f"pause_wait must be 0 or more, got {self.pause_wait}")
         if self.spread < 0 or self.default_running_limit < 1:
             raise ValueError("spread must be 0 or more and default_running_limit at least 1")
         if self.enabled and not self.headers:

@@ -21,11 +21,13 @@ from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Final
 
+import anyio
 import structlog
 from prometheus_client import CollectorRegistry
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.disaggregation import Role
+from sidecar_frontend.placement import WAIT_FOR_OWN_WORKER
 from sidecar_frontend.registry import available_first
 from sidecar_frontend.routing.choice import RoutedChoice
 from sidecar_frontend.routing.sessions import (
@@ -165,6 +167,8 @@ class SessionChoice:
         if not workers:
             return None
         own = next((w for w in workers if w.address == held), None) if held is not None else None
+        if own is None and held is not None and held not in exclude and self._coming_back(held):
+            return None  # placement waits for it (WAIT_FOR_OWN_WORKER), woken by its change
         if own is not None and not saturated(self._candidate(own), settings.saturation):
             # The common turn, decided without looking at every worker (keep_or_move's first rule).
             candidates: list[Candidate] = []
@@ -194,7 +198,22 @@ class SessionChoice:
         if worker is None:
             return None
         sessions.placed(key, worker.address, reason, held=held, left_behind_tokens=left_behind, now=now)
+        WAIT_FOR_OWN_WORKER.set(None)
         return worker
+
+    def _coming_back(self, address: str) -> bool:
+        """The session's worker serves but takes no new request for now (its engine paused by
+        its trainer, or behind the newest weight version), and this request has not waited
+        ``pause_wait`` for it yet: the turn waits for it rather than moving."""
+        worker = self.workers.registry.get(address)
+        if worker is None or not worker.eligible or worker.takes_new:
+            return False
+        now = anyio.current_time()
+        until = WAIT_FOR_OWN_WORKER.get()
+        if until is None:
+            until = now + self.sessions.settings.pause_wait
+            WAIT_FOR_OWN_WORKER.set(until)
+        return now < until
 
     def _candidate(self, worker: Worker) -> Candidate:
         reported = worker.model.max_num_seqs if worker.model is not None else 0

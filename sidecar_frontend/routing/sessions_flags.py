@@ -87,6 +87,15 @@ def add_session_arguments(parser: argparse.ArgumentParser) -> None:
         "loaded one, for the longest cached prefix or, with --processes, for the processes to "
         "choose alike",
     )
+    group.add_argument(
+        "--session-pause-wait-secs",
+        type=at_least_arg(0),
+        default=_DEFAULTS.pause_wait,
+        metavar="SECS",
+        help="a session's turn whose worker is paused by its trainer, or behind the newest "
+        "weight version with --route-latest-weights, waits up to SECS for it before moving to "
+        "another worker (0: moves at once)",
+    )
 
 
 def session_settings(ns: argparse.Namespace, worker_capacity: Mapping[str, int]) -> SessionSettings:
@@ -98,6 +107,7 @@ def session_settings(ns: argparse.Namespace, worker_capacity: Mapping[str, int])
         "session_max",
         "session_saturation",
         "session_spread",
+        "session_pause_wait_secs",
     ):
         refuse_inapplicable(ns, dest, applies=not ns.no_sessions, rule="is not used with --no-sessions")
     headers = tuple(dict.fromkeys(name for group in ns.session_headers or () for name in group))
@@ -110,4 +120,5 @@ def session_settings(ns: argparse.Namespace, worker_capacity: Mapping[str, int])
         saturation=ns.session_saturation,
         spread=int(ns.session_spread),
         worker_capacity=dict(worker_capacity),
+        pause_wait=ns.session_pause_wait_secs,
     )
