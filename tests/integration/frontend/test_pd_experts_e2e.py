@@ -41,20 +41,20 @@ EXPERTS: dict[str, Any] = {
 
 
 @asynccontextmanager
-async def fleet(roles: dict[str, dict[str, Any]]) -> AsyncIterator[FrontendStack]:
+async def fleet(*roles: tuple[str, dict[str, Any]]) -> AsyncIterator[FrontendStack]:
     """One SGLang HTTP sidecar per role (agg, prefill or decode; its engine's config) behind
     one frontend."""
     async with AsyncExitStack() as stack:
         sidecars = [
             await stack.enter_async_context(sglang_stack("http", mode=role, **config))  # type: ignore[arg-type]
-            for role, config in roles.items()
+            for role, config in roles
         ]
         workers = await stack.enter_async_context(WorkerSet(FAST_WORKERS, rand=random.Random(3)))
-        for role, s in zip(roles, sidecars, strict=True):
+        for (role, _), s in zip(roles, sidecars, strict=True):
             workers.add_worker(f"127.0.0.1:{s.server.port}", role)
         with anyio.fail_after(20):
-            for role in roles:
-                await workers.wait_serving(1, role)
+            for role in {role for role, _ in roles}:
+                await workers.wait_serving(sum(1 for r, _ in roles if r == role), role)
         metrics = Metrics()
         frontend = Frontend((SGLANG, VLLM), workers, HandlerConfig(), metrics=metrics, rand=random.Random(5))
         runner = web.AppRunner(frontend.build_app(), handler_cancellation=True, access_log=None)
@@ -119,12 +119,12 @@ async def test_a_disaggregated_request_answers_the_routed_experts_of_an_aggregat
         if start is not None:
             fields["routed_experts_start_len"] = start
         requests.append((f"r{n}", max_new, start or 0, fields))
-    async with fleet({"agg": EXPERTS}) as agg:
+    async with fleet(("agg", EXPERTS)) as agg:
         expected = {
             rid: await answer(agg.http, agg.url, body(rid, m, stream=stream, **f))
             for rid, m, _, f in requests
         }
-    async with fleet({"prefill": EXPERTS, "decode": EXPERTS}) as fe:
+    async with fleet(("prefill", EXPERTS), ("decode", EXPERTS)) as fe:
         for rid, max_new, start, fields in requests:
             want = expected[rid]
             got = await answer(fe.http, fe.url, body(rid, max_new, stream=stream, **fields))
@@ -142,7 +142,7 @@ async def test_a_disaggregated_request_answers_the_routed_experts_of_an_aggregat
 async def test_the_decode_engines_own_rows_for_the_prompt_are_not_the_routing() -> None:
     """What makes the join needed: asked from the start, the decode engine answers zeros for
     the prompt positions (SGLang's zeroed capture buffer), not the prompt's routing."""
-    async with fleet({"prefill": EXPERTS, "decode": EXPERTS}) as fe:
+    async with fleet(("prefill", EXPERTS), ("decode", EXPERTS)) as fe:
         _prefill, decode = fe.sidecars
         direct = await answer(
             fe.http,
@@ -165,17 +165,48 @@ async def test_the_decode_engines_own_rows_for_the_prompt_are_not_the_routing() 
 
 async def test_a_prefill_engine_without_routed_experts_leaves_the_answer_without_them() -> None:
     plain = {k: v for k, v in EXPERTS.items() if k != "enable_return_routed_experts"}
-    async with fleet({"prefill": plain, "decode": EXPERTS}) as fe:
+    async with fleet(("prefill", plain), ("decode", EXPERTS)) as fe:
         got = await answer(fe.http, fe.url, body("p1", 5, stream=False, return_routed_experts=True))
         assert len(got["output_ids"]) == 5
         assert "routed_experts" not in got["meta_info"]
 
 
 async def test_not_asked_not_answered_and_the_decode_keeps_the_clients_request() -> None:
-    async with fleet({"prefill": EXPERTS, "decode": EXPERTS}) as fe:
+    async with fleet(("prefill", EXPERTS), ("decode", EXPERTS)) as fe:
         got = await answer(fe.http, fe.url, body("n1", 4, stream=False))
         assert "routed_experts" not in got["meta_info"]
         _prefill, decode = fe.sidecars
         [sent] = bodies(decode)
         assert "return_routed_experts" not in sent
         assert "routed_experts_start_len" not in sent
+
+
+async def test_a_disaggregated_generation_that_migrates_answers_all_its_experts() -> None:
+    """The decode worker stops mid-stream: the continuation is prefilled again with the tokens
+    delivered (from the original start) and decoded elsewhere; the client still gets one
+    aggregated engine's rows."""
+    fields = {"return_routed_experts": True, "routed_experts_start_len": 2}
+    async with fleet(("agg", EXPERTS)) as agg:
+        reference = await answer(agg.http, agg.url, body("m", 12, stream=False, **fields))
+    slow = {**EXPERTS, "token_latency_ms": 15.0}
+    async with fleet(("prefill", slow), ("decode", slow), ("decode", slow)) as fe:
+        async with fe.http.post(fe.url + "/generate", json=body("m", 12, stream=True, **fields)) as response:
+            assert response.status == 200
+            events = []
+            async for line in response.content:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    events.append(json.loads(line[len(b"data: ") :]))
+                    if len(events) == 1:
+                        [running] = [s for s in fe.sidecars[1:] if s.engine.book.running_ids()]
+                        await running.server.stop()
+        last = events[-1]
+        assert last["output_ids"] == reference["output_ids"]
+        assert last["meta_info"]["routed_experts"] == reference["meta_info"]["routed_experts"]
+        prefill = fe.sidecars[0]
+        # Prefilled twice: the continuation's prompt holds the tokens delivered before.
+        prompts = [len(b["input_ids"]) for b in bodies(prefill)]
+        assert len(prompts) == 2
+        assert prompts[0] == len(PROMPT) < prompts[1] < len(PROMPT) + 12
+        # Each decode worker ran one leg, asked from the end of that leg's prompt.
+        legs = [bodies(s) for s in fe.sidecars[1:]]
+        assert sorted(b["routed_experts_start_len"] for leg in legs for b in leg) == prompts
