@@ -118,6 +118,14 @@ class AbortRegistry:
         that calls asking for one answer still get it."""
         if call.all_requests:
             targets = [sub for subs in self._by_id.values() for sub in subs]
+        elif call.by_prefix:
+            named = {rid for rid in call.request_ids if rid in self._by_id}
+            targets = [
+                sub
+                for public_id, subs in self._by_id.items()
+                if any(public_id.startswith(rid) for rid in named)
+                for sub in subs
+            ]
         else:
             targets = [sub for rid in call.request_ids for sub in self._by_id.get(rid, ())]
         answered = []

@@ -202,6 +202,9 @@ class AbortCall:
 
     request_ids: tuple[str, ...] = ()
     all_requests: bool = False
+    # SGLang's rule: an id that names a request in flight also aborts every request in flight
+    # whose id starts with it; an id naming none aborts nothing.
+    by_prefix: bool = False
 
 
 class Encoder(Protocol):

@@ -155,8 +155,9 @@ class SglangFormat:
         rid, abort_all = request.rid, request.abort_all
         if abort_all:
             return AbortCall(all_requests=True)
-        # SGLang drops an abort with an empty rid (it would prefix-match every request).
-        return AbortCall(request_ids=(rid,) if rid else ())
+        # SGLang drops an abort with an empty rid (it would prefix-match every request), and
+        # aborts by prefix a rid in flight (its scheduler's rule).
+        return AbortCall(request_ids=(rid,) if rid else (), by_prefix=True)
 
     def abort_reply(self, route: Route, call: AbortCall, aborted: int) -> HttpReply:
         # 200 with an empty body whatever was (or was not) aborted, as SGLang answers.

@@ -56,3 +56,24 @@ def test_a_sub_request_between_calls_is_cancelled_even_if_it_last_asked_for_one_
     sub.unary_call = (WORKER, "job-0")  # no scope: not in a call
     assert sub.abort_for_answer(0.0, 10.0) is None
     assert sub.aborted
+
+
+def test_sglangs_abort_by_a_rid_in_flight_takes_every_rid_it_starts() -> None:
+    registry = AbortRegistry()
+    job, job2, other = _sub("job"), _sub("job-2"), _sub("jobless")
+    for sub in (job, job2, other):
+        registry.add(sub)
+    count, _ = registry.abort(AbortCall(request_ids=("jo",), by_prefix=True), now=0.0, grace=10.0)
+    assert count == 0  # names no request in flight: nothing, as SGLang's tokenizer manager
+    assert not any(sub.aborted for sub in (job, job2, other))
+    count, _ = registry.abort(AbortCall(request_ids=("job",), by_prefix=True), now=0.0, grace=10.0)
+    assert count == 3
+    assert job.aborted
+    assert job2.aborted
+    assert other.aborted  # "jobless" starts with "job" too, as in SGLang's scheduler
+    exact = AbortRegistry()
+    first, second = _sub("a"), _sub("ab")
+    exact.add(first)
+    exact.add(second)
+    assert exact.abort(AbortCall(request_ids=("a",)), now=0.0, grace=10.0)[0] == 1  # vLLM's: exact
+    assert not second.aborted

@@ -513,13 +513,14 @@ def test_non_finite_logprobs_are_written_as_null() -> None:
 
 
 ABORTS: list[tuple[bytes, AbortCall]] = [
-    (b'{"rid": "job-1"}', AbortCall(request_ids=("job-1",))),
+    # A rid aborts by prefix, as SGLang's scheduler (when the rid itself is in flight).
+    (b'{"rid": "job-1"}', AbortCall(request_ids=("job-1",), by_prefix=True)),
     (b'{"abort_all": true}', AbortCall(all_requests=True)),
     (b'{"rid": "x", "abort_all": true}', AbortCall(all_requests=True)),
-    (b"{}", AbortCall()),
-    (b'{"rid": null}', AbortCall()),
-    (b'{"rid": ""}', AbortCall()),
-    (b'{"rid": "a", "abort_message": "why", "unknown": 1}', AbortCall(request_ids=("a",))),
+    (b"{}", AbortCall(by_prefix=True)),
+    (b'{"rid": null}', AbortCall(by_prefix=True)),
+    (b'{"rid": ""}', AbortCall(by_prefix=True)),
+    (b'{"rid": "a", "abort_message": "why", "unknown": 1}', AbortCall(request_ids=("a",), by_prefix=True)),
     # SGLang validates the body laxly: "yes" is true (recorded in differential_sglang.json).
     (b'{"abort_all": "yes"}', AbortCall(all_requests=True)),
 ]
