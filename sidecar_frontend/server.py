@@ -25,6 +25,7 @@ the parent's), and a metrics endpoint on a loopback port of its own, which the p
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import signal
@@ -83,6 +84,13 @@ __all__ = [
 
 # After the drain, how long the cancelled requests get to write their last bytes.
 _STOP_GRACE: Final = 5.0
+# The cyclic collector's thresholds while serving (CPython's: 700, 10, 10). The first counts
+# tracked objects allocated less those freed, so what reference counting frees (nearly all of
+# a request's objects) never adds up to it; at 700 the thousands of objects of the requests in
+# flight trip it every few requests, every pass promotes them, and a full pass walks them all
+# every second or two: about a third of the frontend's CPU at 2,000 non-streaming requests in
+# flight (docs/decisions.md, "Per-request CPU"). At most 50,000 objects of cyclic garbage wait.
+_GC_THRESHOLDS: Final = (50_000, 20, 10)
 # A process of --processes N listens (and so takes its share of the connections) once a worker
 # serves, or after this long whatever the fleet does (an outage answers 503 from every process).
 _FIRST_WORKER_WAIT: Final = 10.0
@@ -186,6 +194,9 @@ def _rows(workers: WorkerSet) -> list[WorkerRow]:
 
 async def serve(config: FrontendConfig, inherited: Inherited | None = None) -> int:
     """One frontend, to its exit code; ``inherited``: as one process of ``--processes N``."""
+    # What start-up loaded lives as long as the process: kept out of the collector's passes.
+    gc.freeze()
+    gc.set_threshold(*_GC_THRESHOLDS)
     configure_logging(config.log_format, config.log_level)
     quiet_grpc_decode_failures()
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
