@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, KeysView
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final, Protocol, cast
 
@@ -107,10 +107,8 @@ class AbortRegistry:
             if not subs:
                 del self._by_id[sub.public_id]
 
-    def ids(self) -> KeysView[str]:
-        """The ids in flight: a live view (no copy per request, which costs a walk of every
-        request in flight)."""
-        return self._by_id.keys()
+    def ids(self) -> frozenset[str]:
+        return frozenset(self._by_id)
 
     def abort(self, call: AbortCall, now: float, grace: float) -> tuple[int, list[AnsweredAbort]]:
         """Abort every sub-request in flight under the ids ``call`` names
@@ -340,16 +338,10 @@ class Exchange:
         with self._scope:
             if timeout is not None:
                 self._scope.deadline = anyio.current_time() + timeout
-            if len(self.call.requests) == 1 and not self.call.stream:
-                # One answer and nothing written before it: run in this task, inside the same
-                # scope. Nothing here needs a group (only a stream's held outputs start a
-                # task), and a group with its task costs ~20 µs a request.
-                await self._run_one(0, self.call.requests[0])
-            else:
-                async with anyio.create_task_group() as group:
-                    self._group = group
-                    for index, sub_request in enumerate(self.call.requests):
-                        group.start_soon(self._run_one, index, sub_request)
+            async with anyio.create_task_group() as group:
+                self._group = group
+                for index, sub_request in enumerate(self.call.requests):
+                    group.start_soon(self._run_one, index, sub_request)
         if self._scope.cancelled_caught and not self.client_gone:
             failure = self._stop_failure
             if failure is None:

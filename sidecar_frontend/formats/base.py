@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -101,9 +100,8 @@ class FormatContext:
 
     model_info: sidecar_pb2.ModelInfo
     new_id: Callable[[], str]
-    # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid): the
-    # handler gives a live view, read while the request is parsed, not a copy per request.
-    inflight_ids: AbstractSet[str] = frozenset()
+    # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid).
+    inflight_ids: frozenset[str] = frozenset()
     # Unix seconds (time.time()) when the request arrived: for wall-clock values a body
     # carries (SGLang's response_sent_to_client_ts, a model card's created). The encoder's
     # ``now``/``started_at`` stay on the handler's monotonic clock; 0.0: not given.
