@@ -44,7 +44,7 @@ lock:
 # The suite on TEST_WORKERS processes (pytest-xdist): most of its time is spent waiting on child
 # processes, etcd and timers, which overlaps on two cores. --dist loadscope keeps each module on
 # one worker, so its module-scoped fixtures start once. TEST_WORKERS=0 runs it in one process.
-# The tests that load every core on purpose (marker `cpu_hog`, in tests/reliability) run
+# The tests that load every core on purpose (marker `cpu_hog`, in tests/reliability and tests/process) run
 # afterwards, alone, in one process (exit 5, none selected, is not a failure there); the tests
 # that install from the package index (marker `install`) run in deploy-check instead.
 # docs/testing.md: how the suite is split, how to run a part, where the time goes.
@@ -58,7 +58,7 @@ test: setup $(BUF)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not install and not cpu_hog" $(PYTEST_ARGS); \
 	    rc=$$?; if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 	export PYTHONDONTWRITEBYTECODE=; \
-	$(BIN)/python -m pytest -q -m "cpu_hog and not install" tests/reliability $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -m "cpu_hog and not install" tests/reliability tests/process $(PYTEST_ARGS); \
 	    rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 lint: $(STAMP)
