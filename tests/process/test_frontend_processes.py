@@ -202,8 +202,9 @@ def test_a_killed_process_is_restarted_while_the_other_serves() -> None:
 def test_a_process_whose_loop_stops_answering_is_killed_and_replaced() -> None:
     with ExitStack() as stack:
         port = vllm_sidecar(stack)
-        # Asked every 0.3 s, killed after 3 questions unanswered (production: 10 s, 6).
-        env = {"SIDECAR_TEST_PROCESS_LIVENESS": "0.3,3"}
+        # Asked every second, killed after 3 questions unanswered (production: 10 s, 6): short,
+        # yet long enough that a process starting on a loaded machine is not taken for wedged.
+        env = {"SIDECAR_TEST_PROCESS_LIVENESS": "1.0,3"}
         _, logs, url, _ = stack.enter_context(processes(port, env))
         started = {e["process"]: e["pid"] for e in logs.seen if e.get("event") == "process started"}
         os.kill(started[1], signal.SIGSTOP)  # its event loop no longer runs

@@ -5,9 +5,11 @@ the keys it computes itself (sidecar_common.kv_keys)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from typing import Any
 
@@ -74,14 +76,41 @@ def _sidecar_and_log(
 Worker = tuple[int, list[dict[str, Any]]]  # the sidecar's port, its log up to serving
 
 
+def _engine(stack: ExitStack, argv_on: Callable[[list[int]], list[str]], ports: int) -> list[int]:
+    """A testkit engine on ``ports`` free ports (``argv_on`` makes its command line from them),
+    once its first port takes connections. A port ``free_port`` found free can be taken by
+    another test's process before the engine binds it: the engine then exits at once, and is
+    started again on other ports (at most three times), rather than leaving its sidecar to wait
+    out its startup deadline."""
+    for _ in range(3):
+        chosen = [free_port() for _ in range(ports)]
+        engine = stack.enter_context(process(argv_on(chosen)))
+        end = time.monotonic() + WAIT
+        while engine.poll() is None and time.monotonic() < end:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", chosen[0]), timeout=1):
+                return chosen
+            time.sleep(0.05)
+        if engine.poll() is None:
+            raise AssertionError(f"the engine took no connection within {WAIT}s: {argv_on(chosen)}")
+    raise AssertionError("the engine exited at start three times (its ports taken?)")
+
+
 def vllm_worker(stack: ExitStack, *, publish: bool, engine_flags: tuple[str, ...] = ()) -> Worker:
-    engine_port, pub_port, replay_port = free_port(), free_port(), free_port()
-    events = ["--kv-events-config", _kv_events_config(pub_port, replay_port, vllm=True)] if publish else []
-    stack.enter_context(
-        process(
-            [script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}", *events, *engine_flags]
+    def argv(ports: list[int]) -> list[str]:
+        engine_port, pub_port, replay_port = ports
+        events = (
+            ["--kv-events-config", _kv_events_config(pub_port, replay_port, vllm=True)] if publish else []
         )
-    )
+        return [
+            script("testkit-engine"),
+            "vllm",
+            "--listen",
+            f"127.0.0.1:{engine_port}",
+            *events,
+            *engine_flags,
+        ]
+
+    engine_port, pub_port, replay_port = _engine(stack, argv, 3)
     return _sidecar_and_log(
         stack,
         "sidecar-vllm",
@@ -95,21 +124,20 @@ def vllm_worker(stack: ExitStack, *, publish: bool, engine_flags: tuple[str, ...
 
 
 def sglang_worker(stack: ExitStack) -> Worker:
-    grpc_port, http_port, pub_port, replay_port = free_port(), free_port(), free_port(), free_port()
-    stack.enter_context(
-        process(
-            [
-                script("testkit-engine"),
-                "sglang",
-                "--grpc-listen",
-                f"127.0.0.1:{grpc_port}",
-                "--http-listen",
-                f"127.0.0.1:{http_port}",
-                "--kv-events-config",
-                _kv_events_config(pub_port, replay_port, vllm=False),
-            ]
-        )
-    )
+    def argv(ports: list[int]) -> list[str]:
+        grpc_port, http_port, pub_port, replay_port = ports
+        return [
+            script("testkit-engine"),
+            "sglang",
+            "--grpc-listen",
+            f"127.0.0.1:{grpc_port}",
+            "--http-listen",
+            f"127.0.0.1:{http_port}",
+            "--kv-events-config",
+            _kv_events_config(pub_port, replay_port, vllm=False),
+        ]
+
+    grpc_port, _, pub_port, replay_port = _engine(stack, argv, 4)
     return _sidecar_and_log(
         stack,
         "sidecar-sglang",
