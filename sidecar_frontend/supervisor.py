@@ -268,14 +268,18 @@ class Supervisor:
         while True:
             await anyio.sleep(FAULT_FILE_POLL_SECS)
             try:
-                names = (await anyio.Path(path).read_text()).split()
+                text = await anyio.Path(path).read_text()
             except FileNotFoundError:
                 continue
+            # Whole lines only, and never fewer than before: a writer that rewrites the file
+            # (truncate, then write) can be read half way, and a name read again would fail
+            # its tasks twice.
+            names = [line.strip() for line in text.split("\n")[:-1]]
             for name in names[seen:]:
                 for scope, running in tuple(self._runs.items()):
                     if running == name:
                         scope.cancel()
-            seen = len(names)
+            seen = max(seen, len(names))
 
 
 class _UnaskedCancel(Exception):

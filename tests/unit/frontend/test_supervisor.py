@@ -154,6 +154,29 @@ async def test_the_fault_file_fails_every_running_task_of_a_name_once(tmp_path: 
     assert failed == ["a", "b"]
 
 
+async def test_a_fault_file_read_half_written_fails_no_task_twice(tmp_path: Path) -> None:
+    """A writer rewrites the whole file (truncate, then write): a read half way sees a cut last
+    name, or fewer names. A cut name fails nothing, and a name read again later fails nothing
+    again (the task-faults process test saw one worker's health fail twice)."""
+    registry = CollectorRegistry()
+    fault_file = tmp_path / "faults"
+    config = SupervisorConfig(restart_first_secs=0.01, restart_max_secs=0.05, fault_file=fault_file)
+    a, other = Runs(fail=0), Runs(fail=0)
+    async with Supervisor(config, registry=registry) as supervisor:
+        supervisor.start("load_poll", a, owner="a")
+        supervisor.start("health", other, owner="a")
+        await a.reach(1)
+        await other.reach(1)
+        fault_file.write_text("health\nload_p")  # the second line not written yet
+        await other.reach(2)  # the poll that read it
+        assert a.count == 1
+        fault_file.write_text("health\nload_poll\n")
+        await a.reach(2)  # the poll that read the whole file: health is not failed again
+        assert other.count == 2
+    assert failures(registry, "health") == 1
+    assert failures(registry, "load_poll") == 1
+
+
 async def test_a_stopped_task_that_ends_with_a_cancel_not_its_own_does_not_stop_the_owner() -> None:
     """A worker is forgotten: its tasks are stopped and its channels closed in the same step.
     A task awaiting a call then ends with grpc.aio's own CancelledError (the closing channel
