@@ -16,9 +16,11 @@ __all__ = [
     "SIDES",
     "Scenario",
     "Target",
+    "cell",
     "markdown",
     "pair_ratios",
     "run_row",
+    "spread",
     "summarize",
     "targets",
 ]
@@ -105,7 +107,7 @@ _SPREAD = (
 _RATIOS = ("tokens_per_s", "requests_per_s", "proxy_cpu_us_per_token", "ttft_p99_ms", "latency_p99_ms")
 
 
-def _spread(values: list[float]) -> dict[str, float] | None:
+def spread(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     return {
@@ -141,7 +143,7 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[Scenario]) -> dict[str
                 continue
             figures: dict[str, Any] = {"runs": len(rows)}
             for metric in _SPREAD:
-                figures[metric] = _spread(
+                figures[metric] = spread(
                     [float(r[metric]) for r in rows if isinstance(r.get(metric), int | float)]
                 )
             by_process: dict[str, list[float]] = {}
@@ -149,7 +151,7 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[Scenario]) -> dict[str
                 for name, value in row["proxy_cpu_us_per_token_by_process"].items():
                     if isinstance(value, int | float):
                         by_process.setdefault(name, []).append(float(value))
-            figures["proxy_cpu_us_per_token_by_process"] = {n: _spread(v) for n, v in by_process.items()}
+            figures["proxy_cpu_us_per_token_by_process"] = {n: spread(v) for n, v in by_process.items()}
             kinds: dict[str, int] = {}
             for row in rows:
                 for kind, count in row["errors_by_kind"].items():
@@ -160,7 +162,7 @@ def summarize(runs: list[dict[str, Any]], scenarios: list[Scenario]) -> dict[str
         for metric in _RATIOS:
             values = pair_ratios(runs, scenario.name, metric)
             if values:
-                entry["ratios"][metric] = _spread(values)
+                entry["ratios"][metric] = spread(values)
         summary[scenario.name] = entry
     return summary
 
@@ -217,7 +219,7 @@ def targets(summary: dict[str, Any], scenarios: list[Scenario]) -> list[Target]:
     return found
 
 
-def _cell(spread: dict[str, float] | None, digits: int = 0) -> str:
+def cell(spread: dict[str, float] | None, digits: int = 0) -> str:
     if spread is None:
         return "-"
     fmt = f"{{:,.{digits}f}}"
@@ -269,21 +271,19 @@ def markdown(doc: dict[str, Any]) -> str:
             if figures is None:
                 continue
             by_process = ", ".join(
-                f"{name} {_cell(spread, 1)}"
+                f"{name} {cell(spread, 1)}"
                 for name, spread in figures["proxy_cpu_us_per_token_by_process"].items()
             )
             ttft = (
-                f"{_cell(figures['ttft_p50_ms'])} / {_cell(figures['ttft_p99_ms'])}"
-                if scenario.stream
-                else "-"
+                f"{cell(figures['ttft_p50_ms'])} / {cell(figures['ttft_p99_ms'])}" if scenario.stream else "-"
             )
             lines.append(
-                f"| {SIDE_NAMES[side]} | {_cell(figures['tokens_per_s'])} "
-                f"| {_cell(figures['requests_per_s'], 1)} "
-                f"| {_cell(figures['proxy_cpu_us_per_token'], 1)} | {by_process} "
-                f"| {_cell(figures['proxy_cores'], 2)} | {ttft} | {_cell(figures['latency_p99_ms'])} "
-                f"| {_errors_cell(figures)} | {_cell(figures['load_side_cores'], 2)} "
-                f"| {_cell(figures['other_cores'], 2)} |"
+                f"| {SIDE_NAMES[side]} | {cell(figures['tokens_per_s'])} "
+                f"| {cell(figures['requests_per_s'], 1)} "
+                f"| {cell(figures['proxy_cpu_us_per_token'], 1)} | {by_process} "
+                f"| {cell(figures['proxy_cores'], 2)} | {ttft} | {cell(figures['latency_p99_ms'])} "
+                f"| {_errors_cell(figures)} | {cell(figures['load_side_cores'], 2)} "
+                f"| {cell(figures['other_cores'], 2)} |"
             )
         ratios = entry["ratios"]
         if ratios:

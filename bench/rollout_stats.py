@@ -8,9 +8,10 @@ our sides over SMG's within a pair.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any
+
+from bench.full_path_stats import cell, spread
 
 __all__ = ["SIDES", "SIDE_NAMES", "Target", "markdown", "ratios", "summarize", "targets"]
 
@@ -41,16 +42,6 @@ class Target:
     verdict: str  # PASS | MISS | n/a
 
 
-def _spread(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per side: each figure's median, min and max over its runs, and its errors by kind summed."""
     summary: dict[str, Any] = {}
@@ -61,7 +52,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         figures: dict[str, Any] = {"runs": len(rows)}
         for metric in _SPREAD:
             values = [float(r[metric]) for r in rows if isinstance(r.get(metric), int | float)]
-            figures[metric] = _spread(values)
+            figures[metric] = spread(values)
         kinds: dict[str, int] = {}
         for row in rows:
             for kind, count in row["errors_by_kind"].items():
@@ -82,7 +73,7 @@ def ratios(runs: list[dict[str, Any]], side: str, metric: str) -> dict[str, floa
         ours, theirs = sides.get(side), sides.get("smg")
         if isinstance(ours, int | float) and isinstance(theirs, int | float) and theirs:
             values.append(ours / theirs)
-    return _spread(values)
+    return spread(values)
 
 
 def targets(summary: dict[str, Any], concurrency: int) -> list[Target]:
@@ -102,14 +93,6 @@ def targets(summary: dict[str, Any], concurrency: int) -> list[Target]:
             )
         )
     return found
-
-
-def _cell(spread: dict[str, float] | None, digits: int = 0) -> str:
-    if spread is None:
-        return "-"
-    fmt = f"{{:,.{digits}f}}"
-    low, mid, high = (fmt.format(spread[k]) for k in ("min", "median", "max"))
-    return mid if low == high else f"{mid} ({low}-{high})"
 
 
 def _ratio_text(spread: dict[str, float]) -> str:
@@ -147,12 +130,12 @@ def markdown(doc: dict[str, Any]) -> str:
             + ")"
         )
         lines.append(
-            f"| {SIDE_NAMES[side]} | {_cell(figures['requests_per_s'], 1)} "
-            f"| {_cell(figures['tokens_per_s'])} "
-            f"| {_cell(figures['latency_p50_ms'])} / {_cell(figures['latency_p99_ms'])} "
-            f"| {_cell(figures['proxy_cpu_us_per_token'], 1)} "
-            f"| {_cell(figures['frontend_cpu_us_per_token'], 1)} "
-            f"| {_cell(figures['proxy_cores'], 2)} | {errors} | {_cell(figures['other_cores'], 2)} |"
+            f"| {SIDE_NAMES[side]} | {cell(figures['requests_per_s'], 1)} "
+            f"| {cell(figures['tokens_per_s'])} "
+            f"| {cell(figures['latency_p50_ms'])} / {cell(figures['latency_p99_ms'])} "
+            f"| {cell(figures['proxy_cpu_us_per_token'], 1)} "
+            f"| {cell(figures['frontend_cpu_us_per_token'], 1)} "
+            f"| {cell(figures['proxy_cores'], 2)} | {errors} | {cell(figures['other_cores'], 2)} |"
         )
     ratio_lines = []
     for side in ("ours-1", "ours-2"):
