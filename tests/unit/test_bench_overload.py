@@ -165,6 +165,8 @@ def test_a_levels_figures() -> None:
     assert row["completed"] == 4
     assert row["by_kind"][QUIET]["ttft_samples"] == 2
     assert row["by_kind"][QUIET]["ttft_p99_ms"] == 70.0
+    # The slowest measured ones, slowest first, with when each was sent.
+    assert row["by_kind"][QUIET]["ttft_slowest"] == [[3.0, 70.0], [2.0, 50.0]]
     assert row["by_kind"][HIGH]["ttft_p50_ms"] == 40.0
     assert row["goodput_tokens_per_s"] == pytest.approx((48 + 48 + 20 + 48) / 10, abs=0.05)
     assert row["refusals"] == {"429 queue_full": 2, "429 queue_timeout": 1, "503 -": 1}

@@ -71,6 +71,29 @@ def test_the_victim_is_the_least_urgent_preemptible_ticket_most_recently_admitte
         assert state.making_room_for(victim) is waiter
 
 
+def test_among_equally_urgent_victims_the_tenant_holding_the_most_pays_first() -> None:
+    # A flood holding three slots, then a quiet tenant's request just admitted: the flood's
+    # most recent request is paused, not the quiet one (its first token not even out yet).
+    state = ModelAdmission(AdmissionSettings(max_queue_depth=8, headroom=0.0))
+    fleet = room(4)
+    flood = [ticket_of(state.arrive("flood", 0, 10, 1, 0.0, fleet)) for _ in range(3)]
+    quiet = ticket_of(state.arrive("quiet", 0, 10, 1, 0.0, fleet))
+    for ticket in [*flood, quiet]:
+        assert ticket.admitted
+        ticket.preemptible = True
+    waiter = ticket_of(state.arrive("flood", 1, 10, 1, 0.0, fleet))
+    assert state.victim(AFTER, fleet, AFTER) is flood[-1]
+    # Still the least urgent first, whoever holds the most.
+    state2 = ModelAdmission(AdmissionSettings(max_queue_depth=8, headroom=0.0))
+    many = [ticket_of(state2.arrive("flood", 0, 10, 1, 0.0, fleet)) for _ in range(3)]
+    low = ticket_of(state2.arrive("quiet", -1, 10, 1, 0.0, fleet))
+    for ticket in [*many, low]:
+        ticket.preemptible = True
+    ticket_of(state2.arrive("urgent", 1, 10, 1, 0.0, fleet))
+    assert state2.victim(AFTER, fleet, AFTER) is low
+    assert waiter.state is TicketState.QUEUED
+
+
 def test_no_victim_before_the_waiting_request_waited_long_enough() -> None:
     state, _ = full_fleet([0])
     fleet = room(1)
