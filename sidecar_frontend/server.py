@@ -260,12 +260,12 @@ async def _serve(
             workers.events.subscribe(WorkerMetrics(metrics))
             workers.events.subscribe(FleetWatch(metrics.registry, workers.registry))
             metrics.watch_fleet(lambda: _rows(workers))
-            choice = routing.choice(workers)
             try:
                 gate = _start_admission(config, supervisor, workers, metrics)
             except RateConfigError as err:
                 log.error("start-up failed", error=str(err))
                 return EXIT_STARTUP_FAILED
+            choice = routing.choice(workers, with_room=gate.with_room if gate is not None else None)
             # Discovery and the membership API each list workers; each lets go only of its own.
             membership = Membership(workers, config.discovery.mode)
             control: MembershipControl | None = None

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -43,7 +43,7 @@ import anyio
 import structlog
 
 from sidecar_common.errors import RefusalReason
-from sidecar_frontend.admission.capacity import Room, WorkerLoad, fleet_room
+from sidecar_frontend.admission.capacity import Room, WorkerLoad, fleet_room, workers_with_room
 from sidecar_frontend.admission.queue import TicketState
 from sidecar_frontend.admission.rates import Grant, RateLimiter, RateRefusal
 from sidecar_frontend.admission.state import ModelAdmission, Preemption, Refused, Ticket
@@ -321,6 +321,16 @@ class Gate:
         """Each eligible worker that places ``model``'s generations, as capacity reads it."""
         placing = self._workers.eligible_of("agg", model) or self._workers.eligible_of("decode", model)
         return [self._load(worker) for worker in placing]
+
+    def with_room(self, workers: Sequence[Worker]) -> list[Worker]:
+        """The workers of ``workers`` that have room for one more sequence, in their order
+        (``capacity.workers_with_room``: a fresh report, an engine not full, fewer sequences
+        than its limit; when every one is stale, fewer of this frontend's own)."""
+        if not workers:
+            return []
+        loads = [self._load(worker) for worker in workers]
+        roomy = {load.address for load in workers_with_room(loads, self._clock(), self.config.capacity)}
+        return [worker for worker in workers if worker.address in roomy]
 
     def room(self, model: str) -> Room:
         return self._room(model, self._clock())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -69,10 +69,17 @@ class RoutingParts:
         )
         return parts
 
-    def choice(self, workers: WorkerSet, clock: Callable[[], float] = time.monotonic) -> SessionChoice:
+    def choice(
+        self,
+        workers: WorkerSet,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        with_room: Callable[[Sequence[Worker]], list[Worker]] | None = None,
+    ) -> SessionChoice:
         """The attempt runner's worker choice (and call watch) over ``workers`` (running),
         whose events routing follows from now on (the workers already there included); sticky
-        for the requests naming a session."""
+        for the requests naming a session. ``with_room``: admission's reading of which workers
+        have a free slot, chosen first (None: admission is off)."""
         self._workers = workers
         if self.streams is not None:
             self.streams.watch_changes(workers.next_change, workers.misbehaviour)
@@ -80,7 +87,9 @@ class RoutingParts:
         workers.events.subscribe(listener)
         for worker in workers.workers():
             listener.joined(worker)
-        routed = RoutedChoice(workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock)
+        routed = RoutedChoice(
+            workers, self.router, streams=self.streams, metrics=self.metrics, clock=clock, with_room=with_room
+        )
         return SessionChoice(routed, workers, self.sessions)
 
     def http_routes(self) -> list[web.RouteDef]:
