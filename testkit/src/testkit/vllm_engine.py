@@ -67,7 +67,8 @@ admin HTTP port (``testkit.vllm_admin``), as vLLM serves them only over HTTP:
   returns once its mode's drain is done. ``GetServerInfo.is_paused`` says whether a pause is
   in force (smg-grpc-servicer 0.14.1 leaves it false; the testkit fills the field).
 * Weight versions: each step labels the tokens it made with the engine's version (initially
-  "default"), and a request's spans (``weight_versions_of``) are kept when it ends. vLLM's
+  "default"), and a request's spans (``weight_versions_of``) are kept when it ends (the last
+  ``KEPT_SPANS`` requests': kept forever, they grew the heap every collection walks). vLLM's
   gRPC wire has no field for them (nor for routed experts): nothing here is sent.
 """
 
@@ -127,6 +128,8 @@ __all__ = [
 ]
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
+# Ended requests whose weight-version spans are kept (weight_versions_of), the newest.
+KEPT_SPANS = 1024
 # What vLLM's gRPC servicer sends (INTERNAL) on every stream once the engine core is dead: the
 # text of vLLM's EngineDeadError. Its HealthCheck then answers healthy=false with this message.
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -690,7 +693,11 @@ class VllmTestEngine(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 wait.cancel()
 
     def _keep_spans(self, rid: str, choices: list[Choice]) -> None:
-        self.weight_spans[rid] = [vllm_spans(ch.version_starts, len(ch.all_ids)) for ch in choices]
+        spans = self.weight_spans
+        spans.pop(rid, None)  # a request id used again counts as the newest
+        spans[rid] = [vllm_spans(ch.version_starts, len(ch.all_ids)) for ch in choices]
+        while len(spans) > KEPT_SPANS:
+            del spans[next(iter(spans))]
 
     async def _faulted(
         self, source: AsyncGenerator[pb.GenerateResponse, None], plan: FaultPlan | None, live: _Live
