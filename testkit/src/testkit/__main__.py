@@ -15,6 +15,7 @@ from sidecar_common.ports import bind_problem
 from testkit.book import Book
 from testkit.cli_args import fault_arg, kv_events_arg, listen_arg
 from testkit.faults import FaultBook, FaultPlan, parse_directive
+from testkit.heap import freeze_startup_heap
 from testkit.sglang_cli import add_arguments as add_sglang_arguments
 from testkit.sglang_cli import run as run_sglang
 from testkit.vllm_config import VllmEngineConfig
@@ -280,6 +281,7 @@ async def _serve_vllm(
             await site.start()
             _log.info("control on %s:%d", control[0], runner.addresses[0][1])
         port = await engine.start()
+        freeze_startup_heap()
         if engine.admin_port is not None:
             _log.info("admin on %s:%d", config.admin_host, engine.admin_port)
         ready = asyncio.ensure_future(engine.wait_ready(config.startup_delay_secs + 3600))

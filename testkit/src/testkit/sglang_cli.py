@@ -13,6 +13,7 @@ from sidecar_common.endpoint import format_host_port
 from sidecar_common.ports import bind_problem
 from testkit.cli_args import fault_arg, kv_events_arg, optional_listen_arg
 from testkit.faults import FaultPlan
+from testkit.heap import freeze_startup_heap
 from testkit.sglang_info import DISAGG_MODES, SglangEngineConfig
 
 __all__ = ["add_arguments", "config_from_args", "run"]
@@ -285,6 +286,7 @@ async def _serve(config: SglangEngineConfig, faults: list[tuple[str, FaultPlan]]
         engine.faults.add(match, plan)
     try:
         await engine.start()
+        freeze_startup_heap()
         grpc_at = format_host_port(config.grpc_host, engine.grpc_port)
         where = f"grpc={grpc_at} http={format_host_port(config.http_host, engine.http_port)}"
         log.info("testkit-engine sglang listening %s", where)
