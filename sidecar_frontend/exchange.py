@@ -56,6 +56,7 @@ from anyio.abc import TaskGroup
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import FailureReason
 from sidecar_frontend.admission.state import Preemption
+from sidecar_frontend.admission.who import Who
 from sidecar_frontend.attempt_runner import AttemptRunner, OutputNotEncoded, SubCall, Tally
 from sidecar_frontend.attempts import Attempts
 from sidecar_frontend.formats.base import (
@@ -145,7 +146,12 @@ class AnsweredAbort:
 
 
 class Readmission(Protocol):
-    """The request's admission, as far as a preemption goes (the gate's ``Pass``)."""
+    """The request's admission, as far as a preemption goes and its log line tells (the gate's
+    ``Pass``)."""
+
+    # Who it is (tenant, urgency) and the seconds it waited in the queue before it ran.
+    who: Who
+    waited: float
 
     @property
     def preemption(self) -> Preemption | None:
@@ -486,7 +492,20 @@ class Exchange:
             retries=self.tally.retries,
             migrations=self.tally.migrations,
             preemptions=self.tally.preemptions,
+            **self._admission_fields(),
         )
+
+    def _admission_fields(self) -> dict[str, object]:
+        """Its tenant, urgency and wait in the admission queue (nothing with admission off): a
+        slow first token is then told apart as queueing or serving."""
+        admission = self.admission
+        if admission is None:
+            return {}
+        return {
+            "tenant": admission.who.tenant,
+            "urgency": admission.who.urgency,
+            "queued_ms": ms(admission.waited),
+        }
 
     def _ids(self) -> str | list[str]:
         ids = sorted({r.request_id for r in self.call.requests})

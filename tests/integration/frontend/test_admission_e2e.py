@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog.testing
 
 from sidecar_frontend.admission.rates import RateConfig, RateLimiter, TenantRate
 from sidecar_frontend.admission.state import AdmissionSettings
@@ -338,3 +339,38 @@ async def test_a_flood_that_fills_the_queue_makes_room_for_another_tenant() -> N
             holding.cancel_scope.cancel()
         assert answers == {"flood-0": 200, "flood-1": 429, "quiet": 200}
         assert not engine_saw(fe, "flood-1")
+
+
+async def test_the_request_line_names_its_tenant_urgency_and_time_in_the_queue() -> None:
+    # A slow first token is told apart as queueing or serving from the line alone.
+    async with fleet() as fe:
+        answers: list[int] = []
+        with structlog.testing.capture_logs() as logs:
+            async with anyio.create_task_group() as group:
+                holder = Holder(fe, "hold", tenant="batch")
+                holding = anyio.CancelScope()
+
+                async def hold() -> None:
+                    with holding:
+                        await holder.run()
+
+                async def wait_for_the_slot() -> None:
+                    headers = {TENANT: "chat"}
+                    status, _, _ = await post(fe, VLLM_PATH, vllm_body("waits", 1, priority=-2), headers)
+                    answers.append(status)
+
+                group.start_soon(hold)
+                with anyio.fail_after(30):
+                    await holder.first.wait()
+                group.start_soon(wait_for_the_slot)
+                await until(lambda: queued(fe) == 1, "the second request queued")
+                await anyio.sleep(0.2)  # so it waited at least this long when the slot frees
+                holding.cancel()  # the holder's client leaves: its slot frees
+        assert answers == [200]
+        lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+        held = lines["generate-tokens-hold"]
+        assert (held["tenant"], held["urgency"], held["queued_ms"]) == ("batch", 0, 0.0)
+        waited = lines["generate-tokens-waits"]
+        # vLLM's priority -2 is served before 0: urgency 2.
+        assert (waited["tenant"], waited["urgency"]) == ("chat", 2)
+        assert waited["queued_ms"] >= 200.0
