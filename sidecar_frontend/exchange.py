@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, KeysView
 from dataclasses import dataclass, field
 from typing import Final, Protocol, cast
 
@@ -108,8 +108,9 @@ class AbortRegistry:
             if not subs:
                 del self._by_id[sub.public_id]
 
-    def ids(self) -> frozenset[str]:
-        return frozenset(self._by_id)
+    def ids(self) -> KeysView[str]:
+        """The ids in flight: a live view (what is added or discarded later shows in it)."""
+        return self._by_id.keys()
 
     def abort(self, call: AbortCall, now: float, grace: float) -> tuple[int, list[AnsweredAbort]]:
         """Abort every sub-request in flight under the ids ``call`` names

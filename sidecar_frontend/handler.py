@@ -17,7 +17,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, KeysView, Mapping, Sequence
 from typing import Any, Final
 
 import anyio
@@ -162,7 +162,7 @@ class Frontend:
         """The generate requests being served (each with its stream's backpressure figures)."""
         return tuple(self._exchanges)
 
-    def inflight_ids(self) -> frozenset[str]:
+    def inflight_ids(self) -> KeysView[str]:
         return self.registry.ids()
 
     async def wait_idle(self) -> None:

@@ -40,7 +40,7 @@ finishes (streaming: writes ``close()``; unary: sends ``reply()``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -100,8 +100,10 @@ class FormatContext:
 
     model_info: sidecar_pb2.ModelInfo
     new_id: Callable[[], str]
-    # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid).
-    inflight_ids: frozenset[str] = frozenset()
+    # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid): a live
+    # view, not a copy (a copy per request held every id in flight: at 2,000 in flight, 4
+    # million references for the collector to walk, young passes of 40-170 ms).
+    inflight_ids: Container[str] = frozenset()
     # Unix seconds (time.time()) when the request arrived: for wall-clock values a body
     # carries (SGLang's response_sent_to_client_ts, a model card's created). The encoder's
     # ``now``/``started_at`` stay on the handler's monotonic clock; 0.0: not given.

@@ -77,3 +77,17 @@ def test_sglangs_abort_by_a_rid_in_flight_takes_every_rid_it_starts() -> None:
     exact.add(second)
     assert exact.abort(AbortCall(request_ids=("a",)), now=0.0, grace=10.0)[0] == 1  # vLLM's: exact
     assert not second.aborted
+
+
+def test_the_ids_in_flight_are_a_view_every_request_shares_not_a_copy_each() -> None:
+    # Every request's validation reads them (SGLang refuses a duplicate rid); a copy per
+    # request held all of them: at 2,000 in flight, 4 million references for the collector.
+    registry = AbortRegistry()
+    first, second = _sub("a"), _sub("b")
+    registry.add(first)
+    ids = registry.ids()
+    registry.add(second)
+    assert "b" in ids
+    registry.discard(first)
+    assert "a" not in ids
+    assert sorted(ids) == ["b"]
