@@ -101,8 +101,7 @@ class FormatContext:
     model_info: sidecar_pb2.ModelInfo
     new_id: Callable[[], str]
     # Request ids currently in flight at this frontend (SGLang refuses a duplicate rid): a live
-    # view, not a copy (a copy per request held every id in flight: at 2,000 in flight, 4
-    # million references for the collector to walk, young passes of 40-170 ms).
+    # view, not a copy (a copy per request costs in proportion to the requests in flight).
     inflight_ids: Container[str] = frozenset()
     # Unix seconds (time.time()) when the request arrived: for wall-clock values a body
     # carries (SGLang's response_sent_to_client_ts, a model card's created). The encoder's
