@@ -19,7 +19,8 @@ keeps one address for it). The child belongs to the frontend:
   child the same way;
 - if the frontend dies without stopping them (SIGKILL, a crash), Linux sends each child SIGTERM:
   the child asks for it at its start with ``prctl(PR_SET_PDEATHSIG)``, and exits at once if the
-  frontend was already gone by then. Elsewhere than Linux this guard is absent. Each child runs
+  frontend was already gone by then (``sidecar_common.parent_death``: the frontend names itself
+  in the child's environment). Elsewhere than Linux this guard is absent. Each child runs
   in its own process group, so a terminal's Ctrl-C reaches the frontend, which stops the child
   after its drain, and not the child at once.
 """
@@ -28,13 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
-import signal
 import socket
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Final, Self
@@ -45,6 +42,7 @@ from anyio.abc import TaskGroup
 from prometheus_client import CollectorRegistry, Counter
 
 from sidecar_common.endpoint import parse_host_port
+from sidecar_common.parent_death import PARENT_PID_VARIABLE
 from sidecar_common.ports import bind_problem
 from sidecar_frontend.bare_sidecars import (
     ChildSettings,
@@ -64,24 +62,6 @@ log = structlog.get_logger("sidecar_frontend.bare_children")
 # worker drained (or at the frontend's shutdown, after the frontend's drain), so it holds no
 # generation: its own drain is short.
 STOP_GRACE: Final = 10.0
-_PR_SET_PDEATHSIG: Final = 1
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """Run in the child between fork and exec: its own process group (a terminal's Ctrl-C
-    reaches the frontend, which stops the child after its drain, not the child at once), and
-    SIGTERM when the frontend dies (Linux)."""
-
-    def preexec() -> None:
-        os.setpgid(0, 0)
-        if not sys.platform.startswith("linux"):
-            return
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the frontend died before the line above
-            os._exit(1)
-
-    return preexec
 
 
 def _loopback_port(host: str) -> int:
@@ -157,9 +137,12 @@ class ManagedSidecar:
         try:
             process = await asyncio.create_subprocess_exec(
                 *self.argv,
-                env=self.environment,
+                env={**self.environment, PARENT_PID_VARIABLE: str(os.getpid())},
                 stdin=asyncio.subprocess.DEVNULL,
-                preexec_fn=_die_with(os.getpid()),
+                # Its own process group: a terminal's Ctrl-C reaches the frontend, which stops
+                # the child after its drain, not the child at once. Set between fork and exec
+                # by the C side of subprocess: no Python runs in the forked child.
+                process_group=0,
             )
         except OSError as err:
             log.error("a bare engine's sidecar did not start", url=registration.url, error=str(err))

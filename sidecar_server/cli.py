@@ -24,6 +24,7 @@ from sidecar_common.endpoint import Endpoint, parse_endpoint
 from sidecar_common.log_settings import LogFormat, default_log_format
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
+from sidecar_common.parent_death import die_with_parent
 from sidecar_common.pool_settings import PoolConfig, RetryPolicy
 from sidecar_common.registration_record import (
     DEFAULT_PREFIX,
@@ -368,6 +369,9 @@ def parse_config(
 
 def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Parse, then run the daemon until it is told to stop; returns the exit code."""
+    if not die_with_parent(os.environ):
+        print(f"{prog or f'sidecar-{spec.name}'}: the process that started it is gone", file=sys.stderr)
+        return 1
     args = sys.argv[1:] if argv is None else argv
     config, namespace = parse_config(spec, args, os.environ, prog=prog)
     # Imported late: the daemon pulls in grpc and the server, which --help and usage errors
