@@ -21,8 +21,8 @@ keeps one address for it). The child belongs to the frontend:
   the child asks for it at its start with ``prctl(PR_SET_PDEATHSIG)``, and exits at once if the
   frontend was already gone by then (``sidecar_common.parent_death``: the frontend names itself
   in the child's environment). Elsewhere than Linux this guard is absent. Each child runs
-  in its own process group, so a terminal's Ctrl-C reaches the frontend, which stops the child
-  after its drain, and not the child at once.
+  in its own session (so its own process group), so a terminal's Ctrl-C reaches the
+  frontend, which stops the child after its drain, and not the child at once.
 """
 
 from __future__ import annotations
@@ -139,10 +139,11 @@ class ManagedSidecar:
                 *self.argv,
                 env={**self.environment, PARENT_PID_VARIABLE: str(os.getpid())},
                 stdin=asyncio.subprocess.DEVNULL,
-                # Its own process group: a terminal's Ctrl-C reaches the frontend, which stops
-                # the child after its drain, not the child at once. Set between fork and exec
-                # by the C side of subprocess: no Python runs in the forked child.
-                process_group=0,
+                # Its own session, so its own process group: a terminal's Ctrl-C reaches the
+                # frontend, which stops the child after its drain, not the child at once. Set
+                # between fork and exec by the event loop's C side (uvloop's too, which takes
+                # no process_group): no Python runs in the forked child.
+                start_new_session=True,
             )
         except OSError as err:
             log.error("a bare engine's sidecar did not start", url=registration.url, error=str(err))
