@@ -5,6 +5,7 @@ stopped only once the worker set let go of the worker."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -13,6 +14,7 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from sidecar_common.parent_death import PARENT_PID_VARIABLE
 from sidecar_frontend.bare_children import BareSidecars, ManagedSidecar
 from sidecar_frontend.bare_sidecars import ChildSettings, RestartPolicy
 from sidecar_frontend.membership import Registration
@@ -69,6 +71,27 @@ async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: 
     assert child.process is not None
     assert child.process.returncode == -9
     assert child.restarted == 0
+
+
+async def test_a_child_is_told_its_parent_and_runs_in_its_own_process_group(tmp_path: Path) -> None:
+    # What the child's parent-death guard reads (sidecar_common/parent_death.py), and a group
+    # of its own (a terminal's Ctrl-C reaches the frontend, not the child).
+    seen = tmp_path / "seen"
+    program = (
+        "import os, pathlib\n"
+        f"told = os.environ[{PARENT_PID_VARIABLE!r}]\n"
+        "own = os.getpgid(0) == os.getpid()\n"
+        f"pathlib.Path({str(seen)!r}).write_text(f'{{told}} {{os.getppid()}} {{own}}')\n"
+        "import time; time.sleep(600)\n"
+    )
+    child = _child(program, grace=0.2)
+    async with anyio.create_task_group() as group:
+        group.start_soon(child.run)
+        await _until(lambda: seen.exists() and seen.read_text())
+        await child.stop()
+    parent, ppid, own_group = seen.read_text().split()
+    assert parent == ppid == str(os.getpid())
+    assert own_group == "True"
 
 
 class FakeWorkers:
