@@ -37,6 +37,8 @@ from bench.procstat import cpu_seconds
 __all__ = ["Completed", "Fleet", "FleetSpec", "features", "run_multi_turn", "run_shared"]
 
 STARTUP_S = 120.0
+# Engine starts on fresh ports after a port taken between its pick and its bind.
+PORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,11 @@ class Fleet:
         self.metrics_urls: list[str] = []
         self.sidecars: list[str] = []
 
-    def start(self) -> None:
-        spec, feats = self.spec, features()
-        engines: list[tuple[Proc, str, int, int]] = []
-        for i in range(spec.workers):
+    def _start_engine(self, i: int) -> tuple[Proc, str, int, int]:
+        """Engine ``i``, serving; started again on fresh ports when one it was given was taken
+        by another process between the pick and the bind (a test run beside others)."""
+        spec = self.spec
+        for attempt in range(PORT_ATTEMPTS):
             addr = f"127.0.0.1:{free_port()}"
             pub, replay = free_port(), free_port()
             events = {
@@ -124,10 +127,22 @@ class Fleet:
                 "--kv-events-config", json.dumps(events),
             ]  # fmt: skip
             proc = Proc(f"kv-{self.tag}-engine{i}", argv, None).start()
+            try:
+                wait_grpc_ready(proc, addr, STARTUP_S)
+            except RuntimeError as err:
+                proc.stop()
+                if "Address already in use" in str(err) and attempt + 1 < PORT_ATTEMPTS:
+                    continue
+                raise
             self.procs.append(proc)
-            engines.append((proc, addr, pub, replay))
-        for proc, addr, _, _ in engines:
-            wait_grpc_ready(proc, addr, STARTUP_S)
+            return proc, addr, pub, replay
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def start(self) -> None:
+        spec, feats = self.spec, features()
+        engines: list[tuple[Proc, str, int, int]] = []
+        for i in range(spec.workers):
+            engines.append(self._start_engine(i))
         sidecars: list[tuple[Proc, str]] = []
         kv_flags = feats["sidecar_kv_flags"]
         for i, (_, engine_addr, pub, replay) in enumerate(engines):
