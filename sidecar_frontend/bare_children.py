@@ -145,8 +145,11 @@ class ManagedSidecar:
                 # no process_group): no Python runs in the forked child.
                 start_new_session=True,
             )
-        except OSError as err:
-            log.error("a bare engine's sidecar did not start", url=registration.url, error=str(err))
+        except Exception as err:
+            # Whatever the spawn raised costs this engine's sidecar, never the frontend. OSError
+            # is the usual (no executable, no memory); anything else is an event loop refusing
+            # an argument, which would repeat: logged each time, backed off.
+            log.error("a bare engine's sidecar did not start", url=registration.url, error=repr(err))
             return None
         self.process = process
         if self.stopping.is_set():  # stop() came while it started

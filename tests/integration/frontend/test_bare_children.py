@@ -5,6 +5,7 @@ stopped only once the worker set let go of the worker."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any, cast
 
 import anyio
 import pytest
+import structlog.testing
 from prometheus_client import CollectorRegistry, Counter
 
 from sidecar_common.parent_death import PARENT_PID_VARIABLE
@@ -139,3 +141,24 @@ async def test_a_removed_workers_sidecar_stops_once_the_worker_left() -> None:
     assert second.stopped.is_set()
     assert second.process is not None
     assert second.process.returncode is not None
+
+
+async def test_a_spawn_that_raises_costs_that_child_never_the_frontend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An event loop that refuses an argument raises ValueError, not OSError: the frontend once
+    # exited on it. Now it is logged, counted as an exit and tried again after the backoff.
+    async def refuse(*args: object, **kwargs: object) -> object:
+        raise ValueError("unexpected kwargs: process_group")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
+    child = _child("raise SystemExit(0)")
+    with structlog.testing.capture_logs() as logs:
+        async with anyio.create_task_group() as group:
+            group.start_soon(child.run)
+            await _until(lambda: child.restarted >= 2)
+            await child.stop()
+    failed = [e for e in logs if e["event"] == "a bare engine's sidecar did not start"]
+    assert failed
+    assert "unexpected kwargs" in failed[0]["error"]
+    assert child.restarts.labels(url=REGISTRATION.url)._value.get() == child.restarted
