@@ -53,6 +53,7 @@ __all__ = [
     "WorkerLoad",
     "fleet_room",
     "worker_has_room",
+    "workers_with_free_slots",
     "workers_with_room",
 ]
 
@@ -138,6 +139,21 @@ def workers_with_room(
     if loads and all(_is_stale(load, now, settings) for load in loads):
         return [load for load in loads if load.own_requests < _limit(load, settings)]
     return [load for load in loads if worker_has_room(load, now, settings)]
+
+
+def workers_with_free_slots(loads: Sequence[WorkerLoad], settings: CapacitySettings) -> list[WorkerLoad]:
+    """The workers of ``loads`` whose counts leave a slot (``own + others < limit``) and whose
+    engine was not full at its last report, however old that report is, in their order: where
+    routing sends a request admission let in. Staleness is admission's concern (it admits
+    nothing for a stale worker); routing that also passed stale workers over would herd every
+    request onto the workers whose reports happened to arrive in time (a frontend slowed down
+    by its own load reads late reports)."""
+    return [
+        load
+        for load in loads
+        if not _engine_full(load, settings)
+        and load.own_requests + _others(load, _limit(load, settings), settings) < _limit(load, settings)
+    ]
 
 
 def _limit(load: WorkerLoad, settings: CapacitySettings) -> int:

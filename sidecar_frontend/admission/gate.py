@@ -43,7 +43,7 @@ import anyio
 import structlog
 
 from sidecar_common.errors import RefusalReason
-from sidecar_frontend.admission.capacity import Room, WorkerLoad, fleet_room, workers_with_room
+from sidecar_frontend.admission.capacity import Room, WorkerLoad, fleet_room, workers_with_free_slots
 from sidecar_frontend.admission.queue import TicketState
 from sidecar_frontend.admission.rates import Grant, RateLimiter, RateRefusal
 from sidecar_frontend.admission.state import ModelAdmission, Preemption, Refused, Ticket
@@ -323,13 +323,13 @@ class Gate:
         return [self._load(worker) for worker in placing]
 
     def with_room(self, workers: Sequence[Worker]) -> list[Worker]:
-        """The workers of ``workers`` that have room for one more sequence, in their order
-        (``capacity.workers_with_room``: a fresh report, an engine not full, fewer sequences
-        than its limit; when every one is stale, fewer of this frontend's own)."""
+        """The workers of ``workers`` with a free slot, in their order
+        (``capacity.workers_with_free_slots``: fewer sequences than the limit, an engine not
+        full by its last report)."""
         if not workers:
             return []
         loads = [self._load(worker) for worker in workers]
-        roomy = {load.address for load in workers_with_room(loads, self._clock(), self.config.capacity)}
+        roomy = {load.address for load in workers_with_free_slots(loads, self.config.capacity)}
         return [worker for worker in workers if worker.address in roomy]
 
     def room(self, model: str) -> Room:

@@ -12,6 +12,7 @@ from sidecar_frontend.admission.capacity import (
     WorkerLoad,
     fleet_room,
     worker_has_room,
+    workers_with_free_slots,
     workers_with_room,
 )
 
@@ -160,3 +161,31 @@ def test_a_stale_or_full_worker_adds_no_room_beyond_its_own_sequences(loads: lis
                 alone_with_a_fresh_one = fleet_room([worker, load("fresh", limit=1)], NOW, SETTINGS)
                 net = alone_with_a_fresh_one.total_slots - alone_with_a_fresh_one.foreign_slots - 1
                 assert net <= worker.own_requests
+
+
+@pytest.mark.parametrize(
+    ("worker", "free"),
+    [
+        (load(own=7), True),
+        (load(own=8), False),
+        (load(own=4, others=4), False),
+        (load(own=4, others=3), True),
+        (load(waiting=1), False),  # its engine queues: full whatever the counts say
+        (load(kv=0.95), False),
+        (load(own=7, reported_at=NOW - 60), True),  # a late report: the counts decide
+        (load(own=7, reported_at=None), True),
+        (load(limit=0, own=63), True),  # not known yet: the default limit
+        (load(limit=0, own=64), False),
+    ],
+)
+def test_where_routing_finds_a_free_slot(worker: WorkerLoad, free: bool) -> None:
+    assert (workers_with_free_slots([worker], SETTINGS) == [worker]) is free
+
+
+def test_with_processes_each_counts_its_share_of_a_worker_for_routing_too() -> None:
+    # Two processes over a worker of 8: each has 4 slots, of which the other's sequences take
+    # only what overflows the other half.
+    two = CapacitySettings(processes=2)
+    assert workers_with_free_slots([load(own=3, others=4)], two) != []
+    assert workers_with_free_slots([load(own=4, others=0)], two) == []
+    assert workers_with_free_slots([load(own=3, others=5)], two) == []

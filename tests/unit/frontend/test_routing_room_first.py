@@ -89,18 +89,21 @@ def test_when_no_worker_has_room_the_policy_chooses_among_all() -> None:
     assert choice("agg", "m", request(), frozenset()) is get(workers, "10.0.0.1:1")
 
 
-def test_an_engine_with_its_own_queue_or_a_stale_report_has_no_room() -> None:
+def test_an_engine_with_its_own_queue_has_no_room_and_a_late_report_does_not_matter() -> None:
+    # Staleness is admission's concern: routing that passed stale workers over would herd every
+    # request onto the workers whose reports happened to arrive in time.
     workers, router, gate = fleet(Routing.APPROX, "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
-    queueing, stale, free = (get(workers, f"10.0.0.{i}:1") for i in (1, 2, 3))
+    queueing, late, full = (get(workers, f"10.0.0.{i}:1") for i in (1, 2, 3))
     queueing.waiting_requests = 1
-    stale.load_reported_at = NOW - 60
-    free.inflight = LIMIT - 1
-    assert gate.with_room([queueing, stale, free]) == [free]
+    late.load_reported_at = NOW - 60
+    late.inflight = LIMIT - 1
+    full.inflight = LIMIT
+    assert gate.with_room([queueing, late, full]) == [late]
     choice = RoutedChoice(workers, router, clock=lambda: NOW, with_room=gate.with_room)
-    assert {choice("agg", "m", request(), frozenset()) for _ in range(6)} == {free}
+    assert {choice("agg", "m", request(), frozenset()) for _ in range(6)} == {late}
 
 
-def test_when_every_report_is_stale_the_frontends_own_count_decides() -> None:
+def test_a_worker_that_never_reported_is_counted_on_this_frontends_own_requests() -> None:
     workers, _, gate = fleet(Routing.APPROX, "10.0.0.1:1", "10.0.0.2:1")
     full, spare = get(workers, "10.0.0.1:1"), get(workers, "10.0.0.2:1")
     for w in (full, spare):
