@@ -285,6 +285,20 @@ def test_an_engine_restart_leaves_none_of_the_old_engines_blocks() -> None:
                 except grpc.RpcError:
                     assert time.monotonic() < deadline, "the sidecar never served the new engine"
                     time.sleep(0.2)  # polling a real process: the sidecar reconnects on its own
-            stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=WAIT)
-            watched_keys(stream, set(block_keys(other, 16)), unwanted=frozenset(old))
-            stream.cancel()
+            # The sidecar's subscriber reconnects to the new publisher on ZMQ's own timer, and a
+            # PUB socket drops what it publishes before then: a fresh prompt each try, until one's
+            # blocks show (the old engine's must never be there).
+            attempt = 0
+            while True:
+                stream = stub.WatchKvCache(sidecar_pb2.WatchKvCacheRequest(), timeout=3.0)
+                try:
+                    watched_keys(stream, set(block_keys(other, 16)), unwanted=frozenset(old))
+                    break
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > deadline:
+                        raise
+                finally:
+                    stream.cancel()
+                attempt += 1
+                other = list(range(3000 + 100 * attempt, 3032 + 100 * attempt))
+                generate(stub, f"after-{attempt}", other)
