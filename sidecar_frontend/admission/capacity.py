@@ -125,10 +125,7 @@ def fleet_room(loads: Sequence[WorkerLoad], now: float, settings: CapacitySettin
 def worker_has_room(load: WorkerLoad, now: float, settings: CapacitySettings) -> bool:
     """Whether one more sequence may go to this worker: its report is fresh, its engine is not
     full, and ``own + others < limit``."""
-    if _is_stale(load, now, settings) or _engine_full(load, settings):
-        return False
-    limit = _limit(load, settings)
-    return load.own_requests + _others(load, limit, settings) < limit
+    return not _is_stale(load, now, settings) and _has_free_slot(load, settings)
 
 
 def workers_with_room(
@@ -148,12 +145,15 @@ def workers_with_free_slots(loads: Sequence[WorkerLoad], settings: CapacitySetti
     nothing for a stale worker); routing that also passed stale workers over would herd every
     request onto the workers whose reports happened to arrive in time (a frontend slowed down
     by its own load reads late reports)."""
-    return [
-        load
-        for load in loads
-        if not _engine_full(load, settings)
-        and load.own_requests + _others(load, _limit(load, settings), settings) < _limit(load, settings)
-    ]
+    return [load for load in loads if _has_free_slot(load, settings)]
+
+
+def _has_free_slot(load: WorkerLoad, settings: CapacitySettings) -> bool:
+    """Its engine not full by its last report, and ``own + others < limit``."""
+    if _engine_full(load, settings):
+        return False
+    limit = _limit(load, settings)
+    return load.own_requests + _others(load, limit, settings) < limit
 
 
 def _limit(load: WorkerLoad, settings: CapacitySettings) -> int:
