@@ -46,12 +46,17 @@ async def _until(check: Any) -> None:
             await anyio.sleep(0.01)  # another process's doing: no event to wait on
 
 
-async def test_a_child_that_exits_is_started_again_and_counted() -> None:
-    child = _child("raise SystemExit(3)")
+async def _run_until(child: ManagedSidecar, check: Any) -> None:
+    """Run ``child`` (restarts and all) until ``check()`` holds, then stop it."""
     async with anyio.create_task_group() as group:
         group.start_soon(child.run)
-        await _until(lambda: child.restarted >= 2)
+        await _until(check)
         await child.stop()
+
+
+async def test_a_child_that_exits_is_started_again_and_counted() -> None:
+    child = _child("raise SystemExit(3)")
+    await _run_until(child, lambda: child.restarted >= 2)
     assert child.restarts.labels(url=REGISTRATION.url)._value.get() == child.restarted
     assert child.process is not None
     assert child.process.returncode == 3
@@ -66,10 +71,7 @@ async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: 
         "time.sleep(600)\n"
     )
     child = _child(program, grace=0.2)
-    async with anyio.create_task_group() as group:
-        group.start_soon(child.run)
-        await _until(ready.exists)
-        await child.stop()
+    await _run_until(child, ready.exists)
     assert child.process is not None
     assert child.process.returncode == -9
     assert child.restarted == 0
@@ -87,10 +89,7 @@ async def test_a_child_is_told_its_parent_and_runs_in_its_own_process_group(tmp_
         "import time; time.sleep(600)\n"
     )
     child = _child(program, grace=0.2)
-    async with anyio.create_task_group() as group:
-        group.start_soon(child.run)
-        await _until(lambda: seen.exists() and seen.read_text())
-        await child.stop()
+    await _run_until(child, lambda: seen.exists() and seen.read_text())
     parent, ppid, own_group = seen.read_text().split()
     assert parent == ppid == str(os.getpid())
     assert own_group == "True"
@@ -154,10 +153,7 @@ async def test_a_spawn_that_raises_costs_that_child_never_the_frontend(
     monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
     child = _child("raise SystemExit(0)")
     with structlog.testing.capture_logs() as logs:
-        async with anyio.create_task_group() as group:
-            group.start_soon(child.run)
-            await _until(lambda: child.restarted >= 2)
-            await child.stop()
+        await _run_until(child, lambda: child.restarted >= 2)
     failed = [e for e in logs if e["event"] == "a bare engine's sidecar did not start"]
     assert failed
     assert "unexpected kwargs" in failed[0]["error"]
