@@ -111,6 +111,10 @@ class Pass:
         if self._released:
             return
         self._released = True
+        # The callback is the request's bound method, which holds this pass: dropped here, the
+        # request's objects are freed when it ends rather than left for the cyclic collector
+        # (whose passes over them stalled every stream under load, bench.overload).
+        self.on_preempt = None
         self._gate._release(self, self._grant, actual_tokens)
 
 
