@@ -17,7 +17,7 @@ requests high priority (vLLM's ``priority: -1``).
 of a commit, first on their ``PYTHONPATH``): figures before and after a change, or a stable
 commit while the working tree is being edited.
 
-Results: ``bench/results/overload/overload_<date>_<commit>[_quick].json`` and ``.md`` (or
+Results: ``bench/results/overload/overload_<date>_<commit>[_quick][_runN].json`` and ``.md`` (or
 ``--out DIR``), with PASS/FAIL per row for the issue's targets. bench/README.md, "Overload",
 says why the fleet is shaped as it is.
 """
@@ -251,6 +251,18 @@ def _result_name(date: str, commit: str, profile: Profile) -> str:
     return f"overload_{date}_{commit[:7]}{suffix}"
 
 
+def _free_name(directory: Path, name: str) -> str:
+    """``name``, or ``name_run2``, ``_run3``...: a second run of the same commit on the same day
+    (another ``--admission-flags``, or the same again) never overwrites the first one's files."""
+    taken = {p.stem for p in directory.glob(f"{name}*")}
+    if name not in taken:
+        return name
+    run = 2
+    while f"{name}_run{run}" in taken:
+        run += 1
+    return f"{name}_run{run}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke test: short levels at 1x and 4x")
@@ -334,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = _result_name(date.strftime("%Y-%m-%d"), code["commit"], profile)
+    name = _free_name(args.out, _result_name(date.strftime("%Y-%m-%d"), code["commit"], profile))
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     text = markdown(doc)
     (args.out / f"{name}.md").write_text(text)

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from testkit.pacing import decode_step_secs
 
+from bench.overload import _free_name
 from bench.overload_client import TENANT_HEADER, Client, RequestShape
 from bench.overload_plan import FLOOD, HIGH, QUIET, Arrival, FleetShape, poisson_times, schedule, steady_times
 from bench.overload_stats import Outcome, compare, evaluate, markdown, summarize_level
@@ -351,3 +353,13 @@ async def test_the_client_records_streams_refusals_breaks_and_requests_left_wait
         len(broken),
         {"429 queue_full": len(refused)},
     )
+
+
+def test_a_second_run_of_the_same_commit_does_not_overwrite_the_first(tmp_path: Path) -> None:
+    assert _free_name(tmp_path, "overload_2026-12-05_abc1234") == "overload_2026-12-05_abc1234"
+    for stem in ("overload_2026-12-05_abc1234", "overload_2026-12-05_abc1234_run2"):
+        (tmp_path / f"{stem}.json").write_text("{}")
+        (tmp_path / f"{stem}.md").write_text("")
+    assert _free_name(tmp_path, "overload_2026-12-05_abc1234") == "overload_2026-12-05_abc1234_run3"
+    # Another commit's files are not this one's runs.
+    assert _free_name(tmp_path, "overload_2026-12-05_def5678") == "overload_2026-12-05_def5678"
