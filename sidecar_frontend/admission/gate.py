@@ -173,7 +173,8 @@ class Gate:
                 return refused
             grant = taken
         admission = self._admission(model)
-        arrived = admission.arrive(who.tenant, who.urgency, cost, slots, now, self._room(model, now))
+        room = self._room(model, now)
+        arrived = admission.arrive(who.tenant, who.urgency, cost, slots, now, room)
         self._refuse_pushed_out(model, admission)
         if isinstance(arrived, Refused):
             self._give_back(grant, now)
@@ -184,6 +185,20 @@ class Gate:
         if arrived.admitted:
             self._tell_admitted(model, who, 0.0)
             return self._pass(model, arrived, grant, who)
+        # Why it waits, for whoever reads a slow request's queued_ms (debug: one line a request
+        # under a flood). Free slots are total - foreign - held; the reserve is kept for tenants
+        # under their fair share (state.py).
+        log.debug(
+            "request queued",
+            model=model,
+            tenant=who.tenant,
+            urgency=who.urgency,
+            total_slots=room.total_slots,
+            foreign_slots=room.foreign_slots,
+            held_slots=admission.held_slots,
+            reserve=admission.reserve(room.total_slots),
+            stale_workers=room.stale,
+        )
         waiter = _Waiter(arrived)
         waiting = self._waiters.setdefault(model, {})
         waiting[arrived] = waiter

@@ -343,6 +343,11 @@ class ModelAdmission:
         """Sequences of the admitted, unreleased tickets."""
         return self._held_slots
 
+    def reserve(self, total: int) -> int:
+        """The free slots a ticket whose tenant is over its fair share must leave now, of
+        ``total`` (module docstring)."""
+        return self._reserve(total)
+
     def queued(self) -> dict[tuple[int, str], int]:
         """Queued tickets by (urgency, tenant)."""
         return self._queue.depth()

@@ -374,3 +374,14 @@ async def test_the_request_line_names_its_tenant_urgency_and_time_in_the_queue()
         # vLLM's priority -2 is served before 0: urgency 2.
         assert (waited["tenant"], waited["urgency"]) == ("chat", 2)
         assert waited["queued_ms"] >= 200.0
+        # Why it waited, at debug: the one slot held, nobody else's, no reserve (headroom 0).
+        (why,) = [e for e in logs if e["event"] == "request queued"]
+        assert {k: why[k] for k in ("tenant", "urgency", "total_slots", "foreign_slots", "held_slots")} == {
+            "tenant": "chat",
+            "urgency": 2,
+            "total_slots": 1,
+            "foreign_slots": 0,
+            "held_slots": 1,
+        }
+        assert why["reserve"] == 0
+        assert why["stale_workers"] in (0, 1)  # this fixture's one worker may not have reported yet
