@@ -57,6 +57,7 @@ from sidecar_frontend.admission.rates import RateConfigError, RateLimiter
 from sidecar_frontend.bare_children import BareSidecars
 from sidecar_frontend.bare_sidecars import ChildSettings
 from sidecar_frontend.cli import FORMATS, FrontendConfig
+from sidecar_frontend.collector import CollectorThresholds
 from sidecar_frontend.discovery import DiscoverySink, run_discovery
 from sidecar_frontend.fleet_watch import FleetWatch
 from sidecar_frontend.formats.base import Format, WorkerFailure
@@ -84,13 +85,6 @@ __all__ = [
 
 # After the drain, how long the cancelled requests get to write their last bytes.
 _STOP_GRACE: Final = 5.0
-# The cyclic collector's thresholds while serving (CPython's: 700, 10, 10). The first counts
-# tracked objects allocated less those freed, so what reference counting frees (nearly all of
-# a request's objects) never adds up to it; at 700 the thousands of objects of the requests in
-# flight trip it every few requests, every pass promotes them, and a full pass walks them all
-# every second or two: about a third of the frontend's CPU at 2,000 non-streaming requests in
-# flight (docs/decisions.md, "Per-request CPU"). At most 50,000 objects of cyclic garbage wait.
-_GC_THRESHOLDS: Final = (50_000, 20, 10)
 # A process of --processes N listens (and so takes its share of the connections) once a worker
 # serves, or after this long whatever the fleet does (an outage answers 503 from every process).
 _FIRST_WORKER_WAIT: Final = 10.0
@@ -196,15 +190,18 @@ async def serve(config: FrontendConfig, inherited: Inherited | None = None) -> i
     """One frontend, to its exit code; ``inherited``: as one process of ``--processes N``."""
     # What start-up loaded lives as long as the process: kept out of the collector's passes.
     gc.freeze()
-    gc.set_threshold(*_GC_THRESHOLDS)
+    collector = CollectorThresholds()
     configure_logging(config.log_format, config.log_level)
     quiet_grpc_decode_failures()
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        return await _serve(config, signals, inherited)
+        return await _serve(config, signals, inherited, collector)
 
 
 async def _serve(
-    config: FrontendConfig, signals: AsyncIterator[signal.Signals], inherited: Inherited | None
+    config: FrontendConfig,
+    signals: AsyncIterator[signal.Signals],
+    inherited: Inherited | None,
+    collector: CollectorThresholds,
 ) -> int:
     try:
         formats = load_formats(
@@ -261,7 +258,7 @@ async def _serve(
             workers.events.subscribe(FleetWatch(metrics.registry, workers.registry))
             metrics.watch_fleet(lambda: _rows(workers))
             try:
-                gate = _start_admission(config, supervisor, workers, metrics)
+                gate = _start_admission(config, supervisor, workers, metrics, collector.backlog)
             except RateConfigError as err:
                 log.error("start-up failed", error=str(err))
                 return EXIT_STARTUP_FAILED
@@ -309,16 +306,28 @@ async def _serve(
 
 
 def _start_admission(
-    config: FrontendConfig, supervisor: Supervisor, workers: WorkerSet, metrics: Metrics
+    config: FrontendConfig,
+    supervisor: Supervisor,
+    workers: WorkerSet,
+    metrics: Metrics,
+    on_backlog: Callable[[bool], None],
 ) -> Gate | None:
     """The admission gate, its metrics, its ticker and the rate limits file's follower (None
-    with --no-admission). A rate limits file that cannot be read fails start-up."""
+    with --no-admission); ``on_backlog`` is told when requests start and stop waiting. A rate
+    limits file that cannot be read fails start-up."""
     settings = config.admission
     if not settings.enabled:
         return None
     limiter = RateLimiter(load_rate_file(settings.rate_limits)) if settings.rate_limits else None
     observer = AdmissionMetrics(metrics.registry, max_wait=settings.settings.max_queue_wait)
-    gate = Gate(workers.registry, settings, limiter=limiter, observer=observer, held=workers.held)
+    gate = Gate(
+        workers.registry,
+        settings,
+        limiter=limiter,
+        observer=observer,
+        held=workers.held,
+        on_backlog=on_backlog,
+    )
     observer.watch(gate.queued, gate.every_load)
     workers.events.subscribe(WakeOnWorkerEvents(gate))
     supervisor.start("admission", gate.run_ticker)

@@ -137,8 +137,12 @@ class Gate:
         clock: Callable[[], float] = time.monotonic,
         observer: AdmissionObserver | None = None,
         held: Callable[[str], bool] | None = None,
+        on_backlog: Callable[[bool], None] | None = None,
     ) -> None:
         self._workers = workers
+        # Told True when requests start waiting, False when none waits any more (the ticker's
+        # view, within a tick): the frontend tightens its collector meanwhile (collector.py).
+        self._on_backlog = on_backlog
         # Whether a model's fleet is held (every worker paused: WorkerSet.held). Its queued
         # requests' wait does not count meanwhile: a trainer's pause is no reason to refuse them
         # (the hold bounds it, --paused-hold-secs); their deadlines move on by the held time.
@@ -279,6 +283,7 @@ class Gate:
         and preempts for the requests that waited ``preempt_after`` when that is set."""
         while True:
             await self._anything_waits.wait()
+            self._tell_backlog(True)
             while any(self._waiters.values()):
                 self.poke()
                 for model in list(self._waiters):
@@ -287,6 +292,7 @@ class Gate:
                     self._preempt(self.config.preempt_after)
                 await anyio.sleep(self.config.tick)
             self._anything_waits = anyio.Event()
+            self._tell_backlog(False)
 
     def _preempt(self, after: float) -> None:
         """Preempt every victim the admission names now for a request that waited ``after``."""
@@ -463,6 +469,10 @@ class Gate:
     def held(self) -> dict[str, int]:
         """Admitted sequences still running, by model."""
         return {model: admission.held_slots for model, admission in self._models.items()}
+
+    def _tell_backlog(self, waiting: bool) -> None:
+        if self._on_backlog is not None:
+            self._on_backlog(waiting)
 
     def _tell_admitted(self, model: str, who: Who, waited: float) -> None:
         if self._observer is not None:
