@@ -89,6 +89,8 @@ class Pass:
         self.on_preempt: Callable[[Preemption], None] | None = None
         # Why its slots were taken back, from its preemption until it is admitted again.
         self.preemption: Preemption | None = None
+        # When the gate preempted it last (its debug line says how long the request took to stop).
+        self.preempted_at: float | None = None
         # Its wait to be admitted again, shared by whoever calls readmit.
         self._resume: _Waiter | None = None
 
@@ -307,7 +309,17 @@ class Gate:
                 waiter = admission.making_room_for(victim)
                 assert waiter is not None, "a victim is named for a waiting ticket"
                 cause = Preemption(victim.urgency, waiter.urgency, now - waiter.enqueued_at)
+                log.debug(
+                    "preempting",
+                    model=model,
+                    tenant=victim.tenant,
+                    urgency=victim.urgency,
+                    for_tenant=waiter.tenant,
+                    for_urgency=waiter.urgency,
+                    waited_ms=round(cause.waited * 1000, 3),
+                )
                 passed.preemption = cause
+                passed.preempted_at = now
                 if self._observer is not None:
                     self._observer.preempted(model, passed.who)
                 if passed.on_preempt is not None:
@@ -324,7 +336,16 @@ class Gate:
                 return False  # the frontend stops: nothing is admitted any more
             # The first of its sub-requests back: its slots go to the waiting request.
             waiter = passed._resume = _Waiter(ticket)
-            self._models[model].requeue(ticket, self._clock())
+            now = self._clock()
+            since = passed.preempted_at
+            # How long the preempted request took to stop: the urgent one waits for it.
+            log.debug(
+                "preempted request stopped",
+                model=model,
+                tenant=ticket.tenant,
+                after_ms=None if since is None else round((now - since) * 1000, 3),
+            )
+            self._models[model].requeue(ticket, now)
             self._waiters.setdefault(model, {})[ticket] = waiter
             self._anything_waits.set()
             self._tell_queued(model)

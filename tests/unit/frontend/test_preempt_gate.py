@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import anyio
+import structlog.testing
 
 from sidecar_common.api import sidecar_pb2
 from sidecar_common.errors import RefusalReason
@@ -230,3 +231,33 @@ async def test_a_request_preempted_as_the_frontend_stops_is_not_queued_again() -
         assert fe.queued() == {}
         low.release(None)
         assert fe.held() == 0
+
+
+async def test_the_debug_lines_name_a_preemption_and_how_long_its_request_took_to_stop() -> None:
+    async with fleet() as fe:
+        low = await admitted(fe, LOW)
+        stops = Stops()
+        low.allow_preemption(stops)
+        with structlog.testing.capture_logs() as logs:
+            high = later(fe, lambda: fe.gate.enter(MODEL, HIGH, 10, 1))
+            await until(lambda: fe.queued() == {(5, "high"): 1}, "the urgent request waits")
+            fe.clock.now = AFTER
+            await stops.stopped.wait()
+            fe.clock.now = AFTER + 0.25  # its request takes a quarter second to stop
+            resumed = later(fe, low.readmit)
+            await until(lambda: bool(high), "the urgent request is admitted")
+        (preempting,) = [e for e in logs if e["event"] == "preempting"]
+        assert {k: preempting[k] for k in ("tenant", "urgency", "for_tenant", "for_urgency")} == {
+            "tenant": "low",
+            "urgency": 0,
+            "for_tenant": "high",
+            "for_urgency": 5,
+        }
+        assert preempting["waited_ms"] == round(AFTER * 1000, 3)
+        (stopped,) = [e for e in logs if e["event"] == "preempted request stopped"]
+        assert (stopped["tenant"], stopped["after_ms"]) == ("low", 250.0)
+        urgent = high[0]
+        assert isinstance(urgent, Pass)
+        urgent.release(20)
+        await until(lambda: bool(resumed), "the paused request is admitted again")
+        low.release(20)
