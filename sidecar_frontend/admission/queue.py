@@ -69,6 +69,7 @@ import heapq
 import math
 from bisect import insort
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["AdmissionQueue", "Ticket", "TicketState"]
@@ -361,6 +362,24 @@ class AdmissionQueue:
             fronts.sort(key=lambda ticket: (ticket._start, ticket._seq))
             found.extend(fronts)
         return found
+
+    def lane_from(self, ticket: Ticket) -> Iterator[Ticket]:
+        """``ticket`` (one of :meth:`heads`), then the queued tickets behind it in its tenant's
+        lane of its band, in the order they came (a preempted ticket has no lane: itself only).
+        Lazy: a caller that stops early pays for what it read."""
+        yield ticket
+        if ticket._resuming or ticket.state is not TicketState.QUEUED:
+            return
+        lane = self._bands[ticket.urgency].lanes[ticket.tenant]
+        behind = iter(lane.waiting)
+        for queued in behind:
+            if queued is ticket:
+                break
+        else:
+            return
+        for queued in behind:
+            if queued.state is TicketState.QUEUED:
+                yield queued
 
     def take(self, ticket: Ticket) -> bool:
         """Serve one of :meth:`heads` now, in or out of its turn; False when ``ticket`` is not

@@ -59,10 +59,12 @@ the reserve and no head before it does. A request is never admitted into more th
 
 **Preemption** (off unless the caller asks: ``--preempt-after-secs``). :meth:`ModelAdmission.victim`
 names an admitted ticket to pause for a waiting one. The waiting tickets are the queue's heads,
-the most urgent first (:meth:`AdmissionQueue.heads`); the room they will have counts the free
-slots and the slots of the preemptions in flight (named, not yet requeued or released), and a
-head that fits in it is taken to use it. The first head that does not fit and has waited at
-least ``after`` seconds gets a victim: an admitted ticket that is ``preemptible``, strictly less
+the most urgent first (:meth:`AdmissionQueue.heads`), each followed by the tickets behind it in
+its tenant's lane (:meth:`AdmissionQueue.lane_from`: a second urgent request of one tenant is
+not left to the ticker while the first one's victim stops); the room they will have counts the
+free slots and the slots of the preemptions in flight (named, not yet requeued or released),
+and a ticket that fits in it is taken to use it. The first ticket that does not fit and has
+waited at least ``after`` seconds gets a victim: an admitted ticket that is ``preemptible``, strictly less
 urgent, and not being preempted already; the least urgent, then one of the tenant holding the
 most slots, then the most recently admitted (the least work lost). The tenant comes before the
 work lost: the most recently admitted request is often a tenant under its fair share just let
@@ -302,20 +304,24 @@ class ModelAdmission:
         available += sum(ticket.slots for ticket in self._preempting)
         reserve = self._reserve(room.total_slots)
         for head in self._queue.heads():
-            # A head that does not qualify for the reserve cannot use it: the room it waits for
-            # is what lies outside it.
-            usable = available if self._qualifies(head, room.total_slots, None) else available - reserve
-            if head.slots <= usable:
-                available -= head.slots
-                continue
-            if now - head.enqueued_at < after:
-                continue
-            chosen = self._least_valuable(below=head.urgency)
-            if chosen is None:
-                # The heads come most urgent first: no later one has a less urgent ticket.
-                return None
-            self._preempting[chosen] = head
-            return chosen
+            # The head, then those behind it in its tenant's lane: a second urgent request of
+            # one tenant gets its own victim while the first one's is still stopping.
+            for waiting in self._queue.lane_from(head):
+                # A ticket that does not qualify for the reserve cannot use it: the room it
+                # waits for is what lies outside it.
+                qualifies = self._qualifies(waiting, room.total_slots, None)
+                usable = available if qualifies else available - reserve
+                if waiting.slots <= usable:
+                    available -= waiting.slots
+                    continue
+                if now - waiting.enqueued_at < after:
+                    break  # the rest of its lane came later still
+                chosen = self._least_valuable(below=waiting.urgency)
+                if chosen is None:
+                    # The heads come most urgent first: no later one has a less urgent ticket.
+                    return None
+                self._preempting[chosen] = waiting
+                return chosen
         return None
 
     def making_room_for(self, victim: Ticket) -> Ticket | None:

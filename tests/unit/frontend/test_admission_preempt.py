@@ -366,3 +366,25 @@ def test_an_urgent_request_only_the_reserve_could_hold_gets_a_victim() -> None:
     urgent = ticket_of(state.arrive("flood", 1, 10, 1, 0.0, fleet))
     assert not urgent.admitted
     assert state.victim(1.0, fleet, AFTER) in low
+
+
+def test_a_second_waiting_request_of_the_same_tenant_gets_its_own_victim_at_once() -> None:
+    # Two urgent requests of one tenant wait (only the first is its lane's head); the first has
+    # a preemption in flight. The second, once it waited as long, gets its own victim rather
+    # than waiting for the first to be admitted and the ticker's next look (bench.overload's
+    # priority scenario: an urgent request queued 99 ms, about one tick, past its 5 ms).
+    state, held = full_fleet([0, 0, 0])
+    fleet = room(3)
+    first = ticket_of(state.arrive("urgent", 1, 10, 1, 0.0, fleet))
+    second = ticket_of(state.arrive("urgent", 1, 10, 1, 0.5, fleet))
+    assert state.victim(AFTER, fleet, AFTER) is held[2]
+    assert state.making_room_for(held[2]) is first
+    # The second has not waited long enough yet.
+    assert state.victim(0.5 + AFTER - 0.01, fleet, AFTER) is None
+    assert state.victim(0.5 + AFTER, fleet, AFTER) is held[1]
+    assert state.making_room_for(held[1]) is second
+    assert state.victim(0.5 + AFTER, fleet, AFTER) is None
+    # Both stop: both urgent requests are admitted, in their order.
+    state.requeue(held[2], 2.0)
+    state.requeue(held[1], 2.0)
+    assert state.pump(2.0, fleet) == [first, second]

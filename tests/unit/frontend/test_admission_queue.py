@@ -376,3 +376,22 @@ def test_a_held_fleets_wait_does_not_count_against_a_queued_tickets_deadline() -
     assert queue.expired(119.0) == []
     assert queue.expired(120.0) == [early]
     assert queue.next_deadline() == 130.0
+
+
+def test_lane_from_is_a_head_then_its_tenants_later_tickets_of_its_band() -> None:
+    queue = AdmissionQueue(max_depth=8)
+    a1, a2, a3, a4 = (ticket("a", at=float(i)) for i in range(4))
+    b1 = ticket("b")
+    urgent = ticket("a", urgency=1)
+    push_all(queue, [a1, b1, a2, urgent, a3, a4])
+    assert queue.remove(a3)
+    assert list(queue.lane_from(a1)) == [a1, a2, a4]
+    assert list(queue.lane_from(b1)) == [b1]
+    assert list(queue.lane_from(urgent)) == [urgent]
+    # From the middle of the lane, as well (the head left).
+    assert queue.pop() is urgent
+    assert queue.take(a1)
+    assert list(queue.lane_from(a2)) == [a2, a4]
+    # A preempted ticket waiting again has no lane: itself only.
+    queue.requeue(a1, 5.0)
+    assert list(queue.lane_from(a1)) == [a1]
