@@ -457,6 +457,8 @@ class WorkerAgent:
         worker.load_reported_at = self._clock()
         state, version = engine_state(report)
         self._registry.report_engine(worker, state, version)
+        # After the engine's state: a report that frees room is looked at with it.
+        self._registry.events.loaded(worker)
         return True
 
     # ---------------------------------------------------------------- TLS rotation

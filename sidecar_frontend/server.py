@@ -329,7 +329,9 @@ def _start_admission(
         on_backlog=on_backlog,
     )
     observer.watch(gate.queued, gate.every_load)
-    workers.events.subscribe(WakeOnWorkerEvents(gate))
+    wake = WakeOnWorkerEvents(gate)
+    workers.events.subscribe(wake)
+    workers.events.subscribe_load(wake.loaded)
     supervisor.start("admission", gate.run_ticker)
     if limiter is not None and settings.rate_limits is not None:
         path = settings.rate_limits

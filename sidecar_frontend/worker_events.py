@@ -8,7 +8,12 @@ Three events, each with the worker it concerns:
 
 A listener is told synchronously, in subscription order, from the task that made the change;
 it must not block (start a task for anything long). A listener that raises is logged with the
-worker's address and the event, and the others are still told. :meth:`WorkerEvents.next_change`
+worker's address and the event, and the others are still told.
+
+Apart from those, a *load listener* (:meth:`WorkerEvents.subscribe_load`) is told each load
+report believed from a worker (its figures were just set): not a change (routing reads the
+figures where it uses them, and the change waiters are not woken by every report), but what
+admission needs to look at its queue again at once when a report frees room. :meth:`WorkerEvents.next_change`
 is the same news for a task that waits: an event set at the next change of any kind (taken
 before looking, so no change between the look and the wait is missed).
 """
@@ -48,6 +53,7 @@ class WorkerListener(Protocol[WorkerT_contra]):
 class WorkerEvents(Generic[WorkerT]):
     def __init__(self) -> None:
         self._listeners: list[WorkerListener[WorkerT]] = []
+        self._load_listeners: list[Callable[[WorkerT], None]] = []
         self._next = anyio.Event()
 
     def subscribe(self, listener: WorkerListener[WorkerT]) -> Callable[[], None]:
@@ -59,6 +65,25 @@ class WorkerEvents(Generic[WorkerT]):
                 self._listeners.remove(listener)
 
         return unsubscribe
+
+    def subscribe_load(self, listener: Callable[[WorkerT], None]) -> Callable[[], None]:
+        """Tell ``listener`` each load report believed from now on; the returned call
+        unsubscribes it."""
+        self._load_listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._load_listeners:
+                self._load_listeners.remove(listener)
+
+        return unsubscribe
+
+    def loaded(self, worker: WorkerT) -> None:
+        """A load report of ``worker`` was believed (its figures are set)."""
+        for listener in tuple(self._load_listeners):
+            try:
+                listener(worker)
+            except Exception:  # one listener's fault must not keep the news from the others
+                log.exception("worker load listener failed", worker=worker.address)
 
     def next_change(self) -> anyio.Event:
         return self._next

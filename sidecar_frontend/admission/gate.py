@@ -15,10 +15,13 @@ running limit (its engine's ``max_num_seqs`` / ``max_running_requests`` from ``M
 last pushed (other frontends' requests, the engine's queue and KV use, and how fresh that is).
 
 What wakes a waiting request: the release of an admitted one (the common case: immediate), a
-worker event (joined, changed, left), and a ticker that looks again every ``tick`` seconds while
-anything waits, for what no event announces (a load report of another frontend's requests
-ending). The ticker is a supervised task when the frontend runs one; a request's own deadline
-never depends on it.
+worker event (joined, changed, left), a load report believed from a worker (its engine's queue
+emptied, another frontend's requests ended: ``WorkerEvents.subscribe_load``), another request's
+arrival (it pumps the queue it joins, so room that grew unannounced, such as a worker's report
+going stale or a tenant ageing out of the reserve's count, is used before the newcomer
+waits), and a ticker that looks again every ``tick`` seconds while anything waits, for what
+nothing announces. The ticker is a supervised task when the frontend runs one; a request's own
+deadline never depends on it.
 
 Preemption (``--preempt-after-secs``; off by default). The ticker also asks each model's
 admission for a victim (:meth:`~.state.ModelAdmission.victim`): an admitted request, less urgent
@@ -210,6 +213,9 @@ class Gate:
         waiting[arrived] = waiter
         self._anything_waits.set()
         self._tell_queued(model)
+        # The state admitted nothing because another ticket goes first: if the room grew with
+        # no event (a report went stale, the reserve shrank), that one and maybe this one go now.
+        self._pump(model)
         outcome: Pass | Refused | None = None
         try:
             with anyio.move_on_after(max(0.0, arrived.deadline - now)):
@@ -266,12 +272,17 @@ class Gate:
 
     # ---------------------------------------------------------------- what wakes the queue
 
+    def look_again(self) -> None:
+        """The fleet's room may have grown: admit what fits in every queue that has waiters."""
+        for model, waiting in list(self._waiters.items()):
+            if waiting:
+                self._pump(model)
+
     def poke(self) -> None:
         """The fleet may have room now (a worker event): look at every queue; and a model no
         worker serves any more, with nothing waiting or running, is forgotten (its state and
         its metrics' series), so a fleet whose models come and go keeps no trace of the old."""
-        for model in list(self._waiters):
-            self._pump(model)
+        self.look_again()
         served = self._workers.models()
         for model, admission in list(self._models.items()):
             if model not in served and not self._waiters.get(model) and admission.held_slots == 0:
@@ -537,6 +548,12 @@ class WakeOnWorkerEvents:
 
     def left(self, worker: Worker) -> None:
         self._gate.poke()
+
+    def loaded(self, worker: Worker) -> None:
+        """A load report (``WorkerEvents.subscribe_load``): the waiting requests look again, for
+        the room it may have freed (the engine's queue emptied, the other frontends' requests
+        ended), rather than at the ticker's next look."""
+        self._gate.look_again()
 
 
 class AdmissionObserver:

@@ -65,6 +65,9 @@ async def test_pushed_reports_set_the_workers_figures_as_the_engines_change_with
         WorkerSet(FAST_WORKERS) as workers,
         hostile_worker(watch_load=True, kinds=[Kind.FINAL_THEN_OPEN]) as sidecar,
     ):
+        # Admission's load listener: told each believed report, the figures already set.
+        told: list[tuple[str, int | None]] = []
+        workers.events.subscribe_load(lambda w: told.append((w.address, w.running_requests)))
         worker = await serving_worker(workers, sidecar)
         await until(lambda: worker.load_reported_at is not None, "a first report")
         assert (worker.running_requests, worker.waiting_requests, worker.kv_usage) == (0, 0, 0.1)
@@ -86,6 +89,9 @@ async def test_pushed_reports_set_the_workers_figures_as_the_engines_change_with
             finally:
                 call.cancel()
             await until(lambda: worker.running_requests == 0, "the report after it ended")
+        assert told[0] == (sidecar.address, 0)
+        assert (sidecar.address, 1) in told
+        assert told[-1] == (sidecar.address, 0)
         assert sidecar.calls["GetLoad"] == 0, "pushed, never polled"
         assert sidecar.calls["WatchLoad"] == 1, "one stream all along"
 
@@ -133,13 +139,19 @@ async def test_a_pushed_report_that_cannot_be_believed_is_misbehaviour(
     monkeypatch.setattr(workers_module, "EJECTION_FIRST_SECS", 3600.0)
     with structlog.testing.capture_logs() as logs:
         async with WorkerSet(FAST_WORKERS) as workers, hostile_worker(watch_load=True, after=1) as sidecar:
+            told: list[float | None] = []
+            workers.events.subscribe_load(lambda w: told.append(w.load_reported_at))
             worker = await serving_worker(workers, sidecar)
             await until(lambda: worker.load_reported_at is not None, "the first (honest) report")
             believed = (worker.reported_inflight, worker.load_reported_at)
+            heard = len(told)
             sidecar.misbehave(kind)
             await until(lambda: worker.ejected_until is not None, "ejected")
-            # The report was not believed: the figures are the honest one's.
+            # The report was not believed: the figures are the honest one's, and no load
+            # listener was told of it.
             assert (worker.reported_inflight, worker.load_reported_at) == believed
+            assert len(told) == heard
+            assert told[-1] == believed[1]
             assert sidecar.calls["GetLoad"] == 0
     assert misbehaved(logs, sidecar.address)[:1] == [reported.value]
 
