@@ -108,8 +108,8 @@ def test_the_headroom_lets_a_quiet_tenant_in_during_a_flood(headroom: float, qui
     fleet = room(10)
     admitted(state.arrive("steady", 0, 1, 1, 0.0, fleet))
     flooded = flood(state, "flood", 20, fleet)
-    # The flood runs up to the reserve with headroom (2 of 10 slots, and one more for "steady",
-    # under its share and running a request), to the last slot without.
+    # The flood runs up to the reserve with headroom (2 of 10 slots, beyond the one "steady",
+    # under its share, holds), to the last slot without.
     assert state.held_by_tenant() == {"steady": 1, "flood": 6 if headroom else 9}
     assert sum(ticket.admitted for ticket in flooded) == (6 if headroom else 9)
     quiet = state.arrive("quiet", 0, 1, 1, 0.0, fleet)
@@ -138,7 +138,7 @@ def test_a_tenant_under_its_share_passes_the_queue_of_a_tenant_over_its_share() 
 
 
 def test_urgency_goes_first_but_does_not_open_the_reserve() -> None:
-    state = ModelAdmission(AdmissionSettings(headroom=0.2))  # 2 of 10, and one per small tenant running
+    state = ModelAdmission(AdmissionSettings(headroom=0.2))  # 2 of 10, beyond the small tenants' own
     fleet = room(10)
     admitted(state.arrive("steady", 0, 1, 1, 0.0, fleet))
     running = [t for t in flood(state, "flood", 20, fleet) if t.admitted]
@@ -147,8 +147,8 @@ def test_urgency_goes_first_but_does_not_open_the_reserve() -> None:
     assert state.held_slots == 7
     # ...while a quiet tenant's request (under its share) takes the reserve at once...
     admitted(state.arrive("quiet", 0, 1, 1, 0.0, fleet))
-    # ...and once room outside the reserve frees (2 slots and one each for "steady" and
-    # "quiet"), it goes to the urgent one, before the flood's others (which were there first).
+    # ...and once room outside the reserve frees (2 slots beyond what "steady" and "quiet"
+    # hold), it goes to the urgent one, before the flood's others (which were there first).
     for ticket in running[:3]:
         state.release(ticket, 1, 1.0)
     assert state.pump(1.0, fleet) == [urgent]
