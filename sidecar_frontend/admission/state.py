@@ -17,9 +17,9 @@ leaves at once (:meth:`ModelAdmission.cancel`). An admitted ticket holds its seq
 **The admission rule.** With the room passed in::
 
     free    = total_slots - foreign_slots - held slots (this model's admitted, unreleased)
-    reserve = ceil(headroom * total_slots) + one slot for each tenant under its fair share
-              that holds a slot, at most total_slots - 1 (0 when headroom is 0, and 0 while
-              only one tenant is around: see below)
+    reserve = ceil(headroom * total_slots) + the slots held by tenants under their fair share,
+              at most total_slots - 1 (0 when headroom is 0, and 0 while only one tenant is
+              around: see below)
 
 a ticket may be admitted when ``free >= slots`` and at least one of:
 
@@ -29,14 +29,11 @@ a ticket may be admitted when ``free >= slots`` and at least one of:
   whoever comes next: a lone tenant's flood fills the fleet up to the reserve and no further,
   so the next tenant to arrive finds room at once.
 
-The reserve grows by one slot for each tenant under its fair share that runs requests: that
-tenant's next request finds a slot beyond the headroom, which the next newcomer may need. A
-fixed reserve let a quiet tenant's request wait for one of the flood's to end whenever two of
-its requests came close together (bench.overload at 4 and 8 times the capacity: its p99 time
-to first token 1.63 and 1.82 times idle); counting every slot those tenants hold (the rule
-before this one) kept as many more slots idle under a flood: 264 against 282 tokens/s of
-goodput at 8 times, for the quiet tenant's p99 at most 1.28 against 1.38 times idle, both
-within the issue's 1.5 (bench/README.md, "Overload").
+The reserve grows with what the tenants under their fair share hold: a tenant over its share
+leaves ``ceil(headroom * total_slots)`` slots free *beyond* theirs, so a quiet tenant running
+three requests still finds the headroom free for its fourth (with a fixed reserve, its fourth
+waited for one of the flood's requests to end: bench.overload's quiet tenant, 2.6 requests
+running on average, had a p99 time to first token of 105 ms against 57 ms idle).
 
 The reserve is kept only while more than one tenant is around (sent a request in the last
 :data:`RESERVE_TENANTS_WINDOW` seconds, or holds or waits for a slot): a lone tenant, such as
@@ -417,14 +414,14 @@ class ModelAdmission:
 
     def _reserve(self, total: int) -> int:
         """The free slots a ticket that does not qualify must leave (module docstring): the
-        headroom, and one more for each tenant under its fair share that runs requests."""
+        headroom, beyond what the tenants under their fair share hold."""
         if self.settings.headroom <= 0.0 or total <= 1 or not self._reserve_kept:
             return 0
         # Rounded first: 0.1 * 30 is 3.0000000000000004 in floating point, whose ceiling is 4.
         headroom = math.ceil(round(self.settings.headroom * total, 9))
         tenants = len(self._tickets_by_tenant) + 1
-        running_under_share = sum(1 for held in self._held_by_tenant.values() if held * tenants < total)
-        return min(headroom + running_under_share, total - 1)
+        under_share = sum(held for held in self._held_by_tenant.values() if held * tenants < total)
+        return min(headroom + under_share, total - 1)
 
     def _admit(self, ticket: Ticket) -> None:
         taken = self._queue.take(ticket)
