@@ -443,6 +443,28 @@ def test_the_reserve_stays_free_beyond_what_the_tenants_under_their_share_hold()
     assert state.held_by_tenant() == {"quiet": 4, "flood": 15}
 
 
+def test_the_reserve_grows_by_every_slot_the_tenants_under_their_share_hold() -> None:
+    # 20 slots, headroom 2. "quiet" runs three requests: the flood leaves the headroom and
+    # three slots more, one for each of quiet's (docs/decisions.md: the headroom alone, or one
+    # slot per tenant, let a quiet request wait for a flood request to end).
+    state = ModelAdmission(AdmissionSettings(headroom=0.1))
+    fleet = room(20)
+    for _ in range(3):
+        admitted(state.arrive("quiet", 0, 1, 1, 0.0, fleet))
+    running = [t for t in flood(state, "flood", 30, fleet) if t.admitted]
+    assert len(running) == 12  # 20 - quiet's 3 - (2 + 3) kept free
+    assert state.reserve(20) == 5
+    # Another tenant under its share starts running: one slot more is kept.
+    admitted(state.arrive("other", 0, 1, 1, 1.0, fleet))
+    assert state.reserve(20) == 6
+    state.release(running[0], 1, 2.0)
+    state.release(running[1], 1, 2.0)
+    assert state.pump(2.0, fleet) == []  # 6 free: the flood's next would leave 5
+    state.release(running[2], 1, 3.0)
+    assert len(state.pump(3.0, fleet)) == 1
+    assert state.held_by_tenant() == {"quiet": 3, "flood": 10, "other": 1}
+
+
 def test_a_full_band_makes_room_for_another_tenant_by_refusing_the_longest_lanes_newest() -> None:
     state = ModelAdmission(AdmissionSettings(max_queue_depth=4, headroom=0.0))
     fleet = room(1)
