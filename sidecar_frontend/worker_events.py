@@ -8,14 +8,14 @@ Three events, each with the worker it concerns:
 
 A listener is told synchronously, in subscription order, from the task that made the change;
 it must not block (start a task for anything long). A listener that raises is logged with the
-worker's address and the event, and the others are still told.
-
-Apart from those, a *load listener* (:meth:`WorkerEvents.subscribe_load`) is told each load
-report believed from a worker (its figures were just set): not a change (routing reads the
-figures where it uses them, and the change waiters are not woken by every report), but what
-admission needs to look at its queue again at once when a report frees room. :meth:`WorkerEvents.next_change`
+worker's address and the event, and the others are still told. :meth:`WorkerEvents.next_change`
 is the same news for a task that waits: an event set at the next change of any kind (taken
 before looking, so no change between the look and the wait is missed).
+
+Apart from those, a *load listener* (:meth:`WorkerEvents.subscribe_load`) is told each load
+report believed from a worker (its figures were just set). A report is not a change: routing
+reads the figures where it uses them, and the change waiters are not woken by every report; but
+admission looks at its queue again at once, for the room a report may have freed.
 """
 
 from __future__ import annotations

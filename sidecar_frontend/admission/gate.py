@@ -17,11 +17,10 @@ last pushed (other frontends' requests, the engine's queue and KV use, and how f
 What wakes a waiting request: the release of an admitted one (the common case: immediate), a
 worker event (joined, changed, left), a load report believed from a worker (its engine's queue
 emptied, another frontend's requests ended: ``WorkerEvents.subscribe_load``), another request's
-arrival (it pumps the queue it joins, so room that grew unannounced, such as a worker's report
-going stale or a tenant ageing out of the reserve's count, is used before the newcomer
-waits), and a ticker that looks again every ``tick`` seconds while anything waits, for what
-nothing announces. The ticker is a supervised task when the frontend runs one; a request's own
-deadline never depends on it.
+arrival (it pumps the queue it joins, so room that grew unannounced, such as a tenant ageing
+out of the reserve's count, is used before the newcomer waits), and a ticker that looks again
+every ``tick`` seconds while anything waits, for what nothing announces. The ticker is a
+supervised task when the frontend runs one; a request's own deadline never depends on it.
 
 Preemption (``--preempt-after-secs``; off by default). The ticker also asks each model's
 admission for a victim (:meth:`~.state.ModelAdmission.victim`): an admitted request, less urgent
@@ -214,7 +213,9 @@ class Gate:
         self._anything_waits.set()
         self._tell_queued(model)
         # The state admitted nothing because another ticket goes first: if the room grew with
-        # no event (a report went stale, the reserve shrank), that one and maybe this one go now.
+        # no event (the reserve shrank as a tenant aged out of its count, or every worker's
+        # report went stale and each counts on this frontend's own requests alone), that one
+        # and maybe this one go now.
         self._pump(model)
         outcome: Pass | Refused | None = None
         try:
