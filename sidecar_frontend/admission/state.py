@@ -62,23 +62,30 @@ names an admitted ticket to pause for a waiting one. The waiting tickets are the
 the most urgent first (:meth:`AdmissionQueue.heads`), each followed by the tickets behind it in
 its tenant's lane (:meth:`AdmissionQueue.lane_from`: a second urgent request of one tenant is
 not left to the ticker while the first one's victim stops); the room they will have counts the
-free slots and the slots of the preemptions in flight (named, not yet requeued or released),
-and a ticket that fits in it is taken to use it. The first ticket that does not fit and has
-waited at least ``after`` seconds gets a victim: an admitted ticket that is ``preemptible``, strictly less
-urgent, and not being preempted already; the least urgent, then one of the tenant holding the
-most slots, then the most recently admitted (the least work lost). The tenant comes before the
-work lost: the most recently admitted request is often a tenant under its fair share just let
-into the reserve, before its first token (bench.overload's quiet tenant, preempted so, had a
-time to first token of 103-120 ms against 60 ms idle at 4 and 8 times the capacity). So a
-waiting ticket has at most as many preemptions in flight as it needs slots (one, for a request
-of one sequence), and none once the room coming covers it. The caller
+slots preempted tickets gave back for each (its own), the slots of the preemptions in flight
+(named, not yet requeued or released) and the free slots (outside the reserve for a ticket that
+does not qualify for it), and a ticket that fits in it is taken to use it. The first ticket
+that does not fit and has waited at least ``after`` seconds gets a victim: an admitted ticket
+that is ``preemptible``, strictly less urgent, and not being preempted already; the least
+urgent, then one of the tenant holding the most slots, then the most recently admitted (the
+least work lost). The tenant comes before the work lost: the most recently admitted request is
+often a tenant under its fair share just let into the reserve, before its first token
+(bench.overload's quiet tenant, preempted so, had a time to first token of 103-120 ms against 60
+ms idle at 4 and 8 times the capacity). So a waiting ticket has at most as many preemptions in
+flight as it needs slots (one, for a request of one sequence), and none once the room coming
+covers it. The caller
 pauses the victim's request, then :meth:`ModelAdmission.requeue` gives back its slots and
 queues it again (:meth:`AdmissionQueue.requeue`: ahead of its band, no deadline, never refused).
 A preempted ticket goes first in its band but opens no reserve (the reserve is fairness's; a
 preempted flood request must not take the next tenant's room). While a ticket that preempted
 ones were requeued for still waits (it needs more slots than are free yet), nothing less urgent
 than it is admitted, in turn (a lower band's share) or out of turn: the room freed for it is
-kept for it (else a less urgent ticket would take it, to be preempted in turn).
+kept for it (else a less urgent ticket would take it, to be preempted in turn). It takes that
+room even when it does not qualify for the reserve and fewer slots than the reserve are free:
+a victim's slot is the waiting request's whole, and the free slots stay as they were. So a
+request of a tenant over its share needs one victim, not one more for each slot the reserve
+lacks (bench.overload's flood, whose quiet neighbour's running requests grow the reserve:
+2-6 victims for a third of its urgent requests before).
 
 **Retry-After** of a refusal: the tickets queued in its band and above, divided by the recent
 rate of releases of this model (releases per second, exponentially decayed over
@@ -300,19 +307,27 @@ class ModelAdmission:
         until :meth:`requeue` or :meth:`release`. Call :meth:`pump` first: a ticket the room
         already fits is not waiting for a preemption."""
         self._look_around(now)
-        available = room.total_slots - room.foreign_slots - self._held_slots
-        available += sum(ticket.slots for ticket in self._preempting)
+        owed = self._owed()
+        # Free slots nobody is owed, and the slots of the preemptions in flight.
+        free = room.total_slots - room.foreign_slots - self._held_slots - sum(owed.values())
+        in_flight = sum(ticket.slots for ticket in self._preempting)
         reserve = self._reserve(room.total_slots)
         for head in self._queue.heads():
             # The head, then those behind it in its tenant's lane: a second urgent request of
             # one tenant gets its own victim while the first one's is still stopping.
             for waiting in self._queue.lane_from(head):
-                # A ticket that does not qualify for the reserve cannot use it: the room it
-                # waits for is what lies outside it.
-                qualifies = self._qualifies(waiting, room.total_slots, None)
-                usable = available if qualifies else available - reserve
-                if waiting.slots <= usable:
-                    available -= waiting.slots
+                # Its own (slots requeued for it), then the preemptions' (named for the more
+                # urgent, who come first), then free room: all of it for a ticket that
+                # qualifies for the reserve, what lies outside the reserve for the others. A
+                # victim's slot is the waiting one's whole, so a request of a tenant over its
+                # share needs one victim, not one more for each slot the reserve lacks.
+                own = owed.get(waiting, 0)
+                open_room = free if self._qualifies(waiting, room.total_slots, None) else free - reserve
+                if waiting.slots <= own + in_flight + max(0, open_room):
+                    need = max(0, waiting.slots - own)
+                    from_flight = min(need, in_flight)
+                    in_flight -= from_flight
+                    free -= need - from_flight
                     continue
                 if now - waiting.enqueued_at < after:
                     break  # the rest of its lane came later still
@@ -373,22 +388,39 @@ class ModelAdmission:
         total = room.total_slots
         lowest = min(self._tickets_by_urgency, default=None)
         # The room preemptions freed is kept for whom they were for (module docstring).
-        kept_for = max(
-            (waiter.urgency for waiter in self._requeued_for.values() if waiter.state is TicketState.QUEUED),
-            default=None,
-        )
+        owed = self._owed()
+        kept_for = max((waiter.urgency for waiter in owed), default=None)
+        reserve = self._reserve(total)
+        # Outside the reserve, beyond the slots owed: what a ticket owed slots may add to them.
+        beyond = max(0, free - sum(owed.values()) - reserve)
         if (
             head.slots <= free
             and (kept_for is None or head.urgency >= kept_for)
-            and (free - head.slots >= self._reserve(total) or self._qualifies(head, total, lowest))
+            and (
+                free - head.slots >= reserve
+                or self._qualifies(head, total, lowest)
+                or head.slots <= owed.get(head, 0) + beyond
+            )
         ):
             return head
         for candidate in self._queue.heads():
             if kept_for is not None and candidate.urgency < kept_for:
                 break  # the heads come most urgent first: the rest are less urgent still
-            if candidate.slots <= free and self._qualifies(candidate, total, lowest):
+            if candidate.slots > free:
+                continue
+            owed_to_it = owed.get(candidate, 0)
+            if self._qualifies(candidate, total, lowest) or candidate.slots <= owed_to_it + beyond:
                 return candidate
         return None
+
+    def _owed(self) -> dict[Ticket, int]:
+        """The slots preempted tickets gave back for each ticket still waiting (free now, and
+        kept for it: module docstring)."""
+        owed: dict[Ticket, int] = {}
+        for resumed, waiter in self._requeued_for.items():
+            if waiter.state is TicketState.QUEUED:
+                owed[waiter] = owed.get(waiter, 0) + resumed.slots
+        return owed
 
     def _qualifies(self, ticket: Ticket, total: int, lowest: int | None) -> bool:
         """Whether ``ticket`` may take the reserve: its tenant is under its fair share (module

@@ -388,3 +388,32 @@ def test_a_second_waiting_request_of_the_same_tenant_gets_its_own_victim_at_once
     state.requeue(held[2], 2.0)
     state.requeue(held[1], 2.0)
     assert state.pump(2.0, fleet) == [first, second]
+
+
+def test_an_urgent_request_of_a_tenant_over_its_share_needs_one_victim_whatever_the_reserve_lacks() -> None:
+    # 20 slots, headroom 2. "quiet" (under its share) runs 5 requests, so the reserve is 7, and
+    # only 3 slots are free: the flood, over its share, is 4 short of room outside the reserve.
+    # Its urgent request takes one victim's slot, not the 5 that would restore the reserve
+    # first (bench.overload: 2-6 victims for a third of its preemptions).
+    state = ModelAdmission(AdmissionSettings(headroom=0.1))
+    fleet = room(20)
+    for _ in range(3):
+        assert ticket_of(state.arrive("quiet", 0, 10, 1, 0.0, fleet)).admitted
+    flooded = [ticket_of(state.arrive("flood", 0, 10, 1, 0.0, fleet)) for _ in range(14)]
+    running = [ticket for ticket in flooded if ticket.admitted]
+    assert len(running) == 12
+    for _ in range(2):
+        assert ticket_of(state.arrive("quiet", 0, 10, 1, 0.0, fleet)).admitted
+    assert (state.reserve(20), state.held_slots) == (7, 17)
+    urgent = ticket_of(state.arrive("flood", 1, 10, 1, 0.0, fleet))
+    assert not urgent.admitted
+    victim = state.victim(AFTER, fleet, AFTER)
+    assert victim in running
+    assert state.victim(AFTER, fleet, AFTER) is None  # one is enough
+    state.requeue(victim, 2.0)
+    # Its slot goes to the urgent request, though 3 free slots are fewer than the reserve...
+    assert state.pump(2.0, fleet) == [urgent]
+    # ...and the free slots are as they were: the quiet tenant's room is untouched.
+    assert state.held_slots == 17
+    assert state.pump(2.0, fleet) == []
+    assert victim.state is TicketState.QUEUED
