@@ -385,3 +385,28 @@ async def test_the_request_line_names_its_tenant_urgency_and_time_in_the_queue()
         }
         assert why["reserve"] == 0
         assert why["stale_workers"] in (0, 1)  # this fixture's one worker may not have reported yet
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_a_request_no_worker_has_room_for_is_a_503_no_capacity_at_once(stream: bool) -> None:
+    # One engine of one running slot: an SGLang request of two sequences can never run here.
+    # It is refused at once with 503 (nothing to wait for), in the format's shape, before any
+    # engine. (vLLM's format refuses such an `n` itself first, 400, as vLLM does: `n` at most
+    # the server's max_num_seqs.)
+    async with fleet() as fe:
+        body = sglang_body("two", 1, stream=stream)
+        body["sampling_params"]["n"] = 2
+        status, headers, data = await post(fe, SGLANG_PATH, body)
+        assert status == 503
+        assert headers["Retry-After"] == "1"
+        assert headers["x-sidecar-refused-reason"] == "no_capacity"
+        assert headers["Content-Type"].startswith("application/json")
+        assert {k: data[k] for k in ("object", "type", "code", "param")} == {
+            "object": "error",
+            "type": "503",
+            "code": 503,
+            "param": None,
+        }
+        assert "no_capacity" in data["message"]
+        assert "2 sequences" in data["message"]
+        assert not engine_saw(fe, "two")
