@@ -21,6 +21,7 @@ from typing import Final, cast
 from sidecar_common import flags
 from sidecar_common.disaggregation import ROLES, DisaggregationMode
 from sidecar_common.endpoint import Endpoint, parse_endpoint
+from sidecar_common.grpc_core import choose_core_settings
 from sidecar_common.log_settings import LogFormat, default_log_format
 from sidecar_common.message_size import GRPC_MAX_MESSAGE_BYTES
 from sidecar_common.operations_flags import add_operations_arguments, refuse_metrics_host_without_port
@@ -374,8 +375,9 @@ def run_engine(spec: EngineSpec, argv: Sequence[str] | None = None, *, prog: str
         return 1
     args = sys.argv[1:] if argv is None else argv
     config, namespace = parse_config(spec, args, os.environ, prog=prog)
+    choose_core_settings()
     # Imported late: the daemon pulls in grpc and the server, which --help and usage errors
-    # do not need.
+    # do not need (and grpc must load after its settings are chosen).
     from sidecar_server.daemon import run
 
     return run(spec, config, namespace)
