@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from sidecar_common.grpc_core import core_environment
 
 __all__ = [
     "FULL",
@@ -124,12 +127,26 @@ def engine_argv(spec: EngineSpec, grpc_addr: str, http_addr: str | None, standin
     ]  # fmt: skip
 
 
+def _as_our_programs_run() -> list[str]:
+    """An ``env`` prefix giving a baseline the grpc core settings our programs choose for
+    themselves (sidecar_common/grpc_core.py), so that it differs from the sidecar by the
+    conversion, not by grpc's TCP client."""
+    chosen = core_environment(os.environ)
+    return ["env", *(f"{name}={value}" for name, value in chosen.items())] if chosen else []
+
+
 def hop_argv(hop: HopSpec, listen: str, engine_grpc: str, engine_http: str | None) -> list[str]:
     quiet = ["--log-level", "warning"]
     if hop.path == "bare-proxy":
-        return [sys.executable, "-m", "bench.bare_proxy", "--listen", listen, "--upstream", engine_grpc]
+        return [
+            *_as_our_programs_run(), sys.executable, "-m", "bench.bare_proxy",
+            "--listen", listen, "--upstream", engine_grpc,
+        ]  # fmt: skip
     if hop.path == "convert-floor":
-        return [sys.executable, "-m", "bench.convert_floor", "--listen", listen, "--upstream", engine_grpc]
+        return [
+            *_as_our_programs_run(), sys.executable, "-m", "bench.convert_floor",
+            "--listen", listen, "--upstream", engine_grpc,
+        ]  # fmt: skip
     if hop.engine.kind == "vllm":
         return [_script("sidecar-vllm"), "--grpc-endpoint", engine_grpc, "--listen", listen, *quiet]
     transport = hop.path.removeprefix("sidecar-")

@@ -27,3 +27,20 @@ def test_every_sidecar_hop_command_line_parses(hop: plan.HopSpec) -> None:
     assert config.listen == "127.0.0.1:1"
     # Building the engine adapter does no I/O and applies the flag rules parsing leaves to it.
     assert spec.build(config, namespace).name == hop.engine.kind
+
+
+@pytest.mark.parametrize("path", ["bare-proxy", "convert-floor"])
+def test_the_baselines_run_with_the_grpc_settings_our_programs_choose(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hop = plan.HopSpec(path, plan.EngineSpec("vllm", 1))
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    argv = plan.hop_argv(hop, "127.0.0.1:1", "127.0.0.1:2", None)
+    assert argv[:2] == ["env", "GRPC_EXPERIMENTS=-event_engine_client"]
+    assert argv[3:5] == ["-m", f"bench.{path.replace('-', '_')}"]
+    # An operator's own setting reaches the baseline as it reaches the sidecar: unchanged.
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "")
+    assert plan.hop_argv(hop, "127.0.0.1:1", "127.0.0.1:2", None)[1:3] == [
+        "-m",
+        f"bench.{path.replace('-', '_')}",
+    ]
