@@ -5,9 +5,10 @@ at its entry, before anything imports grpc (the entries import it only after the
 
 ``-event_engine_client``: outgoing connections use grpc core's older TCP client (iomgr's)
 instead of the EventEngine one that grpcio made the default. Reading a streamed message costs
-the client less with it: `bench.grpc_floor`, 26.3 against 21.3 µs a message at 256 streams;
-`bench.full_path`, our path's CPU per token at 256 streams lower in each of 7 alternated pairs
-(bench/README.md, "grpc core's older TCP client"). Servers (our listening side) are unchanged.
+the client less with it (`bench.grpc_floor`: 21.3 against 26.3 µs), and a sidecar relaying
+paced tokens uses 13-31 % less CPU per request at the same latency (`bench`'s paced test);
+what it trades is in bench/README.md ("grpc core's older TCP client"). Servers (our listening
+side) are unchanged.
 
 An operator's own ``GRPC_EXPERIMENTS`` wins whole, even empty (which keeps grpc's defaults).
 Standard library only.
