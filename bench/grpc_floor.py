@@ -13,6 +13,10 @@ a streamed generation) and ``unary`` (N concurrent calls of one message each, th
 non-streaming request on both hops: the sidecar's and vLLM's Generate are server-streaming
 calls). Variants: ``default``, and ``no-ee-client`` with ``GRPC_EXPERIMENTS=-event_engine_client``
 in both processes (grpc core's older TCP client; it changes only the client side, the reader).
+For scale, the stream scenario also runs ``raw-tcp``: the same messages with no gRPC at all,
+each one framed (stream id, length) and written with its own ``transport.write`` on one
+loopback TCP connection as it is produced, N streams taking turns, read by an asyncio protocol
+that parses every frame: what a hop of our own framing would cost per message.
 Writer on CPU 0, reader on CPU 1 (``taskset``), uvloop as our programs run it. CPU is read from
 /proc for both processes at the edges of a window after a warm-up. Each round runs every
 (scenario, variant) once, in alternating order; figures are medians over the rounds.
@@ -24,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
 import struct
 import subprocess
@@ -32,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import grpc
 
@@ -51,6 +56,9 @@ _OPTIONS: Final = [
     ("grpc.max_receive_message_length", 1 << 24),
 ]
 VARIANTS: Final = {"default": None, "no-ee-client": "-event_engine_client"}
+RAW: Final = "raw-tcp"  # the stream scenario only
+_FRAME: Final = struct.Struct("!IH")  # stream id, payload length
+_RAW_HIGH_WATER: Final = 1 << 20  # the raw writer pauses past this much unsent
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,95 @@ async def _read(port: int, writer_pid: int, scenario: Scenario) -> dict[str, Any
     }
 
 
+async def _serve_raw(port: int, streams: int) -> None:
+    frames = [_FRAME.pack(stream, len(PAYLOAD)) + PAYLOAD for stream in range(streams)]
+
+    class Writer(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            # uvloop's TCP transport is not registered as an asyncio.WriteTransport.
+            self.transport = cast(asyncio.Transport, transport)
+            self.transport.set_write_buffer_limits(high=_RAW_HIGH_WATER)
+            self.room = asyncio.Event()
+            self.room.set()
+            self.task = asyncio.get_running_loop().create_task(self.write_forever())
+
+        def pause_writing(self) -> None:
+            self.room.clear()
+
+        def resume_writing(self) -> None:
+            self.room.set()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.task.cancel()
+
+        async def write_forever(self) -> None:
+            # Each stream has one message ready per loop turn, as a relay writes a token when
+            # it comes; one write each, nothing gathered.
+            while True:
+                await self.room.wait()
+                for frame in frames:
+                    self.transport.write(frame)
+                await asyncio.sleep(0)
+
+    server = await asyncio.get_running_loop().create_server(Writer, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+async def _read_raw(port: int, writer_pid: int, scenario: Scenario) -> dict[str, Any]:
+    messages = 0
+
+    class Reader(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.pending = bytearray()
+
+        def data_received(self, data: bytes) -> None:
+            nonlocal messages
+            pending = self.pending
+            pending += data
+            at, end = 0, len(pending)
+            while end - at >= _FRAME.size:
+                _stream, length = _FRAME.unpack_from(pending, at)
+                if end - at < _FRAME.size + length:
+                    break
+                payload = bytes(pending[at + _FRAME.size : at + _FRAME.size + length])
+                assert payload == PAYLOAD
+                at += _FRAME.size + length
+                messages += 1
+            del pending[:at]
+
+    transport, _ = await asyncio.get_running_loop().create_connection(Reader, "127.0.0.1", port)
+    try:
+        await asyncio.sleep(scenario.warmup_s)
+        m0, t0 = messages, time.monotonic()
+        r0, w0 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
+        await asyncio.sleep(scenario.window_s)
+        m1, t1 = messages, time.monotonic()
+        r1, w1 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
+    finally:
+        transport.close()
+    return {
+        "messages": m1 - m0,
+        # Calls are only a unit here: every stream's messages, M at a time.
+        "calls": max(1, (m1 - m0) // scenario.messages),
+        "seconds": t1 - t0,
+        "reader_cpu_s": r1 - r0,
+        "writer_cpu_s": w1 - w0,
+    }
+
+
+def _wait_port(proc: Proc, port: int, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.log_tail()}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{proc.name} not listening on {port} after {deadline_s:.0f}s")
+
+
 # --- the harness ---------------------------------------------------------------------------
 
 
@@ -200,35 +297,32 @@ def _env_prefix(experiments: str | None) -> list[str]:
 
 def _one_run(scenario: Scenario, variant: str) -> dict[str, Any]:
     port = free_port()
-    experiments = VARIANTS[variant]
+    raw = variant == RAW
+    experiments = None if raw else VARIANTS[variant]
+    spec = json.dumps(scenario.__dict__)
     writer = Proc(
         f"grpc-floor-writer-{variant}",
-        [
-            *_env_prefix(experiments),
-            sys.executable,
-            "-m",
-            "bench.grpc_floor",
-            "--role",
-            "writer",
-            "--port",
-            str(port),
-        ],
+        [*_env_prefix(experiments), sys.executable, "-m", "bench.grpc_floor",
+         "--role", "raw-writer" if raw else "writer", "--port", str(port), "--scenario", spec],
         core=0,
-    ).start()
+    ).start()  # fmt: skip
     try:
-        wait_grpc_ready(writer, f"127.0.0.1:{port}", 30.0)
-        spec = json.dumps(scenario.__dict__)
+        if raw:
+            _wait_port(writer, port, 30.0)
+        else:
+            wait_grpc_ready(writer, f"127.0.0.1:{port}", 30.0)
         done = subprocess.run(
             [*pin_prefix(1), *_env_prefix(experiments), sys.executable, "-m", "bench.grpc_floor",
-             "--role", "reader", "--port", str(port), "--writer-pid", str(writer.pid), "--scenario", spec],
+             "--role", "raw-reader" if raw else "reader", "--port", str(port),
+             "--writer-pid", str(writer.pid), "--scenario", spec],
             capture_output=True, text=True, timeout=scenario.warmup_s + scenario.window_s + 60.0,
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"the reader failed ({scenario.name}, {variant}):\n{done.stderr[-3000:]}")
-        raw: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        counts: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         writer.stop()
-    return {"scenario": scenario.name, "variant": variant, "raw": raw, "figures": per_message(raw)}
+    return {"scenario": scenario.name, "variant": variant, "raw": counts, "figures": per_message(counts)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,21 +333,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=128, help="messages per streamed call")
     parser.add_argument("--unary", type=int, default=2048, help="concurrent one-message calls (0: none)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/grpc_floor"))
-    parser.add_argument("--role", choices=["writer", "reader"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--role", choices=["writer", "reader", "raw-writer", "raw-reader"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--writer-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.role == "writer":
-        _run_loop(lambda: _serve(args.port))
+    if args.role in ("writer", "raw-writer"):
+        concurrency = Scenario(**json.loads(args.scenario)).concurrency
+        _run_loop(lambda: _serve(args.port) if args.role == "writer" else _serve_raw(args.port, concurrency))
         return 0
-    if args.role == "reader":
+    if args.role in ("reader", "raw-reader"):
         scenario = Scenario(**json.loads(args.scenario))
         result: dict[str, Any] = {}
+        reader = _read if args.role == "reader" else _read_raw
 
         async def read() -> None:
-            result.update(await _read(args.port, args.writer_pid, scenario))
+            result.update(await reader(args.port, args.writer_pid, scenario))
 
         _run_loop(read)
         print(json.dumps(result), flush=True)
@@ -262,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     scenarios = _scenarios(args.quick, args.streams, args.unary, args.messages)
     runs: list[dict[str, Any]] = []
-    variants = list(VARIANTS)
+    variants = [*VARIANTS, RAW]
     for round_no in range(rounds):
         order = variants if round_no % 2 == 0 else variants[::-1]
         for scenario in scenarios:
             for variant in order:
+                if variant == RAW and scenario.messages == 1:
+                    continue  # a call's own cost is gRPC's; the raw stream has no calls
                 run = _one_run(scenario, variant)
                 runs.append({**run, "round": round_no})
                 f = run["figures"]
