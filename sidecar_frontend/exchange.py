@@ -186,7 +186,14 @@ class Exchange:
     outcome: str = "ok"
     reason: str = "NONE"  # why it did not end ok (a failure reason, or the frontend's own)
     client_gone: bool = False
-    _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    # One cancel scope per piece of the run (each sub-request, a flush of held tokens): a stop
+    # cancels them all (see _own_scope).
+    _owned: list[anyio.CancelScope] = field(default_factory=list)
+    _run_stopped: bool = False  # stop() or the client leaving: every owned scope cancelled
+    _run_deadline: float = float("inf")
+    _aborting: bool = False  # the encoder ended the response: the other pieces were cancelled
+    _pieces_left: int = 0  # sub-requests in tasks of their own still running
+    _pieces_done: asyncio.Event = field(default_factory=asyncio.Event)
     _stop_failure: WorkerFailure | None = None
     _write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _group: TaskGroup | None = None
@@ -227,7 +234,27 @@ class Exchange:
             self._stop_failure = failure
             self.outcome = outcome
             self.reason = failure.reason.value
-        self._scope.cancel()
+        self._cancel_run()
+
+    def _own_scope(self, *, task: bool) -> anyio.CancelScope:
+        """The cancel scope of one piece of the run, with the request's deadline. A stop cancels
+        these, never a scope around them: a child task that ends cancelled leaves anyio (4.16)
+        a reference cycle holding its whole stack (the CancelledError its task group's callback
+        keeps), garbage for the collector, whose passes stop every stream
+        (test_request_cycles.py); a child whose own scope caught the cancel ends normally. So a
+        piece in a task of its own (``task``) is shielded from the task group's cancel too
+        (a cancel visible from outside would pass its own scope), and :meth:`_run_all` stops
+        every piece itself when the run ends early."""
+        scope = anyio.CancelScope(deadline=self._run_deadline, shield=task)
+        if self._run_stopped:
+            scope.cancel()
+        self._owned.append(scope)
+        return scope
+
+    def _cancel_run(self) -> None:
+        self._run_stopped = True
+        for scope in self._owned:
+            scope.cancel()
 
     def preempt(self, cause: Preemption) -> None:
         """Admission took the request's slots back: each running sub-request stops its attempt
@@ -320,11 +347,18 @@ class Exchange:
         flushed = self._flushed
         if flushed is None and self._group is not None:
             flushed = self._flushed = asyncio.Event()
-            self._group.start_soon(self._flush_when_read, flushed)
+            self._group.start_soon(self._flush_owned, flushed)
         if data:
             await self._write(data)  # a choice's end: it never waits in the encoder
         if flushed is not None and self.held_tokens >= HOLD_TOKENS:
             await flushed.wait()
+
+    async def _flush_owned(self, flushed: asyncio.Event) -> None:
+        # One per pause of a slow client, so not kept: whether the run was stopped is read
+        # from the sub-requests' scopes.
+        with self._own_scope(task=True) as scope:
+            await self._flush_when_read(flushed)
+        self._owned.remove(scope)
 
     async def _flush_when_read(self, flushed: asyncio.Event) -> None:
         assert self._holder is not None
@@ -342,22 +376,28 @@ class Exchange:
 
     async def _run_all(self) -> None:
         timeout = self.request_timeout
-        with self._scope:
-            if timeout is not None:
-                self._scope.deadline = anyio.current_time() + timeout
-            async with anyio.create_task_group() as group:
-                self._group = group  # for sub-requests, and for a flush of held tokens
+        if timeout is not None:
+            self._run_deadline = anyio.current_time() + timeout
+        async with anyio.create_task_group() as group:
+            self._group = group  # for sub-requests, and for a flush of held tokens
+            try:
                 if len(self.call.requests) == 1:
-                    # The common case runs in this task. A task of its own would end cancelled
-                    # whenever the request stops early, and anyio (4.16) keeps such a task's
-                    # CancelledError in a reference cycle with every frame of its stack, this
-                    # exchange's included: garbage for the cyclic collector, whose passes stop
-                    # every stream (test_request_cycles.py).
-                    await self._run_one(0, self.call.requests[0])
+                    # The common case runs in this task: no task to start.
+                    with self._own_scope(task=False):
+                        await self._run_one(0, self.call.requests[0])
                 else:
+                    self._pieces_left = len(self.call.requests)
                     for index, sub_request in enumerate(self.call.requests):
-                        group.start_soon(self._run_one, index, sub_request)
-        if self._scope.cancelled_caught and not self.client_gone:
+                        group.start_soon(self._run_owned, index, sub_request)
+                    await self._pieces_done.wait()
+            except BaseException:
+                # This task was cancelled (the client left: aiohttp cancels its handler) or a
+                # piece failed: every piece stops by its own scope, before the task group's
+                # cancel (which the shielded pieces do not see).
+                self._cancel_run()
+                raise
+        stopped = any(scope.cancelled_caught for scope in self._owned) and not self._aborting
+        if stopped and not self.client_gone:
             failure = self._stop_failure
             if failure is None:
                 failure = WorkerFailure.of(FailureReason.DEADLINE, f"request timed out after {timeout:g}s")
@@ -366,6 +406,15 @@ class Exchange:
                 if not ended and not self.encoder.aborted:
                     self.ended[index] = True
                     await self._write_failure(index, failure)
+
+    async def _run_owned(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
+        try:
+            with self._own_scope(task=True):
+                await self._run_one(index, request)
+        finally:
+            self._pieces_left -= 1
+            if self._pieces_left == 0:
+                self._pieces_done.set()
 
     async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
         sub = SubCall(request.request_id, index, self.attempts[index], resume_on_abort=self.resume_on_abort)
@@ -397,8 +446,11 @@ class Exchange:
                 self.reason = failure.reason.value
             if not self.encoder.aborted:
                 await self._write_failure(index, failure)
-            if self.encoder.aborted and self._group is not None:
-                self._group.cancel_scope.cancel()
+            if self.encoder.aborted and not self._aborting:
+                # The response is over: the other pieces stop (each by its own scope).
+                self._aborting = True
+                for scope in self._owned:
+                    scope.cancel()
 
     async def _start_stream(self) -> None:
         """Send the stream's 200 and headers (at once, or with its first bytes when held)."""
@@ -461,7 +513,7 @@ class Exchange:
         """The client is gone: stop every sub-request (their calls are cancelled)."""
         self.client_gone = True
         self.outcome, self.reason = "disconnected", "CLIENT_GONE"
-        self._scope.cancel()
+        self._cancel_run()
 
     def used_tokens(self) -> int:
         """Prompt and completion tokens of every sub-request so far: what it really cost."""

@@ -6,7 +6,9 @@ passes of 24-54 ms collecting 6,000-13,000 objects, which put an urgent request'
 past its target. The cycle then was the admission pass holding the exchange's bound
 ``preempt`` after release. With the collector off, a request served to the end (unary or
 streamed, either format) or left by its client mid-stream must leave no exchange and no
-admission pass alive.
+admission pass alive; so must one of several sub-requests (SGLang's ``n``: a task each) that
+its client left or that timed out, whose tasks anyio would otherwise end cancelled, keeping
+each task's stack in a cycle.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from typing import Any
 
 import aiohttp
@@ -95,14 +97,14 @@ async def leave_after_first_event(fe: FrontendStack, path: str, body: dict[str, 
 
 
 @asynccontextmanager
-async def fleet() -> AsyncIterator[FrontendStack]:
+async def fleet(request_timeout: float = 3600.0) -> AsyncIterator[FrontendStack]:
     async with (
         vllm_stack(max_num_seqs=4, token_latency_ms=5.0) as sidecar,
         frontend_over(
             [f"127.0.0.1:{sidecar.server.port}"],
             [sidecar],
             formats=(SGLANG, VLLM),
-            config=HandlerConfig(worker_wait=60.0),
+            config=HandlerConfig(worker_wait=60.0, request_timeout=request_timeout),
             # Preemption on (never reached here: one request at a time), so that every request's
             # admission holds the exchange's preempt callback, as in bench.overload.
             admission=AdmissionConfig(settings=SETTINGS, preempt_after=30.0),
@@ -134,3 +136,59 @@ async def test_a_request_its_client_left_mid_stream_leaves_no_cycle() -> None:
                 for _ in range(3):
                     await leave_after_first_event(leaving, path, payload)
                 await none_left(fe)
+
+
+def two_samples(stream: bool, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    path, payload = sglang_body(stream=stream, max_tokens=max_tokens)
+    payload["sampling_params"]["n"] = 2  # SGLang runs each sample as a request of its own
+    return path, payload
+
+
+async def leave_while_in_flight(fe: FrontendStack, path: str, body: dict[str, Any]) -> None:
+    """Send a non-streaming request and close its connection once the frontend runs it."""
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(serve, fe, path, body)
+            while not fe.frontend.inflight_ids():  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+            group.cancel_scope.cancel()  # the client's connection goes with its request
+
+
+async def test_a_request_of_several_sub_requests_its_client_left_leaves_no_cycle() -> None:
+    async with fleet() as fe:
+        path, payload = two_samples(stream=True, max_tokens=2000)
+        async with aiohttp.ClientSession() as http:
+            leaving = dataclasses.replace(fe, http=http)
+            await leave_after_first_event(leaving, path, payload)
+            with collector_off():
+                for _ in range(3):
+                    await leave_after_first_event(leaving, path, payload)
+                await none_left(fe)
+
+
+async def test_a_non_streaming_request_of_several_sub_requests_its_client_left_leaves_no_cycle() -> None:
+    async with fleet() as fe:
+        path, payload = two_samples(stream=False, max_tokens=2000)
+        async with aiohttp.ClientSession() as http:
+            leaving = dataclasses.replace(fe, http=http)
+            await leave_while_in_flight(leaving, path, payload)
+            await none_left(fe)
+            with collector_off():
+                for _ in range(3):
+                    await leave_while_in_flight(leaving, path, payload)
+                    await none_left(fe)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_a_request_of_several_sub_requests_that_timed_out_leaves_no_cycle(stream: bool) -> None:
+    async with fleet(request_timeout=0.3) as fe:
+        path, payload = two_samples(stream=stream, max_tokens=2000)  # 10 s of tokens
+        timed_out = 503 if not stream else 200  # SGLang's answer; a stream's failure is its last event
+        for attempt in range(4):
+            with anyio.fail_after(60), collector_off() if attempt else nullcontext():
+                async with fe.http.post(fe.url + path, json=payload) as response:
+                    assert response.status == timed_out, await response.text()
+                    body = await response.text()
+                    assert "timed out" in body, body
+                if attempt:
+                    await none_left(fe)
