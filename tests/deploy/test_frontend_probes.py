@@ -57,10 +57,12 @@ def status(url: str) -> int:
         return err.code
 
 
-def until_status(url: str, wanted: int) -> None:
+def until_status(url: str, wanted: int, *children: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + WAIT
     while (code := status(url)) != wanted:
-        assert time.monotonic() < deadline, f"{url}: {code}, never {wanted}"
+        # Which of the processes it waits on are still running (None) or exited (their code).
+        running = {" ".join(map(str, child.args[:2])): child.poll() for child in children}  # type: ignore[index]
+        assert time.monotonic() < deadline, f"{url}: {code}, never {wanted}; processes: {running}"
         time.sleep(0.05)  # polling a real process: there is no event to wait on
 
 
@@ -92,7 +94,7 @@ def test_readiness_follows_the_workers_and_liveness_does_not(fleet: int) -> None
         until_status(probe_url("readinessProbe"), 503)
         assert status(probe_url("livenessProbe")) == 200
         # A worker comes: ready, and still alive.
-        stack.enter_context(
+        engine = stack.enter_context(
             started([script("testkit-engine"), "vllm", "--listen", f"127.0.0.1:{engine_port}"], child_env())
         )
         sidecar = stack.enter_context(
@@ -109,7 +111,7 @@ def test_readiness_follows_the_workers_and_liveness_does_not(fleet: int) -> None
                 child_env(),
             )
         )
-        until_status(probe_url("readinessProbe"), 200)
+        until_status(probe_url("readinessProbe"), 200, engine, sidecar, frontend)
         assert status(probe_url("livenessProbe")) == 200
         # The worker goes: not ready again, still alive.
         sidecar.terminate()
