@@ -5,7 +5,7 @@ at its entry, before anything imports grpc (the entries import it only after the
 
 ``-event_engine_client``: outgoing connections use grpc core's older TCP client (iomgr's)
 instead of the EventEngine one that grpcio made the default. Reading a streamed message costs
-the client less with it (`bench.grpc_floor`: 21.3 against 26.3 µs), and a sidecar relaying
+the client less with it (`bench.grpc_floor`: 21.4 against 25.3 µs), and a sidecar relaying
 paced tokens uses 13-31 % less CPU per request at the same latency (`bench`'s paced test);
 what it trades is in bench/README.md ("grpc core's older TCP client"). Servers (our listening
 side) are unchanged.
