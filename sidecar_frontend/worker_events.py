@@ -40,6 +40,7 @@ class _Addressed(Protocol):
 # registry imports, imports nothing of the registry.
 WorkerT = TypeVar("WorkerT", bound=_Addressed)
 WorkerT_contra = TypeVar("WorkerT_contra", bound=_Addressed, contravariant=True)
+_L = TypeVar("_L")  # a listener of either kind
 
 
 class WorkerListener(Protocol[WorkerT_contra]):
@@ -58,24 +59,12 @@ class WorkerEvents(Generic[WorkerT]):
 
     def subscribe(self, listener: WorkerListener[WorkerT]) -> Callable[[], None]:
         """Tell ``listener`` every event from now on; the returned call unsubscribes it."""
-        self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-        return unsubscribe
+        return _added(self._listeners, listener)
 
     def subscribe_load(self, listener: Callable[[WorkerT], None]) -> Callable[[], None]:
         """Tell ``listener`` each load report believed from now on; the returned call
         unsubscribes it."""
-        self._load_listeners.append(listener)
-
-        def unsubscribe() -> None:
-            if listener in self._load_listeners:
-                self._load_listeners.remove(listener)
-
-        return unsubscribe
+        return _added(self._load_listeners, listener)
 
     def loaded(self, worker: WorkerT) -> None:
         """A load report of ``worker`` was believed (its figures are set)."""
@@ -105,3 +94,14 @@ class WorkerEvents(Generic[WorkerT]):
                 log.exception("worker event listener failed", worker_event=event, worker=worker.address)
         fired, self._next = self._next, anyio.Event()
         fired.set()
+
+
+def _added(listeners: list[_L], listener: _L) -> Callable[[], None]:
+    """Append ``listener``; the returned call removes it (once, and only if still there)."""
+    listeners.append(listener)
+
+    def remove() -> None:
+        if listener in listeners:
+            listeners.remove(listener)
+
+    return remove
