@@ -17,7 +17,7 @@ For scale, the stream scenario also runs ``raw-tcp``: the same messages with no 
 each one framed (stream id, length) and written with its own ``transport.write`` on one
 loopback TCP connection as it is produced, N streams taking turns, read by an asyncio protocol
 that parses every frame: what a hop of our own framing would cost per message.
-Writer on CPU 0, reader on CPU 1 (``taskset``), uvloop as our programs run it. CPU is read from
+Writer on CPU 0, reader on CPU 1 (``taskset``), the loop run as our programs run it. CPU is read from
 /proc for both processes at the edges of a window after a warm-up. Each round runs every
 (scenario, variant) once, in alternating order; figures are medians over the rounds.
 """
@@ -43,6 +43,7 @@ import grpc
 
 from bench.procs import Proc, free_port, pin_prefix, wait_grpc_ready
 from bench.procstat import cpu_seconds
+from sidecar_common.programs import run_event_loop
 
 __all__ = ["Scenario", "main", "per_message", "summarize", "table"]
 
@@ -134,14 +135,24 @@ def table(summary: dict[str, dict[str, dict[str, float]]], rounds: int) -> str:
 # --- the two processes ---------------------------------------------------------------------
 
 
-def _run_loop(main: Callable[[], Any]) -> None:
-    try:
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main())
-    except ImportError:
-        asyncio.run(main())
+async def _window(
+    scenario: Scenario, writer_pid: int, moved: Callable[[], tuple[int, int]]
+) -> dict[str, Any]:
+    """After the warm-up, the (messages, calls) ``moved`` counts over the window, and both
+    processes' CPU at its edges."""
+    await asyncio.sleep(scenario.warmup_s)
+    (m0, c0), t0 = moved(), time.monotonic()
+    r0, w0 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
+    await asyncio.sleep(scenario.window_s)
+    (m1, c1), t1 = moved(), time.monotonic()
+    r1, w1 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
+    return {
+        "messages": m1 - m0,
+        "calls": c1 - c0,
+        "seconds": t1 - t0,
+        "reader_cpu_s": r1 - r0,
+        "writer_cpu_s": w1 - w0,
+    }
 
 
 async def _serve(port: int) -> None:
@@ -181,22 +192,12 @@ async def _read(port: int, writer_pid: int, scenario: Scenario) -> dict[str, Any
                 calls += 1
 
         tasks = [asyncio.create_task(one_client()) for _ in range(scenario.concurrency)]
-        await asyncio.sleep(scenario.warmup_s)
-        m0, c0, t0 = messages, calls, time.monotonic()
-        r0, w0 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
-        await asyncio.sleep(scenario.window_s)
-        m1, c1, t1 = messages, calls, time.monotonic()
-        r1, w1 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return {
-        "messages": m1 - m0,
-        "calls": c1 - c0,
-        "seconds": t1 - t0,
-        "reader_cpu_s": r1 - r0,
-        "writer_cpu_s": w1 - w0,
-    }
+        try:
+            return await _window(scenario, writer_pid, lambda: (messages, calls))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _serve_raw(port: int, streams: int) -> None:
@@ -258,22 +259,12 @@ async def _read_raw(port: int, writer_pid: int, scenario: Scenario) -> dict[str,
 
     transport, _ = await asyncio.get_running_loop().create_connection(Reader, "127.0.0.1", port)
     try:
-        await asyncio.sleep(scenario.warmup_s)
-        m0, t0 = messages, time.monotonic()
-        r0, w0 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
-        await asyncio.sleep(scenario.window_s)
-        m1, t1 = messages, time.monotonic()
-        r1, w1 = cpu_seconds(os.getpid()), cpu_seconds(writer_pid)
+        # Calls are only a unit here: every stream's messages, M at a time.
+        counts = await _window(scenario, writer_pid, lambda: (messages, messages // scenario.messages))
     finally:
         transport.close()
-    return {
-        "messages": m1 - m0,
-        # Calls are only a unit here: every stream's messages, M at a time.
-        "calls": max(1, (m1 - m0) // scenario.messages),
-        "seconds": t1 - t0,
-        "reader_cpu_s": r1 - r0,
-        "writer_cpu_s": w1 - w0,
-    }
+    counts["calls"] = max(1, counts["calls"])
+    return counts
 
 
 def _wait_port(proc: Proc, port: int, deadline_s: float) -> None:
@@ -341,21 +332,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    # Both processes run their loop as our programs do (anyio on uvloop).
     if args.role in ("writer", "raw-writer"):
         concurrency = Scenario(**json.loads(args.scenario)).concurrency
-        _run_loop(lambda: _serve(args.port) if args.role == "writer" else _serve_raw(args.port, concurrency))
-        return 0
+
+        async def write() -> int:
+            await (_serve(args.port) if args.role == "writer" else _serve_raw(args.port, concurrency))
+            return 0
+
+        return run_event_loop(write)
     if args.role in ("reader", "raw-reader"):
         scenario = Scenario(**json.loads(args.scenario))
-        result: dict[str, Any] = {}
         reader = _read if args.role == "reader" else _read_raw
 
-        async def read() -> None:
-            result.update(await reader(args.port, args.writer_pid, scenario))
+        async def read() -> int:
+            print(json.dumps(await reader(args.port, args.writer_pid, scenario)), flush=True)
+            return 0
 
-        _run_loop(read)
-        print(json.dumps(result), flush=True)
-        return 0
+        return run_event_loop(read)
 
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     scenarios = _scenarios(args.quick, args.streams, args.unary, args.messages)
