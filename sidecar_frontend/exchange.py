@@ -193,7 +193,7 @@ class Exchange:
     _run_deadline: float = float("inf")
     _aborting: bool = False  # the encoder ended the response: the other pieces were cancelled
     _pieces_left: int = 0  # sub-requests in tasks of their own still running
-    _pieces_done: asyncio.Event = field(default_factory=asyncio.Event)
+    _pieces_done: asyncio.Event | None = None  # set when none is left (made only if there are)
     _stop_failure: WorkerFailure | None = None
     _write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _group: TaskGroup | None = None
@@ -386,10 +386,13 @@ class Exchange:
                     with self._own_scope(task=False):
                         await self._run_one(0, self.call.requests[0])
                 else:
+                    # This task waits for them here, inside the task group's body, so that its
+                    # own cancel reaches the handler below before the group's __aexit__.
+                    done = self._pieces_done = asyncio.Event()
                     self._pieces_left = len(self.call.requests)
                     for index, sub_request in enumerate(self.call.requests):
                         group.start_soon(self._run_owned, index, sub_request)
-                    await self._pieces_done.wait()
+                    await done.wait()
             except BaseException:
                 # This task was cancelled (the client left: aiohttp cancels its handler) or a
                 # piece failed: every piece stops by its own scope, before the task group's
@@ -413,7 +416,7 @@ class Exchange:
                 await self._run_one(index, request)
         finally:
             self._pieces_left -= 1
-            if self._pieces_left == 0:
+            if self._pieces_left == 0 and self._pieces_done is not None:
                 self._pieces_done.set()
 
     async def _run_one(self, index: int, request: sidecar_pb2.PreprocessedRequest) -> None:
