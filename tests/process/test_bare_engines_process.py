@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.e2e_helpers import WAIT, free_port, process, script, start, stop
-from tests.process.test_membership_process import call, until_serving
+from tests.process.test_membership_process import call, until_metrics, until_serving
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow(40)]
 
@@ -272,16 +272,6 @@ def test_the_legacy_dialect_and_the_frontends_exit_stop_the_children() -> None:
             until_gone(child["pid"])
 
 
-def until_every_process_serves(fe: Frontend) -> None:
-    """Each process dials the sidecar on its own: until all did, a generation may find no
-    worker serving in the process that took it. Until 8 in a row were served (bounded)."""
-    deadline, in_a_row = time.monotonic() + WAIT, 0
-    while in_a_row < 8:
-        assert time.monotonic() < deadline, "the processes did not all serve"
-        status, _ = call("POST", fe.url + "/generate", SGLANG_HTTP.generate[1])
-        in_a_row = in_a_row + 1 if status == 200 else 0
-
-
 def test_under_processes_the_parent_runs_one_sidecar_per_engine() -> None:
     with ExitStack() as stack:
         port = free_port()
@@ -293,7 +283,8 @@ def test_under_processes_the_parent_runs_one_sidecar_per_engine() -> None:
         row = until_serving(fe.url, url)
         first = fe.log.wait_for(lambda e: e.get("event") == STARTED)
         assert row["sidecar"] == f"grpc://{first['sidecar']}"
-        until_every_process_serves(fe)
+        # Each process dials the sidecar on its own; the parent's scrape says when both serve.
+        until_metrics(fe.metrics + "/metrics", {"0": 1.0, "1": 1.0})
         for _ in range(8):  # each reaches one of the processes: both route to the one sidecar
             assert generated(fe, SGLANG_HTTP) == 4
         status, again = call("POST", fe.url + "/workers", {"url": url})
@@ -306,7 +297,7 @@ def test_under_processes_the_parent_runs_one_sidecar_per_engine() -> None:
         assert restarted["sidecar"] == first["sidecar"]
         assert restarts(fe, url) == 1.0
         until_serving(fe.url, url)
-        until_every_process_serves(fe)
+        until_metrics(fe.metrics + "/metrics", {"0": 1.0, "1": 1.0})
         # One sidecar for the engine, not one per process.
         assert [e["pid"] for e in fe.log.entries if e.get("event") == STARTED] == [
             first["pid"],
