@@ -42,6 +42,7 @@ from sidecar_frontend.membership import (
 )
 from sidecar_frontend.membership_relay import (
     Apply,
+    Everywhere,
     Op,
     Refused,
     RelayRequest,
@@ -51,6 +52,7 @@ from sidecar_frontend.membership_relay import (
     parse_control,
     request_address,
     request_line,
+    serving_line,
     version_request_line,
 )
 from sidecar_frontend.registry import WorkerState
@@ -107,6 +109,10 @@ class MembershipControl(Protocol):
     async def unregister(self, address: str) -> AdminError | str:
         """What happens to the worker (it drains, or stays), or why not."""
 
+    async def serving_everywhere(self, address: str) -> bool:
+        """Once the registered worker at ``address``, which serves in this process, has
+        served in every process of the frontend: True; False when it was removed first."""
+
 
 class LocalControl:
     """One frontend process: the changes apply to its own :class:`Membership`."""
@@ -119,6 +125,10 @@ class LocalControl:
 
     async def unregister(self, address: str) -> AdminError | str:
         return self.membership.unregister(address)
+
+    async def serving_everywhere(self, address: str) -> bool:
+        del address
+        return True  # one process: serving here is serving everywhere
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,9 @@ class RelayedControl:
     copy arrived (sidecar_frontend/membership_relay.py). Every change the parent sends is
     applied here through :meth:`deliver`, whoever asked for it. The fleet's weight version an
     admin call sets goes the same way (:meth:`set_weight_version`), applied here through
-    ``apply_weight_version`` (the worker set's ``set_weight_version``)."""
+    ``apply_weight_version`` (the worker set's ``set_weight_version``). :meth:`report_serving`
+    tells the parent when a registered worker first serves here, and the parent says when it
+    serves in every process (:meth:`serving_everywhere`)."""
 
     def __init__(
         self,
@@ -155,6 +167,11 @@ class RelayedControl:
         self._numbers = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[AdminError | str | None]] = {}
         self._reporting: set[asyncio.Task[None]] = set()
+        # Registered workers said to serve here (to the parent), and said by the parent to
+        # serve in every process; each forgotten when its registration changes.
+        self._said_serving: set[str] = set()
+        self._everywhere: set[str] = set()
+        self._everywhere_changed = anyio.Event()
 
     async def register(self, registration: Registration) -> AdminError | None:
         refusal = self.membership.refusal_to_register(registration)  # this process's view
@@ -170,6 +187,35 @@ class RelayedControl:
             return refusal
         answer = await self._ask("unregister", address)
         return answer if answer is not None else f"worker {address} is no longer registered"
+
+    async def serving_everywhere(self, address: str) -> bool:
+        while True:
+            changed = self._everywhere_changed
+            if address in self._everywhere:
+                return True
+            if address not in self.membership.registered():
+                return False
+            await changed.wait()
+
+    async def report_serving(self) -> None:
+        """Tell the parent of each registered worker once it serves here (once per
+        registration). Runs until cancelled."""
+        workers = self.membership.workers
+        while True:
+            changed = workers.next_change()
+            registered = self.membership.registered()
+            self._said_serving.intersection_update(registered)
+            for address in registered.keys() - self._said_serving:
+                worker = workers.get(address)
+                if worker is not None and worker.state is WorkerState.SERVING:
+                    with contextlib.suppress(OSError):  # the parent is gone: so is this process, soon
+                        self._link.send(serving_line(address))
+                    self._said_serving.add(address)
+            await changed.wait()
+
+    def _everywhere_changes(self) -> None:
+        self._everywhere_changed.set()
+        self._everywhere_changed = anyio.Event()
 
     @property
     def process(self) -> int:
@@ -220,6 +266,11 @@ class RelayedControl:
         if isinstance(message, Refused):
             self._answer(message.id, message.error)
             return
+        if isinstance(message, Everywhere):
+            if message.address in self.membership.registered():
+                self._everywhere.add(message.address)
+                self._everywhere_changes()
+            return
         if isinstance(message, SetVersion):
             if self._apply_weight_version is not None:
                 self._apply_weight_version(message.weight_version)
@@ -231,6 +282,10 @@ class RelayedControl:
             self._answer(message.id, outcome)
 
     def _apply(self, change: Apply) -> str | None:
+        # A new registration, or none: what was said of the address is said again, or never.
+        self._said_serving.discard(change.address)
+        self._everywhere.discard(change.address)
+        self._everywhere_changes()
         if change.op == "register" and change.registration is not None:
             self.membership.adopt(change.registration)
             log.info("worker registered", worker=change.address, url=change.registration.url, relayed=True)
@@ -445,7 +500,10 @@ class AdminApi:
                 if worker is None:
                     return f"worker {registration.url} was removed before it served"
                 if worker.state is WorkerState.SERVING:
-                    return None
+                    # --processes N: a request after the answer may reach any process.
+                    if await self.control.serving_everywhere(registration.worker_address):
+                        return None
+                    return f"worker {registration.url} was removed before it served"
                 if worker.state is WorkerState.REFUSED:
                     return f"worker {registration.url} was refused: {worker.refusal_message}"
                 await changed.wait()

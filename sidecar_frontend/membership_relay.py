@@ -23,6 +23,11 @@ processes, picks that address (:meth:`RelayBook.decide`'s ``sidecar_address``) a
 registration with it. After its removal each process tells the parent once its worker set let
 go of the worker (:func:`left_line`); the parent stops that sidecar once every process did.
 
+Serving everywhere: each process tells the parent when a registered worker first serves there
+(:func:`serving_line`, once per registration, and again in a restarted process). Once every
+process has, the parent tells them all (:class:`Everywhere`). The legacy ``/add_worker``
+answers only then: after its answer, any process a request reaches serves the worker.
+
 Lines are JSON, one message each; a line that does not parse is not a message (None).
 """
 
@@ -39,20 +44,24 @@ from sidecar_frontend.membership import ENGINES, AdminError, Registration, alrea
 
 __all__ = [
     "Apply",
+    "Everywhere",
     "Refused",
     "RelayBook",
     "RelayRequest",
     "SetVersion",
     "VersionRequest",
     "apply_line",
+    "everywhere_line",
     "left_line",
     "parse_control",
     "parse_left",
     "parse_request",
+    "parse_serving",
     "parse_version_request",
     "refused_line",
     "request_address",
     "request_line",
+    "serving_line",
     "set_version_line",
     "version_request_line",
 ]
@@ -106,6 +115,14 @@ class SetVersion:
     weight_version: str | None
     origin: int  # the process that took the call (-1: none, the version a process starts with)
     id: int  # its number for the call
+
+
+@dataclass(frozen=True)
+class Everywhere:
+    """The parent to every process: every process has served the registered worker at
+    ``address``."""
+
+    address: str
 
 
 def _registration_dict(registration: Registration) -> dict[str, object]:
@@ -238,6 +255,25 @@ def parse_left(line: bytes) -> str | None:
     return address if isinstance(address, str) else None
 
 
+def serving_line(address: str) -> bytes:
+    """A process to the parent: the registered worker at ``address`` serves here (the first
+    time since this process adopted its registration)."""
+    return _line({"event": "serving", "address": address})
+
+
+def parse_serving(line: bytes) -> str | None:
+    """The address a process's ``serving`` line names (None for any other line)."""
+    data = _object(line)
+    if data is None or data.get("event") != "serving":
+        return None
+    address = data.get("address")
+    return address if isinstance(address, str) else None
+
+
+def everywhere_line(everywhere: Everywhere) -> bytes:
+    return _line({"op": "everywhere", "address": everywhere.address})
+
+
 def _version(data: Mapping[str, Any]) -> tuple[str | None] | None:
     """The ``weight_version`` a line holds, in a 1-tuple (its absence or a version no admin
     call could set: None)."""
@@ -277,11 +313,14 @@ def set_version_line(change: SetVersion) -> bytes:
     )
 
 
-def parse_control(line: bytes) -> Apply | Refused | SetVersion | None:
+def parse_control(line: bytes) -> Apply | Refused | SetVersion | Everywhere | None:
     """A line the parent wrote to a process (None for anything else)."""
     data = _object(line)
     if data is None:
         return None
+    if data.get("op") == "everywhere":
+        address = data.get("address")
+        return Everywhere(address) if isinstance(address, str) else None
     number = _whole(data.get("id"))
     if number is None:
         return None
@@ -308,6 +347,8 @@ class RelayBook:
     def __init__(self) -> None:
         self._registrations: dict[str, Registration] = {}
         self._weight_version: str | None = None
+        # For each registration, the processes (by number) that said its worker serves there.
+        self._serving: dict[str, set[int]] = {}
 
     @property
     def weight_version(self) -> str | None:
@@ -359,6 +400,23 @@ class RelayBook:
                 registration = replace(registration, sidecar_address=sidecar_address)
                 address = sidecar_address
             self._registrations[address] = registration
+            self._serving[address] = set()
             return Apply("register", address, origin, request.id, registration)
         del self._registrations[address]
+        del self._serving[address]
         return Apply("unregister", address, origin, request.id)
+
+    def serving(self, index: int, address: str, processes: int) -> Everywhere | None:
+        """Process ``index`` of ``processes`` said the worker at ``address`` serves there. The
+        message for every process when that made every one of them say so; None otherwise
+        (already said, the worker no longer registered, or a process that has not said so)."""
+        said = self._serving.get(address)
+        if said is None or index in said or not 0 <= index < processes:
+            return None
+        said.add(index)
+        return Everywhere(address) if len(said) == processes else None
+
+    def gone(self, index: int) -> None:
+        """Process ``index`` ended: what it said no longer holds (its next run says it again)."""
+        for said in self._serving.values():
+            said.discard(index)

@@ -274,6 +274,7 @@ async def _serve(
                     membership, inherited.parent, apply_weight_version=workers.set_weight_version
                 )
                 inherited.parent.attach(relayed.deliver)
+                supervisor.start("report_serving", relayed.report_serving)
                 control = relayed
             supervisor.start("keep_registered", lambda: keep_registered(workers, membership))
             # Serving starts once discovery applied its first view (or its first attempt failed).

@@ -82,8 +82,10 @@ from sidecar_frontend.membership_relay import (
     RelayRequest,
     VersionRequest,
     apply_line,
+    everywhere_line,
     parse_left,
     parse_request,
+    parse_serving,
     parse_version_request,
     refused_line,
     set_version_line,
@@ -328,6 +330,10 @@ class _Parent:
                 left = parse_left(line)
                 if left is not None:
                     self._left(left, slot.index)
+                    continue
+                serving = parse_serving(line)
+                if serving is not None:
+                    self._serving(serving, slot.index)
         finally:
             transport.close()
 
@@ -396,8 +402,20 @@ class _Parent:
                 log.info("a removed bare engine left every process: stopping its sidecar", sidecar=address)
                 self.bare.stop_soon(address)
 
+    def _serving(self, address: str, index: int) -> None:
+        """Process ``index`` serves the registered worker at ``address``: once every process
+        does, every process is told (the legacy /add_worker waits for that)."""
+        everywhere = self.book.serving(index, address, len(self.slots))
+        if everywhere is None:
+            return
+        log.info("a registered worker serves in every process", worker=address, processes=len(self.slots))
+        line = everywhere_line(everywhere)
+        for slot in self.slots:
+            _write(slot, line)
+
     def _gone(self, index: int) -> None:
         """Process ``index`` ended: it holds no worker any more."""
+        self.book.gone(index)
         for address in list(self.leaving):
             self._left(address, index)
 

@@ -227,3 +227,23 @@ def test_with_two_processes_a_registration_reaches_both_and_survives_a_restart()
         until_metrics(metrics, {"0": 0.0, "1": 0.0})
         for _ in range(6):
             assert call("POST", url + "/inference/v1/generate", vllm_body)[0] == 503
+
+
+def test_with_two_processes_add_worker_answers_once_both_serve() -> None:
+    """A trainer's ``/add_worker`` then its requests: once the call answers, every process
+    serves the worker, so no request sent after it meets a process still connecting."""
+    with ExitStack() as stack:
+        port = sidecar(stack)
+        metrics_port = free_port()
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        url, _ = stack.enter_context(frontend("--processes", "2", "--metrics-port", str(metrics_port)))
+        worker_url = f"grpc://127.0.0.1:{port}"
+        status, text = call("POST", url + f"/add_worker?url={worker_url}")
+        assert (status, text) == (200, f"Successfully added worker: {worker_url}")
+        # Read once, right after the answer: both processes serve it already.
+        assert serving_by_process(metrics) == {"0": 1.0, "1": 1.0}
+        vllm_body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+        for _ in range(12):  # each call a new connection, spread over both processes
+            assert call("POST", url + "/inference/v1/generate", vllm_body)[0] == 200
+        status, text = call("POST", url + f"/remove_worker?url={worker_url}")
+        assert (status, text) == (200, f"Successfully removed worker: {worker_url}")

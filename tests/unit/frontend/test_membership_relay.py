@@ -18,14 +18,19 @@ from sidecar_frontend.admin import ParentLink, RelayedControl
 from sidecar_frontend.membership import AdminError, Membership, Registration
 from sidecar_frontend.membership_relay import (
     Apply,
+    Everywhere,
     Refused,
     RelayBook,
     RelayRequest,
     apply_line,
+    everywhere_line,
     parse_control,
+    parse_left,
     parse_request,
+    parse_serving,
     refused_line,
     request_line,
+    serving_line,
 )
 from tests.unit.frontend.test_membership import FakeSet
 
@@ -51,6 +56,25 @@ def test_the_lines_read_back() -> None:
         assert parse_control(apply_line(message)) == message
     refused = Refused(5, AdminError(409, "WORKER_ALREADY_EXISTS", "worker grpc://h:1/ is already registered"))
     assert parse_control(refused_line(refused)) == refused
+    assert parse_control(everywhere_line(Everywhere("h:1"))) == Everywhere("h:1")
+    assert parse_serving(serving_line("h:1")) == "h:1"
+    # Each line is one kind only.
+    assert parse_left(serving_line("h:1")) is None
+    assert parse_request(serving_line("h:1")) is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"",
+        b"{}",
+        b'{"event": "serving", "metrics_port": 9}',
+        b'{"event": "serving", "address": 1}',
+        b'{"event": "left", "address": "h:1"}',
+    ],
+)
+def test_a_line_that_is_no_serving_report_is_none(line: bytes) -> None:
+    assert parse_serving(line) is None
 
 
 NOT_MESSAGES = [
@@ -85,6 +109,8 @@ def test_a_line_that_is_no_request_is_none(line: bytes) -> None:
         b'{"op": "unregister", "address": "h:1", "id": 1}',
         b'{"op": "refused", "id": 1, "status": "409", "code": "X", "message": "m"}',
         b'{"op": "refused", "id": 1, "status": 409, "code": "X"}',
+        b'{"op": "everywhere"}',
+        b'{"op": "everywhere", "address": ["h:1"]}',
     ],
 )
 def test_a_line_that_is_no_control_is_none(line: bytes) -> None:
@@ -108,6 +134,63 @@ def test_the_parent_records_in_order_and_refuses_what_its_list_contradicts() -> 
         8, AdminError(404, "WORKER_NOT_FOUND", "no worker a:1")
     )
     assert book.registrations() == (b,)
+
+
+def _book_with(*addresses: str) -> RelayBook:
+    book = RelayBook()
+    for number, address in enumerate(addresses):
+        assert isinstance(
+            book.decide(0, RelayRequest(number, "register", address, _registration(address))), Apply
+        )
+    return book
+
+
+# (the process that says so, the worker) in turn, of 3 processes: what the parent sends each time.
+SERVING_REPORTS: list[tuple[str, list[tuple[int, str]], list[Everywhere | None]]] = [
+    (
+        "every process in turn: the last one's report",
+        [(0, "a:1"), (1, "a:1"), (2, "a:1")],
+        [None, None, Everywhere("a:1")],
+    ),
+    ("in another order", [(2, "a:1"), (0, "a:1"), (1, "a:1")], [None, None, Everywhere("a:1")]),
+    ("a report said twice counts once", [(0, "a:1"), (0, "a:1"), (1, "a:1")], [None, None, None]),
+    (
+        "each worker on its own",
+        [(0, "a:1"), (1, "b:2"), (1, "a:1"), (2, "a:1")],
+        [None, None, None, Everywhere("a:1")],
+    ),
+    ("an unregistered worker", [(0, "c:3"), (1, "c:3"), (2, "c:3")], [None, None, None]),
+    ("no such process", [(0, "a:1"), (1, "a:1"), (3, "a:1"), (-1, "a:1")], [None, None, None, None]),
+    (
+        "after every process said so, again",
+        [(0, "a:1"), (1, "a:1"), (2, "a:1"), (2, "a:1")],
+        [None, None, Everywhere("a:1"), None],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("reports", "sent"), [(r, s) for _, r, s in SERVING_REPORTS], ids=[name for name, _, _ in SERVING_REPORTS]
+)
+def test_the_parent_says_a_worker_serves_everywhere_once_every_process_said_so(
+    reports: list[tuple[int, str]], sent: list[Everywhere | None]
+) -> None:
+    book = _book_with("a:1", "b:2")
+    assert [book.serving(index, address, 3) for index, address in reports] == sent
+
+
+def test_a_process_that_ended_says_it_again_and_a_new_registration_starts_anew() -> None:
+    book = _book_with("a:1")
+    assert book.serving(0, "a:1", 2) is None
+    book.gone(0)  # restarted: its next run has not served the worker yet
+    assert book.serving(1, "a:1", 2) is None
+    assert book.serving(0, "a:1", 2) == Everywhere("a:1")
+    # Removed and registered again: what was said of the old registration does not count.
+    assert isinstance(book.decide(1, RelayRequest(5, "unregister", "a:1")), Apply)
+    assert book.serving(0, "a:1", 2) is None
+    assert isinstance(book.decide(1, RelayRequest(6, "register", "a:1", _registration("a:1"))), Apply)
+    assert book.serving(1, "a:1", 2) is None
+    assert book.serving(0, "a:1", 2) == Everywhere("a:1")
 
 
 # ------------------------------------------------------------------------------ processes over a parent
