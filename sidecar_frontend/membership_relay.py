@@ -246,13 +246,18 @@ def left_line(address: str) -> bytes:
     return _line({"event": "left", "address": address})
 
 
-def parse_left(line: bytes) -> str | None:
-    """The address a process's ``left`` line names (None for any other line)."""
+def _named_address(line: bytes, event: str) -> str | None:
+    """The address a process's line of ``event`` names (None for any other line)."""
     data = _object(line)
-    if data is None or data.get("event") != "left":
+    if data is None or data.get("event") != event:
         return None
     address = data.get("address")
     return address if isinstance(address, str) else None
+
+
+def parse_left(line: bytes) -> str | None:
+    """The address a process's ``left`` line names (None for any other line)."""
+    return _named_address(line, "left")
 
 
 def serving_line(address: str) -> bytes:
@@ -263,11 +268,7 @@ def serving_line(address: str) -> bytes:
 
 def parse_serving(line: bytes) -> str | None:
     """The address a process's ``serving`` line names (None for any other line)."""
-    data = _object(line)
-    if data is None or data.get("event") != "serving":
-        return None
-    address = data.get("address")
-    return address if isinstance(address, str) else None
+    return _named_address(line, "serving")
 
 
 def everywhere_line(everywhere: Everywhere) -> bytes:
