@@ -49,12 +49,15 @@ def started(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[s
 
 
 def status(url: str) -> int:
+    """The answer's status; 0 when none came (refused, reset or slow: asked again)."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=10) as response:
             code: int = response.status
             return code
     except urllib.error.HTTPError as err:
         return err.code
+    except (urllib.error.URLError, OSError):
+        return 0
 
 
 def until_status(url: str, wanted: int, *children: subprocess.Popen[str]) -> None:
@@ -107,10 +110,15 @@ def test_readiness_follows_the_workers_and_liveness_does_not(fleet: int) -> None
                     f"127.0.0.1:{sidecar_port}",
                     "--grpc-connections",
                     "1",
+                    "--log-format",
+                    "json",
                 ],
                 child_env(),
             )
         )
+        # The sidecar serves first (its own start is not what this test measures), then the
+        # frontend notices within the wait.
+        assert serving_port(sidecar) == sidecar_port
         until_status(probe_url("readinessProbe"), 200, engine, sidecar, frontend)
         assert status(probe_url("livenessProbe")) == 200
         # The worker goes: not ready again, still alive.

@@ -250,7 +250,8 @@ async def test_capacity_makes_extra_requests_wait_fifo() -> None:
 
 
 async def test_startup_delay_refuses_then_accepts() -> None:
-    engine = VllmTestEngine(VllmEngineConfig(startup_delay_secs=0.3))
+    # Long enough that the first check comes before it on a loaded machine too.
+    engine = VllmTestEngine(VllmEngineConfig(startup_delay_secs=3.0))
     port = await engine.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -258,7 +259,7 @@ async def test_startup_delay_refuses_then_accepts() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await health.Check(health_pb2.HealthCheckRequest(), timeout=0.1)
             assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            await engine.wait_ready(5)
+            await engine.wait_ready(30)
             resp = await health.Check(
                 health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine"),
                 timeout=5,

@@ -267,11 +267,13 @@ def test_kill_and_drain_under_300_streams_then_restart(etcd: EtcdServer) -> None
                 )
 
                 async def probe(k: int) -> None:
-                    # Short requests from the restart on, until each new worker served one.
-                    for n in range(200):
-                        if all(_served(new) for new in restarted):
-                            return
-                        await one_stream(http, url, STREAMS + 1000 * k + n, Delivered(0), max_tokens=2)
+                    # Short requests from the restart on, until each new worker served one (a
+                    # bound in time, not in requests: the new sidecars may start cold).
+                    loop = asyncio.get_running_loop()
+                    deadline, n = loop.time() + 2 * WAIT, 0
+                    while not all(_served(new) for new in restarted) and loop.time() < deadline:
+                        await one_stream(http, url, STREAMS + 1000 * k + n % 1000, Delivered(0), max_tokens=2)
+                        n += 1
 
                 probes = [asyncio.ensure_future(probe(k)) for k in range(8)]
                 for new in restarted:

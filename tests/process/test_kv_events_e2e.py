@@ -88,7 +88,8 @@ def _engine(stack: ExitStack, argv_on: Callable[[list[int]], list[str]], ports: 
         end = time.monotonic() + WAIT
         while engine.poll() is None and time.monotonic() < end:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", chosen[0]), timeout=1):
-                return chosen
+                if engine.poll() is None:  # not another process's listener while ours exited
+                    return chosen
             time.sleep(0.05)
         if engine.poll() is None:
             raise AssertionError(f"the engine took no connection within {WAIT}s: {argv_on(chosen)}")

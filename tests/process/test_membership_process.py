@@ -195,7 +195,6 @@ def test_with_two_processes_a_registration_reaches_both_and_survives_a_restart()
                 "2",
                 "--metrics-port",
                 str(metrics_port),
-                env={"SIDECAR_TEST_PROCESS_LIVENESS": "0.5,4"},
                 seen=seen,
             )
         )

@@ -51,7 +51,6 @@ def test_a_version_set_through_one_process_is_answered_by_both_and_survives_a_re
                 "2",
                 "--metrics-port",
                 str(metrics_port),
-                env={"SIDECAR_TEST_PROCESS_LIVENESS": "0.5,4"},
                 seen=seen,
             )
         )

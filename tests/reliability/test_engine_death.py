@@ -144,7 +144,7 @@ async def death_and_return(
     await fails_migratable(stub)
     assert await server.wait_idle(5.0), "the sidecar still counts requests in flight"
     await revive()
-    await wait_health(health, SERVING, 10)
+    await wait_health(health, SERVING, 60)  # a brand-new engine process may start cold on a loaded machine
     await serves_again(stub, model)
 
 
