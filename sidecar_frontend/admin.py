@@ -47,12 +47,15 @@ from sidecar_frontend.membership_relay import (
     Refused,
     RelayRequest,
     SetVersion,
+    VersionApplied,
+    VersionDone,
     VersionRequest,
     left_line,
     parse_control,
     request_address,
     request_line,
     serving_line,
+    version_applied_line,
     version_request_line,
 )
 from sidecar_frontend.registry import WorkerState
@@ -149,7 +152,8 @@ class RelayedControl:
     copy arrived (sidecar_frontend/membership_relay.py). Every change the parent sends is
     applied here through :meth:`deliver`, whoever asked for it. The fleet's weight version an
     admin call sets goes the same way (:meth:`set_weight_version`), applied here through
-    ``apply_weight_version`` (the worker set's ``set_weight_version``). :meth:`report_serving`
+    ``apply_weight_version`` (the worker set's ``set_weight_version``) and said applied to the
+    parent, which answers the asker once every serving process applied it. :meth:`report_serving`
     tells the parent when a registered worker first serves here, and the parent says when it
     serves in every process (:meth:`serving_everywhere`)."""
 
@@ -224,7 +228,7 @@ class RelayedControl:
 
     async def set_weight_version(self, version: str | None) -> AdminError | None:
         """Set the fleet's weight version in every process (None: back to the workers'
-        reports); None once this process's own copy arrived, or why not."""
+        reports); None once every serving process applied it, or why not."""
         answer = await self._ask_parent(
             lambda number: version_request_line(VersionRequest(number, version)), op="weight_version"
         )
@@ -271,11 +275,15 @@ class RelayedControl:
                 self._everywhere.add(message.address)
                 self._everywhere_changes()
             return
+        if isinstance(message, VersionDone):
+            self._answer(message.id, None)
+            return
         if isinstance(message, SetVersion):
             if self._apply_weight_version is not None:
                 self._apply_weight_version(message.weight_version)
-            if message.origin == self._link.index:
-                self._answer(message.id, None)
+            if message.origin >= 0:  # an admin call's (-1: the version this process began with)
+                with contextlib.suppress(OSError):  # the parent is gone: so is this process, soon
+                    self._link.send(version_applied_line(VersionApplied(message.origin, message.id)))
             return
         outcome = self._apply(message)
         if message.origin == self._link.index:

@@ -9,13 +9,17 @@ must reach them all, including a process restarted later. So:
    its list contradicts (:class:`Refused`, to that process only) or records it and sends the
    change to every process on its stdin (:class:`Apply`, in one order for all).
 3. Every process applies each change as it comes (``Membership.adopt`` / ``release``); the one
-   that took the call answers it once its own copy arrives (``origin`` and ``id`` say whose).
+   that took the call answers it once its own copy arrives (``origin`` and ``id`` say whose;
+   ``/add_worker`` waits longer, see "Serving everywhere" below).
 4. A process the parent starts (or restarts) gets the list in its spec.
 
 The fleet's weight version an admin call sets (``POST /weight_version``) goes the same way: a
 :class:`VersionRequest` to the parent, which records it (:attr:`RelayBook.weight_version`) and
 sends a :class:`SetVersion` to every process (never refused); a process started later gets the
-recorded version in its spec.
+recorded version in its spec. Each process tells the parent once it applied the version
+(:class:`VersionApplied`), and the parent tells the asking process (:class:`VersionDone`) once
+every process that was serving did: the call is answered then, so that a request sent after
+the answer is routed by the new version whichever process takes it.
 
 A bare engine (its sidecar run by the frontend): the asking process sends the registration
 without a sidecar address; the parent, which runs one sidecar per engine for all the
@@ -34,9 +38,9 @@ Lines are JSON, one message each; a line that does not parse is not a message (N
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from sidecar_common.disaggregation import is_role
 from sidecar_frontend.fleet import MAX_WEIGHT_VERSION_BYTES
@@ -49,6 +53,8 @@ __all__ = [
     "RelayBook",
     "RelayRequest",
     "SetVersion",
+    "VersionApplied",
+    "VersionDone",
     "VersionRequest",
     "apply_line",
     "everywhere_line",
@@ -57,16 +63,24 @@ __all__ = [
     "parse_left",
     "parse_request",
     "parse_serving",
+    "parse_version_applied",
     "parse_version_request",
     "refused_line",
     "request_address",
     "request_line",
     "serving_line",
     "set_version_line",
+    "version_applied_line",
+    "version_done_line",
     "version_request_line",
 ]
 
 Op = Literal["register", "unregister"]
+
+# Version calls the parent holds at most while processes apply them (each is answered or
+# given up by its asker within the answer wait; a process that never applies one is killed
+# by the liveness watch, which ends its waits).
+MAX_UNAPPLIED: Final = 1024
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,22 @@ class SetVersion:
     weight_version: str | None
     origin: int  # the process that took the call (-1: none, the version a process starts with)
     id: int  # its number for the call
+
+
+@dataclass(frozen=True)
+class VersionApplied:
+    """A process to the parent: it applied the version of call ``id`` of process ``origin``."""
+
+    origin: int
+    id: int
+
+
+@dataclass(frozen=True)
+class VersionDone:
+    """The parent to the process that took call ``id``: every serving process applied its
+    version."""
+
+    id: int
 
 
 @dataclass(frozen=True)
@@ -292,6 +322,25 @@ def version_request_line(request: VersionRequest) -> bytes:
     return _line({"event": "weight_version", "id": request.id, "weight_version": request.weight_version})
 
 
+def version_applied_line(applied: VersionApplied) -> bytes:
+    return _line({"event": "version_applied", "origin": applied.origin, "id": applied.id})
+
+
+def parse_version_applied(line: bytes) -> VersionApplied | None:
+    """A process's status line as a :class:`VersionApplied` (None for any other line)."""
+    data = _object(line)
+    if data is None or data.get("event") != "version_applied":
+        return None
+    origin, number = _whole(data.get("origin")), _whole(data.get("id"))
+    if origin is None or number is None:
+        return None
+    return VersionApplied(origin, number)
+
+
+def version_done_line(done: VersionDone) -> bytes:
+    return _line({"op": "version_done", "id": done.id})
+
+
 def parse_version_request(line: bytes) -> VersionRequest | None:
     """A process's status line as a weight-version request (None for any other line)."""
     data = _object(line)
@@ -314,7 +363,7 @@ def set_version_line(change: SetVersion) -> bytes:
     )
 
 
-def parse_control(line: bytes) -> Apply | Refused | SetVersion | Everywhere | None:
+def parse_control(line: bytes) -> Apply | Refused | SetVersion | VersionDone | Everywhere | None:
     """A line the parent wrote to a process (None for anything else)."""
     data = _object(line)
     if data is None:
@@ -325,6 +374,8 @@ def parse_control(line: bytes) -> Apply | Refused | SetVersion | Everywhere | No
     number = _whole(data.get("id"))
     if number is None:
         return None
+    if data.get("op") == "version_done":
+        return VersionDone(number)
     if data.get("op") == "weight_version":
         origin, version = _whole(data.get("origin")), _version(data)
         if origin is None or version is None:
@@ -350,6 +401,8 @@ class RelayBook:
         self._weight_version: str | None = None
         # For each registration, the processes (by number) that said its worker serves there.
         self._serving: dict[str, set[int]] = {}
+        # For each version call (asking process, its number), the processes yet to apply it.
+        self._unapplied: dict[tuple[int, int], set[int]] = {}
 
     @property
     def weight_version(self) -> str | None:
@@ -357,11 +410,34 @@ class RelayBook:
         the workers' reports): a new process's spec."""
         return self._weight_version
 
-    def set_version(self, origin: int, request: VersionRequest) -> SetVersion:
-        """Record the version ``request`` from process ``origin`` sets; the change for every
-        process."""
+    def set_version(
+        self, origin: int, request: VersionRequest, serving: Collection[int]
+    ) -> tuple[SetVersion, VersionDone | None]:
+        """Record the version ``request`` from process ``origin`` sets: the change for every
+        process, and the answer for ``origin`` if none of the processes ``serving`` (those the
+        call waits for) is left to apply it (else :meth:`applied` gives it later)."""
         self._weight_version = request.weight_version
-        return SetVersion(request.weight_version, origin, request.id)
+        change = SetVersion(request.weight_version, origin, request.id)
+        waiting = set(serving)
+        if not waiting:
+            return change, VersionDone(request.id)
+        while len(self._unapplied) >= MAX_UNAPPLIED:  # the oldest call's asker gave up long ago
+            del self._unapplied[next(iter(self._unapplied))]
+        self._unapplied[(origin, request.id)] = waiting
+        return change, None
+
+    def applied(self, index: int, applied: VersionApplied) -> tuple[int, VersionDone] | None:
+        """Process ``index`` applied a version: the answer for the asking process (its number
+        and the message) once every process the call waits for did; None until then."""
+        key = (applied.origin, applied.id)
+        waiting = self._unapplied.get(key)
+        if waiting is None:
+            return None
+        waiting.discard(index)
+        if waiting:
+            return None
+        del self._unapplied[key]
+        return applied.origin, VersionDone(applied.id)
 
     def registrations(self) -> tuple[Registration, ...]:
         """In the order they were registered (a new process's spec)."""
@@ -417,7 +493,18 @@ class RelayBook:
         said.add(index)
         return Everywhere(address) if len(said) == processes else None
 
-    def gone(self, index: int) -> None:
-        """Process ``index`` ended: what it said no longer holds (its next run says it again)."""
+    def gone(self, index: int) -> list[tuple[int, VersionDone]]:
+        """Process ``index`` ended: what it said no longer holds (its next run says it again),
+        a version call it asked has nobody to answer, and one that waited for it waits no more
+        (its next run starts with the recorded version). The answers now due, as
+        :meth:`applied` gives them."""
         for said in self._serving.values():
             said.discard(index)
+        due: list[tuple[int, VersionDone]] = []
+        for key, waiting in list(self._unapplied.items()):
+            waiting.discard(index)
+            if key[0] == index or not waiting:
+                del self._unapplied[key]
+                if key[0] != index:
+                    due.append((key[0], VersionDone(key[1])))
+        return due

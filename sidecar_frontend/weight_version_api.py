@@ -12,8 +12,9 @@ and new requests go only to the workers at it (``fleet.py``), whatever the worke
 ``{"weight_version": null}`` gives the choice back to the workers' reports.
 
 With ``--processes`` above 1 the process that takes a POST hands the version to the parent,
-which sends it to every process (and gives it to each process it starts or restarts), and
-answers once its own copy arrived (sidecar_frontend/membership_relay.py); every answer then also
+which sends it to every process (and gives it to each process it starts or restarts); the POST
+is answered once every serving process applied it (sidecar_frontend/membership_relay.py), so a
+request sent after the answer is routed by it whichever process takes it. Every answer also
 says which process gave it (``"process"``: each holds its own view of the workers).
 """
 

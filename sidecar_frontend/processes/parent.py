@@ -80,15 +80,18 @@ from sidecar_frontend.membership_relay import (
     Refused,
     RelayBook,
     RelayRequest,
+    VersionDone,
     VersionRequest,
     apply_line,
     everywhere_line,
     parse_left,
     parse_request,
     parse_serving,
+    parse_version_applied,
     parse_version_request,
     refused_line,
     set_version_line,
+    version_done_line,
 )
 from sidecar_frontend.processes.exposition import PROCESS_LABEL, merge_expositions
 from sidecar_frontend.processes.policy import (
@@ -334,6 +337,10 @@ class _Parent:
                 serving = parse_serving(line)
                 if serving is not None:
                     self._serving(serving, slot.index)
+                    continue
+                applied = parse_version_applied(line)
+                if applied is not None:
+                    self._answer_version(self.book.applied(slot.index, applied))
         finally:
             transport.close()
 
@@ -375,11 +382,16 @@ class _Parent:
     def _relay_version(self, asking: _Slot, request: VersionRequest) -> None:
         """The fleet's weight version ``asking`` was asked to set: to every process, in the
         same order as the membership changes (a process being restarted gets it in its spec)."""
-        change = self.book.set_version(asking.index, request)
+        # The call is answered once every serving process applied the version; one still
+        # starting reads it (its spec, or this line) while it starts.
+        serving = [slot.index for slot in self.slots if slot.proc is not None and slot.served]
+        change, done = self.book.set_version(asking.index, request, serving)
         log.info("fleet weight version relayed", weight_version=change.weight_version, asked_by=asking.index)
         line = set_version_line(change)
         for slot in self.slots:
             _write(slot, line)
+        if done is not None:
+            _write(asking, version_done_line(done))
 
     def _bare_refusal(self, request: RelayRequest) -> AdminError | None:
         registration = request.registration
@@ -413,9 +425,16 @@ class _Parent:
         for slot in self.slots:
             _write(slot, line)
 
+    def _answer_version(self, due: tuple[int, VersionDone] | None) -> None:
+        """Tell the asking process its version call is done (every process applied it)."""
+        if due is not None:
+            origin, done = due
+            _write(self.slots[origin], version_done_line(done))
+
     def _gone(self, index: int) -> None:
         """Process ``index`` ended: it holds no worker any more."""
-        self.book.gone(index)
+        for due in self.book.gone(index):
+            self._answer_version(due)
         for address in list(self.leaving):
             self._left(address, index)
 

@@ -25,18 +25,24 @@ from sidecar_frontend.config import WorkerSetConfig
 from sidecar_frontend.fleet import MAX_WEIGHT_VERSION_BYTES
 from sidecar_frontend.membership import AdminError, Membership, Registration
 from sidecar_frontend.membership_relay import (
+    MAX_UNAPPLIED,
     Apply,
     RelayBook,
     RelayRequest,
     SetVersion,
+    VersionApplied,
+    VersionDone,
     VersionRequest,
     apply_line,
     parse_control,
     parse_request,
+    parse_version_applied,
     parse_version_request,
     refused_line,
     request_line,
     set_version_line,
+    version_applied_line,
+    version_done_line,
     version_request_line,
 )
 from sidecar_frontend.processes.child import ControlInbox
@@ -55,6 +61,28 @@ def test_the_version_lines_read_back(version: str | None) -> None:
     assert parse_version_request(line) == request
     for change in (SetVersion(version, 1, 4), SetVersion(version, -1, 0)):
         assert parse_control(set_version_line(change)) == change
+
+
+def test_the_applied_and_done_lines_read_back() -> None:
+    applied = VersionApplied(2, 7)
+    assert parse_version_applied(version_applied_line(applied)) == applied
+    assert parse_control(version_done_line(VersionDone(7))) == VersionDone(7)
+    assert parse_version_request(version_applied_line(applied)) is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"",
+        b'{"event": "version_applied", "id": 1}',
+        b'{"event": "version_applied", "origin": 0}',
+        b'{"event": "version_applied", "origin": "0", "id": 1}',
+        b'{"event": "version_applied", "origin": 0, "id": false}',
+        b'{"event": "weight_version", "origin": 0, "id": 1}',
+    ],
+)
+def test_a_line_that_is_no_applied_word_is_none(line: bytes) -> None:
+    assert parse_version_applied(line) is None
 
 
 def test_version_lines_and_membership_lines_are_not_mistaken_for_each_other() -> None:
@@ -107,12 +135,91 @@ def test_a_version_line_from_the_parent_that_does_not_parse_is_none(line: bytes)
 def test_the_parent_records_the_last_version_set_and_never_refuses_one() -> None:
     book = RelayBook()
     assert book.weight_version is None
-    assert book.set_version(1, VersionRequest(3, "v2")) == SetVersion("v2", 1, 3)
+    assert book.set_version(1, VersionRequest(3, "v2"), [0, 1]) == (SetVersion("v2", 1, 3), None)
     assert book.weight_version == "v2"
-    assert book.set_version(0, VersionRequest(9, "v2")) == SetVersion("v2", 0, 9)  # the same again
-    assert book.set_version(0, VersionRequest(10, None)) == SetVersion(None, 0, 10)
+    # The same again; and with no serving process to wait for, answered at once.
+    assert book.set_version(0, VersionRequest(9, "v2"), []) == (SetVersion("v2", 0, 9), VersionDone(9))
+    assert book.set_version(0, VersionRequest(10, None), [0]) == (SetVersion(None, 0, 10), None)
     assert book.weight_version is None, "given back to the workers' reports"
     assert book.registrations() == ()
+
+
+# (what happens, in turn) to a call of process 0 (its number 5) that waits for processes 0, 1
+# and 2: the answer due to the asker after each step, if any.
+APPLIED: list[
+    tuple[str, list[tuple[str, int, VersionApplied | None]], list[tuple[int, VersionDone] | None]]
+] = [
+    (
+        "each applies it: the last one's word answers",
+        [
+            ("applied", 1, VersionApplied(0, 5)),
+            ("applied", 0, VersionApplied(0, 5)),
+            ("applied", 2, VersionApplied(0, 5)),
+        ],
+        [None, None, (0, VersionDone(5))],
+    ),
+    (
+        "a word said twice counts once",
+        [
+            ("applied", 1, VersionApplied(0, 5)),
+            ("applied", 1, VersionApplied(0, 5)),
+            ("applied", 0, VersionApplied(0, 5)),
+        ],
+        [None, None, None],
+    ),
+    (
+        "another call's word, or a process it does not wait for",
+        [
+            ("applied", 1, VersionApplied(0, 6)),
+            ("applied", 1, VersionApplied(1, 5)),
+            ("applied", 3, VersionApplied(0, 5)),
+        ],
+        [None, None, None],
+    ),
+    (
+        "a process that ends is waited for no more (it starts with the version)",
+        [("applied", 0, VersionApplied(0, 5)), ("gone", 2, None), ("applied", 1, VersionApplied(0, 5))],
+        [None, None, (0, VersionDone(5))],
+    ),
+    (
+        "the last one it waited for ends",
+        [("applied", 0, VersionApplied(0, 5)), ("applied", 1, VersionApplied(0, 5)), ("gone", 2, None)],
+        [None, None, (0, VersionDone(5))],
+    ),
+    (
+        "the asker ends: nobody to answer, then or later",
+        [("gone", 0, None), ("applied", 1, VersionApplied(0, 5)), ("applied", 2, VersionApplied(0, 5))],
+        [None, None, None],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("steps", "answers"), [(st_, a) for _, st_, a in APPLIED], ids=[name for name, _, _ in APPLIED]
+)
+def test_the_asker_is_answered_once_every_serving_process_applied_the_version(
+    steps: list[tuple[str, int, VersionApplied | None]], answers: list[tuple[int, VersionDone] | None]
+) -> None:
+    book = RelayBook()
+    assert book.set_version(0, VersionRequest(5, "v1"), [0, 1, 2]) == (SetVersion("v1", 0, 5), None)
+    seen: list[tuple[int, VersionDone] | None] = []
+    for kind, index, applied in steps:
+        if kind == "gone":
+            due = book.gone(index)
+            seen.append(due[0] if due else None)
+        else:
+            assert applied is not None
+            seen.append(book.applied(index, applied))
+    assert seen == answers
+
+
+def test_the_calls_waiting_on_processes_are_bounded() -> None:
+    book = RelayBook()
+    for number in range(MAX_UNAPPLIED + 10):
+        book.set_version(0, VersionRequest(number, "v1"), [1])
+    # The oldest were let go: a late word for them answers nothing; the newest are held.
+    assert book.applied(1, VersionApplied(0, 0)) is None
+    assert book.applied(1, VersionApplied(0, MAX_UNAPPLIED + 9)) == (0, VersionDone(MAX_UNAPPLIED + 9))
 
 
 # ------------------------------------------------------------------------------ processes over a parent
@@ -133,6 +240,9 @@ class FakeParent:
         self.applied: list[list[str | None]] = [[] for _ in range(count)]
         self.lines: list[list[bytes]] = [[] for _ in range(count)]
         self.controls = [self.control(i, self.memberships[i], self.applied[i]) for i in range(count)]
+        self.held: dict[int, list[bytes]] = {}  # lines for a process that reads none for now
+        self.applied_words: list[tuple[int, VersionApplied]] = []  # (by process, word) in order
+        self.heard = asyncio.Event()
 
     def control(self, index: int, membership: Membership, applied: list[str | None]) -> RelayedControl:
         return RelayedControl(
@@ -143,9 +253,19 @@ class FakeParent:
         def send(line: bytes) -> None:
             version = parse_version_request(line)
             if version is not None:
-                change = set_version_line(self.book.set_version(index, version))
+                change, done = self.book.set_version(index, version, range(len(self.controls)))
                 for i in range(len(self.controls)):
-                    self.write(i, change)
+                    self.write(i, set_version_line(change))
+                if done is not None:
+                    self.write(index, version_done_line(done))
+                return
+            applied = parse_version_applied(line)
+            if applied is not None:
+                self.applied_words.append((index, applied))
+                self.heard.set()
+                due = self.book.applied(index, applied)
+                if due is not None:
+                    self.write(due[0], version_done_line(due[1]))
                 return
             request = parse_request(line)
             assert request is not None
@@ -160,8 +280,22 @@ class FakeParent:
 
     def write(self, index: int, line: bytes) -> None:
         self.lines[index].append(line)
+        if index in self.held:
+            self.held[index].append(line)
+            return
         # The line arrives later, on the loop, as from a pipe.
         asyncio.get_running_loop().call_soon(self.controls[index].deliver, line)
+
+    def release(self, index: int) -> None:
+        """Process ``index`` reads what waited for it, and what comes from now on."""
+        for line in self.held.pop(index):
+            asyncio.get_running_loop().call_soon(self.controls[index].deliver, line)
+
+    async def said_by(self, index: int, word: VersionApplied) -> None:
+        """Until process ``index`` said ``word`` to the parent."""
+        while (index, word) not in self.applied_words:
+            self.heard.clear()
+            await self.heard.wait()
 
     async def start(self) -> tuple[RelayedControl, list[str | None]]:
         """A process started now, as child.py starts one: the recorded version goes first."""
@@ -192,6 +326,21 @@ async def test_the_asker_answers_only_once_its_own_copy_arrived() -> None:
     assert not asked.done()
     assert await asked is None
     assert parent.applied[0] == ["v1"]
+
+
+async def test_the_asker_answers_once_every_process_applied_the_version() -> None:
+    """A request sent after the answer finds the version in whichever process takes it: the
+    answer waits for the process whose copy comes late (its loop busy)."""
+    parent = FakeParent(2)
+    parent.held[1] = []  # process 1 reads nothing for now
+    asked = asyncio.ensure_future(parent.controls[0].set_weight_version("v1"))
+    said = asyncio.ensure_future(parent.said_by(0, VersionApplied(0, 1)))
+    await asyncio.wait([asked, said], return_when=asyncio.FIRST_COMPLETED, timeout=5)
+    assert said.done(), "process 0 applied the version and said so"
+    assert parent.applied == [["v1"], []]
+    parent.release(1)
+    assert await asyncio.wait_for(asked, 5) is None
+    assert parent.applied == [["v1"], ["v1"]], "every process holds it when the call answers"
 
 
 async def test_a_parent_that_does_not_answer_is_a_503() -> None:
@@ -250,8 +399,12 @@ def test_every_process_sees_the_same_changes_in_the_parents_order(
         parent = FakeParent(3)
         answers = await asyncio.gather(*(ask(parent.controls[i], what, value) for i, (what, value) in calls))
         assert all(a is None for (_, (w, _)), a in zip(calls, answers, strict=True) if w == "version")
-        # The lines every process got from the parent (a refusal goes to the asker alone).
-        relayed = [[ln for ln in lines if json.loads(ln)["op"] != "refused"] for lines in parent.lines]
+        # The lines every process got from the parent (a refusal and a version call's answer
+        # go to the asker alone).
+        relayed = [
+            [ln for ln in lines if json.loads(ln)["op"] not in ("refused", "version_done")]
+            for lines in parent.lines
+        ]
         assert relayed[0] == relayed[1] == relayed[2]
         assert parent.applied[0] == parent.applied[1] == parent.applied[2]
         versions = [value for _, (what, value) in calls if what == "version"]
@@ -279,10 +432,15 @@ async def admin(
 
         def send(line: bytes) -> None:
             sent.append(line)
+            if not parent_answers:
+                return
             request = parse_version_request(line)
-            if parent_answers and request is not None:
-                change = set_version_line(book.set_version(1, request))
-                asyncio.get_running_loop().call_soon(control.deliver, change)
+            if request is not None:
+                change, _ = book.set_version(1, request, [1])
+                asyncio.get_running_loop().call_soon(control.deliver, set_version_line(change))
+            applied = parse_version_applied(line)
+            if applied is not None and (due := book.applied(1, applied)) is not None:
+                asyncio.get_running_loop().call_soon(control.deliver, version_done_line(due[1]))
 
         link = ParentLink(1, send, lambda handler: None, ())
         membership = Membership(workers, "static")
@@ -301,7 +459,11 @@ async def test_a_post_under_processes_goes_through_the_parent_and_says_which_pro
         assert response.status == 200
         body = await response.json()
         assert (body["weight_version"], body["set_by_admin"], body["process"]) == ("v3", True, 1)
-        assert [parse_version_request(line) for line in sent] == [VersionRequest(1, "v3")]
+        # The call, then the word that this process applied it (the parent's answer waited for it).
+        assert sent == [
+            version_request_line(VersionRequest(1, "v3")),
+            version_applied_line(VersionApplied(1, 1)),
+        ]
         assert workers.registry.versions.newest == "v3"
         response = await client.get("/weight_version")
         body = await response.json()
