@@ -24,7 +24,12 @@ from typing import Any
 import pytest
 
 from tests.e2e_helpers import WAIT, free_port, process, script, start, stop
-from tests.process.test_membership_process import call, serving_by_process, until_metrics, until_serving
+from tests.process.test_membership_process import (
+    call,
+    serving_when_every_process_answers,
+    until_metrics,
+    until_serving,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow(40)]
 
@@ -316,4 +321,4 @@ def test_under_processes_the_parent_runs_one_sidecar_per_engine() -> None:
         # vllm-router's /add_worker: once it answers, both processes serve the engine.
         status, text = call("POST", fe.url + f"/add_worker?url={url}")
         assert (status, text) == (200, f"Successfully added worker: {url}")
-        assert serving_by_process(fe.metrics + "/metrics") == {"0": 1.0, "1": 1.0}
+        assert serving_when_every_process_answers(fe.metrics + "/metrics") == {"0": 1.0, "1": 1.0}

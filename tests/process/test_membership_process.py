@@ -159,16 +159,36 @@ def test_the_legacy_add_on_an_admin_port_of_its_own() -> None:
         assert (status, text) == (200, f"Successfully removed worker: {worker_url}")
 
 
-def serving_by_process(metrics_url: str) -> dict[str, float]:
-    """Each process's serving workers, from the parent's merged scrape."""
+def _scrape(metrics_url: str) -> str:
     with urllib.request.urlopen(metrics_url, timeout=WAIT) as response:
-        text = response.read().decode()
+        return str(response.read().decode())
+
+
+def _serving_in(text: str) -> dict[str, float]:
     found: dict[str, float] = {}
     for process_label, value in re.findall(
         r'^frontend_workers\{process="(\d+)",role="agg",state="serving"\} (\S+)$', text, re.M
     ):
         found[process_label] = float(value)
     return found
+
+
+def serving_by_process(metrics_url: str) -> dict[str, float]:
+    """Each process's serving workers, from the parent's merged scrape."""
+    return _serving_in(_scrape(metrics_url))
+
+
+def serving_when_every_process_answers(metrics_url: str, processes: int = 2) -> dict[str, float]:
+    """:func:`serving_by_process` from the first scrape every process answered (the parent
+    leaves out one that did not answer within its bound; bounded)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        text = _scrape(metrics_url)
+        up = re.findall(r'^frontend_process_up\{process="(\d+)"\} 1\.0$', text, re.M)
+        if len(set(up)) == processes:
+            return _serving_in(text)
+        assert time.monotonic() < deadline, f"not every process answered the scrape: {up}"
+        time.sleep(0.1)  # polling a real process: there is no event to wait on
 
 
 def until_metrics(metrics_url: str, expected: dict[str, float]) -> None:
@@ -239,8 +259,8 @@ def test_with_two_processes_add_worker_answers_once_both_serve() -> None:
         worker_url = f"grpc://127.0.0.1:{port}"
         status, text = call("POST", url + f"/add_worker?url={worker_url}")
         assert (status, text) == (200, f"Successfully added worker: {worker_url}")
-        # Read once, right after the answer: both processes serve it already.
-        assert serving_by_process(metrics) == {"0": 1.0, "1": 1.0}
+        # Right after the answer (the first scrape both answer): both processes serve it.
+        assert serving_when_every_process_answers(metrics) == {"0": 1.0, "1": 1.0}
         vllm_body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
         for _ in range(12):  # each call a new connection, spread over both processes
             assert call("POST", url + "/inference/v1/generate", vllm_body)[0] == 200
