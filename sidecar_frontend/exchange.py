@@ -189,7 +189,7 @@ class Exchange:
     # One cancel scope per piece of the run (each sub-request, a flush of held tokens): a stop
     # cancels them all (see _own_scope).
     _owned: list[anyio.CancelScope] = field(default_factory=list)
-    _run_stopped: bool = False  # stop() or the client leaving: every owned scope cancelled
+    _run_stopped: bool = False  # stop(), the client leaving or an abort: every owned scope cancelled
     _run_deadline: float = float("inf")
     _aborting: bool = False  # the encoder ended the response: the other pieces were cancelled
     _pieces_left: int = 0  # sub-requests in tasks of their own still running
@@ -452,8 +452,7 @@ class Exchange:
             if self.encoder.aborted and not self._aborting:
                 # The response is over: the other pieces stop (each by its own scope).
                 self._aborting = True
-                for scope in self._owned:
-                    scope.cancel()
+                self._cancel_run()
 
     async def _start_stream(self) -> None:
         """Send the stream's 200 and headers (at once, or with its first bytes when held)."""
